@@ -1,0 +1,487 @@
+"""The capture engine: gets per-step data out of the compiled train function.
+
+One engine per model, shared by every kerasdbg callback on it. During a `fit`
+it wraps two optimizer methods (see `_keras_internals`), so that each
+optimizer step computes the requested statistics in-graph and stores them in
+ring buffers with one row per step of an execution. After each execution the
+host reads the buffers once and hands the new rows to the callbacks.
+
+Life cycle, driven by the callbacks:
+
+- `attach(request)` in `on_train_begin`: the first one patches the optimizer
+  and forces a retrace (`make_train_function(force=True)`); later ones only
+  add their request, since nothing is traced before the first batch.
+- `prepare()` in `on_train_batch_begin`: creates the buffers once the whole
+  set of requests and `steps_per_execution` are known, before the trace.
+- `collect()` in `on_train_batch_end` (and at the end): reads new rows.
+- `detach(request)` in `on_train_end`: the last one restores the optimizer
+  and forces a retrace, so a later `fit` without the callbacks runs the plain
+  train step again.
+
+Buffers are `ON_READ` / `ONLY_FIRST_REPLICA` variables: under a
+`tf.distribute` strategy each replica writes its own copy without any
+communication, and the host reads replica 0. Rows are addressed by a call id
+(one per `optimizer.apply`), `row = (call_id - 1) % steps_per_execution`, so
+consecutive calls of one execution never share a row and the host needs no
+reset between executions.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Callable, List, NamedTuple, Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from kerasdbg import _keras_internals as internals
+from kerasdbg import stats as stats_lib
+
+
+class Record(NamedTuple):
+    """What one optimizer step recorded for one request.
+
+    Attributes:
+        step: `optimizer.iterations` after the update (1-based). A step the
+            loss scaler skipped carries the number the update would have had.
+        skipped: whether the loss scaler skipped the update.
+        values: the request's columns for this step, or None if the step was
+            not recorded (`every_n_steps`, or skipped before the gradients).
+        histograms: `(counts [V, bins], ranges [V, 2])`, or None.
+    """
+
+    step: int
+    skipped: bool
+    values: Optional[np.ndarray]
+    histograms: Optional[tuple]
+
+
+WEIGHT_EXTRA_STATISTICS = ("update_ratio", "distance_from_start")
+
+
+def _on_read_variable(initial_value, name: str) -> tf.Variable:
+    return tf.Variable(
+        initial_value,
+        trainable=False,
+        name=name,
+        synchronization=tf.VariableSynchronization.ON_READ,
+        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+    )
+
+
+def _write_row(buffer: tf.Variable, row, value) -> None:
+    value = tf.cast(value, buffer.dtype)
+    buffer.assign(tf.tensor_scatter_nd_update(buffer.read_value(), [[row]], value[None]))
+
+
+def _maybe(predicate, function: Callable[[], None]) -> None:
+    """Runs `function` when `predicate` holds; a Python bool costs no cond."""
+    if predicate is True or predicate is False:
+        if predicate:
+            function()
+        return
+
+    def true_fn():
+        function()
+        return tf.constant(True)
+
+    tf.cond(predicate, true_fn, lambda: tf.constant(False))
+
+
+class Request:
+    """What one consumer (a callback) wants recorded at each step.
+
+    Args:
+        kind: "gradients" or "weights".
+        variables: the Keras variables to describe.
+        paths: one unique display path per variable.
+        stats: statistic names (`stats.STATISTICS`, plus for weights
+            `WEIGHT_EXTRA_STATISTICS`).
+        every_n_steps: record scalars at steps divisible by this.
+        histogram_every_n_steps: record histograms at steps divisible by
+            this, or None for no histograms.
+        consumer: called as `consumer(records)` with a list of `Record`.
+        bins: histogram bins.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        variables: Sequence,
+        paths: Sequence[str],
+        stats: Sequence[str],
+        every_n_steps: int,
+        histogram_every_n_steps: Optional[int],
+        consumer: Callable[[List[Record]], None],
+        bins: int = stats_lib.DEFAULT_HISTOGRAM_BINS,
+    ):
+        self.kind = kind
+        self.variables = list(variables)
+        self.paths = list(paths)
+        self.stats = tuple(stats)
+        self.every_n_steps = every_n_steps
+        self.histogram_every_n_steps = histogram_every_n_steps
+        self.consumer = consumer
+        self.bins = bins
+        # Statistics computed by `tensor_statistics` (the rest are derived).
+        self.base_stats = tuple(s for s in self.stats if s in stats_lib.STATISTICS)
+        if kind == "gradients" and "l2_norm" not in self.base_stats:
+            # The global norm is derived from the per-variable norms.
+            self.base_stats += ("l2_norm",)
+        self.columns = [f"{p}/{s}" for p in self.paths for s in self.stats]
+        if kind == "gradients":
+            self.columns.append("global_norm")
+        # Which variables had a gradient in the traced step (None grads are
+        # known at trace time); filled by the engine.
+        self.present = [True] * len(self.variables)
+        self.keys: List[int] = []
+        self.values = self.ids = None
+        self.hist_counts = self.hist_ranges = self.hist_ids = None
+        self.previous: List[tf.Variable] = []
+        self.initial: List[tf.Variable] = []
+
+    def build(self, optimizer, steps_per_execution: int) -> None:
+        """Creates this request's buffers (in the strategy's scope)."""
+        n = steps_per_execution
+        self.keys = [internals.variable_key(optimizer, v) for v in self.variables]
+        self.values = _on_read_variable(
+            tf.fill([n, len(self.columns)], tf.constant(np.nan, tf.float64)),
+            f"kerasdbg_{self.kind}_values",
+        )
+        self.ids = _on_read_variable(tf.zeros([n], tf.int64), f"kerasdbg_{self.kind}_ids")
+        if self.histogram_every_n_steps:
+            v = len(self.variables)
+            self.hist_counts = _on_read_variable(
+                tf.zeros([n, v, self.bins], tf.float64), f"kerasdbg_{self.kind}_hist"
+            )
+            self.hist_ranges = _on_read_variable(
+                tf.zeros([n, v, 2], tf.float64), f"kerasdbg_{self.kind}_hist_ranges"
+            )
+            self.hist_ids = _on_read_variable(
+                tf.zeros([n], tf.int64), f"kerasdbg_{self.kind}_hist_ids"
+            )
+        if self.kind == "weights" and "update_ratio" in self.stats:
+            self.previous = [
+                _on_read_variable(internals.read(v), "kerasdbg_previous")
+                for v in self.variables
+            ]
+        if self.kind == "weights" and "distance_from_start" in self.stats:
+            self.initial = [
+                _on_read_variable(internals.read(v), "kerasdbg_initial")
+                for v in self.variables
+            ]
+
+    def records_at(self, step) -> object:
+        return _every(step, self.every_n_steps)
+
+    def histograms_at(self, step) -> object:
+        if not self.histogram_every_n_steps:
+            return False
+        return _every(step, self.histogram_every_n_steps)
+
+
+def _every(step, n: int):
+    if n == 1:
+        return True
+    return tf.equal(tf.math.floormod(step, n), 0)
+
+
+_ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def engine_for(model) -> "Engine":
+    """The model's engine, created on first use (not stored on the model)."""
+    engine = _ENGINES.get(model)
+    if engine is None:
+        engine = Engine(model)
+        _ENGINES[model] = engine
+    return engine
+
+
+class Engine:
+    """The capture engine of one model. See the module docstring."""
+
+    def __init__(self, model):
+        self._model = weakref.ref(model)
+        self.requests: List[Request] = []
+        self.trace_count = 0
+        self._optimizer = None
+        self._prepared = False
+        self._calls: Optional[tf.Variable] = None
+        self._meta: Optional[tf.Variable] = None
+        self._last_call = 0
+        self._steps_per_execution = None
+        self._failed = False
+
+    # ----------------------------------------------------------- lifecycle
+    @property
+    def installed(self) -> bool:
+        return self._optimizer is not None
+
+    def attach(self, request: Request) -> None:
+        """Adds a request; the first one patches the optimizer (retrace)."""
+        model = self._model()
+        if self._prepared:
+            # The last fit ended without on_train_end (an exception): start over.
+            self._reset()
+        if model.optimizer is None:
+            raise ValueError(
+                "kerasdbg: the model has no optimizer; call `model.compile()` "
+                "before `fit`."
+            )
+        if not self.installed:
+            internals.check_supported(model.optimizer)
+            self._install(model.optimizer)
+            model.make_train_function(force=True)
+        self.requests.append(request)
+
+    def prepare(self) -> None:
+        """Creates the buffers before the first trace of this fit."""
+        if self._prepared or not self.requests:
+            return
+        model = self._model()
+        n = int(model.steps_per_execution)
+        strategy = model.distribute_strategy
+        with strategy.scope():
+            if self._calls is None:
+                self._calls = _on_read_variable(tf.zeros([], tf.int64), "kerasdbg_calls")
+            if self._meta is None or self._steps_per_execution != n:
+                self._meta = _on_read_variable(tf.zeros([n, 3], tf.int64), "kerasdbg_meta")
+            for request in self.requests:
+                request.build(self._optimizer, n)
+        self._steps_per_execution = n
+        self._last_call = int(self._calls.numpy())
+        self._prepared = True
+
+    def detach(self, request: Request) -> None:
+        """Removes a request; the last one restores the optimizer (retrace)."""
+        self.collect()
+        if request in self.requests:
+            self.requests.remove(request)
+        if not self.requests:
+            self._reset()
+
+    def _reset(self) -> None:
+        model = self._model()
+        self.requests = []
+        self._prepared = False
+        self._failed = False
+        if self.installed:
+            self._uninstall()
+            if model is not None:
+                model.make_train_function(force=True)
+
+    def _install(self, optimizer) -> None:
+        inner = internals.inner_optimizer(optimizer)
+        original_apply = optimizer.apply
+        original_reduce = getattr(inner, internals.REDUCE_METHOD)
+
+        def apply(grads, trainable_variables=None):
+            return self._apply(original_apply, optimizer, grads, trainable_variables)
+
+        def reduce(grads_and_vars):
+            reduced = original_reduce(grads_and_vars)
+            self._guard(lambda: self._record_gradients(inner, reduced))
+            return reduced
+
+        internals.patch(optimizer, "apply", apply)
+        internals.patch(inner, internals.REDUCE_METHOD, reduce)
+        self._optimizer = optimizer
+
+    def _uninstall(self) -> None:
+        optimizer = self._optimizer
+        internals.unpatch(optimizer, "apply")
+        internals.unpatch(internals.inner_optimizer(optimizer), internals.REDUCE_METHOD)
+        self._optimizer = None
+
+    # ------------------------------------------------------- in the graph
+    def _guard(self, function: Callable[[], object]):
+        """Runs trace-time instrumentation; a failure warns unless strict."""
+        if self._failed or not self._prepared:
+            return None
+        try:
+            return function()
+        except Exception as error:  # noqa: BLE001 - any failure of ours
+            if any(getattr(r.consumer, "strict", False) for r in self.requests):
+                raise
+            self._failed = True
+            warnings.warn(
+                "kerasdbg could not instrument the train step and records "
+                f"nothing this fit; training goes on. Cause: {type(error).__name__}: "
+                f"{error}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return None
+
+    def _position(self):
+        """Call id of the step being applied and its ring-buffer row."""
+        call_id = self._calls.read_value() + 1
+        return call_id, tf.math.floormod(call_id - 1, self._steps_per_execution)
+
+    def _apply(self, original_apply, optimizer, grads, trainable_variables):
+        before = self._guard(lambda: self._before_apply(optimizer))
+        result = original_apply(grads, trainable_variables)
+        if before is not None:
+            self._guard(lambda: self._after_apply(optimizer, before))
+        return result
+
+    def _before_apply(self, optimizer):
+        self.trace_count += 1
+        step = internals.read(optimizer.iterations) + 1
+        for request in self._weight_requests():
+            if request.previous:
+
+                def snapshot(request=request):
+                    for copy, variable in zip(request.previous, request.variables):
+                        copy.assign(internals.read(variable))
+
+                _maybe(request.records_at(step), snapshot)
+        return step
+
+    def _after_apply(self, optimizer, step):
+        after = internals.read(optimizer.iterations)
+        skipped = tf.equal(after, step - 1)
+        call_id, row = self._position()
+        for request in self._weight_requests():
+            _maybe(
+                request.records_at(step),
+                lambda request=request: self._record_weights(request, call_id, row),
+            )
+            _maybe(
+                request.histograms_at(step),
+                lambda request=request: self._record_histograms(
+                    request, [internals.read(v) for v in request.variables], call_id, row
+                ),
+            )
+        meta = tf.stack([call_id, step, tf.cast(skipped, tf.int64)])
+        _write_row(self._meta, row, meta)
+        self._calls.assign_add(1)
+
+    def _weight_requests(self):
+        return [r for r in self.requests if r.kind == "weights"]
+
+    def _record_weights(self, request: Request, call_id, row) -> None:
+        weights = [internals.read(v) for v in request.variables]
+        base = stats_lib.tensor_statistics(weights, request.base_stats)
+        columns = {s: base[:, i] for i, s in enumerate(request.base_stats)}
+        if request.previous:
+            deltas = [w - tf.cast(p.read_value(), w.dtype) for w, p in zip(weights, request.previous)]
+            update = stats_lib.tensor_statistics(deltas, ["l2_norm"])[:, 0]
+            before = stats_lib.tensor_statistics(
+                [p.read_value() for p in request.previous], ["l2_norm"]
+            )[:, 0]
+            # 0/0 (a zero tensor that did not move) is no update at all.
+            columns["update_ratio"] = tf.where(
+                tf.equal(update, 0), tf.zeros_like(update), update / before
+            )
+        if request.initial:
+            drift = [w - tf.cast(i.read_value(), w.dtype) for w, i in zip(weights, request.initial)]
+            columns["distance_from_start"] = stats_lib.tensor_statistics(drift, ["l2_norm"])[:, 0]
+        table = tf.stack([columns[s] for s in request.stats], axis=1)
+        _write_row(request.values, row, tf.reshape(table, [-1]))
+        _write_row(request.ids, row, call_id)
+
+    def _record_gradients(self, inner, reduced) -> None:
+        requests = [r for r in self.requests if r.kind == "gradients"]
+        if not requests:
+            return
+        step = internals.read(inner.iterations) + 1
+        call_id, row = self._position()
+        by_key = {internals.variable_key(inner, v): g for g, v in reduced if g is not None}
+        for request in requests:
+            grads = [by_key.get(k) for k in request.keys]
+            request.present = [g is not None for g in grads]
+            others = [g for k, g in by_key.items() if k not in set(request.keys)]
+            present = [g for g in grads if g is not None]
+
+            def record(request=request, grads=grads, present=present, others=others):
+                table = stats_lib.tensor_statistics(present, request.base_stats)
+                nan_row = tf.fill([len(request.base_stats)], tf.constant(np.nan, tf.float64))
+                rows, i = [], 0
+                for g in grads:
+                    rows.append(nan_row if g is None else table[i])
+                    i += g is not None
+                full = tf.stack(rows) if rows else tf.zeros([0, len(request.base_stats)], tf.float64)
+                l2 = table[:, request.base_stats.index("l2_norm")]
+                squares = tf.reduce_sum(tf.square(l2))
+                if others:
+                    other_l2 = stats_lib.tensor_statistics(others, ["l2_norm"])[:, 0]
+                    squares += tf.reduce_sum(tf.square(other_l2))
+                keep = [request.base_stats.index(s) for s in request.stats]
+                values = tf.concat(
+                    [tf.reshape(tf.gather(full, keep, axis=1), [-1]), [tf.sqrt(squares)]], 0
+                )
+                _write_row(request.values, row, values)
+                _write_row(request.ids, row, call_id)
+
+            _maybe(request.records_at(step), record)
+            _maybe(
+                request.histograms_at(step),
+                lambda request=request, grads=grads: self._record_histograms(
+                    request, grads, call_id, row
+                ),
+            )
+
+    def _record_histograms(self, request: Request, tensors, call_id, row) -> None:
+        present = [t for t in tensors if t is not None]
+        counts, ranges = stats_lib.histograms(present, request.bins)
+        empty_counts = tf.zeros([request.bins], tf.float64)
+        empty_range = tf.constant([np.nan, np.nan], tf.float64)
+        all_counts, all_ranges, i = [], [], 0
+        for t in tensors:
+            all_counts.append(empty_counts if t is None else counts[i])
+            all_ranges.append(empty_range if t is None else ranges[i])
+            i += t is not None
+        _write_row(request.hist_counts, row, tf.stack(all_counts))
+        _write_row(request.hist_ranges, row, tf.stack(all_ranges))
+        _write_row(request.hist_ids, row, call_id)
+
+    # ----------------------------------------------------------- on host
+    def collect(self) -> None:
+        """Reads the rows written since the last call and hands them out."""
+        if not self._prepared:
+            return
+        calls = int(self._calls.numpy())
+        if calls <= self._last_call:
+            return
+        n = self._steps_per_execution
+        first = max(self._last_call + 1, calls - n + 1)
+        if first > self._last_call + 1:
+            warnings.warn(
+                f"kerasdbg lost {first - self._last_call - 1} step records: the "
+                "train function ran more than steps_per_execution steps between "
+                "two callback events.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        meta = self._meta.numpy()
+        for request in self.requests:
+            values, ids = request.values.numpy(), request.ids.numpy()
+            hist = None
+            if request.hist_ids is not None:
+                hist = (
+                    request.hist_ids.numpy(),
+                    request.hist_counts.numpy(),
+                    request.hist_ranges.numpy(),
+                )
+            records = []
+            for call_id in range(first, calls + 1):
+                row = (call_id - 1) % n
+                if meta[row, 0] != call_id:
+                    continue
+                histograms = None
+                if hist is not None and hist[0][row] == call_id:
+                    histograms = (hist[1][row], hist[2][row])
+                records.append(
+                    Record(
+                        step=int(meta[row, 1]),
+                        skipped=bool(meta[row, 2]),
+                        values=values[row].copy() if ids[row] == call_id else None,
+                        histograms=histograms,
+                    )
+                )
+            if records:
+                request.consumer(records)
+        self._last_call = calls

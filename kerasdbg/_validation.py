@@ -1,0 +1,122 @@
+"""Argument validation shared by every public constructor.
+
+Each helper raises ``ValueError`` for a bad value and ``TypeError`` for a bad
+type, naming the owner, the argument, what is allowed and what was received.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Iterable, Optional, Sequence
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def positive_int(owner: str, name: str, value: Any) -> int:
+    """Returns `value` if it is an int >= 1, else raises."""
+    if not _is_int(value):
+        raise TypeError(
+            f"{owner}: `{name}` must be a positive int. "
+            f"Received: {name}={value!r} of type {type(value).__name__}"
+        )
+    if value < 1:
+        raise ValueError(
+            f"{owner}: `{name}` must be a positive int. Received: {name}={value!r}"
+        )
+    return value
+
+
+def optional_positive_int(owner: str, name: str, value: Any) -> Optional[int]:
+    """Returns `value` if it is None or an int >= 1, else raises."""
+    if value is None:
+        return None
+    if not _is_int(value):
+        raise TypeError(
+            f"{owner}: `{name}` must be None or a positive int. "
+            f"Received: {name}={value!r} of type {type(value).__name__}"
+        )
+    if value < 1:
+        raise ValueError(
+            f"{owner}: `{name}` must be None or a positive int. "
+            f"Received: {name}={value!r}"
+        )
+    return value
+
+
+def non_negative_int(owner: str, name: str, value: Any) -> int:
+    """Returns `value` if it is an int >= 0, else raises."""
+    if not _is_int(value):
+        raise TypeError(
+            f"{owner}: `{name}` must be a non-negative int. "
+            f"Received: {name}={value!r} of type {type(value).__name__}"
+        )
+    if value < 0:
+        raise ValueError(
+            f"{owner}: `{name}` must be a non-negative int. "
+            f"Received: {name}={value!r}"
+        )
+    return value
+
+
+def optional_regex(owner: str, name: str, value: Any) -> Optional[str]:
+    """Returns `value` if it is None or a string that compiles as a regex."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{owner}: `{name}` must be None or a regular expression string. "
+            f"Received: {name}={value!r} of type {type(value).__name__}"
+        )
+    try:
+        re.compile(value)
+    except re.error as error:
+        raise ValueError(
+            f"{owner}: `{name}` is not a valid regular expression ({error}). "
+            f"Received: {name}={value!r}"
+        ) from None
+    return value
+
+
+def choices(owner: str, name: str, value: Any, allowed: Sequence[str]) -> tuple:
+    """Returns `value` as a tuple of unique names, each one of `allowed`."""
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        raise TypeError(
+            f"{owner}: `{name}` must be a list or tuple of names from "
+            f"{', '.join(allowed)}. Received: {name}={value!r}"
+        )
+    value = tuple(value)
+    unknown = [v for v in value if v not in allowed]
+    if unknown or not value:
+        raise ValueError(
+            f"{owner}: `{name}` must be a non-empty list of names from "
+            f"{', '.join(allowed)}. Received: {name}={value!r}"
+        )
+    return tuple(dict.fromkeys(value))
+
+
+def optional_path(owner: str, name: str, value: Any) -> Optional[str]:
+    """Returns `value` as a string path if it is None, a str or a PathLike."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(
+            f"{owner}: `{name}` must be None, a str or an os.PathLike. "
+            f"Received: {name}={value!r} of type {type(value).__name__}"
+        )
+    value = os.fspath(value)
+    if not value:
+        raise ValueError(f"{owner}: `{name}` must not be empty. Received: {name}=''")
+    return value
+
+
+def boolean(owner: str, name: str, value: Any) -> bool:
+    """Returns `value` if it is a bool, else raises TypeError."""
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"{owner}: `{name}` must be a bool. "
+            f"Received: {name}={value!r} of type {type(value).__name__}"
+        )
+    return value

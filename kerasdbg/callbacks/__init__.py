@@ -1,0 +1,9 @@
+"""Keras callbacks of kerasdbg."""
+
+from kerasdbg.callbacks.gradient_statistics import GradientStatistics
+from kerasdbg.callbacks.weight_statistics import WeightStatistics
+
+__all__ = (
+    "GradientStatistics",
+    "WeightStatistics",
+)

@@ -1,0 +1,97 @@
+"""`GradientStatistics`: per-variable gradient statistics at every step."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from kerasdbg import stats as stats_lib
+from kerasdbg.callbacks._statistics import StatisticsCallback
+
+
+class GradientStatistics(StatisticsCallback):
+    """Records statistics of the gradients the optimizer applies, per step.
+
+    For each trainable float variable (filtered by `include` / `exclude`) and
+    each recorded step: `l2_norm`, `mean`, `std`, `min`, `max`, `mean_abs`,
+    `zero_fraction`, `nan_count`, `inf_count` (see `kerasdbg.stats`), plus the
+    global norm of all gradients. The gradient described is the one the
+    optimizer applies: after gradient clipping, after the cross-replica sum
+    under a `tf.distribute` strategy, and unscaled under mixed precision.
+
+    Works with any `steps_per_execution` (one record per optimizer step, at
+    `step = optimizer.iterations` after the update), with `jit_compile` on or
+    off, and under `OneDeviceStrategy` and `MirroredStrategy`. The statistics
+    are computed in the compiled train step and written once per execution.
+
+    TensorBoard tags (events under `<log_dir>/train`, shareable with
+    `keras.callbacks.TensorBoard`): `gradients/<variable path>/<stat>`,
+    `gradients/global_norm`, histograms `gradients/<variable path>`, and under
+    a `LossScaleOptimizer` `gradients/skipped_updates` (updates skipped so far).
+    Variables that get no gradient are left out. Steps the loss scaler skipped
+    are kept in `history` with `skipped=True`, not written to TensorBoard.
+
+    Args:
+        log_dir: TensorBoard log directory, or None to keep the records in
+            Python only. Defaults to `None`.
+        every_n_steps: record the scalars at steps divisible by this; other
+            steps skip the computation. Defaults to `1`.
+        histogram_every_n_steps: record histograms at steps divisible by this,
+            or None for none. Defaults to `None`.
+        include: regular expression; only variable paths it matches (by
+            `re.search`). Defaults to `None` (all).
+        exclude: regular expression; leaves out the paths it matches.
+            Defaults to `None`.
+        stats: which statistics to record, from `kerasdbg.stats.STATISTICS`.
+            Defaults to all of them.
+        histogram_bins: number of histogram bins. Defaults to `30`.
+        history_size: how many recorded steps `history` keeps. Defaults to
+            `1000`.
+        strict: raise, instead of warning and going on, when kerasdbg itself
+            fails during training. Defaults to `False`.
+
+    Raises:
+        ValueError: for a bad argument value, and at the start of `fit` when no
+            variable matches `include` / `exclude`.
+        TypeError: for an argument of the wrong type.
+
+    Example:
+
+    >>> import keras, numpy as np
+    >>> from kerasdbg.callbacks import GradientStatistics
+    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    >>> model.compile("sgd", "mse")
+    >>> grads = GradientStatistics(stats=["l2_norm", "zero_fraction"])
+    >>> _ = model.fit(np.ones((4, 3)), np.ones((4, 1)), batch_size=2,
+    ...               epochs=1, verbose=0, callbacks=[grads])
+    >>> grads.history["step"].tolist()
+    [1, 2]
+    >>> sorted(grads.latest)
+    ['dense/bias/l2_norm', 'dense/bias/zero_fraction', 'dense/kernel/l2_norm', 'dense/kernel/zero_fraction', 'global_norm', 'step']
+    """
+
+    kind = "gradients"
+    allowed_stats = stats_lib.STATISTICS
+
+    def __init__(
+        self,
+        log_dir: Optional[str] = None,
+        every_n_steps: int = 1,
+        histogram_every_n_steps: Optional[int] = None,
+        include: Optional[str] = None,
+        exclude: Optional[str] = None,
+        stats: Sequence[str] = stats_lib.STATISTICS,
+        histogram_bins: int = stats_lib.DEFAULT_HISTOGRAM_BINS,
+        history_size: int = 1000,
+        strict: bool = False,
+    ):
+        super().__init__(
+            log_dir=log_dir,
+            every_n_steps=every_n_steps,
+            histogram_every_n_steps=histogram_every_n_steps,
+            include=include,
+            exclude=exclude,
+            stats=stats,
+            histogram_bins=histogram_bins,
+            history_size=history_size,
+            strict=strict,
+        )

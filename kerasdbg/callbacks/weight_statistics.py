@@ -1,0 +1,97 @@
+"""`WeightStatistics`: per-variable weight statistics at every step."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from kerasdbg import _engine
+from kerasdbg import stats as stats_lib
+from kerasdbg.callbacks._statistics import StatisticsCallback
+
+WEIGHT_STATISTICS = stats_lib.STATISTICS + _engine.WEIGHT_EXTRA_STATISTICS
+"""Statistics `WeightStatistics` can record, in order."""
+
+
+class WeightStatistics(StatisticsCallback):
+    """Records statistics of the weights after each optimizer step.
+
+    For each trainable float variable (filtered by `include` / `exclude`) and
+    each recorded step, the statistics of `kerasdbg.stats.STATISTICS` of the
+    weights after the update, plus:
+
+    - `update_ratio`: ||w_after - w_before|| / ||w_before|| of this step's
+      update (0 when nothing moved, inf when a zero tensor moved);
+    - `distance_from_start`: ||w_after - w_start||, with `w_start` the
+      weights when the current `fit()` began.
+
+    These two keep copies of the weights (one model's size each) in the
+    strategy's devices; the copy for `update_ratio` is taken only at the
+    recorded steps. Leave them out of `stats` to save that memory.
+
+    Same execution support and TensorBoard layout as `GradientStatistics`,
+    under the tags `weights/<variable path>/<stat>` and histograms
+    `weights/<variable path>`.
+
+    Args:
+        log_dir: TensorBoard log directory, or None to keep the records in
+            Python only. Defaults to `None`.
+        every_n_steps: record the scalars at steps divisible by this.
+            Defaults to `1`.
+        histogram_every_n_steps: record histograms at steps divisible by this,
+            or None for none. Defaults to `None`.
+        include: regular expression; only variable paths it matches.
+            Defaults to `None` (all).
+        exclude: regular expression; leaves out the paths it matches.
+            Defaults to `None`.
+        stats: which statistics to record, from `WEIGHT_STATISTICS`.
+            Defaults to all of them.
+        histogram_bins: number of histogram bins. Defaults to `30`.
+        history_size: how many recorded steps `history` keeps. Defaults to
+            `1000`.
+        strict: raise, instead of warning and going on, when kerasdbg itself
+            fails during training. Defaults to `False`.
+
+    Raises:
+        ValueError: for a bad argument value, and at the start of `fit` when no
+            variable matches `include` / `exclude`.
+        TypeError: for an argument of the wrong type.
+
+    Example:
+
+    >>> import keras, numpy as np
+    >>> from kerasdbg.callbacks import WeightStatistics
+    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    >>> model.compile("sgd", "mse")
+    >>> weights = WeightStatistics(stats=["l2_norm", "update_ratio"], include="kernel")
+    >>> _ = model.fit(np.ones((4, 3)), np.ones((4, 1)), batch_size=2,
+    ...               epochs=1, verbose=0, callbacks=[weights])
+    >>> list(weights.history.columns)
+    ['step', 'skipped', 'dense/kernel/l2_norm', 'dense/kernel/update_ratio']
+    """
+
+    kind = "weights"
+    allowed_stats = WEIGHT_STATISTICS
+
+    def __init__(
+        self,
+        log_dir: Optional[str] = None,
+        every_n_steps: int = 1,
+        histogram_every_n_steps: Optional[int] = None,
+        include: Optional[str] = None,
+        exclude: Optional[str] = None,
+        stats: Sequence[str] = WEIGHT_STATISTICS,
+        histogram_bins: int = stats_lib.DEFAULT_HISTOGRAM_BINS,
+        history_size: int = 1000,
+        strict: bool = False,
+    ):
+        super().__init__(
+            log_dir=log_dir,
+            every_n_steps=every_n_steps,
+            histogram_every_n_steps=histogram_every_n_steps,
+            include=include,
+            exclude=exclude,
+            stats=stats,
+            histogram_bins=histogram_bins,
+            history_size=history_size,
+            strict=strict,
+        )
