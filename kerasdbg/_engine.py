@@ -103,6 +103,7 @@ class Request:
             this, or None for no histograms.
         consumer: called as `consumer(records)` with a list of `Record`.
         bins: histogram bins.
+        strict: a failure of the instrumentation raises instead of warning.
     """
 
     def __init__(
@@ -115,8 +116,10 @@ class Request:
         histogram_every_n_steps: Optional[int],
         consumer: Callable[[List[Record]], None],
         bins: int = stats_lib.DEFAULT_HISTOGRAM_BINS,
+        strict: bool = False,
     ):
         self.kind = kind
+        self.strict = strict
         self.variables = list(variables)
         self.paths = list(paths)
         self.stats = tuple(stats)
@@ -303,7 +306,7 @@ class Engine:
         try:
             return function()
         except Exception as error:  # noqa: BLE001 - any failure of ours
-            if any(getattr(r.consumer, "strict", False) for r in self.requests):
+            if any(r.strict for r in self.requests):
                 raise
             self._failed = True
             warnings.warn(

@@ -130,6 +130,7 @@ class StatisticsCallback(keras.callbacks.Callback):
             histogram_every_n_steps=self.histogram_every_n_steps,
             consumer=self._consume,
             bins=self.histogram_bins,
+            strict=self.strict,
         )
         self._writer = None
         if self.log_dir is not None:

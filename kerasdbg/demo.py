@@ -1,0 +1,121 @@
+"""The README's main job: two small trainings instrumented for TensorBoard.
+
+A healthy run and one with a learning rate far too high, side by side, each
+with `GradientStatistics`, `WeightStatistics` and Keras's own `TensorBoard`
+callback in one log directory. Synthetic data, so nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict
+
+import numpy as np
+
+
+def make_data(samples: int = 1920, seed: int = 0):
+    """28x28 noise images with a bright 6x6 square whose place is the class."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 10, samples)
+    images = rng.normal(0.0, 0.3, (samples, 28, 28, 1)).astype("float32")
+    for i, label in enumerate(labels):
+        row, col = divmod(int(label), 5)
+        top, left = 3 + row * 12, 1 + col * 5
+        images[i, top:top + 6, left:left + 6, 0] += 1.5
+    return images, labels.astype("int32")
+
+
+def make_model():
+    """The CNN of TensorFlow's distributed-training tutorial."""
+    import keras
+
+    return keras.Sequential(
+        [
+            keras.Input((28, 28, 1)),
+            keras.layers.Conv2D(32, 3, activation="relu", name="conv1"),
+            keras.layers.MaxPooling2D(name="pool1"),
+            keras.layers.Conv2D(64, 3, activation="relu", name="conv2"),
+            keras.layers.MaxPooling2D(name="pool2"),
+            keras.layers.Flatten(name="flatten"),
+            keras.layers.Dense(64, activation="relu", name="dense"),
+            keras.layers.Dense(10, name="logits"),
+        ],
+        name="cnn",
+    )
+
+
+def train(log_dir: str, learning_rate: float, epochs: int, optimizer: str = "adam"):
+    """Trains the CNN with the instruments; returns the two statistics callbacks."""
+    import keras
+
+    from kerasdbg.callbacks import GradientStatistics, WeightStatistics
+
+    keras.utils.set_random_seed(0)
+    images, labels = make_data()
+    model = make_model()
+    model.compile(
+        optimizer=keras.optimizers.get({"class_name": optimizer,
+                                        "config": {"learning_rate": float(learning_rate)}}),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    gradients = GradientStatistics(log_dir, histogram_every_n_steps=10)
+    weights = WeightStatistics(log_dir, histogram_every_n_steps=10)
+    model.fit(
+        images,
+        labels,
+        batch_size=64,
+        epochs=epochs,
+        validation_split=0.1,
+        verbose=0,
+        callbacks=[gradients, weights, keras.callbacks.TensorBoard(log_dir)],
+    )
+    return gradients, weights
+
+
+def summarize(name: str, gradients) -> str:
+    """A few lines on what the gradient statistics show."""
+    history = gradients.history
+    norms = history.filter(like="/l2_norm")
+    lines = [f"  {name}: {len(history)} steps recorded"]
+    finite = np.isfinite(history["global_norm"].to_numpy())
+    if finite.any():
+        last = history["global_norm"][finite].iloc[-1]
+        lines.append(f"    global gradient norm at the last finite step: {last:.4g}")
+    nan_columns = history.filter(like="/nan_count")
+    bad = history["step"][(nan_columns.fillna(0).to_numpy() > 0).any(axis=1)]
+    if len(bad):
+        lines.append(f"    first step with a NaN gradient: {int(bad.iloc[0])}")
+    else:
+        mean = norms.mean().sort_values()
+        lines.append(f"    largest mean gradient norm:  {mean.index[-1]} ({mean.iloc[-1]:.3g})")
+        lines.append(f"    smallest mean gradient norm: {mean.index[0]} ({mean.iloc[0]:.3g})")
+    return "\n".join(lines)
+
+
+def run_demo(out: str = "runs/demo", epochs: int = 3) -> Dict[str, str]:
+    """Writes the demo's log directories under `out` and prints how to open them.
+
+    Returns:
+        The run name -> log directory.
+    """
+    runs = {
+        "healthy": dict(learning_rate=1e-3, optimizer="adam"),
+        "lr_too_high": dict(learning_rate=30.0, optimizer="sgd"),
+    }
+    dirs = {}
+    print(f"kerasdbg demo: training a small CNN twice ({epochs} epochs each) ...")
+    for name, settings in runs.items():
+        log_dir = os.path.join(out, name)
+        gradients, _ = train(log_dir, epochs=epochs, **settings)
+        print(summarize(name, gradients))
+        dirs[name] = log_dir
+    absolute = os.path.abspath(out)
+    print(f"\nTensorBoard logs written to {absolute}")
+    print(f"Open them with:\n  tensorboard --logdir {absolute}\nthen browse http://localhost:6006 "
+          "(Scalars: gradients/*, weights/*; Histograms; Keras's own epoch_loss).")
+    return dirs
+
+
+if __name__ == "__main__":  # pragma: no cover
+    run_demo()

@@ -1,0 +1,102 @@
+"""Shared test set-up: two logical CPUs, the execution matrix, NumPy references."""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+# Two replicas on one CPU for MirroredStrategy: must happen before TensorFlow
+# initialises its devices, so here, at import, once for the whole session.
+_cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(
+    _cpu, [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()]
+)
+
+import keras  # noqa: E402
+
+MIRRORED_JIT_ERROR = (
+    "Trying to access resource .../replica_1/... located in device CPU:1 from device "
+    "CPU:0 (Keras/TF: MirroredStrategy with jit_compile=True fails with plain Keras fit "
+    "too; DESIGN.md section 4)"
+)
+
+
+def make_strategy(name: str, collective: bool = False):
+    """The strategies of the execution matrix, by name."""
+    if name == "default":
+        return tf.distribute.get_strategy()
+    if name == "one_device":
+        return tf.distribute.OneDeviceStrategy("/cpu:0")
+    if name == "mirrored":
+        devices = ["/cpu:0", "/cpu:1"]
+        if collective:
+            return tf.distribute.MirroredStrategy(devices)
+        # Keras fails MirroredStrategy + steps_per_execution > 1 with the default
+        # collective all-reduce (keras-team/keras#19246); ReductionToOneDevice works.
+        return tf.distribute.MirroredStrategy(
+            devices, cross_device_ops=tf.distribute.ReductionToOneDevice()
+        )
+    raise ValueError(name)
+
+
+def matrix():
+    """(strategy, steps_per_execution, jit_compile) cases with readable ids."""
+    cases = []
+    for strategy in ("default", "one_device", "mirrored"):
+        for spe in (1, 4):
+            for jit in (False, True):
+                marks = ()
+                if strategy == "mirrored" and jit:
+                    marks = pytest.mark.xfail(
+                        strict=True, raises=tf.errors.InvalidArgumentError,
+                        reason=MIRRORED_JIT_ERROR,
+                    )
+                cases.append(
+                    pytest.param(strategy, spe, jit, marks=marks,
+                                 id=f"{strategy}-spe{spe}-{'jit' if jit else 'nojit'}")
+                )
+    return cases
+
+
+def reference_stats(array) -> dict:
+    """The statistics of kerasdbg.stats, computed independently with NumPy."""
+    a = np.asarray(array, dtype=np.float64).ravel()
+    finite = a[np.isfinite(a)]
+    n = a.size
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = {
+            "l2_norm": float(np.sqrt(np.sum(finite ** 2))),
+            "mean": float(np.mean(finite)) if finite.size else np.nan,
+            "std": float(np.std(finite)) if finite.size else np.nan,
+            "min": float(np.min(finite)) if finite.size else np.nan,
+            "max": float(np.max(finite)) if finite.size else np.nan,
+            "mean_abs": float(np.mean(np.abs(finite))) if finite.size else np.nan,
+            "zero_fraction": float(np.sum(a == 0) / n) if n else np.nan,
+            "nan_count": float(np.sum(np.isnan(a))),
+            "inf_count": float(np.sum(np.isinf(a))),
+        }
+    return out
+
+
+def assert_stats_close(actual: dict, expected: dict, scale: float, where: str = ""):
+    """Compares statistics with rtol 1e-5 and an atol relative to the tensor's scale.
+
+    `scale` is the magnitude of the tensor's elements (e.g. its max |x|): float32
+    sums of mixed-sign values have absolute errors of that order times ~1e-7.
+    """
+    for name, want in expected.items():
+        got = actual[name]
+        atol = 1e-6 * scale if name in ("mean", "std", "min", "max", "mean_abs", "l2_norm") else 0
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=atol, err_msg=f"{where} {name}")
+
+
+@pytest.fixture
+def mixed_precision():
+    """Sets the mixed_float16 policy for one test and restores the previous one."""
+    previous = keras.mixed_precision.dtype_policy()
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    yield
+    keras.mixed_precision.set_dtype_policy(previous)

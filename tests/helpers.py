@@ -1,0 +1,41 @@
+"""A small MLP, its data, and an independent reference of its SGD training."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+LEARNING_RATE = 0.05
+BATCH = 8
+RNG = np.random.default_rng(42)
+X = RNG.normal(size=(80, 6)).astype("float32")
+Y = RNG.normal(size=(80, 3)).astype("float32")
+
+
+def make_mlp():
+    keras.utils.set_random_seed(1)
+    return keras.Sequential(
+        [keras.Input((6,)), keras.layers.Dense(5, activation="relu", name="hidden"),
+         keras.layers.Dense(3, name="out")]
+    )
+
+
+def reference_training(initial, steps, x=X, y=Y, batch=BATCH, lr=LEARNING_RATE):
+    """Plain TF forward pass, GradientTape gradients and a NumPy SGD update.
+
+    Returns, per step, the gradients and the weights before and after the update.
+    """
+    weights = [np.array(w, np.float32) for w in initial]
+    batches = len(x) // batch
+    out = []
+    for step in range(steps):
+        i = step % batches
+        xb, yb = x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch]
+        tvars = [tf.Variable(w) for w in weights]
+        with tf.GradientTape() as tape:
+            hidden = tf.nn.relu(xb @ tvars[0] + tvars[1])
+            loss = tf.reduce_mean(tf.square(hidden @ tvars[2] + tvars[3] - yb))
+        grads = [g.numpy() for g in tape.gradient(loss, tvars)]
+        after = [w - np.float32(lr) * g for w, g in zip(weights, grads)]
+        out.append({"grads": grads, "before": weights, "after": after})
+        weights = after
+    return out

@@ -1,0 +1,190 @@
+"""The capture engine across the execution matrix, and its life cycle."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from kerasdbg import _engine
+from kerasdbg import stats as stats_lib
+from kerasdbg.callbacks import GradientStatistics, WeightStatistics
+from tests.conftest import assert_stats_close, make_strategy, matrix, reference_stats
+from tests.helpers import BATCH, LEARNING_RATE, X, Y, make_mlp, reference_training
+
+EPOCHS = 2
+STEPS = EPOCHS * len(X) // BATCH  # 20; with spe=4 each epoch runs 4 + 4 + 2
+
+
+def _compile(model, spe=1, jit=False):
+    model.compile(keras.optimizers.SGD(LEARNING_RATE), "mse", steps_per_execution=spe,
+                  jit_compile=jit)
+
+
+def _row(history, step):
+    rows = history[history.step == step]
+    assert len(rows) == 1, f"step {step} recorded {len(rows)} times"
+    return rows.iloc[0]
+
+
+def check_against_reference(grads_cb, weights_cb, model, reference, steps):
+    paths = [v.path for v in model.trainable_variables]
+    initial = reference[0]["before"]
+    for step in steps:
+        ref = reference[step - 1]
+        g_row, w_row = _row(grads_cb.history, step), _row(weights_cb.history, step)
+        for i, path in enumerate(paths):
+            grad = ref["grads"][i]
+            got = {s: g_row[f"{path}/{s}"] for s in stats_lib.STATISTICS}
+            assert_stats_close(got, reference_stats(grad), np.abs(grad).max(), f"step {step} grad {path}")
+            after, before = ref["after"][i], ref["before"][i]
+            expected = reference_stats(after)
+            with np.errstate(divide="ignore"):
+                expected["update_ratio"] = np.linalg.norm(after - before) / np.linalg.norm(before)
+            expected["distance_from_start"] = np.linalg.norm(after - initial[i])
+            got = {s: w_row[f"{path}/{s}"] for s in expected}
+            assert_stats_close(got, expected, np.abs(after).max(), f"step {step} weight {path}")
+        global_norm = np.sqrt(sum(np.sum(np.square(g, dtype=np.float64)) for g in ref["grads"]))
+        np.testing.assert_allclose(g_row["global_norm"], global_norm, rtol=1e-5)
+
+
+@pytest.mark.parametrize("strategy_name,spe,jit", matrix())
+def test_matrix_records_every_step_with_reference_values(strategy_name, spe, jit):
+    strategy = make_strategy(strategy_name)
+    with strategy.scope():
+        model = make_mlp()
+        _compile(model, spe, jit)
+    initial = [v.numpy() for v in model.trainable_variables]
+    grads_cb = GradientStatistics(histogram_every_n_steps=5, histogram_bins=6)
+    weights_cb = WeightStatistics()
+    model.fit(X, Y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+              callbacks=[grads_cb, weights_cb])
+    assert grads_cb.history.step.tolist() == list(range(1, STEPS + 1))
+    assert weights_cb.history.step.tolist() == list(range(1, STEPS + 1))
+    assert not grads_cb.history.skipped.any()
+    reference = reference_training(initial, STEPS)
+    check_against_reference(grads_cb, weights_cb, model, reference, range(1, STEPS + 1))
+    # The hooks are gone after fit.
+    assert "apply" not in vars(model.optimizer)
+
+
+def test_histograms_recorded_at_their_steps_match_numpy(tmp_path):
+    from kerasdbg import load_run
+
+    model = make_mlp()
+    _compile(model, spe=4)
+    initial = [v.numpy() for v in model.trainable_variables]
+    grads_cb = GradientStatistics(str(tmp_path), every_n_steps=3, histogram_every_n_steps=5,
+                                  histogram_bins=6)
+    model.fit(X, Y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[grads_cb])
+    assert grads_cb.history.step.tolist() == [3, 6, 9, 12, 15, 18]
+    reference = reference_training(initial, STEPS)
+    run = load_run(str(tmp_path))
+    path = model.trainable_variables[0].path
+    frame = run.histograms(f"gradients/{path}")
+    assert frame.step.tolist() == [5, 10, 15, 20]
+    for _, row in frame.iterrows():
+        grad = reference[row.step - 1]["grads"][0].astype(np.float64)
+        want, edges = np.histogram(grad, bins=6, range=(grad.min(), grad.max()))
+        np.testing.assert_allclose(row.edges, edges, rtol=1e-5, atol=1e-7)
+        assert row.counts.sum() == want.sum()
+        assert np.abs(row.counts - want).sum() <= 2  # float32 vs float64 bin edges
+
+
+@pytest.mark.xfail(strict=True, raises=tf.errors.InvalidArgumentError,
+                   reason="Keras: MirroredStrategy + steps_per_execution>1 with the default "
+                          "collective all-reduce: 'You must feed a value for placeholder tensor "
+                          "'.../while/cond/Placeholder_1'' (keras-team/keras#19246)")
+def test_mirrored_collective_with_steps_per_execution_fails_in_keras():
+    strategy = make_strategy("mirrored", collective=True)
+    with strategy.scope():
+        model = make_mlp()
+        _compile(model, spe=4)
+    model.fit(X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+              callbacks=[GradientStatistics()])
+
+
+def test_steps_continue_across_fits_and_plain_fit_afterwards_is_uninstrumented():
+    model = make_mlp()
+    _compile(model, spe=4)
+    initial = [v.numpy() for v in model.trainable_variables]
+    grads_cb, weights_cb = GradientStatistics(), WeightStatistics(stats=["l2_norm", "mean"])
+    model.fit(X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[grads_cb, weights_cb])
+    model.fit(X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[grads_cb, weights_cb])
+    # One instance across fits: its per-run history restarts, steps continue.
+    assert grads_cb.history.step.tolist() == list(range(11, 21))
+    reference = reference_training(initial, 20)
+    row = _row(grads_cb.history, 15)
+    path = model.trainable_variables[2].path
+    np.testing.assert_allclose(row[f"{path}/l2_norm"],
+                               np.linalg.norm(reference[14]["grads"][2]), rtol=1e-5)
+    engine = _engine.engine_for(model)
+    traces = engine.trace_count
+    model.fit(X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert engine.trace_count == traces
+    assert not engine.installed and "apply" not in vars(model.optimizer)
+    # ... and the plain fit trained correctly: weights equal the reference after 30 steps.
+    reference = reference_training(initial, 30)
+    for v, want in zip(model.trainable_variables, reference[-1]["after"]):
+        np.testing.assert_allclose(v.numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_several_callbacks_share_one_hook_and_one_retrace(monkeypatch):
+    model = make_mlp()
+    _compile(model)
+    calls = []
+    original = model.make_train_function
+
+    def counting(force=False):
+        calls.append(force)
+        return original(force=force)
+
+    monkeypatch.setattr(model, "make_train_function", counting)
+    callbacks = [GradientStatistics(), WeightStatistics(), GradientStatistics(include="hidden")]
+    model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0, callbacks=callbacks)
+    # Keras's own call, then one forced retrace to install and one to uninstall.
+    assert calls.count(True) == 2
+    assert _engine.engine_for(model).trace_count == 1
+    assert all(len(cb.history) == 10 for cb in callbacks)
+
+
+def test_fit_that_crashed_is_recovered_by_the_next_fit():
+    model = make_mlp()
+    _compile(model)
+
+    class Boom(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 2:
+                raise RuntimeError("boom")
+
+    grads_cb = GradientStatistics()
+    with pytest.raises(RuntimeError, match="boom"):
+        model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[grads_cb, Boom()])
+    model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[grads_cb])
+    assert grads_cb.history.step.tolist() == list(range(4, 14))
+    assert not _engine.engine_for(model).installed
+
+
+def test_every_n_steps_records_only_those_steps():
+    model = make_mlp()
+    _compile(model, spe=4)
+    grads_cb = GradientStatistics(every_n_steps=3)
+    weights_cb = WeightStatistics(every_n_steps=4)
+    model.fit(X, Y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[grads_cb, weights_cb])
+    assert grads_cb.history.step.tolist() == [3, 6, 9, 12, 15, 18]
+    assert weights_cb.history.step.tolist() == [4, 8, 12, 16, 20]
+
+
+def test_instrumentation_failure_warns_and_training_goes_on(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(stats_lib, "tensor_statistics", broken)
+    model = make_mlp()
+    _compile(model)
+    grads_cb = GradientStatistics()
+    with pytest.warns(RuntimeWarning, match="injected failure"):
+        history = model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[grads_cb])
+    assert len(history.history["loss"]) == 1 and len(grads_cb.history) == 0
+    strict = GradientStatistics(strict=True)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[strict])

@@ -1,0 +1,106 @@
+"""kerasdbg.stats against NumPy, eagerly, in tf.function and under XLA."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from kerasdbg import stats as stats_lib
+from tests.conftest import assert_stats_close, reference_stats
+
+RNG = np.random.default_rng(0)
+
+CASES = {
+    "normal": RNG.normal(size=(7, 5)).astype("float32"),
+    "with_zeros": np.where(RNG.random((50,)) < 0.3, 0, RNG.normal(size=(50,))).astype("float32"),
+    "batchnorm_gamma": (1.0 + 1e-4 * RNG.normal(size=(64,))).astype("float32"),
+    "constant": np.full((4, 4), 3.0, "float32"),
+    "nan_and_inf": np.array([1.0, np.nan, -2.0, np.inf, 0.0, -np.inf, np.nan], "float32"),
+    "all_nan": np.full((3,), np.nan, "float32"),
+    "overflowing_sum": np.array([3e38, 3e38, -1.0], "float32"),
+    "single": np.array([-2.5], "float32"),
+    "float64": RNG.normal(size=(6,)).astype("float64"),
+    "int": np.array([0, 3, -4, 0], "int32"),
+    "empty": np.zeros((0, 3), "float32"),
+}
+
+MODES = {
+    "eager": lambda f: f,
+    "function": lambda f: tf.function(f),
+    "xla": lambda f: tf.function(f, jit_compile=True),
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES), ids=list(MODES))
+def test_statistics_match_numpy(mode):
+    names = list(CASES)
+    arrays = [CASES[n] for n in names]
+    compute = MODES[mode](lambda *ts: stats_lib.tensor_statistics(list(ts)))
+    table = compute(*[tf.constant(a) for a in arrays]).numpy()
+    assert table.shape == (len(arrays), len(stats_lib.STATISTICS))
+    for name, array, row in zip(names, arrays, table):
+        expected = reference_stats(array)
+        if name == "empty":
+            expected = dict(expected, l2_norm=0.0)
+        finite = np.asarray(array, np.float64)[np.isfinite(np.asarray(array, np.float64))]
+        scale = float(np.max(np.abs(finite))) if finite.size else 1.0
+        assert_stats_close(dict(zip(stats_lib.STATISTICS, row)), expected, scale, name)
+
+
+def test_mixed_finite_and_nonfinite_tensors_each_get_exact_stats():
+    # One non-finite tensor sends every tensor through the masked path; the
+    # finite ones must not change.
+    clean = RNG.normal(size=(100,)).astype("float32")
+    dirty = np.array([np.nan, 1.0], "float32")
+    together = stats_lib.tensor_statistics([tf.constant(clean), tf.constant(dirty)]).numpy()
+    alone = stats_lib.tensor_statistics([tf.constant(clean)]).numpy()
+    np.testing.assert_allclose(together[0], alone[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", list(MODES), ids=list(MODES))
+def test_indexed_slices_describe_the_dense_gradient(mode):
+    values = tf.constant(RNG.normal(size=(4, 3)).astype("float32"))
+    indices = tf.constant([1, 5, 1, 7])  # a duplicate index is summed
+    slices = tf.IndexedSlices(values, indices, dense_shape=tf.constant([10, 3]))
+    dense = np.zeros((10, 3))
+    for i, row in zip(indices.numpy(), values.numpy()):
+        dense[i] += row
+    compute = MODES[mode](lambda v, i: stats_lib.tensor_statistics(
+        [tf.IndexedSlices(v, i, dense_shape=tf.constant([10, 3]))]))
+    row = compute(values, indices).numpy()[0]
+    assert_stats_close(dict(zip(stats_lib.STATISTICS, row)), reference_stats(dense), 3.0)
+    assert slices.values.shape == (4, 3)
+
+
+def test_subset_of_statistics_in_requested_order():
+    x = tf.constant([3.0, -4.0, 0.0])
+    row = stats_lib.tensor_statistics([x], ["zero_fraction", "l2_norm", "max"]).numpy()[0]
+    np.testing.assert_allclose(row, [1 / 3, 5.0, 3.0], rtol=1e-6)
+
+
+def test_no_tensors_gives_an_empty_table():
+    assert stats_lib.tensor_statistics([], ["mean"]).shape == (0, 1)
+
+
+def test_unknown_statistic_is_refused():
+    with pytest.raises(ValueError, match=r"`stats` must name statistics from .*Received: stats=\['median'\]"):
+        stats_lib.tensor_statistics([tf.constant([1.0])], ["median"])
+
+
+@pytest.mark.parametrize("mode", list(MODES), ids=list(MODES))
+def test_histograms_match_numpy(mode):
+    arrays = [
+        RNG.normal(size=(200,)).astype("float32"),
+        np.array([1.0, np.nan, 2.0, np.inf, 2.0], "float32"),
+        np.full((5,), 7.0, "float32"),
+        np.full((2,), np.nan, "float32"),
+    ]
+    compute = MODES[mode](lambda *ts: stats_lib.histograms(list(ts), bins=8))
+    counts, ranges = compute(*[tf.constant(a) for a in arrays])
+    counts, ranges = counts.numpy(), ranges.numpy()
+    for array, row, (low, high) in zip(arrays[:2], counts, ranges):
+        finite = array[np.isfinite(array)].astype(np.float64)
+        want, _ = np.histogram(finite, bins=8, range=(finite.min(), finite.max()))
+        np.testing.assert_array_equal(row, want)
+        assert (low, high) == (finite.min(), finite.max())
+    np.testing.assert_array_equal(counts[2], [5, 0, 0, 0, 0, 0, 0, 0])
+    assert np.isnan(ranges[3]).all() and counts[3].sum() == 0
