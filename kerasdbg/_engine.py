@@ -228,7 +228,7 @@ class Engine:
         if self._prepared:
             # The last fit ended without on_train_end (an exception): start over.
             self._reset()
-        if model.optimizer is None:
+        if getattr(model, "optimizer", None) is None:
             raise ValueError(
                 "kerasdbg: the model has no optimizer; call `model.compile()` "
                 "before `fit`."

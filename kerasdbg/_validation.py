@@ -87,14 +87,13 @@ def choices(owner: str, name: str, value: Any, allowed: Sequence[str]) -> tuple:
             f"{owner}: `{name}` must be a list or tuple of names from "
             f"{', '.join(allowed)}. Received: {name}={value!r}"
         )
-    value = tuple(value)
-    unknown = [v for v in value if v not in allowed]
-    if unknown or not value:
+    names = tuple(value)
+    if not names or [v for v in names if v not in allowed]:
         raise ValueError(
             f"{owner}: `{name}` must be a non-empty list of names from "
             f"{', '.join(allowed)}. Received: {name}={value!r}"
         )
-    return tuple(dict.fromkeys(value))
+    return tuple(dict.fromkeys(names))
 
 
 def optional_path(owner: str, name: str, value: Any) -> Optional[str]:

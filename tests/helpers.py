@@ -11,15 +11,15 @@ X = RNG.normal(size=(80, 6)).astype("float32")
 Y = RNG.normal(size=(80, 3)).astype("float32")
 
 
-def make_mlp():
+def make_mlp(activation="relu"):
     keras.utils.set_random_seed(1)
     return keras.Sequential(
-        [keras.Input((6,)), keras.layers.Dense(5, activation="relu", name="hidden"),
+        [keras.Input((6,)), keras.layers.Dense(5, activation=activation, name="hidden"),
          keras.layers.Dense(3, name="out")]
     )
 
 
-def reference_training(initial, steps, x=X, y=Y, batch=BATCH, lr=LEARNING_RATE):
+def reference_training(initial, steps, x=X, y=Y, batch=BATCH, lr=LEARNING_RATE, activation="relu"):
     """Plain TF forward pass, GradientTape gradients and a NumPy SGD update.
 
     Returns, per step, the gradients and the weights before and after the update.
@@ -32,7 +32,8 @@ def reference_training(initial, steps, x=X, y=Y, batch=BATCH, lr=LEARNING_RATE):
         xb, yb = x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch]
         tvars = [tf.Variable(w) for w in weights]
         with tf.GradientTape() as tape:
-            hidden = tf.nn.relu(xb @ tvars[0] + tvars[1])
+            hidden = xb @ tvars[0] + tvars[1]
+            hidden = tf.nn.relu(hidden) if activation == "relu" else hidden
             loss = tf.reduce_mean(tf.square(hidden @ tvars[2] + tvars[3] - yb))
         grads = [g.numpy() for g in tape.gradient(loss, tvars)]
         after = [w - np.float32(lr) * g for w, g in zip(weights, grads)]
