@@ -59,8 +59,8 @@ def train(log_dir: str, learning_rate: float, epochs: int, optimizer: str = "ada
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
     )
-    gradients = GradientStatistics(log_dir, histogram_every_n_steps=10)
-    weights = WeightStatistics(log_dir, histogram_every_n_steps=10)
+    gradients = GradientStatistics(log_dir, histogram_every_n_steps=2)
+    weights = WeightStatistics(log_dir, histogram_every_n_steps=2)
     model.fit(
         images,
         labels,

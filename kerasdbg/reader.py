@@ -36,7 +36,8 @@ class Run:
     >>> from kerasdbg import load_run
     >>> from kerasdbg.callbacks import GradientStatistics
     >>> log_dir = tempfile.mkdtemp()
-    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, name="dense")],
+    ...                          name="model")
     >>> model.compile("sgd", "mse")
     >>> _ = model.fit(np.ones((4, 3)), np.ones((4, 1)), batch_size=2, epochs=1,
     ...               verbose=0, callbacks=[GradientStatistics(log_dir)])

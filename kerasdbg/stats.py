@@ -210,7 +210,7 @@ def histograms(
     >>> from kerasdbg.stats import histograms
     >>> counts, ranges = histograms([tf.constant([0.0, 1.0, 1.0, 4.0])], bins=4)
     >>> counts.numpy(), ranges.numpy()
-    (array([[3., 0., 0., 1.]]), array([[0., 4.]]))
+    (array([[1., 2., 0., 1.]]), array([[0., 4.]]))
     """
     all_counts, all_ranges = [], []
     with tf.name_scope("kerasdbg_histograms"):

@@ -58,7 +58,8 @@ class GradientStatistics(StatisticsCallback):
 
     >>> import keras, numpy as np
     >>> from kerasdbg.callbacks import GradientStatistics
-    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, name="dense")],
+    ...                          name="model")
     >>> model.compile("sgd", "mse")
     >>> grads = GradientStatistics(stats=["l2_norm", "zero_fraction"])
     >>> _ = model.fit(np.ones((4, 3)), np.ones((4, 1)), batch_size=2,
@@ -66,7 +67,8 @@ class GradientStatistics(StatisticsCallback):
     >>> grads.history["step"].tolist()
     [1, 2]
     >>> sorted(grads.latest)
-    ['dense/bias/l2_norm', 'dense/bias/zero_fraction', 'dense/kernel/l2_norm', 'dense/kernel/zero_fraction', 'global_norm', 'step']
+    ['global_norm', 'model/dense/bias/l2_norm', 'model/dense/bias/zero_fraction',
+     'model/dense/kernel/l2_norm', 'model/dense/kernel/zero_fraction', 'step']
     """
 
     kind = "gradients"

@@ -1,0 +1,86 @@
+"""Fails loudly when a Keras upgrade moves what kerasdbg hooks into."""
+
+import inspect
+
+import keras
+import numpy as np
+import pytest
+
+from kerasdbg import _keras_internals as internals
+from tests.helpers import make_mlp
+
+
+def test_optimizer_methods_and_signatures_are_where_kerasdbg_expects_them():
+    optimizer = keras.optimizers.SGD()
+    internals.check_supported(optimizer)
+    reduce = getattr(optimizer, internals.REDUCE_METHOD)
+    assert list(inspect.signature(reduce).parameters) == ["grads_and_vars"]
+    assert list(inspect.signature(optimizer.apply).parameters) == ["grads", "trainable_variables"]
+    assert "force" in inspect.signature(keras.Model.make_train_function).parameters
+    scaled = keras.optimizers.LossScaleOptimizer(optimizer)
+    assert internals.inner_optimizer(scaled) is optimizer
+    internals.check_supported(scaled)
+
+
+def test_fit_goes_through_the_patched_instance_methods():
+    model = make_mlp()
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    optimizer = model.optimizer
+    seen = {"apply": 0, "reduce": 0}
+    original_apply, original_reduce = optimizer.apply, getattr(optimizer, internals.REDUCE_METHOD)
+
+    def apply(grads, trainable_variables=None):
+        seen["apply"] += 1
+        return original_apply(grads, trainable_variables)
+
+    def reduce(grads_and_vars):
+        seen["reduce"] += 1
+        reduced = original_reduce(grads_and_vars)
+        # The result pairs every gradient with the tf.Variable of a model weight.
+        keys = {internals.variable_key(optimizer, v) for v in model.trainable_variables}
+        assert {internals.variable_key(optimizer, v) for _, v in reduced} == keys
+        return reduced
+
+    internals.patch(optimizer, "apply", apply)
+    internals.patch(optimizer, internals.REDUCE_METHOD, reduce)
+    try:
+        model.fit(np.ones((4, 6)), np.ones((4, 3)), batch_size=2, epochs=1, verbose=0)
+    finally:
+        internals.unpatch(optimizer, "apply")
+        internals.unpatch(optimizer, internals.REDUCE_METHOD)
+    assert seen == {"apply": 1, "reduce": 1}  # traced once
+    assert "apply" not in vars(optimizer)
+
+
+def test_callbacks_see_on_train_begin_before_the_first_trace():
+    model = make_mlp()
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    order = []
+
+    class Spy(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            order.append("on_train_begin")
+            original = self.model.optimizer.apply
+
+            def apply(grads, trainable_variables=None):
+                order.append("trace")
+                return original(grads, trainable_variables)
+
+            internals.patch(self.model.optimizer, "apply", apply)
+            self.model.make_train_function(force=True)
+
+        def on_train_end(self, logs=None):
+            internals.unpatch(self.model.optimizer, "apply")
+
+    model.fit(np.ones((4, 6)), np.ones((4, 3)), batch_size=2, epochs=1, verbose=0, callbacks=[Spy()])
+    assert order == ["on_train_begin", "trace"]
+
+
+def test_double_patch_is_refused():
+    optimizer = keras.optimizers.SGD()
+    internals.patch(optimizer, "apply", lambda *a: None)
+    try:
+        with pytest.raises(internals.KerasInternalsError, match="already patched"):
+            internals.patch(optimizer, "apply", lambda *a: None)
+    finally:
+        internals.unpatch(optimizer, "apply")
