@@ -1,0 +1,122 @@
+"""Cost of the statistics callbacks, as ratios to plain `fit` in the same run.
+
+For each model and steps_per_execution, the configurations run in interleaved
+rounds (plain, Keras TensorBoard, scalars, scalars + histograms, plain, ...),
+each a fresh `fit` on the same compiled model. Per fit:
+
+- steady-state step time: median over executions after the first two of the
+  wall time between successive `on_train_batch_end`, divided by
+  steps_per_execution;
+- trace time: the first execution's time minus the steady-state execution time.
+
+Printed: median over rounds of each configuration's step time divided by that
+round's plain step time, and the extra trace seconds over plain.
+
+Usage:
+    python bench/bench_statistics.py                       # everything
+    python bench/bench_statistics.py --models cnn --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+from kerasdbg.callbacks import GradientStatistics, WeightStatistics  # noqa: E402
+
+CONFIGS = ("plain", "keras_tensorboard", "scalars", "scalars+histograms")
+
+
+class _Timer(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        self.ends = [time.perf_counter()]
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.ends.append(time.perf_counter())
+
+
+def _model(name):
+    if name == "cnn":
+        model = keras.Sequential([
+            keras.Input((28, 28, 1)),
+            keras.layers.Conv2D(32, 3, activation="relu"), keras.layers.MaxPooling2D(),
+            keras.layers.Conv2D(64, 3, activation="relu"), keras.layers.MaxPooling2D(),
+            keras.layers.Flatten(), keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(10)])
+        return model, (28, 28, 1), 64
+    model = keras.applications.ResNet50(weights=None, input_shape=(64, 64, 3), classes=10)
+    return model, (64, 64, 3), 16
+
+
+def _callbacks(config, log_dir):
+    if config == "plain":
+        return []
+    if config == "keras_tensorboard":
+        return [keras.callbacks.TensorBoard(log_dir, histogram_freq=1)]
+    histograms = 100 if config == "scalars+histograms" else None
+    return [GradientStatistics(log_dir, histogram_every_n_steps=histograms),
+            WeightStatistics(log_dir, histogram_every_n_steps=histograms)]
+
+
+def bench(model_name, spe, steps, repeats, configs):
+    keras.utils.set_random_seed(0)
+    model, shape, batch = _model(model_name)
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  steps_per_execution=spe)
+    x = np.random.default_rng(0).normal(size=(batch * steps, *shape)).astype("float32")
+    y = np.random.default_rng(1).integers(0, 10, batch * steps)
+    results = {c: {"step": [], "trace": []} for c in configs}
+    for _ in range(repeats):
+        for config in configs:
+            with tempfile.TemporaryDirectory() as log_dir:
+                timer = _Timer()
+                # A fresh train function for every fit, so plain pays its trace too.
+                model.make_train_function(force=True)
+                model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
+                          callbacks=_callbacks(config, log_dir) + [timer])
+            durations = np.diff(timer.ends)
+            steady = float(np.median(durations[2:]))
+            results[config]["step"].append(steady / spe)
+            results[config]["trace"].append(float(durations[0] - steady))
+    return results
+
+
+def report(model_name, spe, results, configs):
+    plain_steps = np.array(results["plain"]["step"])
+    plain_trace = np.array(results["plain"]["trace"])
+    print(f"\n{model_name}, steps_per_execution={spe}: plain step "
+          f"{1000 * np.median(plain_steps):.1f} ms (median of {len(plain_steps)})")
+    print(f"  {'configuration':22s} {'step ratio':>10s} {'min-max':>13s} {'extra trace s':>14s}")
+    for config in configs:
+        ratios = np.array(results[config]["step"]) / plain_steps
+        extra = np.array(results[config]["trace"]) - plain_trace
+        print(f"  {config:22s} {np.median(ratios):10.3f} {ratios.min():6.3f}-{ratios.max():6.3f}"
+              f" {np.median(extra):14.2f}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["cnn", "resnet50"], choices=["cnn", "resnet50"])
+    parser.add_argument("--spe", nargs="+", type=int, default=[1, 16])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    parser.add_argument("--cnn-steps", type=int, default=320)
+    parser.add_argument("--resnet-steps", type=int, default=48)
+    args = parser.parse_args()
+    configs = ["plain"] + [c for c in args.configs if c != "plain"]
+    for model_name in args.models:
+        for spe in args.spe:
+            steps = args.cnn_steps if model_name == "cnn" else args.resnet_steps
+            steps = max(steps, 4 * spe)
+            report(model_name, spe, bench(model_name, spe, steps, args.repeats, configs), configs)
+
+
+if __name__ == "__main__":
+    main()
