@@ -1,25 +1,35 @@
 """Writes TensorBoard event files from the host, once per execution.
 
-Built on TensorBoard's own `EventFileWriter` and summary protos. One `Event`
-per step carries every scalar and histogram of that step, so the cost is one
-proto per step rather than one summary op per value. Scalars and histograms
-carry the scalars / histograms plugin metadata (on the first write of each
-tag), so TensorBoard's dashboards show them as if written by `tf.summary`.
+An event file is a TFRecord file of serialized `Event` protos, so the file is
+written with TensorFlow's `tf.io.TFRecordWriter` (C++ framing and CRC) and
+TensorBoard's summary protos. TensorBoard's own Python `EventFileWriter`
+computes the record CRC in pure Python, which cost about 2 ms per step of a
+small CNN with 180 scalars; the C++ writer makes it negligible.
+
+One `Event` per step carries every scalar and histogram of that step: one
+proto per step rather than one summary op per value. Scalars are written as
+`simple_value` (TensorBoard's scalar dashboard and reader take them as
+`tf.summary.scalar` data); histograms and text carry their plugin metadata
+on the first write of each tag.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+import socket
 import time
 from typing import Dict, Mapping, Optional, Tuple
 
 import numpy as np
+import tensorflow as tf
 from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2
 from tensorboard.compat.proto import tensor_shape_pb2, types_pb2
 from tensorboard.plugins.histogram import metadata as histogram_metadata
-from tensorboard.plugins.scalar import metadata as scalar_metadata
 from tensorboard.plugins.text import metadata as text_metadata
-from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+_FILE_IDS = itertools.count()
+FLUSH_SECONDS = 30.0
 
 _SCALAR_SHAPE = tensor_shape_pb2.TensorShapeProto()
 
@@ -45,11 +55,19 @@ class EventWriter:
     """
 
     def __init__(self, log_dir: str):
-        os.makedirs(log_dir, exist_ok=True)
+        tf.io.gfile.makedirs(log_dir)
         self.log_dir = log_dir
-        self._writer = EventFileWriter(
-            log_dir, max_queue_size=1000, flush_secs=30, filename_suffix=".kerasdbg"
+        # The name TensorBoard looks for ("tfevents"), unique per writer.
+        name = "events.out.tfevents.%010d.%s.%d.%d.kerasdbg" % (
+            time.time(), socket.gethostname(), os.getpid(), next(_FILE_IDS)
         )
+        self.path = os.path.join(log_dir, name)
+        self._writer = tf.io.TFRecordWriter(self.path)
+        self._writer.write(
+            event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString()
+        )
+        self._writer.flush()
+        self._last_flush = time.monotonic()
         self._described = set()
 
     def _metadata(self, tag: str, plugin) -> Optional[summary_pb2.SummaryMetadata]:
@@ -77,17 +95,7 @@ class EventWriter:
         """
         values = []
         for tag, value in dict(scalars).items():
-            values.append(
-                summary_pb2.Summary.Value(
-                    tag=tag,
-                    metadata=self._metadata(tag, scalar_metadata),
-                    tensor=tensor_pb2.TensorProto(
-                        dtype=types_pb2.DT_FLOAT,
-                        tensor_shape=_SCALAR_SHAPE,
-                        float_val=[float(value)],
-                    ),
-                )
-            )
+            values.append(summary_pb2.Summary.Value(tag=tag, simple_value=float(value)))
         for tag, (counts, low, high) in dict(histograms).items():
             values.append(
                 summary_pb2.Summary.Value(
@@ -115,10 +123,13 @@ class EventWriter:
             step=int(step),
             summary=summary_pb2.Summary(value=values),
         )
-        self._writer.add_event(event)
+        self._writer.write(event.SerializeToString())
+        if time.monotonic() - self._last_flush > FLUSH_SECONDS:
+            self.flush()
 
     def flush(self) -> None:
         self._writer.flush()
+        self._last_flush = time.monotonic()
 
     def close(self) -> None:
         self._writer.close()
@@ -129,8 +140,9 @@ _WRITERS: Dict[str, EventWriter] = {}
 
 def writer_for(log_dir: str) -> EventWriter:
     """One writer per directory in this process (shared by callbacks)."""
-    key = os.path.abspath(log_dir)
+    key = log_dir if "://" in log_dir else os.path.abspath(log_dir)
     writer = _WRITERS.get(key)
-    if writer is None:
+    if writer is None or not tf.io.gfile.exists(writer.path):
+        # A new writer also when the directory was removed under the old one.
         writer = _WRITERS[key] = EventWriter(key)
     return writer

@@ -60,7 +60,8 @@ def _fast(x: tf.Tensor, stats: Tuple[str, ...]):
 
     Returns the statistics and the sums whose finiteness proves that.
     """
-    n = tf.cast(tf.size(x), x.dtype)
+    size = x.shape.num_elements()
+    n = tf.constant(size, x.dtype) if size is not None else tf.cast(tf.size(x), x.dtype)
     out, detectors = {}, []
     if {"mean", "std"} & set(stats) or "l2_norm" not in stats:
         total = tf.reduce_sum(x)

@@ -74,3 +74,29 @@ def test_errors_name_what_was_received(tmp_path):
         run.scalars("nope")
     with pytest.raises(ValueError, match="`kind` must be one of scalars, histograms, text. Received: kind='images'"):
         run.tags(kind="images")
+
+
+def test_shared_writer_is_renewed_when_its_directory_was_removed(tmp_path):
+    log_dir = str(tmp_path / "train")
+    first = _events.writer_for(log_dir)
+    assert _events.writer_for(log_dir) is first
+    shutil.rmtree(log_dir)
+    second = _events.writer_for(log_dir)
+    assert second is not first
+    second.write(7, {"a/loss": 1.5})
+    second.flush()
+    frame = load_run(str(tmp_path)).scalars("a/loss")
+    assert frame.step.tolist() == [7]
+    np.testing.assert_allclose(frame.value, [1.5])
+
+
+def test_event_file_is_named_for_tensorboard_and_starts_with_the_version(tmp_path):
+    from tensorboard.backend.event_processing import event_file_loader
+
+    writer = _events.EventWriter(str(tmp_path))
+    writer.write(1, {"a/loss": 2.0})
+    writer.flush()
+    assert "tfevents" in os.path.basename(writer.path)
+    events = list(event_file_loader.EventFileLoader(writer.path).Load())
+    assert events[0].file_version == "brain.Event:2"
+    assert events[1].step == 1 and events[1].summary.value[0].tag == "a/loss"

@@ -78,6 +78,7 @@ class StatisticsCallback(keras.callbacks.Callback):
         self._writer: Optional[_events.EventWriter] = None
         self._failed = False
         self._skipped = 0
+        self._tag_cache = None
 
     # ------------------------------------------------------------ config
     def get_config(self) -> dict:
@@ -120,6 +121,7 @@ class StatisticsCallback(keras.callbacks.Callback):
         self._rows.clear()
         self._failed = False
         self._skipped = 0
+        self._tag_cache = None
         variables, paths = self._select(self.model)
         self._request = _engine.Request(
             kind=self.kind,
@@ -199,11 +201,15 @@ class StatisticsCallback(keras.callbacks.Callback):
 
     def _tags(self, request) -> List[Optional[str]]:
         """TensorBoard tag of each column; None for variables without gradient."""
+        key = (id(request), tuple(request.present))
+        if self._tag_cache is not None and self._tag_cache[0] == key:
+            return self._tag_cache[1]
         tags = []
         for i, _ in enumerate(request.paths):
             for column in request.columns[i * len(request.stats):(i + 1) * len(request.stats)]:
                 tags.append(f"{self.kind}/{column}" if request.present[i] else None)
         tags.extend(f"{self.kind}/{c}" for c in request.columns[len(tags):])
+        self._tag_cache = (key, tags)
         return tags
 
     # --------------------------------------------------------- results
