@@ -35,6 +35,7 @@ from typing import Callable, List, NamedTuple, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
+from kerasdbg import _buffers
 from kerasdbg import _keras_internals as internals
 from kerasdbg import stats as stats_lib
 
@@ -58,35 +59,6 @@ class Record(NamedTuple):
 
 
 WEIGHT_EXTRA_STATISTICS = ("update_ratio", "distance_from_start")
-
-
-def _on_read_variable(initial_value, name: str) -> tf.Variable:
-    return tf.Variable(
-        initial_value,
-        trainable=False,
-        name=name,
-        synchronization=tf.VariableSynchronization.ON_READ,
-        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
-    )
-
-
-def _write_row(buffer: tf.Variable, row, value) -> None:
-    value = tf.cast(value, buffer.dtype)
-    buffer.assign(tf.tensor_scatter_nd_update(buffer.read_value(), [[row]], value[None]))
-
-
-def _maybe(predicate, function: Callable[[], None]) -> None:
-    """Runs `function` when `predicate` holds; a Python bool costs no cond."""
-    if predicate is True or predicate is False:
-        if predicate:
-            function()
-        return
-
-    def true_fn():
-        function()
-        return tf.constant(True)
-
-    tf.cond(predicate, true_fn, lambda: tf.constant(False))
 
 
 class Request:
@@ -148,30 +120,30 @@ class Request:
         """Creates this request's buffers (in the strategy's scope)."""
         n = steps_per_execution
         self.keys = [internals.variable_key(optimizer, v) for v in self.variables]
-        self.values = _on_read_variable(
+        self.values = _buffers.on_read_variable(
             tf.fill([n, len(self.columns)], tf.constant(np.nan, tf.float64)),
             f"kerasdbg_{self.kind}_values",
         )
-        self.ids = _on_read_variable(tf.zeros([n], tf.int64), f"kerasdbg_{self.kind}_ids")
+        self.ids = _buffers.on_read_variable(tf.zeros([n], tf.int64), f"kerasdbg_{self.kind}_ids")
         if self.histogram_every_n_steps:
             v = len(self.variables)
-            self.hist_counts = _on_read_variable(
+            self.hist_counts = _buffers.on_read_variable(
                 tf.zeros([n, v, self.bins], tf.float64), f"kerasdbg_{self.kind}_hist"
             )
-            self.hist_ranges = _on_read_variable(
+            self.hist_ranges = _buffers.on_read_variable(
                 tf.zeros([n, v, 2], tf.float64), f"kerasdbg_{self.kind}_hist_ranges"
             )
-            self.hist_ids = _on_read_variable(
+            self.hist_ids = _buffers.on_read_variable(
                 tf.zeros([n], tf.int64), f"kerasdbg_{self.kind}_hist_ids"
             )
         if self.kind == "weights" and "update_ratio" in self.stats:
             self.previous = [
-                _on_read_variable(internals.read(v), "kerasdbg_previous")
+                _buffers.on_read_variable(internals.read(v), "kerasdbg_previous")
                 for v in self.variables
             ]
         if self.kind == "weights" and "distance_from_start" in self.stats:
             self.initial = [
-                _on_read_variable(internals.read(v), "kerasdbg_initial")
+                _buffers.on_read_variable(internals.read(v), "kerasdbg_initial")
                 for v in self.variables
             ]
 
@@ -248,9 +220,9 @@ class Engine:
         strategy = model.distribute_strategy
         with strategy.scope():
             if self._calls is None:
-                self._calls = _on_read_variable(tf.zeros([], tf.int64), "kerasdbg_calls")
+                self._calls = _buffers.on_read_variable(tf.zeros([], tf.int64), "kerasdbg_calls")
             if self._meta is None or self._steps_per_execution != n:
-                self._meta = _on_read_variable(tf.zeros([n, 3], tf.int64), "kerasdbg_meta")
+                self._meta = _buffers.on_read_variable(tf.zeros([n, 3], tf.int64), "kerasdbg_meta")
             for request in self.requests:
                 request.build(self._optimizer, n)
         self._steps_per_execution = n
@@ -349,7 +321,7 @@ class Engine:
                     for copy, variable in zip(request.previous, request.variables):
                         copy.assign(internals.read(variable))
 
-                _maybe(request.records_at(step), snapshot)
+                _buffers.run_if(request.records_at(step), snapshot)
         return step
 
     def _after_apply(self, optimizer, step):
@@ -357,18 +329,18 @@ class Engine:
         skipped = tf.equal(after, step - 1)
         call_id, row = self._position()
         for request in self._weight_requests():
-            _maybe(
+            _buffers.run_if(
                 request.records_at(step),
                 lambda request=request: self._record_weights(request, call_id, row),
             )
-            _maybe(
+            _buffers.run_if(
                 request.histograms_at(step),
                 lambda request=request: self._record_histograms(
                     request, [internals.read(v) for v in request.variables], call_id, row
                 ),
             )
         meta = tf.stack([call_id, step, tf.cast(skipped, tf.int64)])
-        _write_row(self._meta, row, meta)
+        _buffers.write_row(self._meta, row, meta)
         self._calls.assign_add(1)
 
     def _weight_requests(self):
@@ -392,8 +364,8 @@ class Engine:
             drift = [w - tf.cast(i.read_value(), w.dtype) for w, i in zip(weights, request.initial)]
             columns["distance_from_start"] = stats_lib.tensor_statistics(drift, ["l2_norm"])[:, 0]
         table = tf.stack([columns[s] for s in request.stats], axis=1)
-        _write_row(request.values, row, tf.reshape(table, [-1]))
-        _write_row(request.ids, row, call_id)
+        _buffers.write_row(request.values, row, tf.reshape(table, [-1]))
+        _buffers.write_row(request.ids, row, call_id)
 
     def _record_gradients(self, inner, reduced) -> None:
         requests = [r for r in self.requests if r.kind == "gradients"]
@@ -425,11 +397,11 @@ class Engine:
                 values = tf.concat(
                     [tf.reshape(tf.gather(full, keep, axis=1), [-1]), [tf.sqrt(squares)]], 0
                 )
-                _write_row(request.values, row, values)
-                _write_row(request.ids, row, call_id)
+                _buffers.write_row(request.values, row, values)
+                _buffers.write_row(request.ids, row, call_id)
 
-            _maybe(request.records_at(step), record)
-            _maybe(
+            _buffers.run_if(request.records_at(step), record)
+            _buffers.run_if(
                 request.histograms_at(step),
                 lambda request=request, grads=grads: self._record_histograms(
                     request, grads, call_id, row
@@ -446,17 +418,16 @@ class Engine:
             all_counts.append(empty_counts if t is None else counts[i])
             all_ranges.append(empty_range if t is None else ranges[i])
             i += t is not None
-        _write_row(request.hist_counts, row, tf.stack(all_counts))
-        _write_row(request.hist_ranges, row, tf.stack(all_ranges))
-        _write_row(request.hist_ids, row, call_id)
+        _buffers.write_row(request.hist_counts, row, tf.stack(all_counts))
+        _buffers.write_row(request.hist_ranges, row, tf.stack(all_ranges))
+        _buffers.write_row(request.hist_ids, row, call_id)
 
     # ----------------------------------------------------------- on host
     def collect(self) -> None:
         """Reads the rows written since the last call and hands them out."""
         if not self._prepared:
             return
-        # `value()` is the cheapest eager read (half of `numpy()` on the variable).
-        buffers = iter([b.value().numpy() for b in self._buffers()])
+        buffers = iter([_buffers.read(b) for b in self._buffers()])
         calls, meta = int(next(buffers)), next(buffers)
         if calls <= self._last_call:
             return

@@ -76,3 +76,77 @@ def read(variable) -> tf.Tensor:
     if isinstance(variable, keras.Variable):
         variable = variable.value
     return tf.convert_to_tensor(variable)
+
+
+# ----------------------------------------------------------------- layers
+# Debug layers find out, at trace time, which Keras loop is calling them by
+# walking the Python stack: `Trainer.fit`/`evaluate`/`predict` call the
+# model's `train_step`/`test_step`/`predict_step`, which calls the layers.
+# Those method names and the `callbacks` local of the loop are Keras
+# internals too (checked by tests/test_keras_internals.py).
+STEP_METHODS = {"train_step": "fit", "test_step": "evaluate", "predict_step": "predict"}
+LOOP_METHODS = ("fit", "evaluate", "predict")
+FUNCTION_ATTRIBUTES = {
+    "fit": "train_function",
+    "evaluate": "test_function",
+    "predict": "predict_function",
+}
+
+
+class StepContext:
+    """Where a layer is being called from.
+
+    Attributes:
+        mode: "fit", "evaluate", "predict", or "call" (any other call: eager,
+            a custom training loop, a `tf.function` of the user's).
+        model: the Keras model whose step is running, or None.
+        callbacks: the running loop's `CallbackList`, or None (e.g. in
+            `train_on_batch`).
+    """
+
+    def __init__(self, mode: str, model=None, callbacks=None):
+        self.mode = mode
+        self.model = model
+        self.callbacks = callbacks
+
+
+def _loop_callbacks(frame, model):
+    """The `callbacks` local of the Keras loop running `model` above `frame`."""
+    from keras.src.callbacks.callback_list import CallbackList
+
+    while frame is not None:
+        if frame.f_code.co_name in LOOP_METHODS and frame.f_locals.get("self") is model:
+            found = frame.f_locals.get("callbacks")
+            return found if isinstance(found, CallbackList) else None
+        frame = frame.f_back
+    return None
+
+
+def step_context() -> StepContext:
+    """The `StepContext` of the current call (cheap: a walk of frames).
+
+    Under `MirroredStrategy` the step runs in a replica thread while the
+    thread running `fit` waits; the loop's frame is then found in that thread.
+    """
+    import sys
+    import threading
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code.co_name
+        owner = frame.f_locals.get("self")
+        if code in STEP_METHODS and isinstance(owner, keras.Model):
+            break
+        frame = frame.f_back
+    if frame is None:
+        return StepContext("call")
+    mode, model = STEP_METHODS[frame.f_code.co_name], frame.f_locals["self"]
+    callbacks = _loop_callbacks(frame, model)
+    if callbacks is None:
+        current = threading.get_ident()
+        for ident, other in sys._current_frames().items():
+            if ident != current:
+                callbacks = _loop_callbacks(other, model)
+                if callbacks is not None:
+                    break
+    return StepContext(mode, model, callbacks)

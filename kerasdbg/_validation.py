@@ -80,7 +80,9 @@ def optional_regex(owner: str, name: str, value: Any) -> Optional[str]:
     return value
 
 
-def choices(owner: str, name: str, value: Any, allowed: Sequence[str]) -> tuple:
+def choices(
+    owner: str, name: str, value: Any, allowed: Sequence[str], allow_empty: bool = False
+) -> tuple:
     """Returns `value` as a tuple of unique names, each one of `allowed`."""
     if isinstance(value, str) or not isinstance(value, Iterable):
         raise TypeError(
@@ -88,9 +90,9 @@ def choices(owner: str, name: str, value: Any, allowed: Sequence[str]) -> tuple:
             f"{', '.join(allowed)}. Received: {name}={value!r}"
         )
     names = tuple(value)
-    if not names or [v for v in names if v not in allowed]:
+    if (not names and not allow_empty) or [v for v in names if v not in allowed]:
         raise ValueError(
-            f"{owner}: `{name}` must be a non-empty list of names from "
+            f"{owner}: `{name}` must be a {'' if allow_empty else 'non-empty '}list of names from "
             f"{', '.join(allowed)}. Received: {name}={value!r}"
         )
     return tuple(dict.fromkeys(names))
@@ -117,5 +119,15 @@ def boolean(owner: str, name: str, value: Any) -> bool:
         raise TypeError(
             f"{owner}: `{name}` must be a bool. "
             f"Received: {name}={value!r} of type {type(value).__name__}"
+        )
+    return value
+
+
+def one_of(owner: str, name: str, value: Any, allowed: Sequence[Any]) -> Any:
+    """Returns `value` if it is one of `allowed`, else raises ValueError."""
+    if isinstance(value, bool) or value not in allowed:
+        raise ValueError(
+            f"{owner}: `{name}` must be one of "
+            f"{', '.join(repr(a) for a in allowed)}. Received: {name}={value!r}"
         )
     return value

@@ -1,3 +1,9 @@
-"""Keras layers of kerasdbg (PrintLayer and TapLayer arrive with the taps issue)."""
+"""Identity layers that show what flows through a model during training."""
 
-__all__ = ()
+from kerasdbg.layers.print_layer import PrintLayer
+from kerasdbg.layers.tap_layer import TapLayer
+
+__all__ = (
+    "PrintLayer",
+    "TapLayer",
+)

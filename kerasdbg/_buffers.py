@@ -1,0 +1,60 @@
+"""Ring-buffer variables written in the train graph and read on the host.
+
+Buffers are `ON_READ` / `ONLY_FIRST_REPLICA` variables: under a
+`tf.distribute` strategy each replica writes its own copy with no
+communication, a plain read returns replica 0's copy, and
+`strategy.experimental_local_results` returns every replica's. Rows are
+written with `assign(tensor_scatter_nd_update(...))` because
+`scatter_nd_update` is not implemented for sync-on-read variables.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List
+
+import numpy as np
+import tensorflow as tf
+
+
+def on_read_variable(initial_value, name: str) -> tf.Variable:
+    """A non-trainable buffer each replica writes for itself."""
+    return tf.Variable(
+        initial_value,
+        trainable=False,
+        name=name,
+        synchronization=tf.VariableSynchronization.ON_READ,
+        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+    )
+
+
+def write_row(buffer: tf.Variable, row, value) -> None:
+    """Writes `value` into row `row` of `buffer` (in-graph, XLA-safe)."""
+    value = tf.cast(value, buffer.dtype)
+    buffer.assign(tf.tensor_scatter_nd_update(buffer.read_value(), [[row]], value[None]))
+
+
+def read(buffer: tf.Variable) -> np.ndarray:
+    """Replica 0's copy (the cheapest eager read: `value()`, not `numpy()`)."""
+    return buffer.value().numpy()
+
+
+def read_replicas(buffer: tf.Variable) -> List[np.ndarray]:
+    """Every replica's copy, replica 0 first; one element without a strategy."""
+    strategy = getattr(buffer, "distribute_strategy", None)
+    if strategy is None or not isinstance(buffer, tf.distribute.DistributedValues):
+        return [read(buffer)]
+    return [np.asarray(v.numpy()) for v in strategy.experimental_local_results(buffer)]
+
+
+def run_if(predicate, function: Callable[[], None]) -> None:
+    """Runs `function` when `predicate` holds; a Python bool costs no cond."""
+    if predicate is True or predicate is False:
+        if predicate:
+            function()
+        return
+
+    def true_fn():
+        function()
+        return tf.constant(True)
+
+    tf.cond(predicate, true_fn, lambda: tf.constant(False))

@@ -1,0 +1,292 @@
+"""Shared machinery of the debug layers (`PrintLayer`, `TapLayer`).
+
+A debug layer is an identity: it returns its input unchanged (same tensor,
+same dtype, same mask) and, at the steps it selects, writes what it wants to
+show into a ring buffer in-graph. The host reads the buffer after each
+execution (see `kerasdbg._layer_sink`) and hands the new records, in step
+order, to `_consume`.
+
+Step numbers:
+
+- in `fit`: `optimizer.iterations + 1`, the number the optimizer step of this
+  forward pass gets, the same as in `GradientStatistics` (it continues across
+  `fit` calls);
+- in `evaluate`, `predict` and other calls: the layer's own count of calls in
+  that mode (1-based, over the layer's lifetime, saved with the model).
+
+Counters are `ON_READ` / `ONLY_FIRST_REPLICA` variables: each replica counts
+for itself, so a step is never counted once per replica (DESIGN.md: the
+`aggregation="sum"` trap).
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Dict, List, NamedTuple, Optional, Tuple
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from kerasdbg import _buffers
+from kerasdbg import _keras_internals as internals
+from kerasdbg import _layer_sink
+from kerasdbg import _validation as check
+
+MODES = ("fit", "evaluate", "predict", "call")
+REPLICAS = ("first", "all")
+
+
+class LayerRecord(NamedTuple):
+    """One recorded call of a debug layer.
+
+    Attributes:
+        step: see the module docstring.
+        mode: "fit", "evaluate", "predict" or "call".
+        replica: the replica that recorded it (0 without a strategy).
+        values: field name -> NumPy array.
+    """
+
+    step: int
+    mode: str
+    replica: int
+    values: Dict[str, np.ndarray]
+
+
+class _Buffers:
+    """The untracked ring buffers of one layer (not saved with the model)."""
+
+    def __init__(self, slots: int, fields: Dict[str, Tuple[tuple, tf.DType]], name: str):
+        self.slots = slots
+        self.ids = _buffers.on_read_variable(tf.zeros([slots], tf.int64), f"{name}_ids")
+        self.meta = _buffers.on_read_variable(tf.zeros([slots, 2], tf.int64), f"{name}_meta")
+        self.fields = {
+            key: _buffers.on_read_variable(tf.zeros([slots, *shape], dtype), f"{name}_{key}")
+            for key, (shape, dtype) in fields.items()
+        }
+
+
+class DebugLayer(keras.layers.Layer):
+    """Base class of the identity layers that record in-graph."""
+
+    def __init__(
+        self,
+        every_n_steps: int = 1,
+        replicas: str = "first",
+        buffer_steps: int = 64,
+        strict: bool = False,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        owner = type(self).__name__
+        self.every_n_steps = check.positive_int(owner, "every_n_steps", every_n_steps)
+        self.replicas = check.one_of(owner, "replicas", replicas, REPLICAS)
+        self.buffer_steps = check.positive_int(owner, "buffer_steps", buffer_steps)
+        self.strict = check.boolean(owner, "strict", strict)
+        self.supports_masking = True
+        # An identity keeps its input's dtype (no autocast to the policy).
+        self._convert_input_args = False
+        self._buffers: Optional[_Buffers] = None
+        self._last_id: List[int] = []
+        self._failed = False
+        self._warned_slots = False
+
+    # ------------------------------------------------------------ keras
+    def build(self, input_shape):
+        # Counters are weights (saved with the model); the ring buffers are not.
+        self.calls = keras.Variable(
+            0, dtype="int64", trainable=False, name="calls",
+            synchronization="on_read", aggregation="only_first_replica",
+        )
+        self.mode_calls = keras.Variable(
+            np.zeros(len(MODES), np.int64), dtype="int64", trainable=False,
+            name="mode_calls", synchronization="on_read", aggregation="only_first_replica",
+        )
+        self._input_shape = tuple(input_shape)
+        self._buffers = _Buffers(self.buffer_steps, self._fields(self._input_shape), self.name)
+        self._last_id = []
+        super().build(input_shape)
+
+    def __call__(self, inputs, *args, **kwargs):
+        # Arrays become tensors of their own dtype (inputs are not autocast).
+        if isinstance(inputs, (np.ndarray, np.generic, list, float, int)):
+            inputs = tf.convert_to_tensor(inputs)
+        return super().__call__(inputs, *args, **kwargs)
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+    def compute_output_spec(self, inputs, *args, **kwargs):
+        return keras.KerasTensor(inputs.shape, dtype=inputs.dtype, sparse=inputs.sparse)
+
+    def get_config(self) -> dict:
+        config = super().get_config()
+        config.update(
+            every_n_steps=self.every_n_steps,
+            replicas=self.replicas,
+            buffer_steps=self.buffer_steps,
+            strict=self.strict,
+        )
+        return config
+
+    def call(self, inputs):
+        context = internals.step_context()
+        try:
+            self._record(inputs, context)
+        except Exception as error:  # noqa: BLE001 - any failure of ours
+            self._fail(error)
+        if tf.executing_eagerly():
+            self.flush()
+        return inputs
+
+    # -------------------------------------------------------- subclasses
+    def _fields(self, input_shape) -> Dict[str, Tuple[tuple, tf.DType]]:
+        """Field name -> (shape, dtype) of what one record holds."""
+        raise NotImplementedError
+
+    def _values(self, inputs) -> Dict[str, tf.Tensor]:
+        """The fields of one record, in-graph."""
+        raise NotImplementedError
+
+    def _consume(self, records: List[LayerRecord]) -> None:
+        """Host side: what to do with new records, in call order."""
+        raise NotImplementedError
+
+    def _record_replica(self, replica) -> object:
+        """Whether this replica records (a Python bool when known)."""
+        return self.replicas == "all" or replica == 0
+
+    # ---------------------------------------------------------- in graph
+    def _record(self, inputs, context: internals.StepContext) -> None:
+        if self._failed:
+            return
+        _layer_sink.register(self, context)
+        if context.model is not None and not self._warned_slots:
+            spe = int(getattr(context.model, "steps_per_execution", 1) or 1)
+            if spe > self.buffer_steps:
+                self._warned_slots = True
+                warnings.warn(
+                    f"{type(self).__name__} {self.name!r}: steps_per_execution={spe} is "
+                    f"larger than buffer_steps={self.buffer_steps}; only the last "
+                    f"{self.buffer_steps} recorded steps of each execution are kept. "
+                    f"Pass buffer_steps={spe} to keep them all.",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        mode, call_id, step = self._count(context)
+        replica, static_replica = self._replica()
+        if static_replica is not None and not self._record_replica(static_replica):
+            return  # known at trace time: this replica records nothing
+
+        def write():
+            buffers = self._buffers
+            row = tf.math.floormod(call_id - 1, buffers.slots)
+            for key, value in self._values(inputs).items():
+                if buffers.fields[key].shape.num_elements():  # nothing to keep in []
+                    _buffers.write_row(buffers.fields[key], row, value)
+            _buffers.write_row(buffers.meta, row, tf.stack([tf.constant(mode, tf.int64), step]))
+            _buffers.write_row(buffers.ids, row, call_id)
+
+        _buffers.run_if(self._selected(step), write)
+
+    def _count(self, context: internals.StepContext):
+        """Counts this call in-graph; returns (mode index, call id, step)."""
+        mode = MODES.index(context.mode)
+        self.calls.assign_add(1)
+        self.mode_calls.assign_add(tf.one_hot(mode, len(MODES), dtype="int64"))
+        call_id = internals.read(self.calls)
+        optimizer = getattr(context.model, "optimizer", None) if context.model else None
+        if context.mode == "fit" and optimizer is not None:
+            step = internals.read(optimizer.iterations) + 1
+        else:
+            step = internals.read(self.mode_calls)[mode]
+        return mode, call_id, step
+
+    @staticmethod
+    def _replica():
+        """This replica's id (tensor or int) and its value if known statically."""
+        replica_context = tf.distribute.get_replica_context()
+        if replica_context is None:
+            return 0, 0
+        replica = replica_context.replica_id_in_sync_group
+        static = tf.get_static_value(replica)
+        return replica, None if static is None else int(static)
+
+    def _selected(self, step):
+        """Whether `step` is recorded (`every_n_steps`)."""
+        if self.every_n_steps == 1:
+            return True
+        return tf.equal(tf.math.floormod(step, self.every_n_steps), 0)
+
+    # ------------------------------------------------------------ on host
+    def flush(self) -> None:
+        """Hands the records written since the last flush to the layer.
+
+        Called for you after each execution of `fit`/`evaluate`/`predict` and
+        after each eager call; call it yourself after steps of your own
+        `tf.function`.
+        """
+        if self._buffers is None:
+            return
+        try:
+            records = self._read()
+            if records:
+                self._consume(records)
+        except Exception as error:  # noqa: BLE001 - the host side must not stop fit
+            self._fail(error)
+
+    def _read(self) -> List[LayerRecord]:
+        buffers = self._buffers
+        replicas = _buffers.read_replicas(buffers.ids)
+        if self.replicas == "first":
+            replicas = replicas[:1]
+        if len(self._last_id) < len(replicas):
+            self._last_id += [0] * (len(replicas) - len(self._last_id))
+        if not any((ids > last).any() for ids, last in zip(replicas, self._last_id)):
+            return []
+        metas = _buffers.read_replicas(buffers.meta)
+        fields = {key: _buffers.read_replicas(v) for key, v in buffers.fields.items()}
+        calls = int(self.calls.numpy())
+        keyed = []
+        for replica, ids in enumerate(replicas):
+            new = np.flatnonzero(ids > self._last_id[replica])
+            rows = new[np.argsort(ids[new])]
+            full = len(rows) == buffers.slots
+            if full and calls - self._last_id[replica] > buffers.slots and not self._warned_slots:
+                self._warned_slots = True
+                warnings.warn(
+                    f"{type(self).__name__} {self.name!r}: more than buffer_steps="
+                    f"{buffers.slots} calls happened between two reads, so older "
+                    "records were overwritten. Call `flush()` more often or raise "
+                    "`buffer_steps`.",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            for row in rows:
+                mode, step = metas[replica][row]
+                keyed.append((int(ids[row]), replica,
+                    LayerRecord(
+                        step=int(step),
+                        mode=MODES[int(mode)],
+                        replica=replica,
+                        values={k: v[replica][row] for k, v in fields.items()},
+                    ),
+                ))
+            if len(rows):
+                self._last_id[replica] = int(ids[rows[-1]])
+        # In call order, replica 0 first within a call.
+        keyed.sort(key=lambda item: item[:2])
+        return [record for _, _, record in keyed]
+
+    def _fail(self, error: Exception) -> None:
+        if self.strict:
+            raise error
+        if not self._failed:
+            self._failed = True
+            warnings.warn(
+                f"{type(self).__name__} {self.name!r} stopped recording; the model "
+                f"runs on unchanged. Cause: {type(error).__name__}: {error}",
+                RuntimeWarning,
+                stacklevel=3,
+            )

@@ -1,0 +1,282 @@
+"""`PrintLayer`: prints what flows through a point of the model, per step."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+from typing import Dict, List, Optional, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from kerasdbg import _buffers
+from kerasdbg import _validation as check
+from kerasdbg import stats as stats_lib
+from kerasdbg.layers._debug_layer import DebugLayer, LayerRecord
+
+PRINT_MODES = ("deferred", "immediate")
+DEFAULT_PRINT_STATISTICS = ("mean", "std", "min", "max", "nan_count", "inf_count")
+STREAMS = ("stderr", "stdout", "logging")
+
+
+def _check_stream(owner: str, value):
+    if value is None:
+        return "stderr"
+    if isinstance(value, logging.Logger) or hasattr(value, "write"):
+        return value
+    if isinstance(value, (str, os.PathLike)):
+        value = os.fspath(value)
+        if value:
+            return value
+    raise TypeError(
+        f"{owner}: `output_stream` must be one of {', '.join(STREAMS)}, "
+        "'logging:<logger name>', a file path, a logging.Logger or an object "
+        f"with a `write` method. Received: output_stream={value!r}"
+    )
+
+
+def _format_number(value: float) -> str:
+    return f"{value:.6g}"
+
+
+def format_elements(head: np.ndarray, tail: np.ndarray, size: int, summarize: int) -> str:
+    """The first and last `summarize` elements, as `tf.print` shows them."""
+    if summarize == 0 or size == 0:
+        return "[]" if size == 0 else "[...]"
+    if size <= summarize:
+        shown = [_format_number(v) for v in head[:size]]
+    elif size <= 2 * summarize:
+        rest = size - summarize
+        shown = [_format_number(v) for v in head] + [
+            _format_number(v) for v in tail[summarize - rest:]
+        ]
+    else:
+        shown = [_format_number(v) for v in head] + ["..."] + [_format_number(v) for v in tail]
+    return "[" + " ".join(shown) + "]"
+
+
+@keras.saving.register_keras_serializable(package="kerasdbg")
+class PrintLayer(DebugLayer):
+    """Prints its input at the steps it selects, and returns it unchanged.
+
+    Each printed line holds the mode (`fit`, `evaluate`, `predict` or `call`
+    for any other call), the step, the replica, the message, the shape, the
+    chosen statistics and the first and last `summarize` elements:
+
+        kerasdbg fit step 3 replica 0 | after dense | shape (4, 2) | mean=0.25 ... | [0.1 0.2 ...]
+
+    In `mode="deferred"` (default) the values are recorded in-graph and
+    printed on the host at the end of each execution of the train, test or
+    predict function, in step order: this works with XLA (`jit_compile`),
+    `steps_per_execution > 1` and `tf.distribute` strategies. Eager calls
+    print at once; in a `tf.function` of your own, call `flush()` to print.
+
+    In `mode="immediate"` the layer calls `tf.print` in the graph, which XLA
+    cannot compile: the layer sets `supports_jit = False`, so Keras's
+    `jit_compile="auto"` turns XLA off (and an explicit `jit_compile=True`
+    falls back with Keras's warning).
+
+    Args:
+        message: text printed on each line. Defaults to the layer name.
+        every_n_steps: print steps divisible by this. Defaults to `1`.
+        summarize: how many leading and trailing elements to print (as
+            `tf.print`'s `summarize`); 0 prints none. Defaults to `3`.
+        stats: statistics from `kerasdbg.stats.STATISTICS` to print.
+            Defaults to mean, std, min, max, nan_count and inf_count.
+        replicas: "first" prints replica 0 only; "all" prints every
+            replica. Defaults to `"first"`.
+        mode: "deferred" or "immediate". Defaults to `"deferred"`.
+        output_stream: "stderr", "stdout", "logging" (the `kerasdbg`
+            logger, level INFO), "logging:<name>", a file path (appended
+            to), a `logging.Logger` or an object with `write`. Streams are
+            looked up when printing, so pytest's `capsys` captures them.
+            Defaults to `"stderr"`.
+        buffer_steps: records kept between two host reads (deferred mode);
+            at least `steps_per_execution`. Defaults to `64`.
+        strict: raise on a failure of the layer instead of warning once.
+            Defaults to `False`.
+        **kwargs: `keras.layers.Layer` arguments (`name`, ...).
+
+    Call arguments:
+        inputs: any tensor; returned unchanged.
+
+    Example:
+
+    >>> import keras, numpy as np, sys
+    >>> from kerasdbg.layers import PrintLayer
+    >>> layer = PrintLayer("x", stats=["mean"], output_stream=sys.stdout, name="p")
+    >>> _ = layer(np.array([[1.0, 2.0], [3.0, 4.0]]))
+    kerasdbg call step 1 replica 0 | x | shape (2, 2) | mean=2.5 | [1 2 3 4]
+    """
+
+    def __init__(
+        self,
+        message: Optional[str] = None,
+        every_n_steps: int = 1,
+        summarize: int = 3,
+        stats: Sequence[str] = DEFAULT_PRINT_STATISTICS,
+        replicas: str = "first",
+        mode: str = "deferred",
+        output_stream=None,
+        buffer_steps: int = 64,
+        strict: bool = False,
+        **kwargs,
+    ):
+        super().__init__(
+            every_n_steps=every_n_steps, replicas=replicas, buffer_steps=buffer_steps,
+            strict=strict, **kwargs,
+        )
+        owner = type(self).__name__
+        if message is not None and not isinstance(message, str):
+            raise TypeError(
+                f"{owner}: `message` must be None or a str. Received: message={message!r}"
+            )
+        self.message = message
+        self.summarize = check.non_negative_int(owner, "summarize", summarize)
+        self.stats = check.choices(owner, "stats", stats, stats_lib.STATISTICS, allow_empty=True)
+        self.mode = check.one_of(owner, "mode", mode, PRINT_MODES)
+        self.output_stream = _check_stream(owner, output_stream)
+        if self.mode == "immediate":
+            if isinstance(self.output_stream, logging.Logger) or (
+                isinstance(self.output_stream, str) and self.output_stream.startswith("logging:")
+            ):
+                raise ValueError(
+                    f"{owner}: mode='immediate' prints with tf.print, which cannot "
+                    "write to a named logger; use output_stream='logging' (TensorFlow's "
+                    "logger), a stream or a file path, or mode='deferred'. "
+                    f"Received: output_stream={output_stream!r}"
+                )
+            # tf.print does not compile under XLA.
+            self.supports_jit = False
+
+    def get_config(self) -> dict:
+        config = super().get_config()
+        stream = self.output_stream
+        if not isinstance(stream, str):
+            if isinstance(stream, logging.Logger):
+                stream = f"logging:{stream.name}"
+            elif stream is sys.stdout:
+                stream = "stdout"
+            else:
+                warnings.warn(
+                    f"PrintLayer {self.name!r}: output_stream={stream!r} cannot be "
+                    "saved; the saved layer prints to stderr.",
+                    UserWarning,
+                    stacklevel=2,
+                )
+                stream = "stderr"
+        config.update(
+            message=self.message,
+            summarize=self.summarize,
+            stats=list(self.stats),
+            mode=self.mode,
+            output_stream=stream,
+        )
+        return config
+
+    # ------------------------------------------------------------ records
+    def _fields(self, input_shape):
+        rank = len(input_shape)
+        k = max(self.summarize, 1)
+        return {
+            "shape": ((rank,), tf.int64),
+            "stats": ((len(self.stats),), tf.float64),
+            "head": ((k,), tf.float64),
+            "tail": ((k,), tf.float64),
+        }
+
+    def _values(self, inputs):
+        x = tf.convert_to_tensor(inputs)
+        k = max(self.summarize, 1)
+        flat = tf.cast(tf.reshape(x, [-1]), tf.float64)
+        pad = tf.zeros([k], tf.float64)
+        return {
+            "shape": tf.shape(x, out_type=tf.int64),
+            "stats": stats_lib.tensor_statistics([x], self.stats)[0],
+            "head": tf.concat([flat, pad], 0)[:k],
+            "tail": tf.concat([pad, flat], 0)[-k:],
+        }
+
+    def _record(self, inputs, context):
+        if self.mode == "deferred":
+            return super()._record(inputs, context)
+        return self._print_in_graph(inputs, context)
+
+    def _line(self, record: LayerRecord) -> str:
+        values = record.values
+        shape = tuple(int(d) for d in values["shape"])
+        size = int(np.prod(shape)) if shape else 1
+        shape_text = "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
+        stats = " ".join(
+            f"{name}={_format_number(v)}" for name, v in zip(self.stats, values["stats"])
+        )
+        parts = [
+            f"kerasdbg {record.mode} step {record.step} replica {record.replica}",
+            self.message if self.message is not None else self.name,
+            f"shape {shape_text}",
+        ]
+        if stats:
+            parts.append(stats)
+        if self.summarize:
+            parts.append(format_elements(values["head"], values["tail"], size, self.summarize))
+        return " | ".join(parts)
+
+    def _consume(self, records: List[LayerRecord]) -> None:
+        self._emit([self._line(r) for r in records])
+
+    def _emit(self, lines: List[str]) -> None:
+        stream = self.output_stream
+        if isinstance(stream, str) and (stream == "logging" or stream.startswith("logging:")):
+            stream = logging.getLogger(stream.split(":", 1)[1] if ":" in stream else "kerasdbg")
+        if isinstance(stream, logging.Logger):
+            for line in lines:
+                stream.info(line)
+            return
+        if stream == "stderr":
+            stream = sys.stderr
+        elif stream == "stdout":
+            stream = sys.stdout
+        if isinstance(stream, str):
+            with open(stream, "a", encoding="utf-8") as handle:
+                handle.write("".join(line + "\n" for line in lines))
+            return
+        stream.write("".join(line + "\n" for line in lines))
+        if hasattr(stream, "flush"):
+            stream.flush()
+
+    # ------------------------------------------------------- immediate mode
+    def _print_in_graph(self, inputs, context) -> None:
+        _, _, step = self._count(context)
+        replica, static_replica = self._replica()
+        if static_replica is not None and not self._record_replica(static_replica):
+            return
+        x = tf.convert_to_tensor(inputs)
+        stats = stats_lib.tensor_statistics([x], self.stats)[0]
+        stream = self.output_stream
+        target = {
+            "stderr": sys.stderr,
+            "stdout": sys.stdout,
+            "logging": tf.compat.v1.logging.info,
+        }.get(stream, None) if isinstance(stream, str) else stream
+        if target is None:
+            target = "file://" + os.path.abspath(stream)
+        elif not isinstance(target, str) and target not in (sys.stderr, sys.stdout, tf.compat.v1.logging.info):
+            raise ValueError(
+                f"PrintLayer {self.name!r}: mode='immediate' prints with tf.print, which "
+                "writes only to sys.stderr, sys.stdout, TensorFlow's logger or a file "
+                f"path. Received: output_stream={stream!r}"
+            )
+        pieces = [f"kerasdbg {context.mode} step", step, "replica", replica, "|",
+                  self.message if self.message is not None else self.name,
+                  "| shape", tf.shape(x), "|"]
+        for i, name in enumerate(self.stats):
+            pieces += [f"{name}=", stats[i]]
+        if self.summarize:
+            pieces += ["|", tf.reshape(x, [-1])]  # one line, as in deferred mode
+        def show():
+            tf.print(*pieces, summarize=self.summarize, output_stream=target)
+
+        _buffers.run_if(self._selected(step), show)

@@ -1,0 +1,300 @@
+"""`TapLayer`: records statistics of what flows through a point of the model."""
+
+from __future__ import annotations
+
+import collections
+from typing import Callable, Dict, List, Optional, Sequence
+
+import keras
+import numpy as np
+import pandas as pd
+import tensorflow as tf
+
+from kerasdbg import _validation as check
+from kerasdbg import stats as stats_lib
+from kerasdbg.layers._debug_layer import DebugLayer, LayerRecord
+
+DEFAULT_TAP_STATISTICS = (
+    "mean", "std", "min", "max", "zero_fraction", "nan_count", "inf_count",
+)
+ACTIVATIONS = ("relu", "tanh", "sigmoid")
+HEALTH = ("dead_fraction", "saturated_fraction")
+
+# SageMaker Debugger's documented bounds on the *input* of the activation;
+# a tap sees the activation's output, so it compares with their images.
+TANH_INPUT_BOUND = 9.4999
+SIGMOID_INPUT_BOUNDS = (-23.0, 16.99999)
+
+
+@keras.saving.register_keras_serializable(package="kerasdbg")
+class TapLayer(DebugLayer):
+    """Records per-step statistics of its input, and returns it unchanged.
+
+    At each selected step the layer records, in-graph (XLA, steps_per_execution
+    and strategies included), the chosen statistics of its input, optionally a
+    histogram and the first `sample_rows` rows, and, when it follows an
+    activation, the activation's health:
+
+    - after a ReLU-family activation: `dead_fraction`, the fraction of units
+      (every non-batch position) that are zero for at least
+      `100 - inactivity_threshold` percent of the batch (with the default 1%,
+      a unit is dead when no example of a batch under 100 activates it);
+    - after tanh or sigmoid: `saturated_fraction`, the fraction of units
+      saturated for that share of the batch. Saturation is measured on the
+      activation's output, against the images of SageMaker Debugger's input
+      bounds: |tanh(x)| >= tanh(9.4999), sigmoid(x) <= sigmoid(-23) or
+      >= sigmoid(16.99999), compared in the tensor's precision (in float32
+      both upper bounds round to 1.0, so a unit counts when its output is
+      exactly ±1).
+
+    Under a `tf.distribute` strategy the statistics describe replica 0's
+    slice of the batch by default; `replicas="all"` records every replica and
+    `latest`/`history` then aggregate them (means and fractions weighted by
+    size, std pooled, min/max/counts over all; histograms and sample rows stay
+    replica 0's).
+
+    Records of `fit` go to `history` and `latest` and to every
+    `ActivationStatistics` callback on the model; those of `evaluate`,
+    `predict` and other calls go to `latest_by_mode`.
+
+    Args:
+        stats: statistics from `kerasdbg.stats.STATISTICS`. Defaults to mean,
+            std, min, max, zero_fraction, nan_count and inf_count.
+        histogram: also record a histogram. Defaults to `False`.
+        histogram_bins: bins of the histogram. Defaults to `30`.
+        sample_rows: record the first rows of the batch. Defaults to `0`.
+        every_n_steps: record steps divisible by this. Defaults to `1`.
+        activation: "relu", "tanh", "sigmoid" or None: the activation the
+            tap follows, for the health fractions. `insert_taps` sets it.
+            Defaults to `None`.
+        inactivity_threshold: percent of the batch, see above. Defaults to
+            `1.0`.
+        replicas: "first" or "all". Defaults to `"first"`.
+        history_size: records of `fit` kept in `history`. Defaults to `1000`.
+        buffer_steps: records kept between two host reads; at least
+            `steps_per_execution`. Defaults to `64`.
+        strict: raise on a failure of the layer instead of warning once.
+            Defaults to `False`.
+        **kwargs: `keras.layers.Layer` arguments (`name`, ...).
+
+    Call arguments:
+        inputs: a tensor with a batch dimension first; returned unchanged.
+
+    Example:
+
+    >>> import numpy as np
+    >>> from kerasdbg.layers import TapLayer
+    >>> tap = TapLayer(stats=["mean", "max"], activation="relu", name="tap")
+    >>> _ = tap(np.array([[0.0, 2.0], [0.0, 4.0]]))
+    >>> tap.latest
+    {'step': 1, 'mode': 'call', 'mean': 1.5, 'max': 4.0, 'dead_fraction': 0.5}
+    """
+
+    def __init__(
+        self,
+        stats: Sequence[str] = DEFAULT_TAP_STATISTICS,
+        histogram: bool = False,
+        histogram_bins: int = stats_lib.DEFAULT_HISTOGRAM_BINS,
+        sample_rows: int = 0,
+        every_n_steps: int = 1,
+        activation: Optional[str] = None,
+        inactivity_threshold: float = 1.0,
+        replicas: str = "first",
+        history_size: int = 1000,
+        buffer_steps: int = 64,
+        strict: bool = False,
+        **kwargs,
+    ):
+        super().__init__(
+            every_n_steps=every_n_steps, replicas=replicas, buffer_steps=buffer_steps,
+            strict=strict, **kwargs,
+        )
+        owner = type(self).__name__
+        self.stats = check.choices(owner, "stats", stats, stats_lib.STATISTICS)
+        self.histogram = check.boolean(owner, "histogram", histogram)
+        self.histogram_bins = check.positive_int(owner, "histogram_bins", histogram_bins)
+        self.sample_rows = check.non_negative_int(owner, "sample_rows", sample_rows)
+        if activation is not None:
+            check.one_of(owner, "activation", activation, ACTIVATIONS)
+        self.activation = activation
+        if isinstance(inactivity_threshold, bool) or not isinstance(
+            inactivity_threshold, (int, float)
+        ) or not 0 <= inactivity_threshold < 100:
+            raise ValueError(
+                f"{owner}: `inactivity_threshold` must be a number of percent in "
+                f"[0, 100). Received: inactivity_threshold={inactivity_threshold!r}"
+            )
+        self.inactivity_threshold = float(inactivity_threshold)
+        self.history_size = check.non_negative_int(owner, "history_size", history_size)
+        self._history: collections.deque = collections.deque(maxlen=history_size)
+        self._latest: Dict[str, dict] = {}
+        self._latest_raw: Optional[LayerRecord] = None
+        self._last: dict = {}
+        self._listeners: List[Callable[["TapLayer", List[dict]], None]] = []
+
+    def get_config(self) -> dict:
+        config = super().get_config()
+        config.update(
+            stats=list(self.stats),
+            histogram=self.histogram,
+            histogram_bins=self.histogram_bins,
+            sample_rows=self.sample_rows,
+            activation=self.activation,
+            inactivity_threshold=self.inactivity_threshold,
+            history_size=self.history_size,
+        )
+        return config
+
+    @property
+    def health(self) -> tuple:
+        """Names of the health columns this tap records."""
+        if self.activation == "relu":
+            return ("dead_fraction",)
+        if self.activation in ("tanh", "sigmoid"):
+            return ("saturated_fraction",)
+        return ()
+
+    # ------------------------------------------------------------ records
+    def _fields(self, input_shape):
+        fields = {
+            "stats": ((len(self.stats),), tf.float64),
+            "size": ((), tf.float64),
+        }
+        if self.health:
+            fields["health"] = ((1,), tf.float64)
+        if self.histogram:
+            fields["hist_counts"] = ((self.histogram_bins,), tf.float64)
+            fields["hist_range"] = ((2,), tf.float64)
+        if self.sample_rows:
+            features = tuple(input_shape[1:])
+            if any(d is None for d in features):
+                raise ValueError(
+                    f"TapLayer {self.name!r}: `sample_rows` needs a static shape "
+                    f"after the batch dimension. Received input shape: {tuple(input_shape)}"
+                )
+            fields["rows"] = ((self.sample_rows, *features), tf.float64)
+            fields["valid_rows"] = ((), tf.int64)
+        return fields
+
+    def _saturated(self, x):
+        if self.activation == "tanh":
+            bound = tf.cast(np.tanh(TANH_INPUT_BOUND), x.dtype)
+            return tf.abs(x) >= bound
+        low = tf.cast(1.0 / (1.0 + np.exp(-SIGMOID_INPUT_BOUNDS[0])), x.dtype)
+        high = tf.cast(1.0 / (1.0 + np.exp(-SIGMOID_INPUT_BOUNDS[1])), x.dtype)
+        return (x <= low) | (x >= high)
+
+    def _values(self, inputs):
+        x = tf.convert_to_tensor(inputs)
+        values = {
+            "stats": stats_lib.tensor_statistics([x], self.stats)[0],
+            "size": tf.cast(tf.size(x), tf.float64),
+        }
+        if self.health:
+            y = x if x.dtype.is_floating else tf.cast(x, tf.float32)
+            flagged = tf.equal(y, 0) if self.activation == "relu" else self._saturated(y)
+            # Share of the batch each unit is flagged for; rank 1 means units are the batch.
+            if y.shape.rank and y.shape.rank > 1:
+                share = tf.reduce_mean(tf.cast(flagged, tf.float64), axis=0)
+            else:
+                share = tf.cast(flagged, tf.float64)
+            bad = share >= 1.0 - self.inactivity_threshold / 100.0
+            values["health"] = tf.reduce_mean(tf.cast(bad, tf.float64))[None]
+        if self.histogram:
+            counts, ranges = stats_lib.histograms([x], self.histogram_bins)
+            values["hist_counts"], values["hist_range"] = counts[0], ranges[0]
+        if self.sample_rows:
+            rows = tf.cast(x[: self.sample_rows], tf.float64)
+            missing = self.sample_rows - tf.shape(rows)[0]
+            pad = tf.zeros(tf.concat([[missing], tf.shape(rows)[1:]], 0), tf.float64)
+            values["rows"] = tf.concat([rows, pad], 0)
+            values["valid_rows"] = tf.cast(tf.shape(x)[0], tf.int64)
+        return values
+
+    # -------------------------------------------------------------- host
+    def _row(self, records: List[LayerRecord]) -> dict:
+        """One step's row: statistics (aggregated over replicas) and health."""
+        first = records[0]
+        row = {"step": first.step, "mode": first.mode}
+        stats = np.array([r.values["stats"] for r in records])
+        sizes = np.array([float(r.values["size"]) for r in records])
+        for i, name in enumerate(self.stats):
+            column = stats[:, i]
+            if len(records) == 1:
+                value = column[0]
+            elif name in ("min",):
+                value = np.nanmin(column)
+            elif name in ("max",):
+                value = np.nanmax(column)
+            elif name in ("nan_count", "inf_count"):
+                value = column.sum()
+            elif name == "l2_norm":
+                value = np.sqrt(np.sum(column ** 2))
+            elif name == "std" and "mean" in self.stats:
+                means = stats[:, self.stats.index("mean")]
+                pooled = np.average(means, weights=sizes)
+                value = np.sqrt(np.average(column ** 2 + (means - pooled) ** 2, weights=sizes))
+            else:  # mean, mean_abs, zero_fraction; std without mean
+                value = np.average(column, weights=sizes)
+            row[name] = float(value)
+        if self.health:
+            health = np.array([r.values["health"][0] for r in records])
+            row[self.health[0]] = float(np.average(health, weights=sizes))
+        return row
+
+    def _consume(self, records: List[LayerRecord]) -> None:
+        rows, by_call = [], []
+        for record in records:
+            if record.replica == 0 or not by_call:
+                by_call.append([record])
+            else:
+                by_call[-1].append(record)
+        for group in by_call:
+            row = self._row(group)
+            self._latest[row["mode"]] = row
+            self._last = row
+            if row["mode"] == "fit":
+                self._latest_raw = group[0]
+                if self.history_size:
+                    self._history.append(row)
+                rows.append((row, group[0]))
+        for listener in list(self._listeners):
+            listener(self, rows)
+
+    # ----------------------------------------------------------- results
+    @property
+    def latest(self) -> dict:
+        """The last record (of any mode) as `{"step", "mode", <stat>: ...}`."""
+        self.flush()
+        return dict(self._last)
+
+    @property
+    def latest_by_mode(self) -> Dict[str, dict]:
+        """The last record of each mode seen: `{"fit": {...}, "predict": {...}}`."""
+        self.flush()
+        return {mode: dict(row) for mode, row in self._latest.items()}
+
+    @property
+    def history(self) -> pd.DataFrame:
+        """The latest `fit` records (at most `history_size`), one row per step."""
+        self.flush()
+        columns = ["step", "mode", *self.stats, *self.health]
+        return pd.DataFrame(list(self._history), columns=columns)
+
+    @property
+    def latest_histogram(self):
+        """`(counts, (low, high))` of the last `fit` record, or None."""
+        self.flush()
+        record = self._latest_raw
+        if record is None or "hist_counts" not in record.values:
+            return None
+        return record.values["hist_counts"], tuple(record.values["hist_range"])
+
+    @property
+    def latest_rows(self) -> Optional[np.ndarray]:
+        """The sample rows of the last `fit` record, or None."""
+        self.flush()
+        record = self._latest_raw
+        if record is None or "rows" not in record.values:
+            return None
+        return record.values["rows"][: int(record.values["valid_rows"])]
