@@ -1,9 +1,11 @@
 """Keras callbacks of kerasdbg."""
 
+from kerasdbg.callbacks.activation_statistics import ActivationStatistics
 from kerasdbg.callbacks.gradient_statistics import GradientStatistics
 from kerasdbg.callbacks.weight_statistics import WeightStatistics
 
 __all__ = (
+    "ActivationStatistics",
     "GradientStatistics",
     "WeightStatistics",
 )

@@ -253,8 +253,8 @@ class TapLayer(DebugLayer):
             row = self._row(group)
             self._latest[row["mode"]] = row
             self._last = row
+            self._latest_raw = group[0]
             if row["mode"] == "fit":
-                self._latest_raw = group[0]
                 if self.history_size:
                     self._history.append(row)
                 rows.append((row, group[0]))
@@ -283,7 +283,7 @@ class TapLayer(DebugLayer):
 
     @property
     def latest_histogram(self):
-        """`(counts, (low, high))` of the last `fit` record, or None."""
+        """`(counts, (low, high))` of the last record, or None."""
         self.flush()
         record = self._latest_raw
         if record is None or "hist_counts" not in record.values:
@@ -292,7 +292,7 @@ class TapLayer(DebugLayer):
 
     @property
     def latest_rows(self) -> Optional[np.ndarray]:
-        """The sample rows of the last `fit` record, or None."""
+        """The sample rows of the last record (replica 0), or None."""
         self.flush()
         record = self._latest_raw
         if record is None or "rows" not in record.values:

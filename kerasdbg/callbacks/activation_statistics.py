@@ -1,0 +1,204 @@
+"""`ActivationStatistics`: writes what the model's `TapLayer`s record."""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import warnings
+from typing import Dict, List, Optional
+
+import keras
+import pandas as pd
+
+from kerasdbg import _events
+from kerasdbg import _validation as check
+from kerasdbg.layers.tap_layer import TapLayer
+
+
+def find_taps(model) -> List[TapLayer]:
+    """Every `TapLayer` of `model`, nested models included, in layer order."""
+    taps, stack = [], list(reversed(getattr(model, "layers", [])))
+    while stack:
+        layer = stack.pop()
+        if isinstance(layer, TapLayer):
+            taps.append(layer)
+        elif isinstance(layer, keras.Model):
+            stack.extend(reversed(layer.layers))
+    return taps
+
+
+class ActivationStatistics(keras.callbacks.Callback):
+    """Writes the statistics of the model's `TapLayer`s to TensorBoard.
+
+    Each tap records in-graph at its own `every_n_steps`; this callback reads
+    the records after each execution and writes, at the optimizer step of each
+    record, `activations/<tap name>/<stat>` scalars (the tap's statistics and
+    its `dead_fraction` / `saturated_fraction`) and, for taps with
+    `histogram=True`, `activations/<tap name>` histograms, under
+    `<log_dir>/train`.
+
+    Args:
+        log_dir: TensorBoard log directory, or None to keep the records in
+            Python only. Defaults to `None`.
+        include: regular expression on tap names; only the taps it matches.
+            Defaults to `None` (all).
+        exclude: regular expression on tap names to leave out. Defaults to
+            `None`.
+        history_size: recorded steps `history` keeps. Defaults to `1000`.
+        strict: raise, instead of warning and going on, when writing fails.
+            Defaults to `False`.
+
+    Raises:
+        ValueError: at the start of `fit` when the model has no matching tap.
+
+    Example:
+
+    >>> import keras, numpy as np
+    >>> from kerasdbg.callbacks import ActivationStatistics
+    >>> from kerasdbg.layers import TapLayer
+    >>> inputs = keras.Input((2,))
+    >>> hidden = keras.layers.Dense(3, activation="relu", name="dense")(inputs)
+    >>> tapped = TapLayer(stats=["mean"], activation="relu", name="dense_tap")(hidden)
+    >>> model = keras.Model(inputs, keras.layers.Dense(1, name="out")(tapped))
+    >>> model.compile("sgd", "mse")
+    >>> callback = ActivationStatistics()
+    >>> _ = model.fit(np.ones((4, 2)), np.ones((4, 1)), batch_size=2, verbose=0,
+    ...               callbacks=[callback])
+    >>> list(callback.history.columns)
+    ['step', 'dense_tap/mean', 'dense_tap/dead_fraction']
+    >>> callback.history.step.tolist()
+    [1, 2]
+    """
+
+    def __init__(
+        self,
+        log_dir: Optional[str] = None,
+        include: Optional[str] = None,
+        exclude: Optional[str] = None,
+        history_size: int = 1000,
+        strict: bool = False,
+    ):
+        super().__init__()
+        owner = type(self).__name__
+        self.log_dir = check.optional_path(owner, "log_dir", log_dir)
+        self.include = check.optional_regex(owner, "include", include)
+        self.exclude = check.optional_regex(owner, "exclude", exclude)
+        self.history_size = check.non_negative_int(owner, "history_size", history_size)
+        self.strict = check.boolean(owner, "strict", strict)
+        self._taps: List[TapLayer] = []
+        self._steps: "collections.OrderedDict[int, Dict[str, float]]" = collections.OrderedDict()
+        self._writer: Optional[_events.EventWriter] = None
+        self._failed = False
+
+    def get_config(self) -> dict:
+        return {
+            "log_dir": self.log_dir,
+            "include": self.include,
+            "exclude": self.exclude,
+            "history_size": self.history_size,
+            "strict": self.strict,
+        }
+
+    @classmethod
+    def from_config(cls, config: dict):
+        return cls(**config)
+
+    # --------------------------------------------------------- callbacks
+    def on_train_begin(self, logs=None):
+        self._steps.clear()
+        self._failed = False
+        taps = find_taps(self.model)
+        self._taps = [
+            t for t in taps
+            if (self.include is None or re.search(self.include, t.name))
+            and (self.exclude is None or not re.search(self.exclude, t.name))
+        ]
+        if not self._taps:
+            raise ValueError(
+                f"{type(self).__name__}: the model has no TapLayer matching "
+                f"include={self.include!r}, exclude={self.exclude!r}. Taps: "
+                f"{', '.join(t.name for t in taps) or '(none; add TapLayer()s after the layers to watch)'}"
+            )
+        self._writer = None
+        if self.log_dir is not None:
+            self._writer = _events.writer_for(os.path.join(self.log_dir, "train"))
+        for tap in self._taps:
+            tap._listeners.append(self._consume)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._flush()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._flush()
+        if self._writer is not None:
+            self._writer.flush()
+
+    def on_train_end(self, logs=None):
+        self._flush()
+        for tap in self._taps:
+            if self._consume in tap._listeners:
+                tap._listeners.remove(self._consume)
+        if self._writer is not None:
+            self._writer.flush()
+
+    def _flush(self):
+        for tap in self._taps:
+            tap.flush()
+
+    # ----------------------------------------------------------- records
+    def _consume(self, tap: TapLayer, rows) -> None:
+        try:
+            self._write(tap, rows)
+        except Exception as error:  # noqa: BLE001 - the sink must not stop fit
+            if self.strict:
+                raise
+            if not self._failed:
+                self._failed = True
+                warnings.warn(
+                    f"{type(self).__name__} could not write its records; training "
+                    f"goes on. Cause: {type(error).__name__}: {error}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+
+    def _write(self, tap: TapLayer, rows) -> None:
+        for row, record in rows:
+            step = row["step"]
+            values = {
+                f"{tap.name}/{k}": v for k, v in row.items() if k not in ("step", "mode")
+            }
+            if self.history_size:
+                self._steps.setdefault(step, {}).update(values)
+                while len(self._steps) > self.history_size:
+                    self._steps.popitem(last=False)
+            if self._writer is None:
+                continue
+            histograms = {}
+            if "hist_counts" in record.values:
+                low, high = record.values["hist_range"]
+                if low == low and high == high:  # not NaN: some value was finite
+                    histograms[f"activations/{tap.name}"] = (record.values["hist_counts"], low, high)
+            self._writer.write(
+                step, {f"activations/{k}": v for k, v in values.items()}, histograms
+            )
+
+    # ----------------------------------------------------------- results
+    @property
+    def history(self) -> pd.DataFrame:
+        """Recorded steps, one row each: `step`, then `<tap name>/<stat>`."""
+        self._flush()
+        columns = ["step"]
+        for tap in self._taps:
+            columns += [f"{tap.name}/{s}" for s in (*tap.stats, *tap.health)]
+        rows = [{"step": step, **values} for step, values in sorted(self._steps.items())]
+        return pd.DataFrame(rows, columns=columns)
+
+    @property
+    def latest(self) -> Dict[str, float]:
+        """The last recorded step as `{"step": ..., "<tap>/<stat>": ...}`."""
+        self._flush()
+        if not self._steps:
+            return {}
+        step = max(self._steps)
+        return {"step": step, **self._steps[step]}

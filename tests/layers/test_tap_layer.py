@@ -1,0 +1,159 @@
+"""TapLayer: histograms, sample rows, health, replicas, modes, arguments, saving."""
+
+import re
+
+import keras
+import numpy as np
+import pytest
+
+from kerasdbg.layers import TapLayer
+from tests.conftest import make_strategy, reference_stats
+
+RNG = np.random.default_rng(3)
+X = RNG.normal(size=(8, 5)).astype("float32")
+Y = np.zeros((8, 1), "float32")
+
+
+def _tapped(tap, strategy=None, activation=None):
+    with (strategy or make_strategy("default")).scope():
+        inputs = keras.Input((5,))
+        h = keras.layers.Activation(activation)(inputs) if activation else inputs
+        model = keras.Model(inputs, keras.layers.Dense(1, name="d")(tap(h)))
+        model.compile("sgd", "mse")
+    return model
+
+
+def test_histogram_and_sample_rows_match_numpy():
+    tap = TapLayer(histogram=True, histogram_bins=4, sample_rows=3, name="t")
+    model = _tapped(tap)
+    model.fit(X, Y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+    counts, (low, high) = tap.latest_histogram
+    want, edges = np.histogram(X, bins=4, range=(X.min(), X.max()))
+    np.testing.assert_allclose(counts, want)
+    np.testing.assert_allclose([low, high], [edges[0], edges[-1]], rtol=1e-6)
+    np.testing.assert_allclose(tap.latest_rows, X[:3], rtol=1e-6)
+
+
+def test_sample_rows_of_a_short_batch_are_not_padded():
+    tap = TapLayer(sample_rows=4, name="t")
+    tap(X[:2])
+    assert tap.latest_rows.shape == (2, 5)
+    np.testing.assert_allclose(tap.latest_rows, X[:2], rtol=1e-6)
+    record = tap._buffers.fields["rows"].numpy()[0]
+    np.testing.assert_allclose(record[:2], X[:2], rtol=1e-6)
+    np.testing.assert_allclose(record[2:], 0)
+
+
+@pytest.mark.parametrize(
+    "activation, values, expected",
+    [
+        # Units are columns; a unit is flagged when flagged for the whole batch (< 100 rows).
+        ("relu", [[0.0, 1.0, 0.0], [0.0, 0.0, 2.0]], 1 / 3),
+        ("tanh", [[1.0, -1.0, 0.5], [1.0, -1.0, 0.99]], 2 / 3),
+        ("sigmoid", [[1.0, 1e-11, 0.5], [1.0, 1e-12, 1e-9]], 2 / 3),
+    ],
+    ids=["relu-dead", "tanh-saturated", "sigmoid-saturated"],
+)
+def test_activation_health(activation, values, expected):
+    tap = TapLayer(stats=["mean"], activation=activation, name="t")
+    tap(np.array(values, "float32"))
+    assert tap.latest[tap.health[0]] == pytest.approx(expected)
+
+
+def test_saturation_is_measured_on_real_activations():
+    preactivation = np.array([[10.0, 9.0, -12.0, 0.1]] * 4, "float32")
+    tap = TapLayer(stats=["max"], activation="tanh", name="t")
+    tap(np.tanh(preactivation))
+    # float32 tanh is exactly 1 beyond ~9.01: 10 and -12 count, 9 and 0.1 do not.
+    assert tap.latest["saturated_fraction"] == pytest.approx(0.5)
+
+
+def test_all_replicas_are_aggregated_like_the_whole_batch():
+    tap = TapLayer(replicas="all", name="t")
+    model = _tapped(tap, make_strategy("mirrored"))
+    model.fit(X, Y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+    row = tap.history.iloc[0]
+    for name, want in reference_stats(X).items():
+        if name in tap.stats:
+            np.testing.assert_allclose(row[name], want, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_first_replica_describes_replica_zero_slice():
+    tap = TapLayer(name="t")
+    model = _tapped(tap, make_strategy("mirrored"))
+    model.fit(X, Y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+    np.testing.assert_allclose(tap.history.iloc[0]["mean"], X[:4].mean(), rtol=1e-5)
+
+
+def test_records_by_mode_and_every_n_steps():
+    tap = TapLayer(stats=["mean"], every_n_steps=2, name="t")
+    model = _tapped(tap)
+    model.fit(X, Y, batch_size=2, epochs=1, verbose=0, shuffle=False)
+    assert tap.history.step.tolist() == [2, 4]
+    np.testing.assert_allclose(tap.history["mean"], [X[2:4].mean(), X[6:8].mean()], rtol=1e-5)
+    model.evaluate(X, Y, batch_size=4, verbose=0)
+    model.predict(X, batch_size=8, verbose=0)
+    modes = tap.latest_by_mode
+    assert modes["evaluate"]["step"] == 2
+    np.testing.assert_allclose(modes["evaluate"]["mean"], X[4:].mean(), rtol=1e-5)
+    assert "predict" not in modes  # predict step 1 is not a multiple of 2
+    assert tap.history.step.tolist() == [2, 4]  # only fit goes to history
+
+
+def test_inputs_are_returned_unchanged_with_their_dtype():
+    tap = TapLayer(name="t")
+    for value in (np.arange(6, dtype="int32").reshape(2, 3), X.astype("float16")):
+        out = tap(value)
+        assert out.dtype == value.dtype
+        np.testing.assert_array_equal(np.asarray(out), value)
+
+
+def test_saved_model_round_trips_config_and_counters(tmp_path):
+    tap = TapLayer(stats=["mean", "max"], activation="relu", every_n_steps=2, name="t")
+    model = _tapped(tap, make_strategy("mirrored"), activation="relu")
+    model.fit(X, Y, batch_size=2, epochs=1, verbose=0)
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras").get_layer("t")
+    assert loaded.get_config() == tap.get_config()
+    assert int(loaded.calls.numpy()) == 4
+    np.testing.assert_array_equal(loaded.mode_calls.numpy(), tap.mode_calls.numpy())
+    assert TapLayer.from_config(tap.get_config()).get_config() == tap.get_config()
+
+
+def test_a_failure_warns_once_and_the_model_runs_on(monkeypatch):
+    tap = TapLayer(name="t")
+    monkeypatch.setattr(TapLayer, "_values", lambda self, x: 1 / 0)
+    model = _tapped(tap)
+    with pytest.warns(RuntimeWarning, match="TapLayer 't' stopped recording; the model runs on "
+                                            "unchanged. Cause: ZeroDivisionError"):
+        model.fit(X, Y, batch_size=4, epochs=1, verbose=0)
+    assert tap.history.empty
+
+
+def test_strict_raises():
+    tap = TapLayer(name="t", strict=True)
+    tap._values = lambda x: 1 / 0
+    with pytest.raises(ZeroDivisionError):
+        tap(X)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"activation": "gelu"}, ValueError, "TapLayer: `activation` must be one of 'relu', 'tanh', 'sigmoid'. Received: activation='gelu'"),
+        ({"inactivity_threshold": 100}, ValueError, "TapLayer: `inactivity_threshold` must be a number of percent in [0, 100). Received: inactivity_threshold=100"),
+        ({"histogram": 1}, TypeError, "TapLayer: `histogram` must be a bool. Received: histogram=1"),
+        ({"sample_rows": -1}, ValueError, "TapLayer: `sample_rows` must be"),
+        ({"buffer_steps": 0}, ValueError, "TapLayer: `buffer_steps` must be a positive int. Received: buffer_steps=0"),
+    ],
+    ids=["activation", "threshold", "histogram", "rows", "buffer"],
+)
+def test_bad_arguments_are_refused(kwargs, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        TapLayer(**kwargs)
+
+
+def test_sample_rows_need_static_features():
+    tap = TapLayer(sample_rows=1, name="t")
+    with pytest.raises(ValueError, match=re.escape("TapLayer 't': `sample_rows` needs a static shape")):
+        tap.build((None, None))
