@@ -84,3 +84,38 @@ def test_double_patch_is_refused():
             internals.patch(optimizer, "apply", lambda *a: None)
     finally:
         internals.unpatch(optimizer, "apply")
+
+
+def test_the_loop_names_the_debug_layers_rely_on_still_exist():
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    for step_method in internals.STEP_METHODS:
+        assert callable(getattr(TensorFlowTrainer, step_method))
+    for loop, attribute in internals.FUNCTION_ATTRIBUTES.items():
+        code = inspect.unwrap(getattr(TensorFlowTrainer, loop)).__code__
+        assert "callbacks" in code.co_varnames, loop
+        assert attribute in code.co_names, (loop, attribute)
+
+
+def test_step_context_sees_fit_evaluate_predict_and_plain_calls():
+    seen, holder = [], {}
+
+    class Probe(keras.layers.Layer):
+        def call(self, x):
+            context = internals.step_context()
+            seen.append((context.mode, context.model is holder.get("model"),
+                         context.callbacks is not None))
+            return x
+
+    model = keras.Sequential([keras.Input((2,)), Probe(), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    holder["model"] = model
+    x, y = np.zeros((4, 2)), np.zeros((4, 1))
+    seen.clear()
+    model.fit(x, y, verbose=0)
+    model.evaluate(x, y, verbose=0)
+    model.predict(x, verbose=0)
+    model(x)
+    model.train_on_batch(x, y)
+    assert seen == [("fit", True, True), ("evaluate", True, True), ("predict", True, True),
+                    ("call", False, False), ("fit", True, False)]
