@@ -229,7 +229,7 @@ class Engine:
         self._last_call = int(self._calls.numpy())
         self._prepared = True
 
-    def _buffers(self) -> list:
+    def _all_buffers(self) -> list:
         """Every buffer, in the order `collect` reads them."""
         buffers = [self._calls, self._meta]
         for request in self.requests:
@@ -427,7 +427,7 @@ class Engine:
         """Reads the rows written since the last call and hands them out."""
         if not self._prepared:
             return
-        buffers = iter([_buffers.read(b) for b in self._buffers()])
+        buffers = iter([_buffers.read(b) for b in self._all_buffers()])
         calls, meta = int(next(buffers)), next(buffers)
         if calls <= self._last_call:
             return

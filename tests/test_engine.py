@@ -8,7 +8,9 @@ import tensorflow as tf
 from kerasdbg import _engine
 from kerasdbg import stats as stats_lib
 from kerasdbg.callbacks import GradientStatistics, WeightStatistics
-from tests.conftest import assert_stats_close, make_strategy, matrix, reference_stats
+from tests.conftest import (
+    assert_stats_close, make_strategy, matrix, only_upstream_failure, reference_stats,
+)
 from tests.helpers import BATCH, LEARNING_RATE, X, Y, make_mlp, reference_training
 
 EPOCHS = 2
@@ -56,8 +58,9 @@ def test_matrix_records_every_step_with_reference_values(strategy_name, spe, jit
     initial = [v.numpy() for v in model.trainable_variables]
     grads_cb = GradientStatistics(histogram_every_n_steps=5, histogram_bins=6)
     weights_cb = WeightStatistics()
-    model.fit(X, Y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
-              callbacks=[grads_cb, weights_cb])
+    with only_upstream_failure(strategy_name, jit):
+        model.fit(X, Y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+                  callbacks=[grads_cb, weights_cb])
     assert grads_cb.history.step.tolist() == list(range(1, STEPS + 1))
     assert weights_cb.history.step.tolist() == list(range(1, STEPS + 1))
     assert not grads_cb.history.skipped.any()
@@ -93,14 +96,16 @@ def test_histograms_recorded_at_their_steps_match_numpy(tmp_path):
 @pytest.mark.xfail(strict=True, raises=tf.errors.InvalidArgumentError,
                    reason="Keras: MirroredStrategy + steps_per_execution>1 with the default "
                           "collective all-reduce: 'You must feed a value for placeholder tensor "
-                          "'.../while/cond/Placeholder_1'' (keras-team/keras#19246)")
+                          "'.../while/cond/Placeholder' with dtype int32' (keras-team/keras#19246; "
+                          "tests/test_keras_limitations.py shows it on plain Keras)")
 def test_mirrored_collective_with_steps_per_execution_fails_in_keras():
     strategy = make_strategy("mirrored", collective=True)
     with strategy.scope():
         model = make_mlp()
         _compile(model, spe=4)
-    model.fit(X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
-              callbacks=[GradientStatistics()])
+    with only_upstream_failure("mirrored", jit=False, collective=True):
+        model.fit(X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[GradientStatistics()])
 
 
 def test_steps_continue_across_fits_and_plain_fit_afterwards_is_uninstrumented():

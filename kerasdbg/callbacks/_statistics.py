@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import collections
-import os
-import re
-import warnings
 from typing import Dict, List, Optional, Sequence
 
 import keras
@@ -14,6 +11,7 @@ import pandas as pd
 
 from kerasdbg import _engine
 from kerasdbg import _events
+from kerasdbg.callbacks._recording import RecordingCallback, selected
 from kerasdbg import _validation as check
 from kerasdbg import stats as stats_lib
 
@@ -39,7 +37,7 @@ def unique_paths(variables) -> List[str]:
     return paths
 
 
-class StatisticsCallback(keras.callbacks.Callback):
+class StatisticsCallback(RecordingCallback):
     """Records per-variable statistics at each optimizer step (base class).
 
     Subclasses set `kind` ("gradients" or "weights") and `allowed_stats`.
@@ -94,10 +92,6 @@ class StatisticsCallback(keras.callbacks.Callback):
             "strict": self.strict,
         }
 
-    @classmethod
-    def from_config(cls, config: dict):
-        return cls(**config)
-
     # ------------------------------------------------------- selection
     def _select(self, model):
         variables = trainable_float_variables(model)
@@ -105,8 +99,7 @@ class StatisticsCallback(keras.callbacks.Callback):
         chosen = [
             (v, p)
             for v, p in zip(variables, paths)
-            if (self.include is None or re.search(self.include, p))
-            and (self.exclude is None or not re.search(self.exclude, p))
+            if selected(p, self.include, self.exclude)
         ]
         if not chosen:
             raise ValueError(
@@ -134,9 +127,7 @@ class StatisticsCallback(keras.callbacks.Callback):
             bins=self.histogram_bins,
             strict=self.strict,
         )
-        self._writer = None
-        if self.log_dir is not None:
-            self._writer = _events.writer_for(os.path.join(self.log_dir, "train"))
+        self._writer = self._open_writer()
         _engine.engine_for(self.model).attach(self._request)
 
     def on_train_batch_begin(self, batch, logs=None):
@@ -158,19 +149,7 @@ class StatisticsCallback(keras.callbacks.Callback):
 
     # -------------------------------------------------------- records
     def _consume(self, records: List[_engine.Record]) -> None:
-        try:
-            self._write(records)
-        except Exception as error:  # noqa: BLE001 - the sink must not stop fit
-            if self.strict:
-                raise
-            if not self._failed:
-                self._failed = True
-                warnings.warn(
-                    f"{type(self).__name__} could not write its records; "
-                    f"training goes on. Cause: {type(error).__name__}: {error}",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+        self._guarded(self._write, records)
 
     def _write(self, records: List[_engine.Record]) -> None:
         request = self._request

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import collections
-import os
-import re
-import warnings
 from typing import Dict, List, Optional
 
 import keras
@@ -13,6 +10,7 @@ import pandas as pd
 
 from kerasdbg import _events
 from kerasdbg import _validation as check
+from kerasdbg.callbacks._recording import RecordingCallback, selected
 from kerasdbg.layers.tap_layer import TapLayer
 
 
@@ -28,7 +26,7 @@ def find_taps(model) -> List[TapLayer]:
     return taps
 
 
-class ActivationStatistics(keras.callbacks.Callback):
+class ActivationStatistics(RecordingCallback):
     """Writes the statistics of the model's `TapLayer`s to TensorBoard.
 
     Each tap records in-graph at its own `every_n_steps`; this callback reads
@@ -100,29 +98,18 @@ class ActivationStatistics(keras.callbacks.Callback):
             "strict": self.strict,
         }
 
-    @classmethod
-    def from_config(cls, config: dict):
-        return cls(**config)
-
     # --------------------------------------------------------- callbacks
     def on_train_begin(self, logs=None):
         self._steps.clear()
-        self._failed = False
         taps = find_taps(self.model)
-        self._taps = [
-            t for t in taps
-            if (self.include is None or re.search(self.include, t.name))
-            and (self.exclude is None or not re.search(self.exclude, t.name))
-        ]
+        self._taps = [t for t in taps if selected(t.name, self.include, self.exclude)]
         if not self._taps:
             raise ValueError(
                 f"{type(self).__name__}: the model has no TapLayer matching "
                 f"include={self.include!r}, exclude={self.exclude!r}. Taps: "
                 f"{', '.join(t.name for t in taps) or '(none; add TapLayer()s after the layers to watch)'}"
             )
-        self._writer = None
-        if self.log_dir is not None:
-            self._writer = _events.writer_for(os.path.join(self.log_dir, "train"))
+        self._writer = self._open_writer()
         for tap in self._taps:
             tap._listeners.append(self._consume)
 
@@ -148,19 +135,7 @@ class ActivationStatistics(keras.callbacks.Callback):
 
     # ----------------------------------------------------------- records
     def _consume(self, tap: TapLayer, rows) -> None:
-        try:
-            self._write(tap, rows)
-        except Exception as error:  # noqa: BLE001 - the sink must not stop fit
-            if self.strict:
-                raise
-            if not self._failed:
-                self._failed = True
-                warnings.warn(
-                    f"{type(self).__name__} could not write its records; training "
-                    f"goes on. Cause: {type(error).__name__}: {error}",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+        self._guarded(self._write, tap, rows)
 
     def _write(self, tap: TapLayer, rows) -> None:
         for row, record in rows:

@@ -21,7 +21,6 @@ for itself, so a step is never counted once per replica (DESIGN.md: the
 
 from __future__ import annotations
 
-import sys
 import warnings
 from typing import Dict, List, NamedTuple, Optional, Tuple
 

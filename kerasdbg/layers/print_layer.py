@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 import warnings
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import keras
 import numpy as np
@@ -191,13 +191,15 @@ class PrintLayer(DebugLayer):
     def _values(self, inputs):
         x = tf.convert_to_tensor(inputs)
         k = max(self.summarize, 1)
-        flat = tf.cast(tf.reshape(x, [-1]), tf.float64)
-        pad = tf.zeros([k], tf.float64)
+        flat = tf.reshape(x, [-1])
+        # Slice before casting and padding: only 2k elements are copied per step.
+        head = tf.cast(flat[:k], tf.float64)
+        tail = tf.cast(flat[-k:], tf.float64)  # the whole tensor when it has < k elements
         return {
             "shape": tf.shape(x, out_type=tf.int64),
             "stats": stats_lib.tensor_statistics([x], self.stats)[0],
-            "head": tf.concat([flat, pad], 0)[:k],
-            "tail": tf.concat([pad, flat], 0)[-k:],
+            "head": tf.pad(head, [[0, k - tf.shape(head)[0]]]),
+            "tail": tf.pad(tail, [[k - tf.shape(tail)[0], 0]]),
         }
 
     def _record(self, inputs, context):

@@ -30,9 +30,15 @@ def _model():
 
 def test_fit_writes_every_tap_and_histograms(tmp_path):
     model = _model()
+    kernel, bias = (w.numpy() for w in model.get_layer("dense").weights)
     callback = ActivationStatistics(str(tmp_path))
     model.fit(X, Y, batch_size=4, epochs=2, verbose=0, shuffle=False, callbacks=[callback])
     history = callback.history
+    # Step 1 runs on the initial weights: an independent NumPy value.
+    step_one = np.tanh(X[:4] @ kernel + bias)
+    np.testing.assert_allclose(history["dense_tap/mean"][0], step_one.mean(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(history["dense_tap/std"][0], step_one.std(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(history["inner_tap/max"][0], step_one.max(), rtol=1e-5, atol=1e-6)
     assert history.step.tolist() == list(range(1, 9))
     assert list(history.columns) == ["step", "dense_tap/mean", "dense_tap/std",
                                      "dense_tap/saturated_fraction", "inner_tap/max"]

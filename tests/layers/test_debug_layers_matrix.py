@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kerasdbg.layers import PrintLayer, TapLayer
-from tests.conftest import make_strategy, matrix, reference_stats
+from tests.conftest import make_strategy, matrix, only_upstream_failure, reference_stats
 from tests.helpers import BATCH, LEARNING_RATE, X, Y, make_mlp, reference_training
 
 STEPS = 10  # 80 samples, batch 8: with steps_per_execution 4 the last execution is partial
@@ -42,7 +42,8 @@ def test_tap_and_print_record_every_step_with_reference_values(tmp_path, strateg
         model.compile(keras.optimizers.SGD(LEARNING_RATE), "mse", steps_per_execution=spe,
                       jit_compile=jit)
     initial = [w.numpy() for w in mlp.weights]
-    model.fit(X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    with only_upstream_failure(strategy_name, jit):
+        model.fit(X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     reference = reference_training(initial, STEPS)
     replicas = strategy.num_replicas_in_sync
 

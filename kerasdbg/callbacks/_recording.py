@@ -1,0 +1,57 @@
+"""What every kerasdbg callback that writes records shares."""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from typing import Callable, Optional
+
+import keras
+
+from kerasdbg import _events
+
+
+def selected(name: str, include: Optional[str], exclude: Optional[str]) -> bool:
+    """Whether `name` passes the `include` / `exclude` regular expressions."""
+    return (include is None or re.search(include, name) is not None) and (
+        exclude is None or re.search(exclude, name) is None
+    )
+
+
+class RecordingCallback(keras.callbacks.Callback):
+    """Base of the callbacks that hand records to a writer and to `history`.
+
+    Subclasses keep `log_dir` and `strict` as attributes and return their
+    constructor arguments from `get_config`.
+    """
+
+    log_dir: Optional[str] = None
+    strict: bool = False
+
+    @classmethod
+    def from_config(cls, config: dict):
+        return cls(**config)
+
+    def _open_writer(self) -> Optional[_events.EventWriter]:
+        """The shared writer of `<log_dir>/train`, or None without a log dir."""
+        self._failed = False
+        if self.log_dir is None:
+            return None
+        return _events.writer_for(os.path.join(self.log_dir, "train"))
+
+    def _guarded(self, write: Callable[..., None], *args) -> None:
+        """Runs `write(*args)`; a failure warns once and training goes on."""
+        try:
+            write(*args)
+        except Exception as error:  # noqa: BLE001 - the sink must not stop fit
+            if self.strict:
+                raise
+            if not getattr(self, "_failed", False):
+                self._failed = True
+                warnings.warn(
+                    f"{type(self).__name__} could not write its records; "
+                    f"training goes on. Cause: {type(error).__name__}: {error}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
