@@ -12,13 +12,19 @@ except ImportError as _error:  # pragma: no cover - depends on the install
 from kerasdbg import callbacks
 from kerasdbg import layers
 from kerasdbg import stats
+from kerasdbg.multi_output_model import MultiOutputModel
 from kerasdbg.reader import load_run
+from kerasdbg.tapping import insert_taps
+from kerasdbg.tapping import strip_debug_layers
 
 __version__ = "0.1.0"
 
 __all__ = (
+    "MultiOutputModel",
     "callbacks",
+    "insert_taps",
     "layers",
     "load_run",
     "stats",
+    "strip_debug_layers",
 )

@@ -150,3 +150,30 @@ def step_context() -> StepContext:
                 if callbacks is not None:
                     break
     return StepContext(mode, model, callbacks)
+
+
+# ------------------------------------------------------------ model graphs
+# `insert_taps`, `strip_debug_layers` and `MultiOutputModel` replay the graph
+# of a Functional model node by node (what `keras.models.clone_model` does
+# with `call_function`, which Keras refuses for Sequential models and which
+# clones nested models only all or nothing).
+
+def is_functional(model) -> bool:
+    """Whether `model` is a Functional model (not Sequential, not subclassed)."""
+    from keras.src.models.functional import Functional
+
+    return isinstance(model, Functional) and not isinstance(model, keras.Sequential)
+
+
+def run_graph(model, inputs, call_fn):
+    """Replays the graph of Functional `model` on `inputs`.
+
+    Each node is computed as `call_fn(layer, *args, **kwargs)`; the result
+    has the structure of `model.output`.
+    """
+    return model._run_through_graph(inputs, operation_fn=lambda op: op, call_fn=call_fn)
+
+
+def producing_layer(keras_tensor):
+    """The layer whose output `keras_tensor` is (an `InputLayer` for an input)."""
+    return keras_tensor._keras_history.operation
