@@ -1,0 +1,45 @@
+"""Every notebook in notebooks/ runs from top to bottom (nbclient), without errors."""
+
+import pathlib
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+
+# What each notebook must show, beyond running without an error.
+EXPECTED_OUTPUT = {
+    "01_print_and_tap.ipynb": [
+        "kerasdbg fit step 4 replica 0 | hidden | shape (32, 16) | mean=",
+        "kerasdbg fit step 8 replica 0 | hidden",
+        "activations/hidden_tap/dead_fraction",
+        "'dense_1_tap'",
+        "'dense_1': (5, 32)",
+    ],
+}
+
+
+def test_every_notebook_is_listed():
+    assert NOTEBOOKS, "no notebooks found"
+    assert {path.name for path in NOTEBOOKS} == set(EXPECTED_OUTPUT)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[path.stem for path in NOTEBOOKS])
+def test_notebook_runs(path, tmp_path):
+    notebook = nbformat.read(path, as_version=4)
+    client = NotebookClient(
+        notebook, timeout=600, kernel_name="python3",
+        resources={"metadata": {"path": str(tmp_path)}},
+    )
+    client.execute()
+    text = []
+    for cell in notebook.cells:
+        for output in cell.get("outputs", []):
+            assert output.get("output_type") != "error", output
+            text.append(output.get("text", ""))
+            text.append(str(output.get("data", {}).get("text/plain", "")))
+    shown = "\n".join(text)
+    for expected in EXPECTED_OUTPUT[path.name]:
+        assert expected in shown, f"{path.name} does not show {expected!r}"
+    assert "kerasdbg fit step 1 replica" not in shown  # every_n_steps=4
