@@ -9,6 +9,10 @@ each a fresh `fit` on the same compiled model. Per fit:
   steps_per_execution;
 - trace time: the first execution's time minus the steady-state execution time.
 
+"taps+scalars" is the model from `kerasdbg.insert_taps` with a `TapLayer`
+after every layer (recording every 10th step) plus the scalar gradient and
+weight statistics and `ActivationStatistics`.
+
 Printed: median over rounds of each configuration's step time divided by that
 round's plain step time, and the extra trace seconds over plain.
 
@@ -29,9 +33,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kerasdbg.callbacks import GradientStatistics, WeightStatistics  # noqa: E402
+import kerasdbg  # noqa: E402
+from kerasdbg.callbacks import ActivationStatistics, GradientStatistics, WeightStatistics  # noqa: E402
+from kerasdbg.layers import TapLayer  # noqa: E402
 
-CONFIGS = ("plain", "keras_tensorboard", "scalars", "scalars+histograms")
+CONFIGS = ("plain", "keras_tensorboard", "scalars", "scalars+histograms", "taps+scalars")
+TAP_EVERY = 10
 
 
 class _Timer(keras.callbacks.Callback):
@@ -60,6 +67,9 @@ def _callbacks(config, log_dir):
         return []
     if config == "keras_tensorboard":
         return [keras.callbacks.TensorBoard(log_dir, histogram_freq=1)]
+    if config == "taps+scalars":
+        return [GradientStatistics(log_dir), WeightStatistics(log_dir),
+                ActivationStatistics(log_dir)]
     histograms = 100 if config == "scalars+histograms" else None
     return [GradientStatistics(log_dir, histogram_every_n_steps=histograms),
             WeightStatistics(log_dir, histogram_every_n_steps=histograms)]
@@ -72,14 +82,19 @@ def bench(model_name, spe, steps, repeats, configs):
                   steps_per_execution=spe)
     x = np.random.default_rng(0).normal(size=(batch * steps, *shape)).astype("float32")
     y = np.random.default_rng(1).integers(0, 10, batch * steps)
+    # "taps+scalars": a TapLayer after every layer, recording every TAP_EVERY
+    # steps, in a model that shares the compiled model's layers and optimizer.
+    tapped = kerasdbg.insert_taps(model, tap=TapLayer(every_n_steps=TAP_EVERY)) if (
+        "taps+scalars" in configs) else None
     results = {c: {"step": [], "trace": []} for c in configs}
     for _ in range(repeats):
         for config in configs:
             with tempfile.TemporaryDirectory() as log_dir:
                 timer = _Timer()
+                fitted = tapped if config == "taps+scalars" else model
                 # A fresh train function for every fit, so plain pays its trace too.
-                model.make_train_function(force=True)
-                model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
+                fitted.make_train_function(force=True)
+                fitted.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
                           callbacks=_callbacks(config, log_dir) + [timer])
             durations = np.diff(timer.ends)
             steady = float(np.median(durations[2:]))

@@ -10,9 +10,13 @@ registers here. The model's sink then
   flushes the layers after each call, for this and every later run until the
   function is rebuilt (which retraces, and so registers again);
 - for the run that is tracing right now, whose first execution is already
-  under way, adds a flushing callback to the loop's `CallbackList`.
+  under way, adds a flushing callback to the loop's `CallbackList` (it flushes
+  at batch ends only until the function is wrapped, and at the loop's end).
 
 Flushing is idempotent: each layer hands out only rows it has not handed out.
+After a train execution the sink reads `optimizer.iterations` once, and a
+layer whose `every_n_steps` selects none of the steps just run skips reading
+its buffers (they keep the rows until the next full read).
 """
 
 from __future__ import annotations
@@ -31,18 +35,28 @@ _SINKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 class _FlushCallback(keras.callbacks.Callback):
     """Flushes the sink at the end of each execution of the current run."""
 
-    def __init__(self, sink: "LayerSink"):
+    def __init__(self, sink: "LayerSink", model):
         super().__init__()
         self._sink = sink
+        self._target = weakref.ref(model)
+        self._seen = set()
+
+    def _flush_unless_wrapped(self, mode: str) -> None:
+        # The execution that traced ran unwrapped: always flush after it.
+        model = self._target()
+        function = getattr(model, internals.FUNCTION_ATTRIBUTES[mode], None)
+        if mode not in self._seen or not getattr(function, "_kerasdbg_flushes", False):
+            self._seen.add(mode)
+            self._sink.flush()
 
     def on_train_batch_end(self, batch, logs=None):
-        self._sink.flush()
+        self._flush_unless_wrapped("fit")
 
     def on_test_batch_end(self, batch, logs=None):
-        self._sink.flush()
+        self._flush_unless_wrapped("evaluate")
 
     def on_predict_batch_end(self, batch, logs=None):
-        self._sink.flush()
+        self._flush_unless_wrapped("predict")
 
     def on_train_end(self, logs=None):
         self._sink.flush()
@@ -64,12 +78,13 @@ class LayerSink:
         if not any(ref() is layer for ref in self._layers):
             self._layers.append(weakref.ref(layer))
 
-    def flush(self) -> None:
+    def flush(self, fit_step=None) -> None:
+        """Flushes every layer; `fit_step` is `(iterations variable, value)` after a train call."""
         for ref in list(self._layers):
             layer = ref()
             if layer is None:
                 self._layers.remove(ref)
-            else:
+            elif fit_step is None or not layer._nothing_selected_since(*fit_step):
                 layer.flush()
 
     def hook(self, context: internals.StepContext) -> None:
@@ -77,23 +92,36 @@ class LayerSink:
         attribute = internals.FUNCTION_ATTRIBUTES[context.mode]
         function = getattr(model, attribute, None)
         if function is not None and not getattr(function, "_kerasdbg_flushes", False):
-            setattr(model, attribute, self._flushing(function))
+            setattr(model, attribute, self._flushing(function, model, context.mode))
         callbacks = context.callbacks
         if callbacks is not None and not any(
             isinstance(c, _FlushCallback) and c._sink is self for c in callbacks.callbacks
         ):
-            callbacks.callbacks.append(_FlushCallback(self))
+            callbacks.callbacks.append(_FlushCallback(self, model))
 
-    def _flushing(self, function):
+    def _flushing(self, function, model, mode: str):
+        target = weakref.ref(model)
+
         @functools.wraps(function)
         def flushing(*args, **kwargs):
             try:
                 return function(*args, **kwargs)
             finally:
-                self.flush()
+                self.flush(_fit_step(target()) if mode == "fit" else None)
 
         flushing._kerasdbg_flushes = True
         return flushing
+
+
+def _fit_step(model):
+    """`(iterations, value)` of the model's optimizer, or None."""
+    iterations = getattr(getattr(model, "optimizer", None), "iterations", None)
+    if iterations is None:
+        return None
+    try:
+        return iterations, int(internals.read(iterations).numpy())
+    except Exception:  # noqa: BLE001 - then every layer reads in full
+        return None
 
 
 def sink_for(model) -> LayerSink:

@@ -45,7 +45,8 @@ BRANCHY_X = {
 def test_sequential_gets_a_tap_after_each_layer_and_shares_weights():
     model = make_mlp()
     tapped = kerasdbg.insert_taps(model)
-    assert _names(tapped) == ["input_layer", "hidden", "hidden_tap", "out", "out_tap"]
+    input_name = model.inputs[0]._keras_history.operation.name
+    assert _names(tapped) == [input_name, "hidden", "hidden_tap", "out", "out_tap"]
     assert tapped.get_layer("hidden") is model.get_layer("hidden")
     assert [id(w) for w in tapped.weights if "tap" not in w.path] == [id(w) for w in model.weights]
     assert tapped.get_layer("hidden_tap").activation == "relu"

@@ -111,7 +111,7 @@ class ActivationStatistics(RecordingCallback):
             )
         self._writer = self._open_writer()
         for tap in self._taps:
-            tap._listeners.append(self._consume)
+            tap._host.listeners.append(self._consume)
 
     def on_train_batch_end(self, batch, logs=None):
         self._flush()
@@ -124,8 +124,8 @@ class ActivationStatistics(RecordingCallback):
     def on_train_end(self, logs=None):
         self._flush()
         for tap in self._taps:
-            if self._consume in tap._listeners:
-                tap._listeners.remove(self._consume)
+            if self._consume in tap._host.listeners:
+                tap._host.listeners.remove(self._consume)
         if self._writer is not None:
             self._writer.flush()
 

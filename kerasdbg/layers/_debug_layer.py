@@ -66,6 +66,10 @@ class _Buffers:
         }
 
 
+class _HostState:
+    """Plain attributes of a debug layer's host side (last ids read, records)."""
+
+
 class DebugLayer(keras.layers.Layer):
     """Base class of the identity layers that record in-graph."""
 
@@ -87,7 +91,11 @@ class DebugLayer(keras.layers.Layer):
         # An identity keeps its input's dtype (no autocast to the policy).
         self._convert_input_args = False
         self._buffers: Optional[_Buffers] = None
-        self._last_id: List[int] = []
+        # Host-side state lives outside Keras's attribute tracking, whose
+        # wrapped lists and dicts cost tens of microseconds per update.
+        self._host = _HostState()
+        self._host.last_id = []
+        self._host.fit_checked = {}
         self._failed = False
         self._warned_slots = False
 
@@ -104,7 +112,7 @@ class DebugLayer(keras.layers.Layer):
         )
         self._input_shape = tuple(input_shape)
         self._buffers = _Buffers(self.buffer_steps, self._fields(self._input_shape), self.name)
-        self._last_id = []
+        self._host.last_id = []
         super().build(input_shape)
 
     def __call__(self, inputs, *args, **kwargs):
@@ -219,6 +227,21 @@ class DebugLayer(keras.layers.Layer):
         return tf.equal(tf.math.floormod(step, self.every_n_steps), 0)
 
     # ------------------------------------------------------------ on host
+    def _nothing_selected_since(self, iterations, step: int) -> bool:
+        """After a train call: whether no step since the last one can have a record.
+
+        Records of `fit` are at steps `iterations + 1` of the forward pass, so
+        those of the calls since the last check lie in (last, step]. The first
+        check for an optimizer answers False (read in full).
+        """
+        key = id(iterations)
+        last = self._host.fit_checked.get(key)
+        self._host.fit_checked[key] = step
+        if last is None or step < last:
+            return False
+        every = self.every_n_steps
+        return step // every == last // every
+
     def flush(self) -> None:
         """Hands the records written since the last flush to the layer.
 
@@ -240,19 +263,18 @@ class DebugLayer(keras.layers.Layer):
         replicas = _buffers.read_replicas(buffers.ids)
         if self.replicas == "first":
             replicas = replicas[:1]
-        if len(self._last_id) < len(replicas):
-            self._last_id += [0] * (len(replicas) - len(self._last_id))
-        if not any((ids > last).any() for ids, last in zip(replicas, self._last_id)):
+        if len(self._host.last_id) < len(replicas):
+            self._host.last_id += [0] * (len(replicas) - len(self._host.last_id))
+        if not any((ids > last).any() for ids, last in zip(replicas, self._host.last_id)):
             return []
         metas = _buffers.read_replicas(buffers.meta)
         fields = {key: _buffers.read_replicas(v) for key, v in buffers.fields.items()}
-        calls = int(self.calls.numpy())
         keyed = []
         for replica, ids in enumerate(replicas):
-            new = np.flatnonzero(ids > self._last_id[replica])
+            new = np.flatnonzero(ids > self._host.last_id[replica])
             rows = new[np.argsort(ids[new])]
-            full = len(rows) == buffers.slots
-            if full and calls - self._last_id[replica] > buffers.slots and not self._warned_slots:
+            full = len(rows) == buffers.slots and not self._warned_slots
+            if full and int(self.calls.numpy()) - self._host.last_id[replica] > buffers.slots:
                 self._warned_slots = True
                 warnings.warn(
                     f"{type(self).__name__} {self.name!r}: more than buffer_steps="
@@ -273,7 +295,7 @@ class DebugLayer(keras.layers.Layer):
                     ),
                 ))
             if len(rows):
-                self._last_id[replica] = int(ids[rows[-1]])
+                self._host.last_id[replica] = int(ids[rows[-1]])
         # In call order, replica 0 first within a call.
         keyed.sort(key=lambda item: item[:2])
         return [record for _, _, record in keyed]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import collections
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import keras
 import numpy as np
@@ -126,11 +126,12 @@ class TapLayer(DebugLayer):
             )
         self.inactivity_threshold = float(inactivity_threshold)
         self.history_size = check.non_negative_int(owner, "history_size", history_size)
-        self._history: collections.deque = collections.deque(maxlen=history_size)
-        self._latest: Dict[str, dict] = {}
-        self._latest_raw: Optional[LayerRecord] = None
-        self._last: dict = {}
-        self._listeners: List[Callable[["TapLayer", List[dict]], None]] = []
+        self._host.history = collections.deque(maxlen=history_size)
+        self._host.latest = {}  # mode -> row
+        self._host.latest_raw = None  # LayerRecord of the last call
+        self._host.last = {}
+        # Called as listener(tap, [(row, record), ...]) with new records of fit.
+        self._host.listeners = []
 
     def get_config(self) -> dict:
         config = super().get_config()
@@ -216,6 +217,11 @@ class TapLayer(DebugLayer):
         """One step's row: statistics (aggregated over replicas) and health."""
         first = records[0]
         row = {"step": first.step, "mode": first.mode}
+        if len(records) == 1:  # the common case, without NumPy reductions
+            row.update(zip(self.stats, first.values["stats"].tolist()))
+            if self.health:
+                row[self.health[0]] = float(first.values["health"][0])
+            return row
         stats = np.array([r.values["stats"] for r in records])
         sizes = np.array([float(r.values["size"]) for r in records])
         for i, name in enumerate(self.stats):
@@ -251,14 +257,14 @@ class TapLayer(DebugLayer):
                 by_call[-1].append(record)
         for group in by_call:
             row = self._row(group)
-            self._latest[row["mode"]] = row
-            self._last = row
-            self._latest_raw = group[0]
+            self._host.latest[row["mode"]] = row
+            self._host.last = row
+            self._host.latest_raw = group[0]
             if row["mode"] == "fit":
                 if self.history_size:
-                    self._history.append(row)
+                    self._host.history.append(row)
                 rows.append((row, group[0]))
-        for listener in list(self._listeners):
+        for listener in list(self._host.listeners):
             listener(self, rows)
 
     # ----------------------------------------------------------- results
@@ -266,26 +272,26 @@ class TapLayer(DebugLayer):
     def latest(self) -> dict:
         """The last record (of any mode) as `{"step", "mode", <stat>: ...}`."""
         self.flush()
-        return dict(self._last)
+        return dict(self._host.last)
 
     @property
     def latest_by_mode(self) -> Dict[str, dict]:
         """The last record of each mode seen: `{"fit": {...}, "predict": {...}}`."""
         self.flush()
-        return {mode: dict(row) for mode, row in self._latest.items()}
+        return {mode: dict(row) for mode, row in self._host.latest.items()}
 
     @property
     def history(self) -> pd.DataFrame:
         """The latest `fit` records (at most `history_size`), one row per step."""
         self.flush()
         columns = ["step", "mode", *self.stats, *self.health]
-        return pd.DataFrame(list(self._history), columns=columns)
+        return pd.DataFrame(list(self._host.history), columns=columns)
 
     @property
     def latest_histogram(self):
         """`(counts, (low, high))` of the last record, or None."""
         self.flush()
-        record = self._latest_raw
+        record = self._host.latest_raw
         if record is None or "hist_counts" not in record.values:
             return None
         return record.values["hist_counts"], tuple(record.values["hist_range"])
@@ -294,7 +300,7 @@ class TapLayer(DebugLayer):
     def latest_rows(self) -> Optional[np.ndarray]:
         """The sample rows of the last record (replica 0), or None."""
         self.flush()
-        record = self._latest_raw
+        record = self._host.latest_raw
         if record is None or "rows" not in record.values:
             return None
         return record.values["rows"][: int(record.values["valid_rows"])]

@@ -157,3 +157,46 @@ def test_sample_rows_need_static_features():
     tap = TapLayer(sample_rows=1, name="t")
     with pytest.raises(ValueError, match=re.escape("TapLayer 't': `sample_rows` needs a static shape")):
         tap.build((None, None))
+
+
+@pytest.mark.parametrize("spe", [1, 4, 5], ids=["spe1", "spe4", "spe5"])
+def test_host_reads_only_after_executions_with_a_selected_step(monkeypatch, spe):
+    from tests.helpers import X as x, Y as y
+
+    tap = TapLayer(stats=["mean"], every_n_steps=3, name="t")
+    inputs = keras.Input((6,), name="x")
+    model = keras.Model(inputs, keras.layers.Dense(3, name="d")(tap(inputs)), name="m")
+    model.compile("sgd", "mse", steps_per_execution=spe)
+    reads = []
+    original = TapLayer._read
+    monkeypatch.setattr(TapLayer, "_read", lambda self: reads.append(1) or original(self))
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)  # steps 1..10
+    # Reads: after the first execution (it traced), after the second (first
+    # check of this optimizer's steps), after each later one that ran a
+    # multiple of 3, and at the end of fit; never after the others.
+    executions = [range(s, min(s + spe, 11)) for s in range(1, 11, spe)]
+    selected = sum(any(step % 3 == 0 for step in steps) for steps in executions[2:])
+    assert len(reads) == 1 + (len(executions) > 1) + selected + 1
+    assert tap.history.step.tolist() == [3, 6, 9]
+    for _ in range(3):  # eager calls in between: the third is recorded, as "call"
+        tap(np.ones((2, 6), "float32"))
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)  # steps 11..20
+    assert tap.history.step.tolist() == [3, 6, 9, 12, 15, 18]
+    assert tap.latest_by_mode["call"]["step"] == 3
+
+
+def test_first_execution_is_flushed_right_after_it():
+    seen = []
+    tap = TapLayer(stats=["mean"], name="t")
+    inputs = keras.Input((5,), name="x")
+    model = keras.Model(inputs, keras.layers.Dense(1, name="d")(tap(inputs)), name="m")
+    model.compile("sgd", "mse")
+
+    class Probe(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append([row["step"] for row in tap._host.history])
+
+    model.fit(X, Y, batch_size=4, epochs=1, verbose=0, shuffle=False, callbacks=[Probe()])
+    # Probe runs before the flushing callback Keras's loop gained while tracing,
+    # so it sees step 1 only at the second batch end; never later than that.
+    assert seen[-1] == [1, 2]
