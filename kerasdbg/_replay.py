@@ -128,7 +128,9 @@ class Replay:
             inputs, (outputs, dict(extras)) if extras else outputs, name=name or model.name,
         )
         rebuilt._kerasdbg_extras = bool(extras)
-        names = [internals.producing_layer(x).name for x in _model_outputs(model)]
+        names = list(getattr(model, "output_names", None) or []) or [
+            internals.producing_layer(x).name for x in _model_outputs(model)
+        ]
         if not extras and len(names) == len(rebuilt.output_names):
             # A tap after an output layer would otherwise rename the output
             # (loss dicts and logs use these names).

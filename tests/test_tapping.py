@@ -52,6 +52,7 @@ def test_sequential_gets_a_tap_after_each_layer_and_shares_weights():
     assert tapped.get_layer("hidden_tap").activation == "relu"
     assert tapped.get_layer("out_tap").activation is None
     assert tapped.output_names == ["out"]  # the tap after the output keeps the output's name
+    assert kerasdbg.strip_debug_layers(tapped).output_names == ["out"]
     np.testing.assert_array_equal(tapped.predict(X, verbose=0), model.predict(X, verbose=0))
     assert model.layers == [model.get_layer("hidden"), model.get_layer("out")]  # unchanged
 
