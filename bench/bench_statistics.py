@@ -11,7 +11,9 @@ each a fresh `fit` on the same compiled model. Per fit:
 
 "taps+scalars" is the model from `kerasdbg.insert_taps` with a `TapLayer`
 after every layer (recording every 10th step) plus the scalar gradient and
-weight statistics and `ActivationStatistics`.
+weight statistics and `ActivationStatistics`. "norms" records only gradient
+norms (and NaN/Inf counts) every step and weight norms every 10th step;
+"taps+norms" adds the taps to it.
 
 Printed: median over rounds of each configuration's step time divided by that
 round's plain step time, and the extra trace seconds over plain.
@@ -37,7 +39,12 @@ import kerasdbg  # noqa: E402
 from kerasdbg.callbacks import ActivationStatistics, GradientStatistics, WeightStatistics  # noqa: E402
 from kerasdbg.layers import TapLayer  # noqa: E402
 
-CONFIGS = ("plain", "keras_tensorboard", "scalars", "scalars+histograms", "taps+scalars")
+CONFIGS = ("plain", "keras_tensorboard", "scalars", "scalars+histograms", "taps+scalars",
+           "norms", "taps+norms")
+# "norms": the light set-up the README recommends for large models: one pass
+# over each gradient per step (its l2 norm; NaN/Inf counts come free with it)
+# and the weights' norms every 10th step.
+NORM_STATS = ("l2_norm", "nan_count", "inf_count")
 TAP_EVERY = 10
 
 
@@ -70,6 +77,10 @@ def _callbacks(config, log_dir):
     if config == "taps+scalars":
         return [GradientStatistics(log_dir), WeightStatistics(log_dir),
                 ActivationStatistics(log_dir)]
+    if config in ("norms", "taps+norms"):
+        callbacks = [GradientStatistics(log_dir, stats=NORM_STATS),
+                     WeightStatistics(log_dir, stats=["l2_norm"], every_n_steps=10)]
+        return callbacks + ([ActivationStatistics(log_dir)] if config == "taps+norms" else [])
     histograms = 100 if config == "scalars+histograms" else None
     return [GradientStatistics(log_dir, histogram_every_n_steps=histograms),
             WeightStatistics(log_dir, histogram_every_n_steps=histograms)]
@@ -85,13 +96,13 @@ def bench(model_name, spe, steps, repeats, configs):
     # "taps+scalars": a TapLayer after every layer, recording every TAP_EVERY
     # steps, in a model that shares the compiled model's layers and optimizer.
     tapped = kerasdbg.insert_taps(model, tap=TapLayer(every_n_steps=TAP_EVERY)) if (
-        "taps+scalars" in configs) else None
+        {"taps+scalars", "taps+norms"} & set(configs)) else None
     results = {c: {"step": [], "trace": []} for c in configs}
     for _ in range(repeats):
         for config in configs:
             with tempfile.TemporaryDirectory() as log_dir:
                 timer = _Timer()
-                fitted = tapped if config == "taps+scalars" else model
+                fitted = tapped if config.startswith("taps+") else model
                 # A fresh train function for every fit, so plain pays its trace too.
                 fitted.make_train_function(force=True)
                 fitted.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
