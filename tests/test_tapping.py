@@ -293,3 +293,19 @@ def test_bad_models_and_taps():
         kerasdbg.insert_taps(make_mlp(), tap=lambda layer, name: None)
     with pytest.raises(TypeError, match="`name` must be a string or None. Received: name=1"):
         kerasdbg.insert_taps(make_mlp(), name=1)
+
+
+def test_tapped_model_saves_and_loads_with_counters(tmp_path):
+    model = make_mlp()
+    model.compile(keras.optimizers.SGD(LEARNING_RATE), "mse")
+    tapped = kerasdbg.insert_taps(model, layers=["hidden"], tap=TapLayer(every_n_steps=2))
+    tapped.fit(X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    tapped.save(tmp_path / "tapped.keras")
+    loaded = keras.saving.load_model(tmp_path / "tapped.keras")
+    tap = loaded.get_layer("hidden_tap")
+    assert isinstance(tap, TapLayer)
+    assert (tap.every_n_steps, tap.activation) == (2, "relu")
+    assert int(tap.calls.numpy()) == len(X) // BATCH
+    np.testing.assert_allclose(loaded.predict(X, verbose=0), model.predict(X, verbose=0), rtol=1e-6)
+    stripped = kerasdbg.strip_debug_layers(loaded)
+    assert _names(stripped)[1:] == ["hidden", "out"]
