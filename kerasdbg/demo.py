@@ -1,7 +1,8 @@
 """The README's main job: two small trainings instrumented for TensorBoard.
 
 A healthy run and one with a learning rate far too high, side by side, each
-with `GradientStatistics`, `WeightStatistics` and Keras's own `TensorBoard`
+with `GradientStatistics`, `WeightStatistics`, taps after the ReLU layers
+(`insert_taps` + `ActivationStatistics`) and Keras's own `TensorBoard`
 callback in one log directory. Synthetic data, so nothing is downloaded.
 """
 
@@ -45,14 +46,18 @@ def make_model():
 
 
 def train(log_dir: str, learning_rate: float, epochs: int, optimizer: str = "adam"):
-    """Trains the CNN with the instruments; returns the two statistics callbacks."""
+    """Trains the CNN with the instruments; returns the statistics callbacks and the model."""
     import keras
 
-    from kerasdbg.callbacks import GradientStatistics, WeightStatistics
+    from kerasdbg import insert_taps
+    from kerasdbg.callbacks import ActivationStatistics, GradientStatistics, WeightStatistics
+    from kerasdbg.layers import TapLayer
 
     keras.utils.set_random_seed(0)
     images, labels = make_data()
-    model = make_model()
+    # A tap after each ReLU layer: activation statistics, dead units, histograms.
+    model = insert_taps(make_model(), layers=r"^conv\d$|^dense$",
+                        tap=TapLayer(histogram=True, every_n_steps=2))
     model.compile(
         optimizer=keras.optimizers.get({"class_name": optimizer,
                                         "config": {"learning_rate": float(learning_rate)}}),
@@ -68,9 +73,22 @@ def train(log_dir: str, learning_rate: float, epochs: int, optimizer: str = "ada
         epochs=epochs,
         validation_split=0.1,
         verbose=0,
-        callbacks=[gradients, weights, keras.callbacks.TensorBoard(log_dir)],
+        callbacks=[gradients, weights, ActivationStatistics(log_dir),
+                   keras.callbacks.TensorBoard(log_dir)],
     )
-    return gradients, weights
+    return gradients, weights, model
+
+
+def dead_units(model) -> str:
+    """The taps' dead-ReLU fractions at their last recorded step."""
+    from kerasdbg.callbacks.activation_statistics import find_taps
+
+    parts = []
+    for tap in find_taps(model):
+        latest = tap.latest_by_mode.get("fit")
+        if latest and "dead_fraction" in latest:
+            parts.append(f"{tap.name.removesuffix('_tap')} {100 * latest['dead_fraction']:.0f}%")
+    return "    dead ReLU units at the last recorded step: " + ", ".join(parts)
 
 
 def summarize(name: str, gradients) -> str:
@@ -107,13 +125,15 @@ def run_demo(out: str = "runs/demo", epochs: int = 3) -> Dict[str, str]:
     print(f"kerasdbg demo: training a small CNN twice ({epochs} epochs each) ...")
     for name, settings in runs.items():
         log_dir = os.path.join(out, name)
-        gradients, _ = train(log_dir, epochs=epochs, **settings)
+        gradients, _, model = train(log_dir, epochs=epochs, **settings)
         print(summarize(name, gradients))
+        print(dead_units(model))
         dirs[name] = log_dir
     absolute = os.path.abspath(out)
     print(f"\nTensorBoard logs written to {absolute}")
     print(f"Open them with:\n  tensorboard --logdir {absolute}\nthen browse http://localhost:6006 "
-          "(Scalars: gradients/*, weights/*; Histograms; Keras's own epoch_loss).")
+          "(Scalars: gradients/*, weights/*, activations/*; Histograms; Keras's own "
+          "epoch_loss).")
     return dirs
 
 
