@@ -11,9 +11,11 @@ except ImportError as _error:  # pragma: no cover - depends on the install
 
 from kerasdbg import callbacks
 from kerasdbg import layers
+from kerasdbg import rules
 from kerasdbg import stats
 from kerasdbg.multi_output_model import MultiOutputModel
 from kerasdbg.reader import load_run
+from kerasdbg.rules.offline import check_run
 from kerasdbg.tapping import insert_taps
 from kerasdbg.tapping import strip_debug_layers
 
@@ -22,9 +24,11 @@ __version__ = "0.1.0"
 __all__ = (
     "MultiOutputModel",
     "callbacks",
+    "check_run",
     "insert_taps",
     "layers",
     "load_run",
+    "rules",
     "stats",
     "strip_debug_layers",
 )

@@ -131,3 +131,29 @@ def one_of(owner: str, name: str, value: Any, allowed: Sequence[Any]) -> Any:
             f"{', '.join(repr(a) for a in allowed)}. Received: {name}={value!r}"
         )
     return value
+
+
+def number(
+    owner: str, name: str, value: Any, minimum: Optional[float] = None,
+    maximum: Optional[float] = None, exclusive_minimum: bool = False,
+) -> float:
+    """Returns `value` as a float if it is a finite real number within the bounds."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"{owner}: `{name}` must be a number. "
+            f"Received: {name}={value!r} of type {type(value).__name__}"
+        )
+    value = float(value)
+    low_ok = minimum is None or (value > minimum if exclusive_minimum else value >= minimum)
+    high_ok = maximum is None or value <= maximum
+    if value != value or value in (float("inf"), float("-inf")) or not (low_ok and high_ok):
+        bounds = []
+        if minimum is not None:
+            bounds.append(f"{'>' if exclusive_minimum else '>='} {minimum:g}")
+        if maximum is not None:
+            bounds.append(f"<= {maximum:g}")
+        allowed = " and ".join(bounds) if bounds else "finite"
+        raise ValueError(
+            f"{owner}: `{name}` must be a finite number {allowed}. Received: {name}={value!r}"
+        )
+    return value

@@ -5,7 +5,7 @@ import importlib
 
 import pytest
 
-MODULES = ["kerasdbg", "kerasdbg.callbacks", "kerasdbg.layers"]
+MODULES = ["kerasdbg", "kerasdbg.callbacks", "kerasdbg.layers", "kerasdbg.rules"]
 EXTRA = ["kerasdbg.stats.tensor_statistics", "kerasdbg.stats.histograms", "kerasdbg.reader.Run"]
 
 

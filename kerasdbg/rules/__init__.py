@@ -1,0 +1,21 @@
+"""Rules: records of a step in, a verdict out; online and offline alike."""
+
+from kerasdbg.rules.all_zero import AllZero
+from kerasdbg.rules.dead_relu import DeadReLU
+from kerasdbg.rules.dead_relu import SaturatedActivation
+from kerasdbg.rules.exploding_tensor import ExplodingTensor
+from kerasdbg.rules.rule import Rule
+from kerasdbg.rules.rule import Verdict
+from kerasdbg.rules.vanishing_gradient import VanishingGradient
+from kerasdbg.rules.weight_update_ratio import WeightUpdateRatio
+
+__all__ = (
+    "AllZero",
+    "DeadReLU",
+    "ExplodingTensor",
+    "Rule",
+    "SaturatedActivation",
+    "VanishingGradient",
+    "Verdict",
+    "WeightUpdateRatio",
+)

@@ -1,0 +1,84 @@
+"""`check_run`: the rules on a recorded log directory."""
+
+from __future__ import annotations
+
+from typing import List, Sequence, Union
+
+from kerasdbg.reader import Run, load_run
+from kerasdbg.rules.rule import Rule, Verdict, tag_parts
+
+
+def check_run(
+    log_dir: Union[str, Run], rules: Sequence[Rule], run: str = "train",
+    first_only: bool = True,
+) -> List[Verdict]:
+    """Evaluates `rules` on every recorded step of a run, in step order.
+
+    The records are the scalars that kerasdbg's callbacks wrote under
+    `<log_dir>/<run>`; each rule sees, step by step, the same mapping from tag
+    to value as online.
+
+    Args:
+        log_dir: a log directory (or a `Run` from `load_run`).
+        rules: the rules to evaluate; each is `reset()` first.
+        run: which run of the directory. Defaults to `"train"`.
+        first_only: report only the first step at which each rule fires.
+            Defaults to `True`.
+
+    Returns:
+        The verdicts, by step, then in the order of `rules`.
+
+    Raises:
+        TypeError: an element of `rules` is not a `Rule`.
+        ValueError: the run holds none of the statistics a rule reads (the
+            message says which, and which callback records them).
+        KeyError: the directory has no scalars for `run` (lists the tags).
+
+    Example:
+
+    >>> import keras, numpy as np, tempfile
+    >>> import kerasdbg
+    >>> from kerasdbg.callbacks import GradientStatistics
+    >>> from kerasdbg.rules import ExplodingTensor
+    >>> log_dir = tempfile.mkdtemp()
+    >>> model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, name="d")],
+    ...                          name="m")
+    >>> model.compile("sgd", "mse")
+    >>> x = np.array([[1.0], [np.nan], [1.0], [1.0]], "float32")
+    >>> _ = model.fit(x, np.ones((4, 1)), batch_size=1, epochs=1, verbose=0,
+    ...               shuffle=False, callbacks=[GradientStatistics(log_dir)])
+    >>> [v.reason for v in kerasdbg.check_run(log_dir, [ExplodingTensor()])]
+    ['ExplodingTensor at step 2: non-finite values in gradients: m/d/bias=1, m/d/kernel=1']
+    """
+    rules = list(rules)
+    for rule in rules:
+        if not isinstance(rule, Rule):
+            raise TypeError(
+                f"check_run: `rules` must hold kerasdbg.rules.Rule objects. "
+                f"Received: {rule!r} of type {type(rule).__name__}"
+            )
+    source = log_dir if isinstance(log_dir, Run) else load_run(log_dir)
+    frame = source.scalars(".*", run=run)
+    present = {(p[0], p[2]) for p in map(tag_parts, frame.tag.unique()) if p}
+    present |= {tuple(t.split("/", 1)) for t in frame.tag.unique() if t.count("/") == 1}
+    for rule in rules:
+        needed = tuple(rule.requires)
+        if needed and not any(need in present for need in needed):
+            wanted = ", ".join(f"{c}/<name>/{s}" for c, s in needed)
+            raise ValueError(
+                f"check_run: {rule.name} reads {wanted}, which run {run!r} of "
+                f"{source.log_dir!r} does not hold. Record them with GradientStatistics, "
+                "WeightStatistics or TapLayer + ActivationStatistics (their `stats`)."
+            )
+        rule.reset()
+    verdicts, fired = [], set()
+    for step, rows in frame.groupby("step", sort=True):
+        record = dict(zip(rows.tag, rows.value))
+        for index, rule in enumerate(rules):
+            if first_only and index in fired:
+                continue
+            verdict = rule.check(int(step), record)
+            if verdict is not None:
+                fired.add(index)
+                verdicts.append(verdict)
+    return verdicts

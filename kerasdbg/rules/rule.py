@@ -1,0 +1,116 @@
+"""`Rule` and `Verdict`: the pure part of kerasdbg's rules."""
+
+from __future__ import annotations
+
+from typing import Dict, Iterator, Mapping, NamedTuple, Optional, Sequence, Tuple
+
+COLLECTIONS = ("gradients", "weights", "activations")
+
+Record = Mapping[str, float]
+"""The scalars of one step, by TensorBoard tag: `gradients/<variable>/<stat>`,
+`weights/<variable>/<stat>`, `activations/<tap>/<stat>`, `gradients/global_norm`."""
+
+
+class Verdict(NamedTuple):
+    """A rule that fired: where, when, and the values that made it fire.
+
+    Example:
+
+    >>> from kerasdbg.rules import AllZero
+    >>> verdict = AllZero().check(4, {"weights/m/d/bias/zero_fraction": 1.0})
+    >>> verdict.rule, verdict.step, verdict.tensors, verdict.values
+    ('AllZero', 4, ('m/d/bias',), {'m/d/bias': 100.0})
+    """
+
+    rule: str
+    step: int
+    reason: str
+    tensors: Tuple[str, ...]
+    values: Dict[str, float]
+
+
+class Rule:
+    """Base class of the rules: the records of a step in, a verdict out.
+
+    A rule never touches the model: `check(step, record)` reads the scalars of
+    one step (see `Record`) and returns a `Verdict` when it fires, else None.
+    Rules that look at several steps keep their window in Python state, which
+    `reset()` clears. The same rule objects run online (a callback, step by
+    step) and offline (`kerasdbg.check_run` on a log directory).
+
+    A custom rule subclasses `Rule`, sets `requires` to the `(collection,
+    statistic)` pairs it reads (so a run that lacks them is refused with a
+    clear message), implements `check`, and `get_config` if it has arguments.
+
+    Example:
+
+    >>> from kerasdbg.rules import Rule
+    >>> class LargeGlobalNorm(Rule):
+    ...     requires = (("gradients", "global_norm"),)
+    ...     def __init__(self, limit=100.0):
+    ...         self.limit = limit
+    ...     def check(self, step, record):
+    ...         norm = record.get("gradients/global_norm")
+    ...         if norm is not None and norm > self.limit:
+    ...             return self.verdict(step, f"global norm {norm:g} > {self.limit:g}",
+    ...                                 {"global_norm": norm})
+    ...     def get_config(self):
+    ...         return {"limit": self.limit}
+    >>> LargeGlobalNorm().check(7, {"gradients/global_norm": 250.0}).reason
+    'LargeGlobalNorm at step 7: global norm 250 > 100'
+    """
+
+    requires: Sequence[Tuple[str, str]] = ()
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    def check(self, step: int, record: Record) -> Optional[Verdict]:
+        """The verdict on step `step`, or None when the rule does not fire."""
+        raise NotImplementedError(f"{self.name} must implement check(step, record)")
+
+    def reset(self) -> None:
+        """Forgets the steps seen so far (called before a run is checked)."""
+
+    def get_config(self) -> dict:
+        return {}
+
+    @classmethod
+    def from_config(cls, config: dict) -> "Rule":
+        return cls(**config)
+
+    def verdict(self, step: int, reason: str, values: Dict[str, float]) -> Verdict:
+        """A `Verdict` of this rule; `reason` is prefixed with the rule and step."""
+        return Verdict(
+            rule=self.name, step=int(step), reason=f"{self.name} at step {int(step)}: {reason}",
+            tensors=tuple(values), values={k: float(v) for k, v in values.items()},
+        )
+
+    def __repr__(self) -> str:
+        arguments = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
+        return f"{self.name}({arguments})"
+
+
+def tag_parts(tag: str) -> Optional[Tuple[str, str, str]]:
+    """`(collection, tensor, statistic)` of a per-tensor tag, else None."""
+    collection, _, rest = tag.partition("/")
+    tensor, _, statistic = rest.rpartition("/")
+    if collection not in COLLECTIONS or not tensor:
+        return None
+    return collection, tensor, statistic
+
+
+def values_of(record: Record, collection: str, statistic: str) -> Iterator[Tuple[str, float]]:
+    """`(tensor, value)` for each finite or non-finite value of one statistic."""
+    for tag, value in record.items():
+        parts = tag_parts(tag)
+        if parts and parts[0] == collection and parts[2] == statistic:
+            yield parts[1], float(value)
+
+
+def listing(values: Mapping[str, float], limit: int = 5) -> str:
+    """`a=1.2e-08, b=3e-09 and 4 more` for a reason."""
+    items = [f"{name}={value:.4g}" for name, value in values.items()]
+    more = f" and {len(items) - limit} more" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more

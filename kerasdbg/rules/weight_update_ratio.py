@@ -1,0 +1,57 @@
+"""`WeightUpdateRatio`: updates far too large or far too small for the weights."""
+
+from __future__ import annotations
+
+import math
+
+from kerasdbg import _validation as check
+from kerasdbg.rules.rule import Rule, listing, values_of
+
+
+class WeightUpdateRatio(Rule):
+    """Fires when ||update|| / ||weight|| of a variable leaves [small, large].
+
+    Reads `weights/<variable>/update_ratio` (`WeightStatistics`, a default
+    statistic) and, when recorded, `weights/<variable>/l2_norm`: variables
+    whose norm is below `epsilon` are left out (their ratio says nothing).
+    Steps the optimizer skipped record no ratio.
+
+    Args:
+        large_threshold: a ratio above this fires. Defaults to `10.0`.
+        small_threshold: a ratio below this fires. Defaults to `1e-8`.
+        epsilon: weights with a smaller l2 norm are left out. Defaults to `1e-9`.
+
+    Example:
+
+    >>> from kerasdbg.rules import WeightUpdateRatio
+    >>> WeightUpdateRatio().check(2, {"weights/m/d/kernel/update_ratio": 35.0}).reason
+    'WeightUpdateRatio at step 2: update/weight ratio outside [1e-08, 10]: m/d/kernel=35'
+    """
+
+    requires = (("weights", "update_ratio"),)
+
+    def __init__(self, large_threshold: float = 10.0, small_threshold: float = 1e-8,
+                 epsilon: float = 1e-9):
+        owner = type(self).__name__
+        self.large_threshold = check.number(owner, "large_threshold", large_threshold,
+                                            minimum=0.0, exclusive_minimum=True)
+        self.small_threshold = check.number(owner, "small_threshold", small_threshold,
+                                            minimum=0.0, maximum=self.large_threshold)
+        self.epsilon = check.number(owner, "epsilon", epsilon, minimum=0.0)
+
+    def check(self, step, record):
+        norms = dict(values_of(record, "weights", "l2_norm"))
+        bad = {
+            name: ratio for name, ratio in values_of(record, "weights", "update_ratio")
+            if not math.isnan(ratio) and norms.get(name, math.inf) >= self.epsilon
+            and not self.small_threshold <= ratio <= self.large_threshold
+        }
+        if not bad:
+            return None
+        return self.verdict(
+            step, f"update/weight ratio outside [{self.small_threshold:g}, "
+            f"{self.large_threshold:g}]: {listing(bad)}", bad)
+
+    def get_config(self):
+        return {"large_threshold": self.large_threshold,
+                "small_threshold": self.small_threshold, "epsilon": self.epsilon}
