@@ -13,8 +13,9 @@ class WeightUpdateRatio(Rule):
 
     Reads `weights/<variable>/update_ratio` (`WeightStatistics`, a default
     statistic) and, when recorded, `weights/<variable>/l2_norm`: variables
-    whose norm is below `epsilon` are left out (their ratio says nothing).
-    Steps the optimizer skipped record no ratio.
+    whose norm is below `epsilon` are left out (their ratio says nothing), and
+    so are infinite ratios, those of variables that were zero before the step
+    (biases at their initial zeros). Steps the optimizer skipped record no ratio.
 
     Args:
         large_threshold: a ratio above this fires. Defaults to `10.0`.
@@ -43,7 +44,7 @@ class WeightUpdateRatio(Rule):
         norms = dict(values_of(record, "weights", "l2_norm"))
         bad = {
             name: ratio for name, ratio in values_of(record, "weights", "update_ratio")
-            if not math.isnan(ratio) and norms.get(name, math.inf) >= self.epsilon
+            if math.isfinite(ratio) and norms.get(name, math.inf) >= self.epsilon
             and not self.small_threshold <= ratio <= self.large_threshold
         }
         if not bad:

@@ -1,0 +1,208 @@
+"""Built-in rules: on records, and on broken trainings that make them fire at a known step."""
+
+import math
+import re
+
+import keras
+import numpy as np
+import pytest
+
+import kerasdbg
+from kerasdbg.callbacks import ActivationStatistics, GradientStatistics, WeightStatistics
+from kerasdbg.layers import TapLayer
+from kerasdbg.rules import (
+    AllZero, DeadReLU, ExplodingTensor, Rule, SaturatedActivation, VanishingGradient,
+    WeightUpdateRatio,
+)
+from tests.conftest import make_strategy, only_upstream_failure
+
+RULES = [VanishingGradient(), ExplodingTensor(), DeadReLU(), SaturatedActivation(),
+         WeightUpdateRatio(), AllZero()]
+
+BATCH, STEPS = 8, 10
+RNG = np.random.default_rng(7)
+X = np.abs(RNG.normal(size=(BATCH * STEPS, 6))).astype("float32") + 0.1
+Y = RNG.normal(size=(BATCH * STEPS, 1)).astype("float32")
+
+
+def _batch(x, step, value):
+    """`x` with the batch of optimizer step `step` (1-based) replaced."""
+    x = x.copy()
+    x[(step - 1) * BATCH: step * BATCH] = value
+    return x
+
+
+def _train(tmp_path, x, activation="relu", strategy_name="default", spe=1):
+    """A tapped MLP trained for STEPS steps with every recorder; returns the log dir."""
+    log_dir = str(tmp_path / "logs")
+    with make_strategy(strategy_name).scope():
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([
+            keras.Input((6,), name="x"),
+            keras.layers.Dense(32, activation=activation, kernel_initializer=keras.initializers
+                               .RandomUniform(0.0, 0.2), name="hidden"),
+            keras.layers.Dense(1, name="out"),
+        ], name="mlp")
+        model.compile(keras.optimizers.SGD(0.01), "mse", steps_per_execution=spe)
+        tapped = kerasdbg.insert_taps(model, layers=["hidden"])
+    callbacks = [GradientStatistics(log_dir), WeightStatistics(log_dir),
+                 ActivationStatistics(log_dir)]
+    with only_upstream_failure(strategy_name, False, collective=False):
+        tapped.fit(x, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                   callbacks=callbacks)
+    return log_dir
+
+
+def _first(log_dir, rule):
+    verdicts = kerasdbg.check_run(log_dir, [rule])
+    return verdicts[0].step if verdicts else None
+
+
+# ------------------------------------------------------------ trainings
+MATRIX = [
+    pytest.param(s, spe, id=f"{s}-spe{spe}") for s in ("default", "mirrored") for spe in (1, 4)
+]
+
+
+@pytest.mark.parametrize("strategy_name, spe", MATRIX)
+def test_healthy_training_keeps_every_rule_quiet(tmp_path, strategy_name, spe):
+    log_dir = _train(tmp_path, X, strategy_name=strategy_name, spe=spe)
+    relu_rules = [rule for rule in RULES if not isinstance(rule, SaturatedActivation)]
+    assert kerasdbg.check_run(log_dir, relu_rules) == []
+
+
+@pytest.mark.parametrize("strategy_name, spe", MATRIX)
+def test_exploding_tensor_fires_at_the_step_with_a_nan_input(tmp_path, strategy_name, spe):
+    log_dir = _train(tmp_path, _batch(X, 6, np.nan), strategy_name=strategy_name, spe=spe)
+    verdicts = kerasdbg.check_run(log_dir, [ExplodingTensor()])
+    assert [v.step for v in verdicts] == [6]
+    # In a graph, TensorFlow's fused MatMul+BiasAdd+Relu kernel turns NaN into
+    # 0 (eagerly, relu(NaN) is NaN), so only the first kernel's gradient
+    # (NaN inputs times the back-propagated error) is NaN.
+    assert "mlp/hidden/kernel" in verdicts[0].tensors
+    assert "non-finite values in gradients: mlp/hidden/kernel=" in verdicts[0].reason
+
+
+@pytest.mark.parametrize("strategy_name, spe", MATRIX)
+def test_dead_relu_fires_when_every_unit_is_zero(tmp_path, strategy_name, spe):
+    # All inputs negative at step 4: the hidden pre-activations (kernel >= 0 at
+    # the start, small learning rate) are all negative, so every unit is dead.
+    log_dir = _train(tmp_path, _batch(X, 4, -100.0), strategy_name=strategy_name, spe=spe)
+    verdicts = kerasdbg.check_run(log_dir, [DeadReLU()])
+    assert [(v.step, v.values) for v in verdicts] == [(4, {"hidden_tap": 100.0})]
+    # At that step no gradient reaches the hidden layer, so those rules fire too.
+    assert _first(log_dir, VanishingGradient()) == 4
+    assert _first(log_dir, AllZero(collections=["gradients"])) == 4
+
+
+def test_vanishing_gradient_and_all_zero_on_zero_inputs(tmp_path):
+    log_dir = _train(tmp_path, _batch(X, 7, 0.0))
+    verdict = kerasdbg.check_run(log_dir, [VanishingGradient()])[0]
+    assert (verdict.step, verdict.tensors) == (7, ("mlp/hidden/kernel",))
+    assert verdict.values == {"mlp/hidden/kernel": 0.0}
+    assert _first(log_dir, VanishingGradient(require="all")) is None  # biases still learn
+    zero = kerasdbg.check_run(log_dir, [AllZero(collections=["gradients"])])[0]
+    assert (zero.step, zero.tensors) == (7, ("mlp/hidden/kernel",))
+
+
+def test_weight_update_ratio_fires_on_a_huge_update(tmp_path):
+    log_dir = _train(tmp_path, _batch(X, 5, 1e5))
+    verdict = kerasdbg.check_run(log_dir, [WeightUpdateRatio()])[0]
+    assert verdict.step == 5
+    assert all(ratio > 10 for ratio in verdict.values.values())
+    assert _first(log_dir, WeightUpdateRatio(large_threshold=1e30, small_threshold=0.5)) == 1
+
+
+def test_saturated_activation_fires_on_saturated_tanh(tmp_path):
+    log_dir = _train(tmp_path, _batch(X, 3, 1e3), activation="tanh")
+    verdict = kerasdbg.check_run(log_dir, [SaturatedActivation()])[0]
+    assert verdict.step == 3 and verdict.values["hidden_tap"] >= 50.0
+    with pytest.raises(ValueError, match="DeadReLU reads activations/<name>/dead_fraction"):
+        kerasdbg.check_run(log_dir, [DeadReLU()])  # tanh taps record no dead units
+    assert kerasdbg.check_run(_train(tmp_path / "healthy", X, activation="tanh"),
+                              [SaturatedActivation()]) == []
+
+
+# ------------------------------------------------------------ records
+def test_rules_on_records_edge_cases():
+    nan = math.nan
+    assert VanishingGradient().check(1, {"gradients/v/mean_abs": nan}) is None
+    assert VanishingGradient().check(1, {}) is None
+    assert VanishingGradient(require="all").check(
+        1, {"gradients/a/mean_abs": 0.0, "gradients/b/mean_abs": 0.0}).tensors == ("a", "b")
+    assert ExplodingTensor(only_nan=True).check(
+        1, {"gradients/a/nan_count": 0.0, "gradients/a/inf_count": 2.0}) is None
+    assert ExplodingTensor().check(
+        1, {"gradients/a/nan_count": 0.0, "gradients/a/inf_count": 2.0}).values == {"a": 2.0}
+    big = ExplodingTensor(threshold=100.0).check(
+        1, {"gradients/a/min": -500.0, "gradients/a/max": 3.0, "gradients/a/nan_count": 0.0})
+    assert big.values == {"a": 500.0}
+    assert ExplodingTensor(collections=["weights"]).check(1, {"gradients/a/nan_count": 1}) is None
+    # Variables with a norm below epsilon are left out of WeightUpdateRatio.
+    record = {"weights/a/update_ratio": 1e6, "weights/a/l2_norm": 0.0}
+    assert WeightUpdateRatio().check(1, record) is None
+    assert WeightUpdateRatio().check(1, {"weights/a/update_ratio": 1e-12}).values == {"a": 1e-12}
+    assert AllZero(threshold=90.0).check(1, {"activations/t/zero_fraction": 0.95}) is not None
+    assert DeadReLU(threshold_layer=80.0).check(1, {"activations/t/dead_fraction": 0.75}) is None
+    # Tags that are not per tensor are ignored.
+    assert AllZero().check(1, {"gradients/global_norm": 0.0}) is None
+
+
+def test_reasons_list_at_most_five_tensors():
+    record = {f"gradients/v{i}/mean_abs": 0.0 for i in range(8)}
+    reason = VanishingGradient().check(2, record).reason
+    assert reason.endswith("v4=0 and 3 more") and "8 of 8 variables" in reason
+
+
+@pytest.mark.parametrize("rule", RULES, ids=[r.name for r in RULES])
+def test_config_round_trip(rule):
+    again = type(rule).from_config(rule.get_config())
+    assert again.get_config() == rule.get_config()
+    assert repr(again) == repr(rule)
+
+
+@pytest.mark.parametrize("make, error, message", [
+    (lambda: VanishingGradient(threshold=-1), ValueError,
+     "VanishingGradient: `threshold` must be a finite number >= 0. Received: threshold=-1.0"),
+    (lambda: VanishingGradient(require="most"), ValueError,
+     "VanishingGradient: `require` must be one of 'any', 'all'. Received: require='most'"),
+    (lambda: ExplodingTensor(collections=["losses"]), ValueError,
+     "ExplodingTensor: `collections` must be a non-empty list of names from gradients, "
+     "weights, activations"),
+    (lambda: ExplodingTensor(threshold=0), ValueError, "`threshold` must be a finite number > 0"),
+    (lambda: ExplodingTensor(only_nan=1), TypeError, "`only_nan` must be a bool"),
+    (lambda: DeadReLU(threshold_layer=150), ValueError,
+     "DeadReLU: `threshold_layer` must be a finite number >= 0 and <= 100. "
+     "Received: threshold_layer=150.0"),
+    (lambda: WeightUpdateRatio(small_threshold=20.0), ValueError,
+     "WeightUpdateRatio: `small_threshold` must be a finite number >= 0 and <= 10"),
+    (lambda: AllZero(threshold="all"), TypeError,
+     "AllZero: `threshold` must be a number. Received: threshold='all' of type str"),
+    (lambda: AllZero(threshold=math.nan), ValueError, "`threshold` must be a finite number"),
+], ids=["negative", "require", "collection", "zero-threshold", "only-nan-type", "percent",
+        "small-above-large", "type", "nan"])
+def test_bad_arguments(make, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        make()
+
+
+def test_check_run_refuses_rules_it_cannot_evaluate(tmp_path):
+    log_dir = str(tmp_path / "logs")
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1, name="d")], name="m")
+    model.compile("sgd", "mse")
+    model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0,
+              callbacks=[GradientStatistics(log_dir, stats=["l2_norm"])])
+    with pytest.raises(ValueError, match=re.escape(
+        "check_run: VanishingGradient reads gradients/<name>/mean_abs, which run 'train'"
+    )):
+        kerasdbg.check_run(log_dir, [VanishingGradient()])
+    with pytest.raises(TypeError, match="`rules` must hold kerasdbg.rules.Rule objects"):
+        kerasdbg.check_run(log_dir, ["VanishingGradient"])
+    # All firing steps on request, not only the first.
+    everything = kerasdbg.check_run(log_dir, [_Always()], first_only=False)
+    assert [v.step for v in everything] == list(range(1, STEPS + 1))
+
+
+class _Always(Rule):
+    def check(self, step, record):
+        return self.verdict(step, "always", {})
