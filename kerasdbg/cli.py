@@ -9,7 +9,49 @@ from typing import List, Optional
 EXAMPLES = """examples:
   kerasdbg demo --out runs/demo      train the demo and write TensorBoard logs
   kerasdbg tags runs/demo/healthy    list the scalar tags of a log directory
+  kerasdbg check runs/demo/lr_too_high                      every rule the run can feed
+  kerasdbg check LOG_DIR --rule DeadReLU:threshold_layer=30 --rule ExplodingTensor
 """
+
+
+def parse_rule(text: str):
+    """`Name` or `Name:param=value,param=value` -> a rule; values are Python
+    literals, bare words are strings, and `a|b` is a list."""
+    import ast
+
+    from kerasdbg import rules as rules_lib
+
+    name, _, params = text.partition(":")
+    known = [n for n in rules_lib.__all__ if n not in ("Rule", "Verdict")]
+    if name not in known:
+        raise ValueError(f"unknown rule {name!r}. Rules: {', '.join(known)}")
+    kwargs = {}
+    for item in filter(None, params.split(",")):
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"rule parameters are written param=value. Received: {item!r}")
+
+        def literal(word):
+            try:
+                return ast.literal_eval(word)
+            except (ValueError, SyntaxError):
+                return word
+
+        kwargs[key] = [literal(w) for w in raw.split("|")] if "|" in raw else literal(raw)
+    import inspect
+
+    cls = getattr(rules_lib, name)
+    parameters = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    unknown = [key for key in kwargs if key not in parameters]
+    if unknown:
+        raise ValueError(
+            f"{name} has no parameter {', '.join(map(repr, unknown))}. "
+            f"Parameters: {', '.join(parameters)}"
+        )
+    try:
+        return cls(**kwargs)
+    except TypeError as error:
+        raise ValueError(str(error)) from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -37,6 +79,21 @@ def _parser() -> argparse.ArgumentParser:
     tags.add_argument("log_dir")
     tags.add_argument("--kind", choices=["scalars", "histograms", "text"], default="scalars")
     tags.add_argument("--pattern", default=None, help="regular expression the tags must match")
+    check = commands.add_parser(
+        "check",
+        help="run rules on a recorded log directory; exit status 1 when one fires",
+        description="Evaluates rules on every recorded step of a log directory and prints "
+        "each rule's first firing. Exit status: 0 when none fires, 1 when one does, 2 on bad "
+        "input. Without --rule, every built-in rule the run holds statistics for. "
+        "Example: kerasdbg check runs/demo/lr_too_high --rule ExplodingTensor",
+    )
+    check.add_argument("log_dir")
+    check.add_argument("--rule", action="append", default=[], metavar="NAME[:param=value,...]",
+                       help="a rule and its parameters, e.g. DeadReLU:threshold_layer=30 "
+                       "or ExplodingTensor:collections=gradients|activations (repeatable)")
+    check.add_argument("--run", default="train", help="run of the log directory (default: train)")
+    check.add_argument("--all-steps", action="store_true",
+                       help="report every step at which a rule fires, not only the first")
     return parser
 
 
@@ -65,7 +122,37 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 1
         print("\n".join(found))
         return 0
+    if args.command == "check":
+        return _check(args)
     return 2  # pragma: no cover - argparse rejects unknown commands
+
+
+def _check(args) -> int:
+    from kerasdbg import rules as rules_lib
+    from kerasdbg.reader import load_run
+    from kerasdbg.rules.offline import can_check, check_run, recorded_pairs
+
+    try:
+        if args.rule:
+            chosen = [parse_rule(text) for text in args.rule]
+        else:
+            chosen = [getattr(rules_lib, n)() for n in rules_lib.__all__
+                      if n not in ("Rule", "Verdict")]
+        run = load_run(args.log_dir)
+        if not args.rule:
+            present = recorded_pairs(run.tags(run=args.run))
+            chosen = [rule for rule in chosen if can_check(rule, present)]
+        verdicts = check_run(run, chosen, run=args.run, first_only=not args.all_steps)
+    except (ValueError, KeyError, FileNotFoundError) as error:
+        message = error.args[0] if isinstance(error, KeyError) else error
+        print(f"kerasdbg check: {message}", file=sys.stderr)
+        return 2
+    for verdict in verdicts:
+        print(verdict.reason)
+    fired = sorted({v.rule for v in verdicts})
+    print(f"kerasdbg check: {len(fired)} of {len(chosen)} rules fired"
+          + (f" ({', '.join(fired)})" if fired else ""), file=sys.stderr)
+    return 1 if verdicts else 0
 
 
 if __name__ == "__main__":  # pragma: no cover

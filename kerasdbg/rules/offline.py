@@ -10,7 +10,7 @@ from kerasdbg.rules.rule import Rule, Verdict, tag_parts
 
 def check_run(
     log_dir: Union[str, Run], rules: Sequence[Rule], run: str = "train",
-    first_only: bool = True,
+    first_only: bool = True, skip_missing: bool = False,
 ) -> List[Verdict]:
     """Evaluates `rules` on every recorded step of a run, in step order.
 
@@ -24,6 +24,8 @@ def check_run(
         run: which run of the directory. Defaults to `"train"`.
         first_only: report only the first step at which each rule fires.
             Defaults to `True`.
+        skip_missing: leave out the rules the run holds no statistics for,
+            instead of raising. Defaults to `False`.
 
     Returns:
         The verdicts, by step, then in the order of `rules`.
@@ -59,11 +61,12 @@ def check_run(
             )
     source = log_dir if isinstance(log_dir, Run) else load_run(log_dir)
     frame = source.scalars(".*", run=run)
-    present = {(p[0], p[2]) for p in map(tag_parts, frame.tag.unique()) if p}
-    present |= {tuple(t.split("/", 1)) for t in frame.tag.unique() if t.count("/") == 1}
+    present = recorded_pairs(frame.tag.unique())
+    if skip_missing:
+        rules = [rule for rule in rules if can_check(rule, present)]
     for rule in rules:
         needed = tuple(rule.requires)
-        if needed and not any(need in present for need in needed):
+        if not can_check(rule, present):
             wanted = ", ".join(f"{c}/<name>/{s}" for c, s in needed)
             raise ValueError(
                 f"check_run: {rule.name} reads {wanted}, which run {run!r} of "
@@ -82,3 +85,16 @@ def check_run(
                 fired.add(index)
                 verdicts.append(verdict)
     return verdicts
+
+
+def recorded_pairs(tags) -> set:
+    """The `(collection, statistic)` pairs that `tags` hold (and `(collection, name)`
+    for two-part tags such as `gradients/global_norm`)."""
+    present = {(p[0], p[2]) for p in map(tag_parts, tags) if p}
+    return present | {tuple(t.split("/", 1)) for t in tags if t.count("/") == 1}
+
+
+def can_check(rule: Rule, present) -> bool:
+    """Whether a run holding the `(collection, statistic)` pairs `present` feeds `rule`."""
+    needed = tuple(rule.requires)
+    return not needed or any(need in present for need in needed)

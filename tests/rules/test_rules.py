@@ -206,3 +206,35 @@ def test_check_run_refuses_rules_it_cannot_evaluate(tmp_path):
 class _Always(Rule):
     def check(self, step, record):
         return self.verdict(step, "always", {})
+
+
+# ------------------------------------------------------------ command line
+def test_cli_check_agrees_with_check_run_and_sets_the_exit_status(tmp_path, capsys):
+    from kerasdbg import cli
+
+    broken = _train(tmp_path / "broken", _batch(X, 4, -100.0))
+    healthy = _train(tmp_path / "healthy", X)
+    assert cli.main(["check", broken, "--rule", "DeadReLU:threshold_layer=90"]) == 1
+    out = capsys.readouterr().out.strip()
+    assert out == kerasdbg.check_run(broken, [DeadReLU(threshold_layer=90.0)])[0].reason
+    assert out.startswith("DeadReLU at step 4: dead units")
+    # Without --rule: every rule the run can feed (not SaturatedActivation here).
+    assert cli.main(["check", healthy]) == 0
+    assert capsys.readouterr().err.strip() == "kerasdbg check: 0 of 5 rules fired"
+    assert cli.main(["check", broken, "--rule", "AllZero:collections=gradients|weights",
+                     "--all-steps"]) == 1
+    assert capsys.readouterr().out.splitlines()[0].startswith("AllZero at step 4")
+
+
+@pytest.mark.parametrize("rule, message", [
+    ("Nope", "unknown rule 'Nope'. Rules: AllZero, DeadReLU, ExplodingTensor"),
+    ("DeadReLU:threshold_layer", "rule parameters are written param=value"),
+    ("DeadReLU:limit=3",
+     "DeadReLU has no parameter 'limit'. Parameters: threshold_inactivity, threshold_layer"),
+    ("DeadReLU:threshold_layer=200", "`threshold_layer` must be a finite number >= 0 and <= 100"),
+], ids=["unknown", "no-value", "unknown-param", "bad-value"])
+def test_cli_check_bad_rules(tmp_path, capsys, rule, message):
+    from kerasdbg import cli
+
+    assert cli.main(["check", str(tmp_path), "--rule", rule]) == 2
+    assert message in capsys.readouterr().err
