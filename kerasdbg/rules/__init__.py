@@ -6,6 +6,8 @@ from kerasdbg.rules.dead_relu import SaturatedActivation
 from kerasdbg.rules.exploding_tensor import ExplodingTensor
 from kerasdbg.rules.rule import Rule
 from kerasdbg.rules.rule import Verdict
+from kerasdbg.rules.tensor_variance import TensorVariance
+from kerasdbg.rules.unchanged_tensor import UnchangedTensor
 from kerasdbg.rules.vanishing_gradient import VanishingGradient
 from kerasdbg.rules.weight_update_ratio import WeightUpdateRatio
 
@@ -15,6 +17,8 @@ __all__ = (
     "ExplodingTensor",
     "Rule",
     "SaturatedActivation",
+    "TensorVariance",
+    "UnchangedTensor",
     "VanishingGradient",
     "Verdict",
     "WeightUpdateRatio",

@@ -11,13 +11,14 @@ import kerasdbg
 from kerasdbg.callbacks import ActivationStatistics, GradientStatistics, WeightStatistics
 from kerasdbg.layers import TapLayer
 from kerasdbg.rules import (
-    AllZero, DeadReLU, ExplodingTensor, Rule, SaturatedActivation, VanishingGradient,
-    WeightUpdateRatio,
+    AllZero, DeadReLU, ExplodingTensor, Rule, SaturatedActivation, TensorVariance,
+    UnchangedTensor, VanishingGradient, WeightUpdateRatio,
 )
 from tests.conftest import make_strategy, only_upstream_failure
 
 RULES = [VanishingGradient(), ExplodingTensor(), DeadReLU(), SaturatedActivation(),
-         WeightUpdateRatio(), AllZero()]
+         WeightUpdateRatio(), AllZero(), UnchangedTensor(),
+         TensorVariance(max_threshold=1e6)]
 
 BATCH, STEPS = 8, 10
 RNG = np.random.default_rng(7)
@@ -220,7 +221,7 @@ def test_cli_check_agrees_with_check_run_and_sets_the_exit_status(tmp_path, caps
     assert out.startswith("DeadReLU at step 4: dead units")
     # Without --rule: every rule the run can feed (not SaturatedActivation here).
     assert cli.main(["check", healthy]) == 0
-    assert capsys.readouterr().err.strip() == "kerasdbg check: 0 of 5 rules fired"
+    assert capsys.readouterr().err.strip() == "kerasdbg check: 0 of 6 rules fired"
     assert cli.main(["check", broken, "--rule", "AllZero:collections=gradients|weights",
                      "--all-steps"]) == 1
     assert capsys.readouterr().out.splitlines()[0].startswith("AllZero at step 4")
@@ -238,3 +239,33 @@ def test_cli_check_bad_rules(tmp_path, capsys, rule, message):
 
     assert cli.main(["check", str(tmp_path), "--rule", rule]) == 2
     assert message in capsys.readouterr().err
+
+
+# ------------------------------------------------------------ UnchangedTensor, TensorVariance
+def test_unchanged_tensor_fires_when_the_weights_stop_moving(tmp_path):
+    log_dir = str(tmp_path / "logs")
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4, name="d")], name="m")
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    frozen = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: batch == 4 and model.optimizer.learning_rate.assign(0.0))
+    model.fit(X, np.zeros((len(X), 4), "float32"), batch_size=BATCH, shuffle=False, verbose=0,
+              callbacks=[frozen, WeightStatistics(log_dir)])
+    # Weights are recorded after each update: those of step 5 are the last to
+    # move, and steps 5, 6 and 7 record the same weights.
+    verdict = kerasdbg.check_run(log_dir, [UnchangedTensor(num_steps=3)])[0]
+    assert (verdict.step, set(verdict.tensors)) == (7, {"m/d/kernel", "m/d/bias"})
+    assert kerasdbg.check_run(_train(tmp_path / "healthy", X), [UnchangedTensor()]) == []
+
+
+def test_tensor_variance_fires_on_dead_and_on_huge_activations(tmp_path):
+    dead = _train(tmp_path / "dead", _batch(X, 4, -100.0))
+    verdict = kerasdbg.check_run(dead, [TensorVariance(min_threshold=1e-12,
+                                                       collections=["activations"])])[0]
+    assert (verdict.step, verdict.values) == (4, {"hidden_tap": 0.0})
+    huge = _train(tmp_path / "huge", _batch(X, 5, 1e5))
+    assert _first(huge, TensorVariance(max_threshold=1e6, collections=["activations"])) == 5
+    with pytest.raises(ValueError, match="TensorVariance: give `min_threshold`, `max_threshold`"):
+        TensorVariance()
+    with pytest.raises(ValueError, match="UnchangedTensor: `num_steps` must be at least 2"):
+        UnchangedTensor(num_steps=1)

@@ -1,0 +1,73 @@
+"""`TensorVariance`: tensors whose variance is too small or too large."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from kerasdbg import _validation as check
+from kerasdbg.rules.rule import COLLECTIONS, Rule, listing, tag_parts
+
+
+class TensorVariance(Rule):
+    """Fires when a tensor's variance (std squared) leaves [min_threshold, max_threshold].
+
+    Reads `<collection>/<tensor>/std`. A tensor of one element (a bias of
+    one unit) has variance 0, so a `min_threshold` fires on it; narrow
+    `collections` or raise `min_threshold` only where tensors have several
+    elements.
+
+    Args:
+        min_threshold: a variance below this fires; None for no lower bound.
+            Defaults to `None`.
+        max_threshold: a variance above this fires; None for no upper bound.
+            Defaults to `None`. At least one of the two is required.
+        collections: which of "gradients", "weights", "activations" to
+            watch. Defaults to all three.
+
+    Example:
+
+    >>> from kerasdbg.rules import TensorVariance
+    >>> TensorVariance(max_threshold=100.0).check(
+    ...     9, {"activations/dense_tap/std": 20.0}).reason
+    'TensorVariance at step 9: variance outside [-inf, 100] in activations: dense_tap=400'
+    """
+
+    def __init__(self, min_threshold=None, max_threshold=None,
+                 collections: Sequence[str] = COLLECTIONS):
+        owner = type(self).__name__
+        if min_threshold is None and max_threshold is None:
+            raise ValueError(
+                f"{owner}: give `min_threshold`, `max_threshold` or both. "
+                "Received: min_threshold=None, max_threshold=None"
+            )
+        self.min_threshold = None if min_threshold is None else check.number(
+            owner, "min_threshold", min_threshold, minimum=0.0)
+        self.max_threshold = None if max_threshold is None else check.number(
+            owner, "max_threshold", max_threshold, minimum=self.min_threshold or 0.0)
+        self.collections = check.choices(owner, "collections", collections, COLLECTIONS)
+
+    @property
+    def requires(self):
+        return tuple((c, "std") for c in self.collections)
+
+    def check(self, step, record):
+        low = -math.inf if self.min_threshold is None else self.min_threshold
+        high = math.inf if self.max_threshold is None else self.max_threshold
+        for collection in self.collections:
+            bad = {}
+            for tag, value in record.items():
+                parts = tag_parts(tag)
+                if parts and parts[0] == collection and parts[2] == "std" and math.isfinite(value):
+                    variance = float(value) ** 2
+                    if not low <= variance <= high:
+                        bad[parts[1]] = variance
+            if bad:
+                return self.verdict(
+                    step, f"variance outside [{low:g}, {high:g}] in {collection}: {listing(bad)}",
+                    bad)
+        return None
+
+    def get_config(self):
+        return {"min_threshold": self.min_threshold, "max_threshold": self.max_threshold,
+                "collections": list(self.collections)}

@@ -1,0 +1,94 @@
+"""`UnchangedTensor`: tensors whose statistics stop changing."""
+
+from __future__ import annotations
+
+import collections
+from typing import Sequence
+
+import numpy as np
+
+from kerasdbg import _validation as check
+from kerasdbg.rules.rule import COLLECTIONS, Rule, listing, tag_parts
+
+# Statistics compared between steps, where recorded.
+COMPARED = ("l2_norm", "mean", "std", "min", "max", "mean_abs", "zero_fraction")
+
+
+class UnchangedTensor(Rule):
+    """Fires when a tensor's statistics are the same over `num_steps` recorded steps.
+
+    kerasdbg records statistics, not whole tensors, so "unchanged" means:
+    every recorded statistic among l2_norm, mean, std, min, max, mean_abs and
+    zero_fraction equal (`np.allclose` with `rtol`, `atol`) over the last
+    `num_steps` recorded steps. Weights that stop moving (a learning rate of
+    0, a frozen layer behind dead units), gradients stuck at one value, or
+    activations that no longer depend on the batch show up this way.
+
+    Args:
+        num_steps: recorded steps that must agree. Defaults to `3`.
+        rtol: relative tolerance. Defaults to `1e-5`.
+        atol: absolute tolerance. Defaults to `1e-8`.
+        collections: which of "gradients", "weights", "activations" to
+            watch. Defaults to `("weights",)`.
+
+    Example:
+
+    >>> from kerasdbg.rules import UnchangedTensor
+    >>> rule = UnchangedTensor(num_steps=2)
+    >>> rule.check(1, {"weights/m/d/kernel/l2_norm": 1.5}) is None
+    True
+    >>> rule.check(2, {"weights/m/d/kernel/l2_norm": 1.5}).reason
+    'UnchangedTensor at step 2: statistics unchanged over 2 recorded steps in weights: m/d/kernel=1.5'
+    """
+
+    def __init__(self, num_steps: int = 3, rtol: float = 1e-5, atol: float = 1e-8,
+                 collections: Sequence[str] = ("weights",)):
+        owner = type(self).__name__
+        self.num_steps = check.positive_int(owner, "num_steps", num_steps)
+        if self.num_steps < 2:
+            raise ValueError(
+                f"{owner}: `num_steps` must be at least 2 (steps to compare). "
+                f"Received: num_steps={num_steps}"
+            )
+        self.rtol = check.number(owner, "rtol", rtol, minimum=0.0)
+        self.atol = check.number(owner, "atol", atol, minimum=0.0)
+        self.collections = check.choices(owner, "collections", collections, COLLECTIONS)
+        self.reset()
+
+    @property
+    def requires(self):
+        return tuple((c, s) for c in self.collections for s in COMPARED)
+
+    def reset(self):
+        self._windows = collections.defaultdict(lambda: collections.deque(maxlen=self.num_steps))
+
+    def check(self, step, record):
+        current = collections.defaultdict(dict)
+        for tag, value in record.items():
+            parts = tag_parts(tag)
+            if parts and parts[0] in self.collections and parts[2] in COMPARED:
+                current[parts[:2]][parts[2]] = float(value)
+        fired = {}
+        for key, stats in current.items():
+            window = self._windows[key]
+            window.append(stats)
+            if len(window) < self.num_steps or any(w.keys() != stats.keys() for w in window):
+                continue
+            names = sorted(stats)
+            table = np.array([[w[n] for n in names] for w in window])
+            if np.all(np.isfinite(table)) and np.allclose(
+                table, table[-1], rtol=self.rtol, atol=self.atol
+            ):
+                first = stats.get("l2_norm", stats[names[0]])
+                fired[key] = first
+        if not fired:
+            return None
+        collection = sorted(fired)[0][0]
+        values = {name: v for (c, name), v in sorted(fired.items()) if c == collection}
+        return self.verdict(
+            step, f"statistics unchanged over {self.num_steps} recorded steps in "
+            f"{collection}: {listing(values)}", values)
+
+    def get_config(self):
+        return {"num_steps": self.num_steps, "rtol": self.rtol, "atol": self.atol,
+                "collections": list(self.collections)}
