@@ -58,6 +58,12 @@ def _model_outputs(model) -> list:
         return []
 
 
+def output_names(model) -> List[str]:
+    """The names Keras gives the model's outputs (losses and logs use them)."""
+    names = list(getattr(model, "output_names", None) or [])
+    return names or [internals.producing_layer(x).name for x in _model_outputs(model)]
+
+
 def fresh_input(keras_tensor):
     """A new `keras.Input` like `keras_tensor`, named after its input layer."""
     return keras.Input(
@@ -128,9 +134,7 @@ class Replay:
             inputs, (outputs, dict(extras)) if extras else outputs, name=name or model.name,
         )
         rebuilt._kerasdbg_extras = bool(extras)
-        names = list(getattr(model, "output_names", None) or []) or [
-            internals.producing_layer(x).name for x in _model_outputs(model)
-        ]
+        names = output_names(model)
         if not extras and len(names) == len(rebuilt.output_names):
             # A tap after an output layer would otherwise rename the output
             # (loss dicts and logs use these names).
@@ -182,6 +186,28 @@ class Replay:
         else:
             outputs = layer(*args, **kwargs)
         return self.after_call(layer, path, outputs)
+
+
+class SelectionReplay(Replay):
+    """A replay that acts after the layers of `selected` (see `select_layers`).
+
+    It descends only into nested models that hold a selected layer, and
+    treats a selected input layer like a layer call (its tensor goes through
+    `after_call`).
+    """
+
+    def __init__(self, selected: Set[Tuple[Path, int]]):
+        super().__init__()
+        self.selected = selected
+
+    def is_selected(self, layer, path: Path) -> bool:
+        return (path, id(layer)) in self.selected
+
+    def descend(self, model, path: Path) -> bool:
+        return any(p[: len(path)] == path for p, _ in self.selected)
+
+    def on_input(self, layer, path: Path, tensor):
+        return self.after_call(layer, path, tensor)
 
 
 def check_graph_model(owner: str, model) -> None:

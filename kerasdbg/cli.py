@@ -14,6 +14,13 @@ EXAMPLES = """examples:
 """
 
 
+def _rule_names() -> List[str]:
+    """The built-in rules, by class name."""
+    from kerasdbg import rules as rules_lib
+
+    return [n for n in rules_lib.__all__ if n not in ("Rule", "Verdict")]
+
+
 def parse_rule(text: str):
     """`Name` or `Name:param=value,param=value` -> a rule; values are Python
     literals, bare words are strings, and `a|b` is a list."""
@@ -22,7 +29,7 @@ def parse_rule(text: str):
     from kerasdbg import rules as rules_lib
 
     name, _, params = text.partition(":")
-    known = [n for n in rules_lib.__all__ if n not in ("Rule", "Verdict")]
+    known = _rule_names()
     if name not in known:
         raise ValueError(f"unknown rule {name!r}. Rules: {', '.join(known)}")
     kwargs = {}
@@ -137,8 +144,7 @@ def _check(args) -> int:
             chosen = [parse_rule(text) for text in args.rule]
         else:
             # Every rule that has defaults for all its arguments.
-            chosen = [getattr(rules_lib, n)() for n in rules_lib.__all__
-                      if n not in ("Rule", "Verdict", "TensorVariance")]
+            chosen = [getattr(rules_lib, n)() for n in _rule_names() if n != "TensorVariance"]
         run = load_run(args.log_dir)
         if not args.rule:
             present = recorded_pairs(run.tags(run=args.run))

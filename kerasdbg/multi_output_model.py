@@ -9,19 +9,9 @@ import keras
 from kerasdbg import _replay
 
 
-class _ExposeReplay(_replay.Replay):
-    def __init__(self, selected):
-        super().__init__()
-        self._selected = selected
-
-    def descend(self, model, path) -> bool:
-        return any(p[: len(path)] == path for p, _ in self._selected)
-
-    def on_input(self, layer, path, tensor):
-        return self.after_call(layer, path, tensor)
-
+class _ExposeReplay(_replay.SelectionReplay):
     def after_call(self, layer, path, outputs):
-        if (path, id(layer)) in self._selected:
+        if self.is_selected(layer, path):
             self.expose(_replay.qualified_name(path, layer), outputs)
         return outputs
 
@@ -89,9 +79,7 @@ class MultiOutputModel(keras.Model):
             _replay.qualified_name(path, layer) for path, layer in _replay.walk(model)
             if (path, id(layer)) in selected
         ]
-        self.output_names = [
-            _replay.internals.producing_layer(x).name for x in _replay._model_outputs(model)
-        ]
+        self.output_names = _replay.output_names(model)
         self.built = True
         _replay.copy_compile(model, self)
 

@@ -143,21 +143,14 @@ def strip_debug_layers(model: keras.Model, name: Optional[str] = None) -> keras.
 
 
 # ------------------------------------------------------------ replays
-class _TapReplay(_replay.Replay):
+class _TapReplay(_replay.SelectionReplay):
     def __init__(self, selected: Set[Tuple[tuple, int]], tap: TapSpec, names: Set[str]):
-        super().__init__()
-        self._selected = selected
+        super().__init__(selected)
         self._tap = tap
         self._names = set(names)
 
-    def descend(self, model, path) -> bool:
-        return any(p[: len(path)] == path for p, _ in self._selected)
-
-    def on_input(self, layer, path, tensor):
-        return self.after_call(layer, path, tensor)
-
     def after_call(self, layer, path, outputs):
-        if (path, id(layer)) not in self._selected:
+        if not self.is_selected(layer, path):
             return outputs
         flat = keras.tree.flatten(outputs)
         base = _replay.qualified_name(path, layer).replace("/", "_") + "_tap"

@@ -217,11 +217,6 @@ class TapLayer(DebugLayer):
         """One step's row: statistics (aggregated over replicas) and health."""
         first = records[0]
         row = {"step": first.step, "mode": first.mode}
-        if len(records) == 1:  # the common case, without NumPy reductions
-            row.update(zip(self.stats, first.values["stats"].tolist()))
-            if self.health:
-                row[self.health[0]] = float(first.values["health"][0])
-            return row
         stats = np.array([r.values["stats"] for r in records])
         sizes = np.array([float(r.values["size"]) for r in records])
         for i, name in enumerate(self.stats):

@@ -6,7 +6,7 @@ import math
 from typing import Sequence
 
 from kerasdbg import _validation as check
-from kerasdbg.rules.rule import COLLECTIONS, Rule, listing, tag_parts
+from kerasdbg.rules.rule import COLLECTIONS, Rule, listing, values_of
 
 
 class TensorVariance(Rule):
@@ -55,13 +55,11 @@ class TensorVariance(Rule):
         low = -math.inf if self.min_threshold is None else self.min_threshold
         high = math.inf if self.max_threshold is None else self.max_threshold
         for collection in self.collections:
-            bad = {}
-            for tag, value in record.items():
-                parts = tag_parts(tag)
-                if parts and parts[0] == collection and parts[2] == "std" and math.isfinite(value):
-                    variance = float(value) ** 2
-                    if not low <= variance <= high:
-                        bad[parts[1]] = variance
+            variances = {
+                name: std ** 2 for name, std in values_of(record, collection, "std")
+                if math.isfinite(std)
+            }
+            bad = {name: v for name, v in variances.items() if not low <= v <= high}
             if bad:
                 return self.verdict(
                     step, f"variance outside [{low:g}, {high:g}] in {collection}: {listing(bad)}",
