@@ -28,10 +28,12 @@ reset between executions.
 
 from __future__ import annotations
 
+import threading
 import warnings
 import weakref
 from typing import Callable, List, NamedTuple, Optional, Sequence
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -59,13 +61,33 @@ class Record(NamedTuple):
 
 
 WEIGHT_EXTRA_STATISTICS = ("update_ratio", "distance_from_start")
+STEP_COLUMNS = ("loss", "frozen")
+"""Columns of a "step" request: the step's loss (summed over replicas, as
+the applied gradient sees it; NaN when `compute_loss` was not called) and
+whether the weights were frozen at that step."""
+
+
+class Freeze(NamedTuple):
+    """In-graph faults after which the weights stop changing.
+
+    Attributes:
+        nonfinite_loss: a NaN or infinite loss.
+        nonfinite_gradients: a NaN or infinite gradient (ignored under a
+            `LossScaleOptimizer`, whose scaler already skips those steps).
+        max_gradient_norm: a global gradient norm above this, or None.
+    """
+
+    nonfinite_loss: bool = True
+    nonfinite_gradients: bool = True
+    max_gradient_norm: Optional[float] = None
 
 
 class Request:
     """What one consumer (a callback) wants recorded at each step.
 
     Args:
-        kind: "gradients" or "weights".
+        kind: "gradients", "weights", or "step" (the loss of each step and
+            whether it was frozen; `variables`, `paths` and `stats` empty).
         variables: the Keras variables to describe.
         paths: one unique display path per variable.
         stats: statistic names (`stats.STATISTICS`, plus for weights
@@ -76,6 +98,7 @@ class Request:
         consumer: called as `consumer(records)` with a list of `Record`.
         bins: histogram bins.
         strict: a failure of the instrumentation raises instead of warning.
+        freeze: for a "step" request, the faults that freeze the weights.
     """
 
     def __init__(
@@ -89,8 +112,10 @@ class Request:
         consumer: Callable[[List[Record]], None],
         bins: int = stats_lib.DEFAULT_HISTOGRAM_BINS,
         strict: bool = False,
+        freeze: Optional[Freeze] = None,
     ):
         self.kind = kind
+        self.freeze = freeze
         self.strict = strict
         self.variables = list(variables)
         self.paths = list(paths)
@@ -107,6 +132,8 @@ class Request:
         self.columns = [f"{p}/{s}" for p in self.paths for s in self.stats]
         if kind == "gradients":
             self.columns.append("global_norm")
+        if kind == "step":
+            self.columns = list(STEP_COLUMNS)
         # Which variables had a gradient in the traced step (None grads are
         # known at trace time); filled by the engine.
         self.present = [True] * len(self.variables)
@@ -162,6 +189,20 @@ def _every(step, n: int):
     return tf.equal(tf.math.floormod(step, n), 0)
 
 
+class _StepState(NamedTuple):
+    """What `_before_apply` hands to the rest of the step (trace time)."""
+
+    step: tf.Tensor
+    loss: Optional[tf.Tensor]
+    frozen: Optional[tf.Tensor]
+
+
+def _dense(gradient) -> tf.Tensor:
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.convert_to_tensor(gradient)
+    return gradient
+
+
 _ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -188,6 +229,10 @@ class Engine:
         self._last_call = 0
         self._steps_per_execution = None
         self._failed = False
+        self._frozen: Optional[tf.Variable] = None
+        self._loss_patched = False
+        # The loss `compute_loss` returned, per replica thread, until `apply`.
+        self._captured = threading.local()
 
     # ----------------------------------------------------------- lifecycle
     @property
@@ -209,6 +254,8 @@ class Engine:
             internals.check_supported(model.optimizer)
             self._install(model.optimizer)
             model.make_train_function(force=True)
+        if request.kind == "step" and not self._loss_patched:
+            self._patch_compute_loss(model)
         self.requests.append(request)
 
     def prepare(self) -> None:
@@ -223,11 +270,37 @@ class Engine:
                 self._calls = _buffers.on_read_variable(tf.zeros([], tf.int64), "kerasdbg_calls")
             if self._meta is None or self._steps_per_execution != n:
                 self._meta = _buffers.on_read_variable(tf.zeros([n, 3], tf.int64), "kerasdbg_meta")
+            if self._freeze() is not None and self._frozen is None:
+                self._frozen = _buffers.on_read_variable(tf.zeros([], tf.int64), "kerasdbg_frozen")
             for request in self.requests:
                 request.build(self._optimizer, n)
         self._steps_per_execution = n
         self._last_call = int(self._calls.numpy())
+        if self._frozen is not None:
+            self.unfreeze()
         self._prepared = True
+
+    def _freeze(self) -> Optional[Freeze]:
+        """The faults that freeze the weights: the union over the requests."""
+        specs = [r.freeze for r in self.requests if r.freeze is not None]
+        if not specs:
+            return None
+        norms = [s.max_gradient_norm for s in specs if s.max_gradient_norm is not None]
+        return Freeze(
+            nonfinite_loss=any(s.nonfinite_loss for s in specs),
+            nonfinite_gradients=any(s.nonfinite_gradients for s in specs),
+            max_gradient_norm=min(norms) if norms else None,
+        )
+
+    def unfreeze(self) -> None:
+        """Lets the weights change again after a fault froze them (host side)."""
+        if self._frozen is not None:
+            self._frozen.assign(tf.zeros([], tf.int64))
+
+    @property
+    def frozen(self) -> bool:
+        """Whether a fault has frozen the weights (replica 0's flag)."""
+        return self._frozen is not None and bool(_buffers.read(self._frozen))
 
     def _all_buffers(self) -> list:
         """Every buffer, in the order `collect` reads them."""
@@ -246,15 +319,52 @@ class Engine:
         if not self.requests:
             self._reset()
 
+    def abort(self) -> None:
+        """Hands out what is recorded and restores the model, at once.
+
+        For a callback that ends `fit` with an exception, after which no
+        `on_train_end` runs.
+        """
+        self.collect()
+        self._reset()
+
     def _reset(self) -> None:
         model = self._model()
         self.requests = []
         self._prepared = False
         self._failed = False
+        if self._loss_patched:
+            if model is not None:
+                internals.unpatch(model, "compute_loss")
+            self._loss_patched = False
         if self.installed:
             self._uninstall()
             if model is not None:
                 model.make_train_function(force=True)
+
+    def _patch_compute_loss(self, model) -> None:
+        original = model.compute_loss
+        captured = self._captured
+
+        def compute_loss(*args, **kwargs):
+            loss = original(*args, **kwargs)
+            captured.loss = loss
+            return loss
+
+        internals.patch(model, "compute_loss", compute_loss)
+        self._loss_patched = True
+
+    def _captured_loss(self):
+        """The loss of the step being applied, from this replica's trace, or None."""
+        loss = getattr(self._captured, "loss", None)
+        self._captured.loss = None
+        if loss is None or not tf.is_tensor(loss):
+            return None
+        if not tf.executing_eagerly() and getattr(loss, "graph", None) is not (
+            tf.compat.v1.get_default_graph()
+        ):
+            return None  # left over from another function (a custom train_step)
+        return tf.reduce_sum(tf.cast(loss, tf.float64))
 
     def _install(self, optimizer) -> None:
         inner = internals.inner_optimizer(optimizer)
@@ -305,15 +415,23 @@ class Engine:
         return call_id, tf.math.floormod(call_id - 1, self._steps_per_execution)
 
     def _apply(self, original_apply, optimizer, grads, trainable_variables):
-        before = self._guard(lambda: self._before_apply(optimizer))
-        result = original_apply(grads, trainable_variables)
+        before = self._guard(lambda: self._before_apply(optimizer, grads))
+        applied = None
+        if before is not None and before.frozen is not None:
+            applied = self._guard(
+                lambda: self._apply_unless_frozen(
+                    original_apply, optimizer, grads, trainable_variables, before.frozen
+                )
+            )
+        if applied is None:
+            original_apply(grads, trainable_variables)
         if before is not None:
             self._guard(lambda: self._after_apply(optimizer, before))
-        return result
 
-    def _before_apply(self, optimizer):
+    def _before_apply(self, optimizer, grads) -> "_StepState":
         self.trace_count += 1
         step = internals.read(optimizer.iterations) + 1
+        loss, frozen = self._step_loss_and_fault(optimizer, grads)
         for request in self._weight_requests():
             if request.previous:
 
@@ -322,9 +440,112 @@ class Engine:
                         copy.assign(internals.read(variable))
 
                 _buffers.run_if(request.records_at(step), snapshot)
-        return step
+        return _StepState(step, loss, frozen)
 
-    def _after_apply(self, optimizer, step):
+    def _step_loss_and_fault(self, optimizer, grads):
+        """The step's loss (all replicas) and frozen flag, each None if unused.
+
+        One all-reduce of a small vector gives every replica the same loss
+        and the same fault, hence the same decision.
+        """
+        freeze = self._freeze()
+        if freeze is None and not any(r.kind == "step" for r in self.requests):
+            return None, None
+        local = self._captured_loss()
+        parts = [tf.constant(np.nan, tf.float64) if local is None else local]
+        present = [g for g in grads if g is not None]
+        scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        check_grads = freeze is not None and freeze.nonfinite_gradients and not scaled
+        replicas = tf.distribute.get_replica_context()
+        several = replicas is not None and replicas.num_replicas_in_sync > 1
+        squares = None
+        if check_grads or (freeze is not None and freeze.max_gradient_norm is not None):
+            # One pass per gradient: a sum of squares is finite iff every
+            # element is (or it overflows float32, a norm above 1.8e19).
+            squares = tf.add_n([tf.constant(0.0, tf.float64)] + [
+                tf.cast(tf.reduce_sum(tf.square(_dense(g))), tf.float64) for g in present
+            ])
+            parts.append(tf.cast(tf.logical_not(tf.math.is_finite(squares)), tf.float64))
+        vector = tf.stack(parts)
+        if several:
+            vector = replicas.all_reduce(tf.distribute.ReduceOp.SUM, vector)
+        loss = vector[0]
+        if freeze is None:
+            return loss, None
+        fault = tf.constant(False)
+        if freeze.nonfinite_loss and local is not None:
+            fault = tf.logical_or(fault, tf.logical_not(tf.math.is_finite(loss)))
+        if check_grads:
+            fault = tf.logical_or(fault, vector[1] > 0)
+        if freeze.max_gradient_norm is not None:
+            if several:
+                # The norm of the summed gradient, as the optimizer applies it.
+                summed = replicas.all_reduce(
+                    tf.distribute.ReduceOp.SUM, [_dense(g) for g in present]
+                )
+                squares = tf.add_n([tf.constant(0.0, tf.float64)] + [
+                    tf.cast(tf.reduce_sum(tf.square(g)), tf.float64) for g in summed
+                ])
+            if scaled:
+                squares = squares / tf.square(tf.cast(optimizer.dynamic_scale, tf.float64))
+            fault = tf.logical_or(fault, tf.sqrt(squares) > freeze.max_gradient_norm)
+        frozen = tf.logical_or(self._frozen.read_value() > 0, fault)
+        self._frozen.assign(tf.cast(frozen, tf.int64))
+        return loss, frozen
+
+    def _apply_unless_frozen(self, original_apply, optimizer, grads, trainable_variables, frozen):
+        """Applies the update unless `frozen`; a frozen step only counts itself.
+
+        Strategies that need `merge_call` (Mirrored, OneDevice) get the
+        `tf.cond` in cross-replica context, as `LossScaleOptimizer` does.
+        """
+
+        inner = internals.inner_optimizer(optimizer)
+        scaled = inner is not optimizer
+
+        def count_step(grads, trainable_variables):
+            # The gradient statistics of a frozen step are recorded too: the
+            # (patched) reduction records them, and nothing is applied.
+            if scaled:
+                scale = optimizer.dynamic_scale
+                grads = [g if g is None else g / tf.cast(scale, g.dtype) for g in grads]
+            if trainable_variables is None:
+                trainable_variables = internals.optimizer_variables(inner)
+            variables = [internals.read_handle(v) for v in trainable_variables]
+            getattr(inner, internals.REDUCE_METHOD)(list(zip(grads, variables)))
+            optimizer.iterations.assign_add(1)
+
+        def branch(function):
+            def run():
+                function()
+                return tf.constant(True)
+
+            return run
+
+        if tf.__internal__.distribute.strategy_supports_no_merge_call():
+            tf.cond(
+                frozen, branch(lambda: count_step(grads, trainable_variables)),
+                branch(lambda: original_apply(grads, trainable_variables)),
+            )
+            return True
+
+        def cross_replica(distribution, frozen, grads, trainable_variables):
+            flag = distribution.experimental_local_results(frozen)[0]
+            tf.cond(
+                flag,
+                branch(lambda: distribution.extended.call_for_each_replica(
+                    count_step, args=(grads, trainable_variables))),
+                branch(lambda: distribution.extended.call_for_each_replica(
+                    original_apply, args=(grads, trainable_variables))),
+            )
+
+        tf.distribute.get_replica_context().merge_call(
+            cross_replica, args=(frozen, grads, trainable_variables)
+        )
+        return True
+
+    def _after_apply(self, optimizer, before: "_StepState"):
+        step = before.step
         after = internals.read(optimizer.iterations)
         skipped = tf.equal(after, step - 1)
         call_id, row = self._position()
@@ -339,6 +560,12 @@ class Engine:
                     request, [internals.read(v) for v in request.variables], call_id, row
                 ),
             )
+        for request in self.requests:
+            if request.kind == "step":
+                frozen = tf.constant(False) if before.frozen is None else before.frozen
+                values = tf.stack([before.loss, tf.cast(frozen, tf.float64)])
+                _buffers.write_row(request.values, row, values)
+                _buffers.write_row(request.ids, row, call_id)
         meta = tf.stack([call_id, step, tf.cast(skipped, tf.int64)])
         _buffers.write_row(self._meta, row, meta)
         self._calls.assign_add(1)

@@ -71,6 +71,16 @@ def unpatch(obj, name: str) -> None:
         object.__delattr__(obj, name)
 
 
+def optimizer_variables(optimizer) -> list:
+    """The variables an optimizer was built for (what `apply(grads)` updates)."""
+    return list(optimizer._trainable_variables)
+
+
+def read_handle(variable):
+    """The tf.Variable behind a Keras variable (what the optimizer's reduction sees)."""
+    return variable.value if isinstance(variable, keras.Variable) else variable
+
+
 def read(variable) -> tf.Tensor:
     """The current value of a Keras or tf variable as a tensor (in-graph)."""
     if isinstance(variable, keras.Variable):
@@ -120,6 +130,13 @@ def _loop_callbacks(frame, model):
             return found if isinstance(found, CallbackList) else None
         frame = frame.f_back
     return None
+
+
+def running_callbacks(model):
+    """The `CallbackList` of the Keras loop running `model` (from a callback), or None."""
+    import sys
+
+    return _loop_callbacks(sys._getframe(1), model)
 
 
 def step_context() -> StepContext:

@@ -18,7 +18,11 @@ def _rule_names() -> List[str]:
     """The built-in rules, by class name."""
     from kerasdbg import rules as rules_lib
 
-    return [n for n in rules_lib.__all__ if n not in ("Rule", "Verdict")]
+    return [
+        n for n in rules_lib.__all__
+        if isinstance(getattr(rules_lib, n), type) and issubclass(getattr(rules_lib, n), rules_lib.Rule)
+        and getattr(rules_lib, n) is not rules_lib.Rule
+    ]
 
 
 def parse_rule(text: str):

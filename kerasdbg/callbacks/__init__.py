@@ -2,10 +2,12 @@
 
 from kerasdbg.callbacks.activation_statistics import ActivationStatistics
 from kerasdbg.callbacks.gradient_statistics import GradientStatistics
+from kerasdbg.callbacks.stop_on_rule import StopOnRule
 from kerasdbg.callbacks.weight_statistics import WeightStatistics
 
 __all__ = (
     "ActivationStatistics",
     "GradientStatistics",
+    "StopOnRule",
     "WeightStatistics",
 )

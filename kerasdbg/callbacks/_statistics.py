@@ -37,6 +37,18 @@ def unique_paths(variables) -> List[str]:
     return paths
 
 
+def column_tags(request: _engine.Request) -> List[Optional[str]]:
+    """TensorBoard tag of each column of a request's values; None for
+    variables without gradient."""
+    tags = []
+    width = len(request.stats)
+    for i, _ in enumerate(request.paths):
+        for column in request.columns[i * width:(i + 1) * width]:
+            tags.append(f"{request.kind}/{column}" if request.present[i] else None)
+    tags.extend(f"{request.kind}/{c}" for c in request.columns[len(tags):])
+    return tags
+
+
 class StatisticsCallback(RecordingCallback):
     """Records per-variable statistics at each optimizer step (base class).
 
@@ -179,17 +191,10 @@ class StatisticsCallback(RecordingCallback):
             self._writer.write(record.step, scalars, histograms)
 
     def _tags(self, request) -> List[Optional[str]]:
-        """TensorBoard tag of each column; None for variables without gradient."""
         key = (id(request), tuple(request.present))
-        if self._tag_cache is not None and self._tag_cache[0] == key:
-            return self._tag_cache[1]
-        tags = []
-        for i, _ in enumerate(request.paths):
-            for column in request.columns[i * len(request.stats):(i + 1) * len(request.stats)]:
-                tags.append(f"{self.kind}/{column}" if request.present[i] else None)
-        tags.extend(f"{self.kind}/{c}" for c in request.columns[len(tags):])
-        self._tag_cache = (key, tags)
-        return tags
+        if self._tag_cache is None or self._tag_cache[0] != key:
+            self._tag_cache = (key, column_tags(request))
+        return self._tag_cache[1]
 
     # --------------------------------------------------------- results
     @property

@@ -4,7 +4,12 @@ from kerasdbg.rules.all_zero import AllZero
 from kerasdbg.rules.dead_relu import DeadReLU
 from kerasdbg.rules.dead_relu import SaturatedActivation
 from kerasdbg.rules.exploding_tensor import ExplodingTensor
+from kerasdbg.rules.loss_rules import LossNotDecreasing
+from kerasdbg.rules.loss_rules import NonFiniteLoss
+from kerasdbg.rules.loss_rules import Overfit
+from kerasdbg.rules.loss_rules import Overtraining
 from kerasdbg.rules.rule import Rule
+from kerasdbg.rules.rule import RuleFired
 from kerasdbg.rules.rule import Verdict
 from kerasdbg.rules.tensor_variance import TensorVariance
 from kerasdbg.rules.unchanged_tensor import UnchangedTensor
@@ -15,7 +20,12 @@ __all__ = (
     "AllZero",
     "DeadReLU",
     "ExplodingTensor",
+    "LossNotDecreasing",
+    "NonFiniteLoss",
+    "Overfit",
+    "Overtraining",
     "Rule",
+    "RuleFired",
     "SaturatedActivation",
     "TensorVariance",
     "UnchangedTensor",

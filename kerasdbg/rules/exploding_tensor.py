@@ -41,6 +41,10 @@ class ExplodingTensor(Rule):
         self.only_nan = check.boolean(owner, "only_nan", only_nan)
 
     @property
+    def watches_nonfinite(self) -> bool:
+        return "gradients" in self.collections
+
+    @property
     def requires(self):
         stats = ["nan_count"] + ([] if self.only_nan else ["inf_count"])
         stats += ["min", "max"] if self.threshold is not None else []

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import List, Sequence, Union
 
 from kerasdbg.reader import Run, load_run
-from kerasdbg.rules.rule import Rule, Verdict, tag_parts
+from kerasdbg.rules._runner import RuleRunner, check_rules
+from kerasdbg.rules.rule import Rule, Verdict, tag_parts, tag_pattern
 
 
 def check_run(
@@ -28,10 +29,12 @@ def check_run(
             instead of raising. Defaults to `False`.
 
     Returns:
-        The verdicts, by step, then in the order of `rules`.
+        The verdicts, by step, then in the order of `rules`. A step's
+        `epoch/...` tags (written once per epoch by `StopOnRule`) are checked
+        as a record of their own, after the step's other tags, as online.
 
     Raises:
-        TypeError: an element of `rules` is not a `Rule`.
+        TypeError: `rules` is not a `Rule` or a sequence of them.
         ValueError: the run holds none of the statistics a rule reads (the
             message says which, and which callback records them).
         KeyError: the directory has no scalars for `run` (lists the tags).
@@ -52,13 +55,7 @@ def check_run(
     >>> [v.reason for v in kerasdbg.check_run(log_dir, [ExplodingTensor()])]
     ['ExplodingTensor at step 2: non-finite values in gradients: m/d/bias=1, m/d/kernel=1']
     """
-    rules = list(rules)
-    for rule in rules:
-        if not isinstance(rule, Rule):
-            raise TypeError(
-                f"check_run: `rules` must hold kerasdbg.rules.Rule objects. "
-                f"Received: {rule!r} of type {type(rule).__name__}"
-            )
+    rules = check_rules("check_run", rules)
     source = log_dir if isinstance(log_dir, Run) else load_run(log_dir)
     frame = source.scalars(".*", run=run)
     present = recorded_pairs(frame.tag.unique())
@@ -67,23 +64,17 @@ def check_run(
     for rule in rules:
         needed = tuple(rule.requires)
         if not can_check(rule, present):
-            wanted = ", ".join(f"{c}/<name>/{s}" for c, s in needed)
+            wanted = ", ".join(tag_pattern(c, s) for c, s in needed)
             raise ValueError(
                 f"check_run: {rule.name} reads {wanted}, which run {run!r} of "
                 f"{source.log_dir!r} does not hold. Record them with GradientStatistics, "
-                "WeightStatistics or TapLayer + ActivationStatistics (their `stats`)."
+                "WeightStatistics or TapLayer + ActivationStatistics (their `stats`), "
+                "and step/ and epoch/ values with StopOnRule(log_dir=...)."
             )
-        rule.reset()
-    verdicts, fired = [], set()
+    runner = RuleRunner(rules, first_only=first_only)
+    verdicts = []
     for step, rows in frame.groupby("step", sort=True):
-        record = dict(zip(rows.tag, rows.value))
-        for index, rule in enumerate(rules):
-            if first_only and index in fired:
-                continue
-            verdict = rule.check(int(step), record)
-            if verdict is not None:
-                fired.add(index)
-                verdicts.append(verdict)
+        verdicts += runner.check_step(int(step), dict(zip(rows.tag, rows.value)))
     return verdicts
 
 

@@ -5,10 +5,16 @@ from __future__ import annotations
 from typing import Dict, Iterator, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 COLLECTIONS = ("gradients", "weights", "activations")
+"""Collections of per-tensor tags: `<collection>/<tensor>/<statistic>`."""
+SCALAR_COLLECTIONS = ("step", "epoch")
+"""Collections of two-part tags: `step/loss`, `step/frozen` (each optimizer
+step, from `StopOnRule`), `epoch/<log>` (Keras's epoch logs: `epoch/loss`,
+`epoch/val_loss`, ...)."""
 
 Record = Mapping[str, float]
 """The scalars of one step, by TensorBoard tag: `gradients/<variable>/<stat>`,
-`weights/<variable>/<stat>`, `activations/<tap>/<stat>`, `gradients/global_norm`."""
+`weights/<variable>/<stat>`, `activations/<tap>/<stat>`, `gradients/global_norm`,
+`step/loss`, `step/frozen`; or of one epoch: `epoch/loss`, `epoch/val_loss`, ..."""
 
 
 class Verdict(NamedTuple):
@@ -27,6 +33,24 @@ class Verdict(NamedTuple):
     reason: str
     tensors: Tuple[str, ...]
     values: Dict[str, float]
+
+
+class RuleFired(RuntimeError):
+    """Raised by `StopOnRule(action="raise")`; `verdicts` says what fired.
+
+    Example:
+
+    >>> from kerasdbg.rules import AllZero, RuleFired
+    >>> error = RuleFired([AllZero().check(3, {"weights/m/d/bias/zero_fraction": 1.0})])
+    >>> str(error)
+    'AllZero at step 3: at least 100% zeros in weights: m/d/bias=100'
+    >>> error.verdicts[0].step
+    3
+    """
+
+    def __init__(self, verdicts):
+        self.verdicts = list(verdicts)
+        super().__init__("\n".join(v.reason for v in self.verdicts))
 
 
 class Rule:
@@ -61,6 +85,9 @@ class Rule:
     """
 
     requires: Sequence[Tuple[str, str]] = ()
+    watches_nonfinite = False
+    """Whether the rule reacts to NaN/Inf; `StopOnRule` then freezes the
+    weights at an in-graph fault by default."""
 
     @property
     def name(self) -> str:
@@ -99,6 +126,13 @@ def tag_parts(tag: str) -> Optional[Tuple[str, str, str]]:
     if collection not in COLLECTIONS or not tensor:
         return None
     return collection, tensor, statistic
+
+
+def tag_pattern(collection: str, statistic: str) -> str:
+    """How the tags of a `requires` pair look, for messages."""
+    if collection in SCALAR_COLLECTIONS or statistic == "global_norm":
+        return f"{collection}/{statistic}"
+    return f"{collection}/<name>/{statistic}"
 
 
 def values_of(record: Record, collection: str, statistic: str) -> Iterator[Tuple[str, float]]:

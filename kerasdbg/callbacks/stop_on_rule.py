@@ -1,0 +1,420 @@
+"""`StopOnRule`: evaluates rules at every step during `fit` and acts on them."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import warnings
+from typing import Callable, Dict, List, Optional, Sequence, Union
+
+import keras
+
+from kerasdbg import _engine
+from kerasdbg import _events
+from kerasdbg import _keras_internals as internals
+from kerasdbg import _validation as check
+from kerasdbg import stats as stats_lib
+from kerasdbg.callbacks._statistics import column_tags, trainable_float_variables, unique_paths
+from kerasdbg.callbacks.activation_statistics import find_taps
+from kerasdbg.rules._runner import RuleRunner, check_rules
+from kerasdbg.rules.rule import RuleFired, Verdict, tag_pattern
+
+ACTIONS = ("stop", "raise", "warn")
+VERDICT_TAG = "rules/verdicts"
+DEFAULT_SUSPEND = (
+    keras.callbacks.BackupAndRestore,
+    keras.callbacks.ModelCheckpoint,
+    keras.callbacks.EarlyStopping,
+)
+_SUSPENDED_HOOKS = ("on_train_batch_end", "on_epoch_end", "on_train_end")
+
+
+class RuleWarning(RuntimeWarning):
+    """Issued by `StopOnRule(action="warn")` for each verdict."""
+
+
+class StopOnRule(keras.callbacks.Callback):
+    """Evaluates rules at every optimizer step of `fit` and acts when one fires.
+
+    The callback records what its rules read (their `requires`): gradient and
+    weight statistics in the compiled train step, the statistics of the
+    model's `TapLayer`s, the loss of each step (`step/loss`, summed over
+    replicas: per step, not per execution) and Keras's epoch logs
+    (`epoch/loss`, `epoch/val_loss`, ...). After each execution it evaluates
+    the rules on every step of it, in order; each rule fires at most once per
+    `fit`. When a rule fires, the verdict (rule, step, tensors, values) is
+    printed, written to TensorBoard as text (`rules/verdicts` under
+    `<log_dir>/train`), and then:
+
+    - "stop": training ends after this execution. The callbacks in `suspend`
+      (by default `BackupAndRestore`, `ModelCheckpoint`, `EarlyStopping`)
+      get no further `on_train_batch_end` / `on_epoch_end` / `on_train_end`
+      in this `fit`, so no backup of the faulty weights is saved, the last
+      good backup is not deleted and no weights are restored (the side
+      effects `keras.callbacks.TerminateOnNaN` sets off). Validation of the
+      current epoch still runs.
+    - "raise": raises `kerasdbg.rules.RuleFired` carrying the verdicts, after
+      restoring the model's train step; no other callback runs.
+    - "warn": issues a `RuleWarning` and training goes on.
+    - a callable: called as `action(verdicts, model)`.
+
+    With `freeze_on_fault`, steps at and after an in-graph fault (a
+    non-finite loss or gradient, or a global gradient norm above
+    `max_gradient_norm`) do not change the weights, the optimizer slots or
+    the loss scale, even within one execution of `steps_per_execution > 1`:
+    the weights at the end are those before the faulty step. The fault is
+    computed from values summed over replicas, so every replica takes the
+    same decision. Frozen steps still count in `optimizer.iterations`. The
+    freeze is reported as a `FreezeOnFault` verdict when no rule fired at
+    that step; with "warn" the weights are unfrozen after the report (the
+    frozen steps are lost, as skipped batches).
+
+    Every replica and every worker reaches the same decision from gradients,
+    weights and loss, which are read after the cross-replica sum; activation
+    statistics are pooled over the replicas of this process.
+
+    Args:
+        rules: a `kerasdbg.rules.Rule` or a sequence of them.
+        action: "stop", "raise", "warn", or a callable. Defaults to `"stop"`.
+        start_step: evaluate the steps from this optimizer step on (steps are
+            numbered from 1). Defaults to `0`.
+        freeze_on_fault: freeze the weights at an in-graph fault; None turns
+            it on when a rule watches non-finite values (`NonFiniteLoss`,
+            `ExplodingTensor` on gradients). Defaults to `None`.
+        max_gradient_norm: with `freeze_on_fault`, also a global gradient
+            norm above this is a fault. Defaults to `None`.
+        log_dir: TensorBoard log directory for the verdicts and the
+            `step/` and `epoch/` scalars, or None. Defaults to `None`.
+        suspend: callback classes silenced after "stop". Defaults to
+            `(BackupAndRestore, ModelCheckpoint, EarlyStopping)`.
+        verbose: print each verdict. Defaults to `True`.
+        strict: raise, instead of warning and going on, when kerasdbg itself
+            fails during training. Defaults to `False`.
+
+    Raises:
+        TypeError, ValueError: for bad arguments; at the start of `fit` when a
+            rule reads something that cannot be recorded for this model (e.g.
+            activations without `TapLayer`s).
+
+    Example:
+
+    >>> import keras, numpy as np
+    >>> from kerasdbg.callbacks import StopOnRule
+    >>> from kerasdbg.rules import NonFiniteLoss
+    >>> model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, name="d")],
+    ...                          name="m")
+    >>> model.compile("sgd", "mse")
+    >>> x = np.array([[1.0], [1.0], [np.nan], [1.0]], "float32")
+    >>> stop = StopOnRule(NonFiniteLoss(), verbose=False)
+    >>> history = model.fit(x, np.ones((4, 1)), batch_size=1, epochs=2, verbose=0,
+    ...                     shuffle=False, callbacks=[stop])
+    >>> [v.reason for v in stop.verdicts]
+    ['NonFiniteLoss at step 3: the loss is nan']
+    >>> bool(np.all(np.isfinite(model.get_layer("d").kernel.numpy())))
+    True
+    """
+
+    def __init__(
+        self,
+        rules,
+        action: Union[str, Callable] = "stop",
+        start_step: int = 0,
+        freeze_on_fault: Optional[bool] = None,
+        max_gradient_norm: Optional[float] = None,
+        log_dir: Optional[str] = None,
+        suspend: Sequence[type] = DEFAULT_SUSPEND,
+        verbose: bool = True,
+        strict: bool = False,
+    ):
+        super().__init__()
+        owner = type(self).__name__
+        self.rules = check_rules(owner, rules)
+        if not callable(action):
+            check.one_of(owner, "action", action, ACTIONS)
+        self.action = action
+        self.start_step = check.non_negative_int(owner, "start_step", start_step)
+        if freeze_on_fault is None:
+            freeze_on_fault = any(getattr(r, "watches_nonfinite", False) for r in self.rules)
+        self.freeze_on_fault = check.boolean(owner, "freeze_on_fault", freeze_on_fault)
+        self.max_gradient_norm = None if max_gradient_norm is None else check.number(
+            owner, "max_gradient_norm", max_gradient_norm, minimum=0.0, exclusive_minimum=True)
+        if self.max_gradient_norm is not None and not self.freeze_on_fault:
+            raise ValueError(
+                f"{owner}: `max_gradient_norm` is a fault that freezes the weights; it "
+                "needs freeze_on_fault=True. Received: freeze_on_fault=False, "
+                f"max_gradient_norm={max_gradient_norm!r}"
+            )
+        self.log_dir = check.optional_path(owner, "log_dir", log_dir)
+        suspend = tuple(suspend)
+        for kind in suspend:
+            if not (isinstance(kind, type) and issubclass(kind, keras.callbacks.Callback)):
+                raise TypeError(
+                    f"{owner}: `suspend` must hold keras.callbacks.Callback classes. "
+                    f"Received: {kind!r} of type {type(kind).__name__}"
+                )
+        self.suspend = suspend
+        self.verbose = check.boolean(owner, "verbose", verbose)
+        self.strict = check.boolean(owner, "strict", strict)
+        self.verdicts: List[Verdict] = []
+        self._requests: List[_engine.Request] = []
+        self._taps = []
+        self._pending: Dict[int, Dict[str, float]] = {}
+        self._runner: Optional[RuleRunner] = None
+        self._writer: Optional[_events.EventWriter] = None
+        self._last_step = 0
+        self._done = False
+        self._freeze_reported = False
+
+    def get_config(self) -> dict:
+        return {
+            "rules": [{"class_name": r.name, "config": r.get_config()} for r in self.rules],
+            "action": self.action if isinstance(self.action, str) else None,
+            "start_step": self.start_step,
+            "freeze_on_fault": self.freeze_on_fault,
+            "max_gradient_norm": self.max_gradient_norm,
+            "log_dir": self.log_dir,
+            "verbose": self.verbose,
+            "strict": self.strict,
+        }
+
+    # ---------------------------------------------------------- set-up
+    def _needs(self) -> Dict[str, set]:
+        """What the rules read, by collection."""
+        needs: Dict[str, set] = {}
+        for rule in self.rules:
+            for collection, statistic in rule.requires:
+                needs.setdefault(collection, set()).add(statistic)
+        return needs
+
+    def _request(self, kind: str, statistics: set) -> _engine.Request:
+        allowed = stats_lib.STATISTICS + (
+            _engine.WEIGHT_EXTRA_STATISTICS if kind == "weights" else ())
+        unknown = sorted(statistics - set(allowed) - {"global_norm"})
+        if unknown:
+            self._refuse(kind, unknown[0], f"statistics of {kind}: {', '.join(allowed)}")
+        variables = trainable_float_variables(self.model)
+        stats = [s for s in allowed if s in statistics] or ["l2_norm"]
+        return _engine.Request(
+            kind=kind, variables=variables, paths=unique_paths(variables), stats=stats,
+            every_n_steps=1, histogram_every_n_steps=None,
+            consumer=lambda records, kind=kind: self._take(kind, records),
+            strict=self.strict,
+        )
+
+    def _refuse(self, collection: str, statistic: str, allowed: str) -> None:
+        rule = next(r for r in self.rules if (collection, statistic) in tuple(r.requires))
+        raise ValueError(
+            f"{type(self).__name__}: {rule.name} reads {tag_pattern(collection, statistic)}, "
+            f"which cannot be recorded for model {self.model.name!r}. Recordable: {allowed}."
+        )
+
+    def on_train_begin(self, logs=None):
+        self.verdicts = []
+        self._pending = {}
+        self._done = False
+        self._freeze_reported = False
+        self._last_step = int(internals.read(self.model.optimizer.iterations).numpy()) \
+            if getattr(self.model, "optimizer", None) is not None else 0
+        self._runner = RuleRunner(self.rules)
+        needs = self._needs()
+        requests = []
+        for collection, statistics in needs.items():
+            if collection in ("gradients", "weights"):
+                requests.append(self._request(collection, statistics))
+            elif collection == "activations":
+                self._taps = find_taps(self.model)
+                if not self._taps:
+                    self._refuse(collection, sorted(statistics)[0],
+                                 "activations need TapLayers (kerasdbg.insert_taps)")
+            elif collection == "step":
+                unknown = sorted(statistics - set(_engine.STEP_COLUMNS))
+                if unknown:
+                    self._refuse(collection, unknown[0], "step/loss, step/frozen")
+            elif collection != "epoch":
+                self._refuse(collection, sorted(statistics)[0],
+                             "gradients/, weights/, activations/, step/, epoch/ tags")
+        freeze = None
+        if self.freeze_on_fault:
+            freeze = _engine.Freeze(max_gradient_norm=self.max_gradient_norm)
+        requests.append(_engine.Request(
+            kind="step", variables=[], paths=[], stats=(), every_n_steps=1,
+            histogram_every_n_steps=None,
+            consumer=lambda records: self._take("step", records),
+            strict=self.strict, freeze=freeze,
+        ))
+        self._writer = None
+        if self.log_dir is not None:
+            self._writer = _events.writer_for(os.path.join(self.log_dir, "train"))
+        engine = _engine.engine_for(self.model)
+        for request in requests:
+            engine.attach(request)
+        self._requests = requests
+        for tap in self._taps:
+            tap._host.listeners.append(self._take_tap)
+
+    # --------------------------------------------------------- records
+    def _take(self, kind: str, records: List[_engine.Record]) -> None:
+        request = next(r for r in self._requests if r.kind == kind)
+        tags = column_tags(request)
+        for record in records:
+            if record.values is None or record.skipped:
+                continue
+            row = self._pending.setdefault(record.step, {})
+            row.update((t, float(v)) for t, v in zip(tags, record.values) if t is not None)
+
+    def _take_tap(self, tap, rows) -> None:
+        for row, _ in rows:
+            record = self._pending.setdefault(row["step"], {})
+            record.update(
+                (f"activations/{tap.name}/{k}", float(v))
+                for k, v in row.items() if k not in ("step", "mode")
+            )
+
+    def _gather(self) -> None:
+        _engine.engine_for(self.model).collect()
+        for tap in self._taps:
+            tap.flush()
+
+    # ------------------------------------------------------ evaluation
+    def on_train_batch_begin(self, batch, logs=None):
+        _engine.engine_for(self.model).prepare()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._evaluate_pending()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._evaluate_pending()
+        if self._done:
+            return
+        record = {}
+        for key, value in (logs or {}).items():
+            try:
+                record[f"epoch/{key}"] = float(value)
+            except (TypeError, ValueError):
+                continue
+        self._write(self._last_step, record)
+        self._evaluate(self._last_step, self._runner.check(self._last_step, record))
+
+    def on_train_end(self, logs=None):
+        self._evaluate_pending()
+        self._finish()
+
+    def _finish(self) -> None:
+        engine = _engine.engine_for(self.model)
+        for request in self._requests:
+            engine.detach(request)
+        self._requests = []
+        for tap in self._taps:
+            if self._take_tap in tap._host.listeners:
+                tap._host.listeners.remove(self._take_tap)
+        self._taps = []
+        if self._writer is not None:
+            self._writer.flush()
+
+    def _evaluate_pending(self) -> None:
+        if self._runner is None:
+            return
+        try:
+            self._gather()
+        except Exception as error:  # noqa: BLE001 - training goes on
+            if self.strict:
+                raise
+            warnings.warn(f"StopOnRule could not read its records; training goes on. "
+                          f"Cause: {type(error).__name__}: {error}", RuntimeWarning, stacklevel=2)
+            return
+        for step in sorted(self._pending):
+            record = self._pending.pop(step)
+            self._last_step = max(self._last_step, step)
+            if self._done or step < self.start_step:
+                continue
+            self._write(step, record)
+            verdicts = self._runner.check(step, record)
+            verdicts += self._freeze_verdict(step, record, verdicts)
+            self._evaluate(step, verdicts)
+
+    def _freeze_verdict(self, step: int, record, verdicts) -> List[Verdict]:
+        if self._freeze_reported or not record.get("step/frozen"):
+            return []
+        self._freeze_reported = True
+        if verdicts:
+            return []
+        loss = record.get("step/loss", math.nan)
+        norm = "" if self.max_gradient_norm is None else \
+            f", or a global gradient norm above {self.max_gradient_norm:g}"
+        return [Verdict(
+            rule="FreezeOnFault", step=step,
+            reason=f"FreezeOnFault at step {step}: the weights were frozen from this step "
+                   f"on (in-graph fault: a non-finite loss or gradient{norm}); loss={loss:.4g}",
+            tensors=("step/loss",), values={"step/loss": loss},
+        )]
+
+    def _write(self, step: int, record) -> None:
+        if self._writer is None:
+            return
+        scalars = {k: v for k, v in record.items() if k.startswith(("step/", "epoch/"))}
+        if scalars:
+            self._writer.write(step, scalars)
+
+    # ----------------------------------------------------------- acting
+    def _evaluate(self, step: int, verdicts: List[Verdict]) -> None:
+        if not verdicts:
+            return
+        self.verdicts.extend(verdicts)
+        if self._writer is not None:
+            self._writer.write(step, texts={VERDICT_TAG: _markdown(verdicts)})
+            self._writer.flush()
+        if self.verbose:
+            for verdict in verdicts:
+                print(f"kerasdbg: {verdict.reason}", file=sys.stdout, flush=True)
+        engine = _engine.engine_for(self.model)
+        if self.action == "warn":
+            for verdict in verdicts:
+                warnings.warn(verdict.reason, RuleWarning, stacklevel=3)
+            if engine.frozen:
+                engine.unfreeze()
+            return
+        if callable(self.action):
+            self.action(list(verdicts), self.model)
+            return
+        self._done = True
+        if self.action == "raise":
+            engine.abort()
+            self._finish()
+            raise RuleFired(verdicts)
+        self.model.stop_training = True
+        self._suspend_others()
+
+    def _suspend_others(self) -> None:
+        callbacks = internals.running_callbacks(self.model)
+        if callbacks is None or not self.suspend:
+            return
+        for callback in callbacks.callbacks:
+            if callback is not self and isinstance(callback, self.suspend):
+                _silence(callback)
+
+
+def _silence(callback) -> None:
+    """Turns the callback's remaining hooks of this fit into no-ops.
+
+    Its `on_train_end` (the last hook of a fit) removes the shadows again.
+    """
+
+    def nothing(*args, **kwargs):
+        return None
+
+    def last(*args, **kwargs):
+        for hook in _SUSPENDED_HOOKS:
+            internals.unpatch(callback, hook)
+
+    for hook in _SUSPENDED_HOOKS:
+        internals.unpatch(callback, hook)
+        internals.patch(callback, hook, last if hook == "on_train_end" else nothing)
+
+
+def _markdown(verdicts: List[Verdict]) -> str:
+    rows = ["| rule | step | tensors | reason |", "|---|---|---|---|"]
+    for v in verdicts:
+        tensors = ", ".join(v.tensors[:5]) + (" ..." if len(v.tensors) > 5 else "")
+        rows.append(f"| {v.rule} | {v.step} | {tensors} | {v.reason} |")
+    return "\n".join(rows)

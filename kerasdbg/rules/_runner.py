@@ -1,0 +1,76 @@
+"""Runs rules over step records: one loop for online and offline checks."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Mapping, Sequence, Tuple
+
+from kerasdbg.rules.rule import Rule, Verdict
+
+EPOCH_PREFIX = "epoch/"
+"""Tags recorded once per epoch (`epoch/loss`, `epoch/val_loss`, ...), at the
+step that ended the epoch. Rules see them as a record of their own, after the
+step's record, online and offline alike."""
+
+
+def check_rules(owner: str, rules) -> List[Rule]:
+    """`rules` (one `Rule` or a sequence) as a non-empty list, else raises."""
+    if isinstance(rules, Rule):
+        return [rules]
+    if isinstance(rules, (str, bytes)) or not hasattr(rules, "__iter__"):
+        raise TypeError(
+            f"{owner}: `rules` must be a kerasdbg.rules.Rule or a sequence of them. "
+            f"Received: rules={rules!r} of type {type(rules).__name__}"
+        )
+    rules = list(rules)
+    for rule in rules:
+        if not isinstance(rule, Rule):
+            raise TypeError(
+                f"{owner}: `rules` must hold kerasdbg.rules.Rule objects. "
+                f"Received: {rule!r} of type {type(rule).__name__}"
+            )
+    if not rules:
+        raise ValueError(f"{owner}: `rules` must hold at least one rule. Received: rules=[]")
+    return rules
+
+
+def split_epoch(record: Mapping[str, float]) -> Tuple[Dict[str, float], Dict[str, float]]:
+    """`(step part, epoch part)` of a step's record."""
+    steps, epochs = {}, {}
+    for tag, value in record.items():
+        (epochs if tag.startswith(EPOCH_PREFIX) else steps)[tag] = value
+    return steps, epochs
+
+
+class RuleRunner:
+    """Feeds records to rules in step order; remembers which fired.
+
+    Args:
+        rules: the rules (each is `reset()` here).
+        first_only: once a rule fired, stop evaluating it.
+    """
+
+    def __init__(self, rules: Sequence[Rule], first_only: bool = True):
+        self.rules = list(rules)
+        self.first_only = first_only
+        self.fired: set = set()
+        for rule in self.rules:
+            rule.reset()
+
+    def check(self, step: int, record: Mapping[str, float]) -> List[Verdict]:
+        """The verdicts on one record, in the order of the rules."""
+        verdicts = []
+        if not record:
+            return verdicts
+        for index, rule in enumerate(self.rules):
+            if self.first_only and index in self.fired:
+                continue
+            verdict = rule.check(int(step), record)
+            if verdict is not None:
+                self.fired.add(index)
+                verdicts.append(verdict)
+        return verdicts
+
+    def check_step(self, step: int, record: Mapping[str, float]) -> List[Verdict]:
+        """The step part of a record, then its epoch part."""
+        steps, epochs = split_epoch(record)
+        return self.check(step, steps) + self.check(step, epochs)
