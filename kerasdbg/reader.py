@@ -151,6 +151,20 @@ class Run:
 
         return self._frame("histograms", tag_or_regex, run, convert)
 
+    def texts(self, tag_or_regex: str, run: Optional[str] = None) -> pd.DataFrame:
+        """Text summaries (e.g. `StopOnRule`'s `rules/verdicts`): columns `run`,
+        `tag`, `step`, `wall_time`, `text` (markdown).
+
+        Raises:
+            KeyError: when no text tag matches; the message lists the tags.
+        """
+
+        def convert(array):
+            value = np.asarray(array).reshape(-1)[0] if np.size(array) else b""
+            return {"text": value.decode("utf-8") if isinstance(value, bytes) else str(value)}
+
+        return self._frame("text", tag_or_regex, run, convert)
+
 
 def load_run(log_dir: str) -> Run:
     """Opens a log directory written by kerasdbg (or any TensorBoard run).

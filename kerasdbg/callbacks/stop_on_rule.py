@@ -324,7 +324,8 @@ class StopOnRule(keras.callbacks.Callback):
                           f"Cause: {type(error).__name__}: {error}", RuntimeWarning, stacklevel=2)
             return
         for step in sorted(self._pending):
-            record = self._pending.pop(step)
+            # In tag order, as offline, so that verdicts list tensors alike.
+            record = dict(sorted(self._pending.pop(step).items()))
             self._last_step = max(self._last_step, step)
             if self._done or step < self.start_step:
                 continue

@@ -1,0 +1,275 @@
+"""StopOnRule: per-step loss, freezing on a fault, the actions, and online = offline."""
+
+import os
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kerasdbg
+from kerasdbg.callbacks import ActivationStatistics, GradientStatistics, StopOnRule
+from kerasdbg.callbacks import WeightStatistics
+from kerasdbg.callbacks.stop_on_rule import RuleWarning
+from kerasdbg.rules import (
+    AllZero, DeadReLU, ExplodingTensor, LossNotDecreasing, NonFiniteLoss, RuleFired,
+    UnchangedTensor, VanishingGradient, WeightUpdateRatio,
+)
+from tests.conftest import make_strategy, matrix, only_upstream_failure
+
+BATCH, STEPS, FAULT = 4, 10, 7
+RNG = np.random.default_rng(11)
+X = RNG.normal(size=(BATCH * STEPS, 3)).astype("float32")
+Y = RNG.normal(size=(BATCH * STEPS, 1)).astype("float32")
+
+
+def _with_batch(step, value):
+    """X with one sample of optimizer step `step` (1-based) set to `value`.
+
+    The sample is the first of the batch: under MirroredStrategy only the
+    first replica sees it, so the other replica's loss stays finite.
+    """
+    x = X.copy()
+    x[(step - 1) * BATCH] = value
+    return x
+
+
+def _model(strategy_name="default", spe=1, jit=False, optimizer="adam"):
+    with make_strategy(strategy_name).scope():
+        keras.utils.set_random_seed(5)
+        model = keras.Sequential(
+            [keras.Input((3,)), keras.layers.Dense(4, name="d"), keras.layers.Dense(1, name="o")],
+            name="m",
+        )
+        chosen = keras.optimizers.Adam(0.01) if optimizer == "adam" else keras.optimizers.SGD(0.05)
+        model.compile(chosen, "mse", steps_per_execution=spe, jit_compile=jit)
+    return model
+
+
+def _fit(model, x, callbacks, steps=STEPS, epochs=1):
+    return model.fit(x[:steps * BATCH], Y[:steps * BATCH], batch_size=BATCH, epochs=epochs,
+                     shuffle=False, verbose=0, callbacks=callbacks)
+
+
+def _weights_after(strategy_name, steps, batches=None, optimizer="adam"):
+    """Plain Keras fit on the first `steps` batches (or the given batch indices)."""
+    model = _model(strategy_name, optimizer=optimizer)
+    index = np.concatenate([np.arange(b * BATCH, (b + 1) * BATCH)
+                            for b in (batches if batches is not None else range(steps))])
+    model.fit(X[index], Y[index], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    return model.get_weights()
+
+
+def _assert_weights(actual, expected):
+    for a, e in zip(actual, expected):
+        np.testing.assert_allclose(a, e, rtol=1e-6, atol=1e-7)
+
+
+# ------------------------------------------------------------ freeze on fault
+@pytest.mark.parametrize("strategy_name, spe, jit", matrix())
+def test_a_nan_step_freezes_the_weights_within_the_execution(strategy_name, spe, jit):
+    model = _model(strategy_name, spe, jit)
+    stop = StopOnRule([NonFiniteLoss(), ExplodingTensor()], verbose=False)
+    with only_upstream_failure(strategy_name, jit):
+        _fit(model, _with_batch(FAULT, np.nan), [stop])
+    assert [(v.rule, v.step) for v in stop.verdicts] == [
+        ("NonFiniteLoss", FAULT), ("ExplodingTensor", FAULT)]
+    # The weights are those of a plain fit on the steps before the fault,
+    # although with spe=4 steps 7 and 8 ran in the same execution.
+    _assert_weights(model.get_weights(), _weights_after(strategy_name, FAULT - 1))
+    if strategy_name == "mirrored":
+        for variable in model.trainable_variables:
+            first, second = model.distribute_strategy.experimental_local_results(variable.value)
+            np.testing.assert_array_equal(first.numpy(), second.numpy())
+
+
+def test_without_freezing_the_nan_reaches_the_weights():
+    model = _model()
+    stop = StopOnRule(NonFiniteLoss(), freeze_on_fault=False, verbose=False)
+    _fit(model, _with_batch(FAULT, np.nan), [stop])
+    assert stop.verdicts[0].step == FAULT
+    assert not np.all(np.isfinite(model.get_layer("d").kernel.numpy()))
+
+
+@pytest.mark.parametrize("strategy_name", ["default", "mirrored"])
+def test_a_gradient_norm_above_the_limit_freezes_and_is_reported(strategy_name):
+    model = _model(strategy_name, spe=4)
+    stop = StopOnRule(NonFiniteLoss(), max_gradient_norm=1e3, verbose=False)
+    _fit(model, _with_batch(5, 1e5), [stop])
+    assert [(v.rule, v.step) for v in stop.verdicts] == [("FreezeOnFault", 5)]
+    assert "gradient norm above 1000" in stop.verdicts[0].reason
+    _assert_weights(model.get_weights(), _weights_after(strategy_name, 4))
+
+
+# --------------------------------------------------------------- the loss
+@pytest.mark.parametrize("strategy_name, spe", [
+    pytest.param(s, n, id=f"{s}-spe{n}") for s in ("default", "mirrored") for n in (1, 4)])
+def test_the_loss_of_every_step_matches_gradient_tape(tmp_path, strategy_name, spe):
+    model = _model(strategy_name, spe, optimizer="sgd")
+    weights = [w.copy() for w in model.get_weights()]
+    _fit(model, X, [StopOnRule(NonFiniteLoss(), log_dir=str(tmp_path), verbose=False)])
+    recorded = kerasdbg.load_run(str(tmp_path)).scalars("step/loss")
+    assert recorded.step.tolist() == list(range(1, STEPS + 1))
+
+    # Independently: the same network and plain SGD, with GradientTape.
+    variables = [tf.Variable(w) for w in weights]
+    expected = []
+    for step in range(STEPS):
+        x, y = X[step * BATCH:(step + 1) * BATCH], Y[step * BATCH:(step + 1) * BATCH]
+        with tf.GradientTape() as tape:
+            hidden = x @ variables[0] + variables[1]
+            loss = tf.reduce_mean(tf.square(hidden @ variables[2] + variables[3] - y))
+        for variable, grad in zip(variables, tape.gradient(loss, variables)):
+            variable.assign_sub(0.05 * grad)
+        expected.append(float(loss))
+    np.testing.assert_allclose(recorded.value, expected, rtol=1e-5)
+
+
+# ------------------------------------------------------------------ actions
+def test_raise_carries_the_verdict_and_leaves_a_plain_model():
+    model = _model(spe=4)
+    with pytest.raises(RuleFired, match="NonFiniteLoss at step 7: the loss is nan") as caught:
+        _fit(model, _with_batch(FAULT, np.nan), [StopOnRule(NonFiniteLoss(), action="raise",
+                                                            verbose=False)])
+    assert caught.value.verdicts[0].step == FAULT
+    assert "apply" not in vars(model.optimizer) and "compute_loss" not in vars(model)
+    before = model.get_layer("d").kernel.numpy().copy()
+    _fit(model, X, [], steps=2)  # a plain fit afterwards trains
+    assert not np.allclose(model.get_layer("d").kernel.numpy(), before)
+
+
+def test_warn_skips_the_frozen_steps_and_training_goes_on():
+    model = _model(spe=4, optimizer="sgd")
+    stop = StopOnRule(NonFiniteLoss(), action="warn", verbose=False)
+    with pytest.warns(RuleWarning, match="NonFiniteLoss at step 7"):
+        _fit(model, _with_batch(FAULT, np.nan), [stop])
+    assert int(model.optimizer.iterations.numpy()) == STEPS
+    # Steps 7 and 8 (the rest of that execution) were frozen; 9 and 10 trained.
+    _assert_weights(model.get_weights(),
+                    _weights_after("default", None, batches=[0, 1, 2, 3, 4, 5, 8, 9],
+                                   optimizer="sgd"))
+
+
+def test_a_callable_action_gets_the_verdicts_and_the_model():
+    seen = []
+    model = _model()
+    stop = StopOnRule(NonFiniteLoss(), action=lambda verdicts, m: seen.append((verdicts, m)),
+                      verbose=False)
+    _fit(model, _with_batch(FAULT, np.nan), [stop])
+    assert len(seen) == 1 and seen[0][1] is model
+    assert [v.step for v in seen[0][0]] == [FAULT]
+
+
+def test_stop_spares_the_last_backup_and_saves_no_faulty_checkpoint(tmp_path, capsys):
+    backup = str(tmp_path / "backup")
+    checkpoints = str(tmp_path / "ckpt_{epoch}.weights.h5")
+
+    def batches():
+        for epoch in range(3):
+            for step in range(STEPS):
+                x = X[step * BATCH:(step + 1) * BATCH].copy()
+                if epoch == 1 and step == 3:
+                    x[:] = np.nan
+                yield x, Y[step * BATCH:(step + 1) * BATCH]
+
+    model = _model()
+    saved = {}
+
+    class Remember(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            saved[epoch] = model.get_weights()
+
+    restore = keras.callbacks.BackupAndRestore(backup)
+    checkpoint = keras.callbacks.ModelCheckpoint(checkpoints, save_weights_only=True)
+    stop = StopOnRule(NonFiniteLoss())
+    model.fit(batches(), steps_per_epoch=STEPS, epochs=3, verbose=0,
+              callbacks=[Remember(), stop, restore, checkpoint])
+    assert "kerasdbg: NonFiniteLoss at step 14: the loss is nan" in capsys.readouterr().out
+    assert sorted(os.listdir(tmp_path)) == ["backup", "ckpt_1.weights.h5"]
+    # The backup is the state after the first epoch, and it was not deleted.
+    restored = _model()
+    restored.load_weights(os.path.join(backup, "latest.weights.h5"))
+    _assert_weights(restored.get_weights(), saved[0])
+    # The frozen weights are those before step 14, still finite.
+    assert all(np.all(np.isfinite(w)) for w in model.get_weights())
+    for callback in (restore, checkpoint):
+        assert not any(hook.startswith("on_") for hook in vars(callback))
+
+
+# --------------------------------------------------------- TensorBoard text
+def test_verdicts_are_written_as_text_at_their_step(tmp_path):
+    model = _model(spe=4)
+    _fit(model, _with_batch(FAULT, np.nan),
+         [StopOnRule([NonFiniteLoss(), ExplodingTensor()], log_dir=str(tmp_path), verbose=False)])
+    texts = kerasdbg.load_run(str(tmp_path)).texts("rules/verdicts")
+    assert texts.step.tolist() == [FAULT]
+    assert "| NonFiniteLoss | 7 | step/loss |" in texts.text[0]
+    assert "| ExplodingTensor | 7 | m/d/kernel" in texts.text[0]
+
+
+# ------------------------------------------------------ online = offline
+@pytest.mark.parametrize("strategy_name, spe", [
+    pytest.param(s, n, id=f"{s}-spe{n}") for s in ("default", "mirrored") for n in (1, 4)])
+def test_online_and_offline_checks_of_a_run_agree(tmp_path, strategy_name, spe):
+    def rules():
+        return [NonFiniteLoss(), ExplodingTensor(), VanishingGradient(), DeadReLU(),
+                AllZero(), UnchangedTensor(), WeightUpdateRatio(),
+                LossNotDecreasing(num_steps=2)]
+
+    log_dir = str(tmp_path)
+    with make_strategy(strategy_name).scope():
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([
+            keras.Input((3,)),
+            keras.layers.Dense(16, activation="relu", name="hidden"),
+            keras.layers.Dense(1, name="out"),
+        ], name="mlp")
+        model.compile(keras.optimizers.SGD(0.5), "mse", steps_per_execution=spe)
+        tapped = kerasdbg.insert_taps(model, layers=["hidden"])
+    stop = StopOnRule(rules(), action="warn", freeze_on_fault=False, log_dir=log_dir,
+                      verbose=False)
+    recorders = [GradientStatistics(log_dir), WeightStatistics(log_dir),
+                 ActivationStatistics(log_dir)]
+    x = _with_batch(6, 50.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuleWarning)
+        tapped.fit(x, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                   callbacks=[stop, *recorders])
+    online = [(v.rule, v.step, v.reason) for v in stop.verdicts]
+    offline = [(v.rule, v.step, v.reason) for v in kerasdbg.check_run(log_dir, rules())]
+    assert len(online) >= 3
+    assert online == offline
+
+
+# ------------------------------------------------------------------ errors
+def test_bad_arguments_are_refused_with_the_received_value():
+    with pytest.raises(TypeError, match="`rules` must be a kerasdbg.rules.Rule"):
+        StopOnRule("NonFiniteLoss")
+    with pytest.raises(ValueError, match=r"at least one rule. Received: rules=\[\]"):
+        StopOnRule([])
+    with pytest.raises(ValueError, match="`action` must be one of 'stop', 'raise', 'warn'. "
+                                         "Received: action='halt'"):
+        StopOnRule(NonFiniteLoss(), action="halt")
+    with pytest.raises(ValueError, match="needs freeze_on_fault=True"):
+        StopOnRule(NonFiniteLoss(), freeze_on_fault=False, max_gradient_norm=10.0)
+    with pytest.raises(TypeError, match="`suspend` must hold keras.callbacks.Callback classes"):
+        StopOnRule(NonFiniteLoss(), suspend=["BackupAndRestore"])
+    with pytest.raises(ValueError, match="`start_step`"):
+        StopOnRule(NonFiniteLoss(), start_step=-1)
+
+
+def test_a_rule_on_activations_needs_taps():
+    model = _model()
+    with pytest.raises(ValueError, match=r"DeadReLU reads activations/<name>/dead_fraction, "
+                                         r"which cannot be recorded for model 'm'.*insert_taps"):
+        _fit(model, X, [StopOnRule(DeadReLU())])
+    _fit(model, X, [], steps=1)  # nothing left behind
+
+
+def test_start_step_leaves_out_the_earlier_steps():
+    model = _model()
+    stop = StopOnRule(NonFiniteLoss(), start_step=8, freeze_on_fault=False, verbose=False)
+    _fit(model, _with_batch(FAULT, np.nan), [stop])
+    # Step 7 is not evaluated; the weights went NaN, so step 8's loss is NaN.
+    assert [v.step for v in stop.verdicts] == [8]
