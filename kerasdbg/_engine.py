@@ -38,6 +38,7 @@ import numpy as np
 import tensorflow as tf
 
 from kerasdbg import _buffers
+from kerasdbg import _replay
 from kerasdbg import _keras_internals as internals
 from kerasdbg import stats as stats_lib
 
@@ -61,10 +62,14 @@ class Record(NamedTuple):
 
 
 WEIGHT_EXTRA_STATISTICS = ("update_ratio", "distance_from_start")
-STEP_COLUMNS = ("loss", "frozen")
+MAX_FLAGGED = 4096
+"""Variables whose non-finite gradient NaN localisation can name, for a model
+that is built only inside `fit`."""
+STEP_COLUMNS = ("loss", "frozen", "fault")
 """Columns of a "step" request: the step's loss (summed over replicas, as
-the applied gradient sees it; NaN when `compute_loss` was not called) and
-whether the weights were frozen at that step."""
+the applied gradient sees it; NaN when `compute_loss` was not called),
+whether the weights were frozen at that step, and whether the step had an
+in-graph fault (NaN when no fault is watched)."""
 
 
 class Freeze(NamedTuple):
@@ -99,6 +104,9 @@ class Request:
         bins: histogram bins.
         strict: a failure of the instrumentation raises instead of warning.
         freeze: for a "step" request, the faults that freeze the weights.
+        localize: for a "step" request, find at the first non-finite loss or
+            gradient the first layer whose output was non-finite and the
+            variables whose gradient was (see `Engine.nan_source`).
     """
 
     def __init__(
@@ -113,9 +121,11 @@ class Request:
         bins: int = stats_lib.DEFAULT_HISTOGRAM_BINS,
         strict: bool = False,
         freeze: Optional[Freeze] = None,
+        localize: bool = False,
     ):
         self.kind = kind
         self.freeze = freeze
+        self.localize = localize
         self.strict = strict
         self.variables = list(variables)
         self.paths = list(paths)
@@ -194,6 +204,7 @@ class _StepState(NamedTuple):
 
     step: tf.Tensor
     loss: Optional[tf.Tensor]
+    fault: Optional[tf.Tensor]
     frozen: Optional[tf.Tensor]
 
 
@@ -230,6 +241,11 @@ class Engine:
         self._steps_per_execution = None
         self._failed = False
         self._frozen: Optional[tf.Variable] = None
+        self._nonfinite = None  # trace time: this step's non-finite test
+        # NaN localisation: [step, first layer index, one flag per variable].
+        self._nan_row: Optional[tf.Variable] = None
+        self.nan_layers: List[str] = []
+        self.nan_variables: List[str] = []
         self._loss_patched = False
         # The loss `compute_loss` returned, per replica thread, until `apply`.
         self._captured = threading.local()
@@ -272,12 +288,21 @@ class Engine:
                 self._meta = _buffers.on_read_variable(tf.zeros([n, 3], tf.int64), "kerasdbg_meta")
             if self._freeze() is not None and self._frozen is None:
                 self._frozen = _buffers.on_read_variable(tf.zeros([], tf.int64), "kerasdbg_frozen")
+            if self._localizes():
+                # One flag per variable; a model built only inside `fit` (a
+                # subclassed one) has none yet, so room for many.
+                width = 2 + (len(model.trainable_variables) if model.built else MAX_FLAGGED)
+                if self._nan_row is None or int(self._nan_row.shape[0]) != width:
+                    self._nan_row = _buffers.on_read_variable(
+                        tf.zeros([width], tf.int64), "kerasdbg_nan_source")
             for request in self.requests:
                 request.build(self._optimizer, n)
         self._steps_per_execution = n
         self._last_call = int(self._calls.numpy())
         if self._frozen is not None:
             self.unfreeze()
+        if self._nan_row is not None:
+            self._nan_row.assign(tf.zeros_like(self._nan_row))
         self._prepared = True
 
     def _freeze(self) -> Optional[Freeze]:
@@ -291,6 +316,31 @@ class Engine:
             nonfinite_gradients=any(s.nonfinite_gradients for s in specs),
             max_gradient_norm=min(norms) if norms else None,
         )
+
+    def _localizes(self) -> bool:
+        return any(r.localize for r in self.requests)
+
+    def nan_source(self) -> Optional[dict]:
+        """Where the first non-finite loss or gradient of this fit came from.
+
+        Returns None until one occurred, else `{"step", "layer", "variables"}`:
+        the first layer (qualified name, in graph order, inputs first) whose
+        output held NaN/Inf on any replica, or None if none did (or the model
+        is subclassed), and the paths of the variables whose gradient did.
+        """
+        if self._nan_row is None:
+            return None
+        rows = _buffers.read_replicas(self._nan_row)
+        hits = [r for r in rows if r[0] > 0]
+        if not hits:
+            return None
+        indices = [int(r[1]) for r in hits if r[1] >= 0]
+        layer = None
+        if indices and min(indices) < len(self.nan_layers):
+            layer = self.nan_layers[min(indices)]
+        flags = np.any([r[2:] for r in hits], axis=0)
+        variables = [p for p, bad in zip(self.nan_variables, flags) if bad]
+        return {"step": int(hits[0][0]), "layer": layer, "variables": variables}
 
     def unfreeze(self) -> None:
         """Lets the weights change again after a fault froze them (host side)."""
@@ -349,6 +399,7 @@ class Engine:
         def compute_loss(*args, **kwargs):
             loss = original(*args, **kwargs)
             captured.loss = loss
+            captured.x = args[0] if args else kwargs.get("x")
             return loss
 
         internals.patch(model, "compute_loss", compute_loss)
@@ -415,6 +466,9 @@ class Engine:
         return call_id, tf.math.floormod(call_id - 1, self._steps_per_execution)
 
     def _apply(self, original_apply, optimizer, grads, trainable_variables):
+        self._apply_variables = list(
+            trainable_variables if trainable_variables is not None
+            else internals.optimizer_variables(internals.inner_optimizer(optimizer)))
         before = self._guard(lambda: self._before_apply(optimizer, grads))
         applied = None
         if before is not None and before.frozen is not None:
@@ -431,7 +485,9 @@ class Engine:
     def _before_apply(self, optimizer, grads) -> "_StepState":
         self.trace_count += 1
         step = internals.read(optimizer.iterations) + 1
-        loss, frozen = self._step_loss_and_fault(optimizer, grads)
+        loss, fault, frozen = self._step_loss_and_fault(optimizer, grads)
+        if fault is not None and self._localizes():
+            self._localize(step, self._nonfinite, grads)
         for request in self._weight_requests():
             if request.previous:
 
@@ -440,7 +496,7 @@ class Engine:
                         copy.assign(internals.read(variable))
 
                 _buffers.run_if(request.records_at(step), snapshot)
-        return _StepState(step, loss, frozen)
+        return _StepState(step, loss, fault, frozen)
 
     def _step_loss_and_fault(self, optimizer, grads):
         """The step's loss (all replicas) and frozen flag, each None if unused.
@@ -450,7 +506,12 @@ class Engine:
         """
         freeze = self._freeze()
         if freeze is None and not any(r.kind == "step" for r in self.requests):
-            return None, None
+            return None, None, None
+        if freeze is None and self._localizes():
+            freeze = Freeze()  # the same faults, without freezing
+            freezes = False
+        else:
+            freezes = freeze is not None
         local = self._captured_loss()
         parts = [tf.constant(np.nan, tf.float64) if local is None else local]
         present = [g for g in grads if g is not None]
@@ -471,12 +532,13 @@ class Engine:
             vector = replicas.all_reduce(tf.distribute.ReduceOp.SUM, vector)
         loss = vector[0]
         if freeze is None:
-            return loss, None
+            return loss, None, None
         fault = tf.constant(False)
         if freeze.nonfinite_loss and local is not None:
             fault = tf.logical_or(fault, tf.logical_not(tf.math.is_finite(loss)))
         if check_grads:
             fault = tf.logical_or(fault, vector[1] > 0)
+        self._nonfinite = fault
         if freeze.max_gradient_norm is not None:
             if several:
                 # The norm of the summed gradient, as the optimizer applies it.
@@ -489,9 +551,58 @@ class Engine:
             if scaled:
                 squares = squares / tf.square(tf.cast(optimizer.dynamic_scale, tf.float64))
             fault = tf.logical_or(fault, tf.sqrt(squares) > freeze.max_gradient_norm)
+        if not freezes:
+            return loss, fault, None
         frozen = tf.logical_or(self._frozen.read_value() > 0, fault)
         self._frozen.assign(tf.cast(frozen, tf.int64))
-        return loss, frozen
+        return loss, fault, frozen
+
+    def _localize(self, step, fault, grads) -> None:
+        """On the first fault of the fit, replays the forward pass layer by
+        layer and records where non-finite values first appear.
+
+        Costs nothing on healthy steps but the fault test itself: the replay
+        sits in a `tf.cond` taken once.
+        """
+        model = self._model()
+        x = getattr(self._captured, "x", None)
+        self._captured.x = None
+        from kerasdbg.callbacks._statistics import unique_paths
+
+        row = self._nan_row
+        variables = self._apply_variables[: int(row.shape[0]) - 2]
+        self.nan_variables = unique_paths(variables)
+
+        def replay():
+            names, flags = [], []
+
+            def on_output(name, outputs):
+                for tensor in keras.tree.flatten(outputs):
+                    if tf.is_tensor(tensor) and tensor.dtype.is_floating:
+                        names.append(name)
+                        flags.append(tf.logical_not(tf.reduce_all(tf.math.is_finite(tensor))))
+
+            if x is not None and _replay.is_graph_model(model):
+                _replay.call_layer_by_layer(model, x, True, on_output)
+            self.nan_layers = names
+            if flags:
+                bad = tf.stack(flags)
+                first = tf.where(tf.reduce_any(bad),
+                                 tf.cast(tf.argmax(tf.cast(bad, tf.int32)), tf.int64),
+                                 tf.constant(-1, tf.int64))
+            else:
+                first = tf.constant(-1, tf.int64)
+            variable_flags = [
+                tf.constant(0, tf.int64) if g is None else tf.cast(
+                    tf.logical_not(tf.reduce_all(tf.math.is_finite(_dense(g)))), tf.int64)
+                for g in list(grads)[: len(variables)]
+            ]
+            padding = [tf.constant(0, tf.int64)] * (int(row.shape[0]) - 2 - len(variable_flags))
+            row.assign(tf.stack([tf.cast(step, tf.int64), first] + variable_flags + padding))
+            return tf.constant(True)
+
+        first_fault = tf.logical_and(fault, tf.equal(row.read_value()[0], 0))
+        tf.cond(first_fault, replay, lambda: tf.constant(False))
 
     def _apply_unless_frozen(self, original_apply, optimizer, grads, trainable_variables, frozen):
         """Applies the update unless `frozen`; a frozen step only counts itself.
@@ -563,7 +674,9 @@ class Engine:
         for request in self.requests:
             if request.kind == "step":
                 frozen = tf.constant(False) if before.frozen is None else before.frozen
-                values = tf.stack([before.loss, tf.cast(frozen, tf.float64)])
+                fault = tf.constant(np.nan, tf.float64) if before.fault is None else tf.cast(
+                    before.fault, tf.float64)
+                values = tf.stack([before.loss, tf.cast(frozen, tf.float64), fault])
                 _buffers.write_row(request.values, row, values)
                 _buffers.write_row(request.ids, row, call_id)
         meta = tf.stack([call_id, step, tf.cast(skipped, tf.int64)])

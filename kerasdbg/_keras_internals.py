@@ -191,6 +191,21 @@ def run_graph(model, inputs, call_fn):
     return model._run_through_graph(inputs, operation_fn=lambda op: op, call_fn=call_fn)
 
 
+def run_graph_on_data(model, inputs, call_fn):
+    """`run_graph` on real tensors, with `inputs` as `model(inputs)` takes them."""
+    return run_graph(model, standardize_inputs(model, inputs), call_fn)
+
+
+def standardize_inputs(model, inputs) -> list:
+    """The flat list of input tensors, in `model.inputs` order (dicts by name)."""
+    return model._standardize_inputs(inputs)
+
+
+def takes_training(layer) -> bool:
+    """Whether Keras passes `training` to this layer's `call`."""
+    return "training" in getattr(layer, "_call_context_args", ())
+
+
 def producing_layer(keras_tensor):
     """The layer whose output `keras_tensor` is (an `InputLayer` for an input)."""
     return keras_tensor._keras_history.operation

@@ -188,6 +188,40 @@ class Replay:
         return self.after_call(layer, path, outputs)
 
 
+def call_layer_by_layer(model, inputs, training, on_output, path: Path = ()):
+    """Runs a Functional or Sequential `model` on real tensors, layer call by
+    layer call, and calls `on_output(qualified name, outputs)` after each one
+    (first for each input, with the input layer's name), in graph order.
+
+    Nested graph models are run the same way; `training` is passed to the
+    layers that take it, as Keras does. Returns the model's outputs.
+    """
+
+    def call(layer, args, kwargs, path=path):
+        if is_graph_model(layer):
+            outputs = call_layer_by_layer(layer, args[0], training, on_output,
+                                          path + (layer.name,))
+        else:
+            if internals.takes_training(layer):
+                kwargs = dict(kwargs, training=training)
+            outputs = layer(*args, **kwargs)
+        on_output(qualified_name(path, layer), outputs)
+        return outputs
+
+    if isinstance(model, keras.Sequential):
+        originals = _model_inputs(model)
+        if originals:
+            on_output(qualified_name(path, internals.producing_layer(originals[0])), inputs)
+        x = inputs
+        for layer in model.layers:
+            x = call(layer, (x,), {})
+        return x
+    for tensor, flat in zip(model.inputs, internals.standardize_inputs(model, inputs)):
+        on_output(qualified_name(path, internals.producing_layer(tensor)), flat)
+    return internals.run_graph_on_data(
+        model, inputs, lambda layer, *args, **kwargs: call(layer, args, kwargs))
+
+
 class SelectionReplay(Replay):
     """A replay that acts after the layers of `selected` (see `select_layers`).
 

@@ -13,6 +13,7 @@ import keras
 from kerasdbg import _engine
 from kerasdbg import _events
 from kerasdbg import _keras_internals as internals
+from kerasdbg import _replay
 from kerasdbg import _validation as check
 from kerasdbg import stats as stats_lib
 from kerasdbg.callbacks._statistics import column_tags, trainable_float_variables, unique_paths
@@ -122,6 +123,7 @@ class StopOnRule(keras.callbacks.Callback):
         start_step: int = 0,
         freeze_on_fault: Optional[bool] = None,
         max_gradient_norm: Optional[float] = None,
+        locate_nan: Optional[bool] = None,
         log_dir: Optional[str] = None,
         suspend: Sequence[type] = DEFAULT_SUSPEND,
         verbose: bool = True,
@@ -134,9 +136,11 @@ class StopOnRule(keras.callbacks.Callback):
             check.one_of(owner, "action", action, ACTIONS)
         self.action = action
         self.start_step = check.non_negative_int(owner, "start_step", start_step)
-        if freeze_on_fault is None:
-            freeze_on_fault = any(getattr(r, "watches_nonfinite", False) for r in self.rules)
-        self.freeze_on_fault = check.boolean(owner, "freeze_on_fault", freeze_on_fault)
+        watches = any(getattr(r, "watches_nonfinite", False) for r in self.rules)
+        self.freeze_on_fault = check.boolean(
+            owner, "freeze_on_fault", watches if freeze_on_fault is None else freeze_on_fault)
+        self.locate_nan = check.boolean(
+            owner, "locate_nan", watches if locate_nan is None else locate_nan)
         self.max_gradient_norm = None if max_gradient_norm is None else check.number(
             owner, "max_gradient_norm", max_gradient_norm, minimum=0.0, exclusive_minimum=True)
         if self.max_gradient_norm is not None and not self.freeze_on_fault:
@@ -165,6 +169,7 @@ class StopOnRule(keras.callbacks.Callback):
         self._last_step = 0
         self._done = False
         self._freeze_reported = False
+        self._located = False
 
     def get_config(self) -> dict:
         return {
@@ -173,6 +178,7 @@ class StopOnRule(keras.callbacks.Callback):
             "start_step": self.start_step,
             "freeze_on_fault": self.freeze_on_fault,
             "max_gradient_norm": self.max_gradient_norm,
+            "locate_nan": self.locate_nan,
             "log_dir": self.log_dir,
             "verbose": self.verbose,
             "strict": self.strict,
@@ -214,6 +220,7 @@ class StopOnRule(keras.callbacks.Callback):
         self._pending = {}
         self._done = False
         self._freeze_reported = False
+        self._located = False
         self._last_step = int(internals.read(self.model.optimizer.iterations).numpy()) \
             if getattr(self.model, "optimizer", None) is not None else 0
         self._runner = RuleRunner(self.rules)
@@ -230,7 +237,8 @@ class StopOnRule(keras.callbacks.Callback):
             elif collection == "step":
                 unknown = sorted(statistics - set(_engine.STEP_COLUMNS))
                 if unknown:
-                    self._refuse(collection, unknown[0], "step/loss, step/frozen")
+                    self._refuse(collection, unknown[0],
+                                 ", ".join(f"step/{c}" for c in _engine.STEP_COLUMNS))
             elif collection != "epoch":
                 self._refuse(collection, sorted(statistics)[0],
                              "gradients/, weights/, activations/, step/, epoch/ tags")
@@ -241,7 +249,7 @@ class StopOnRule(keras.callbacks.Callback):
             kind="step", variables=[], paths=[], stats=(), every_n_steps=1,
             histogram_every_n_steps=None,
             consumer=lambda records: self._take("step", records),
-            strict=self.strict, freeze=freeze,
+            strict=self.strict, freeze=freeze, localize=self.locate_nan,
         ))
         self._writer = None
         if self.log_dir is not None:
@@ -332,6 +340,7 @@ class StopOnRule(keras.callbacks.Callback):
             self._write(step, record)
             verdicts = self._runner.check(step, record)
             verdicts += self._freeze_verdict(step, record, verdicts)
+            verdicts += self._nan_source_verdict(step, record)
             self._evaluate(step, verdicts)
 
     def _freeze_verdict(self, step: int, record, verdicts) -> List[Verdict]:
@@ -349,6 +358,29 @@ class StopOnRule(keras.callbacks.Callback):
                    f"on (in-graph fault: a non-finite loss or gradient{norm}); loss={loss:.4g}",
             tensors=("step/loss",), values={"step/loss": loss},
         )]
+
+    def _nan_source_verdict(self, step: int, record) -> List[Verdict]:
+        if self._located or not self.locate_nan or not record.get("step/fault"):
+            return []
+        source = _engine.engine_for(self.model).nan_source()
+        if source is None or source["step"] != step:
+            return []
+        self._located = True
+        layer, variables = source["layer"], source["variables"]
+        if layer is not None:
+            where = f"the first layer whose output held NaN/Inf is '{layer}'"
+        elif _replay.is_graph_model(self.model):
+            where = "every layer output was finite (the loss or its gradient was not)"
+        else:
+            where = (f"the layers of the subclassed model '{self.model.name}' are not "
+                     "visible; insert TapLayers in its call() to see them")
+        grads = ", ".join(variables[:8]) + (f" and {len(variables) - 8} more"
+                                             if len(variables) > 8 else "")
+        reason = (f"NaNSource at step {step}: {where}; non-finite gradients: "
+                  f"{grads or 'none'}")
+        tensors = ((layer,) if layer else ()) + tuple(variables)
+        return [Verdict(rule="NaNSource", step=step, reason=reason, tensors=tensors,
+                        values={t: 1.0 for t in tensors})]
 
     def _write(self, step: int, record) -> None:
         if self._writer is None:

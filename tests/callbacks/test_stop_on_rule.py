@@ -74,7 +74,7 @@ def test_a_nan_step_freezes_the_weights_within_the_execution(strategy_name, spe,
     with only_upstream_failure(strategy_name, jit):
         _fit(model, _with_batch(FAULT, np.nan), [stop])
     assert [(v.rule, v.step) for v in stop.verdicts] == [
-        ("NonFiniteLoss", FAULT), ("ExplodingTensor", FAULT)]
+        ("NonFiniteLoss", FAULT), ("ExplodingTensor", FAULT), ("NaNSource", FAULT)]
     # The weights are those of a plain fit on the steps before the fault,
     # although with spe=4 steps 7 and 8 ran in the same execution.
     _assert_weights(model.get_weights(), _weights_after(strategy_name, FAULT - 1))
@@ -158,7 +158,8 @@ def test_a_callable_action_gets_the_verdicts_and_the_model():
                       verbose=False)
     _fit(model, _with_batch(FAULT, np.nan), [stop])
     assert len(seen) == 1 and seen[0][1] is model
-    assert [v.step for v in seen[0][0]] == [FAULT]
+    assert [(v.rule, v.step) for v in seen[0][0]] == [("NonFiniteLoss", FAULT),
+                                                      ("NaNSource", FAULT)]
 
 
 def test_stop_spares_the_last_backup_and_saves_no_faulty_checkpoint(tmp_path, capsys):
@@ -183,7 +184,7 @@ def test_stop_spares_the_last_backup_and_saves_no_faulty_checkpoint(tmp_path, ca
     restore = keras.callbacks.BackupAndRestore(backup)
     checkpoint = keras.callbacks.ModelCheckpoint(checkpoints, save_weights_only=True)
     stop = StopOnRule(NonFiniteLoss())
-    model.fit(batches(), steps_per_epoch=STEPS, epochs=3, verbose=0,
+    model.fit(batches(), steps_per_epoch=STEPS, epochs=3, verbose=0, shuffle=False,
               callbacks=[Remember(), stop, restore, checkpoint])
     assert "kerasdbg: NonFiniteLoss at step 14: the loss is nan" in capsys.readouterr().out
     assert sorted(os.listdir(tmp_path)) == ["backup", "ckpt_1.weights.h5"]
@@ -205,7 +206,8 @@ def test_verdicts_are_written_as_text_at_their_step(tmp_path):
     texts = kerasdbg.load_run(str(tmp_path)).texts("rules/verdicts")
     assert texts.step.tolist() == [FAULT]
     assert "| NonFiniteLoss | 7 | step/loss |" in texts.text[0]
-    assert "| ExplodingTensor | 7 | m/d/kernel" in texts.text[0]
+    assert "| ExplodingTensor | 7 | m/d/bias, m/d/kernel" in texts.text[0]
+    assert "| NaNSource | 7 | input_layer" in texts.text[0]
 
 
 # ------------------------------------------------------ online = offline
@@ -236,7 +238,8 @@ def test_online_and_offline_checks_of_a_run_agree(tmp_path, strategy_name, spe):
         warnings.simplefilter("ignore", RuleWarning)
         tapped.fit(x, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
                    callbacks=[stop, *recorders])
-    online = [(v.rule, v.step, v.reason) for v in stop.verdicts]
+    # NaNSource (where the first NaN came from) is only known online.
+    online = [(v.rule, v.step, v.reason) for v in stop.verdicts if v.rule != "NaNSource"]
     offline = [(v.rule, v.step, v.reason) for v in kerasdbg.check_run(log_dir, rules())]
     assert len(online) >= 3
     assert online == offline
@@ -273,3 +276,71 @@ def test_start_step_leaves_out_the_earlier_steps():
     _fit(model, _with_batch(FAULT, np.nan), [stop])
     # Step 7 is not evaluated; the weights went NaN, so step 8's loss is NaN.
     assert [v.step for v in stop.verdicts] == [8]
+
+
+# ---------------------------------------------------------- NaN localisation
+class _Log(keras.layers.Layer):
+    """log(x): NaN for negative inputs, the planted source of NaN."""
+
+    def call(self, x):
+        return keras.ops.log(x)
+
+
+def _nested_model(strategy_name, spe):
+    with make_strategy(strategy_name).scope():
+        keras.utils.set_random_seed(2)
+        inputs = keras.Input((3,), name="x")
+        hidden = keras.layers.Dense(4, activation="relu", name="d1")(inputs)
+        block = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4, name="d2"),
+                                  _Log(name="log")], name="block")
+        outputs = keras.layers.Dense(1, name="o")(block(hidden))
+        model = keras.Model(inputs, outputs, name="net")
+        model.compile(keras.optimizers.SGD(0.01), "mse", steps_per_execution=spe)
+    return model
+
+
+@pytest.mark.parametrize("strategy_name, spe", [
+    pytest.param(s, n, id=f"{s}-spe{n}") for s in ("default", "mirrored") for n in (1, 4)])
+def test_the_first_non_finite_layer_and_gradients_are_reported(strategy_name, spe):
+    model = _nested_model(strategy_name, spe)
+    stop = StopOnRule(NonFiniteLoss(), verbose=False)
+    _fit(model, X, [stop])
+    # Independently: the first step's forward pass, layer by layer, in NumPy.
+    d1, d2 = model.get_layer("d1"), model.get_layer("block").get_layer("d2")
+    h1 = np.maximum(X[:BATCH] @ d1.kernel.numpy() + d1.bias.numpy(), 0)
+    h2 = h1 @ d2.kernel.numpy() + d2.bias.numpy()
+    assert np.all(np.isfinite(h1)) and np.all(np.isfinite(h2)) and np.any(h2 < 0)
+    source = [v for v in stop.verdicts if v.rule == "NaNSource"]
+    assert [(v.step, v.tensors[0]) for v in source] == [(1, "block/log")]
+    assert set(source[0].tensors[1:]) == {"d1/kernel", "d1/bias", "block/d2/kernel",
+                                          "block/d2/bias",
+                                          "o/kernel", "o/bias"}
+
+
+def test_a_non_finite_input_is_reported_as_the_source():
+    model = _model(spe=4)
+    stop = StopOnRule(NonFiniteLoss(), verbose=False)
+    _fit(model, _with_batch(FAULT, np.inf), [stop])
+    assert [(v.rule, v.step) for v in stop.verdicts] == [("NonFiniteLoss", FAULT),
+                                                         ("NaNSource", FAULT)]
+    assert stop.verdicts[1].reason.startswith(
+        "NaNSource at step 7: the first layer whose output held NaN/Inf is 'input_layer")
+
+
+def test_a_subclassed_model_reports_the_gradients_and_says_why_not_the_layer():
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__(name="sub")
+            self.dense = keras.layers.Dense(1, name="dense")
+
+        def call(self, x):
+            return self.dense(x)
+
+    model = Net()
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    stop = StopOnRule(NonFiniteLoss(), verbose=False)
+    _fit(model, _with_batch(3, np.nan), [stop])
+    source = stop.verdicts[-1]
+    assert source.rule == "NaNSource" and source.step == 3
+    assert "subclassed model 'sub' are not visible" in source.reason
+    assert set(source.tensors) == {"sub/dense/kernel", "sub/dense/bias"}
