@@ -13,7 +13,10 @@ each a fresh `fit` on the same compiled model. Per fit:
 after every layer (recording every 10th step) plus the scalar gradient and
 weight statistics and `ActivationStatistics`. "norms" records only gradient
 norms (and NaN/Inf counts) every step and weight norms every 10th step;
-"taps+norms" adds the taps to it.
+"taps+norms" adds the taps to it. "nan_guard" is `StopOnRule(NonFiniteLoss())`
+with what it arms at every step: the loss of each step, the in-graph fault
+test that freezes the weights, and NaN localisation; "terminate_on_nan" is
+Keras's `TerminateOnNaN`, for comparison.
 
 Printed: median over rounds of each configuration's step time divided by that
 round's plain step time, and the extra trace seconds over plain.
@@ -37,10 +40,12 @@ import numpy as np  # noqa: E402
 
 import kerasdbg  # noqa: E402
 from kerasdbg.callbacks import ActivationStatistics, GradientStatistics, WeightStatistics  # noqa: E402
+from kerasdbg.callbacks import StopOnRule  # noqa: E402
+from kerasdbg.rules import NonFiniteLoss  # noqa: E402
 from kerasdbg.layers import TapLayer  # noqa: E402
 
 CONFIGS = ("plain", "keras_tensorboard", "scalars", "scalars+histograms", "taps+scalars",
-           "norms", "taps+norms")
+           "norms", "taps+norms", "terminate_on_nan", "nan_guard")
 # "norms": the light set-up the README recommends for large models: one pass
 # over each gradient per step (its l2 norm; NaN/Inf counts come free with it)
 # and the weights' norms every 10th step.
@@ -72,6 +77,10 @@ def _model(name):
 def _callbacks(config, log_dir):
     if config == "plain":
         return []
+    if config == "terminate_on_nan":
+        return [keras.callbacks.TerminateOnNaN()]
+    if config == "nan_guard":
+        return [StopOnRule(NonFiniteLoss(), log_dir=log_dir)]
     if config == "keras_tensorboard":
         return [keras.callbacks.TensorBoard(log_dir, histogram_freq=1)]
     if config == "taps+scalars":

@@ -208,6 +208,12 @@ class _StepState(NamedTuple):
     frozen: Optional[tf.Tensor]
 
 
+def _sum_of_squares(tensors) -> tf.Tensor:
+    """Σ x² over all `tensors`, in float64 (no overflow for finite values)."""
+    return tf.add_n([tf.constant(0.0, tf.float64)] + [
+        tf.reduce_sum(tf.square(tf.cast(_dense(t), tf.float64))) for t in tensors])
+
+
 def _dense(gradient) -> tf.Tensor:
     if isinstance(gradient, tf.IndexedSlices):
         return tf.convert_to_tensor(gradient)
@@ -520,13 +526,14 @@ class Engine:
         replicas = tf.distribute.get_replica_context()
         several = replicas is not None and replicas.num_replicas_in_sync > 1
         squares = None
-        if check_grads or (freeze is not None and freeze.max_gradient_norm is not None):
-            # One pass per gradient: a sum of squares is finite iff every
-            # element is (or it overflows float32, a norm above 1.8e19).
-            squares = tf.add_n([tf.constant(0.0, tf.float64)] + [
-                tf.cast(tf.reduce_sum(tf.square(_dense(g))), tf.float64) for g in present
-            ])
-            parts.append(tf.cast(tf.logical_not(tf.math.is_finite(squares)), tf.float64))
+        if check_grads:
+            # One pass per gradient (a sum of squares could overflow float32
+            # for finite gradients with a norm above 1.8e19).
+            finite = tf.reduce_all(tf.stack(
+                [tf.constant(True)] + [tf.reduce_all(tf.math.is_finite(_dense(g))) for g in present]))
+            parts.append(tf.cast(tf.logical_not(finite), tf.float64))
+        if freeze is not None and freeze.max_gradient_norm is not None and not several:
+            squares = _sum_of_squares(present)
         vector = tf.stack(parts)
         if several:
             vector = replicas.all_reduce(tf.distribute.ReduceOp.SUM, vector)
@@ -542,12 +549,8 @@ class Engine:
         if freeze.max_gradient_norm is not None:
             if several:
                 # The norm of the summed gradient, as the optimizer applies it.
-                summed = replicas.all_reduce(
-                    tf.distribute.ReduceOp.SUM, [_dense(g) for g in present]
-                )
-                squares = tf.add_n([tf.constant(0.0, tf.float64)] + [
-                    tf.cast(tf.reduce_sum(tf.square(g)), tf.float64) for g in summed
-                ])
+                squares = _sum_of_squares(replicas.all_reduce(
+                    tf.distribute.ReduceOp.SUM, [_dense(g) for g in present]))
             if scaled:
                 squares = squares / tf.square(tf.cast(optimizer.dynamic_scale, tf.float64))
             fault = tf.logical_or(fault, tf.sqrt(squares) > freeze.max_gradient_norm)

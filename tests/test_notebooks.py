@@ -17,6 +17,16 @@ EXPECTED_OUTPUT = {
         "'dense_1_tap'",
         "'dense_1': (5, 32)",
     ],
+    "02_rules.ipynb": [
+        "kerasdbg: VanishingGradient at step 1: mean |gradient| below 1e-07",
+        "optimizer steps run: 1",
+        "kerasdbg: NonFiniteLoss at step 4: the loss is nan",
+        "NaNSource at step 4: the first layer whose output held NaN/Inf is 'out'",
+        "steps run: 8 | weights finite: True",
+        "| NonFiniteLoss | 4 | step/loss |",
+        "kerasdbg: DeadReLU at step 1: dead units (percent) at or above 50%: hidden_tap=100",
+        "Verdict(rule='NonFiniteLoss', step=4",
+    ],
 }
 
 
