@@ -2,8 +2,10 @@
 
 A healthy run and one with a learning rate far too high, side by side, each
 with `GradientStatistics`, `WeightStatistics`, taps after the ReLU layers
-(`insert_taps` + `ActivationStatistics`) and Keras's own `TensorBoard`
-callback in one log directory. Synthetic data, so nothing is downloaded.
+(`insert_taps` + `ActivationStatistics`), `StopOnRule` watching rules (it only
+reports here, so that the broken run is recorded to its end) and Keras's own
+`TensorBoard` callback in one log directory. Synthetic data, so nothing is
+downloaded.
 """
 
 from __future__ import annotations
@@ -46,12 +48,15 @@ def make_model():
 
 
 def train(log_dir: str, learning_rate: float, epochs: int, optimizer: str = "adam"):
-    """Trains the CNN with the instruments; returns the statistics callbacks and the model."""
+    """Trains the CNN with the instruments; returns the gradient statistics, the
+    verdicts of the rules and the model."""
     import keras
 
     from kerasdbg import insert_taps
-    from kerasdbg.callbacks import ActivationStatistics, GradientStatistics, WeightStatistics
+    from kerasdbg.callbacks import ActivationStatistics, GradientStatistics, StopOnRule
+    from kerasdbg.callbacks import WeightStatistics
     from kerasdbg.layers import TapLayer
+    from kerasdbg.rules import DeadReLU, ExplodingTensor, NonFiniteLoss
 
     keras.utils.set_random_seed(0)
     images, labels = make_data()
@@ -66,6 +71,10 @@ def train(log_dir: str, learning_rate: float, epochs: int, optimizer: str = "ada
     )
     gradients = GradientStatistics(log_dir, histogram_every_n_steps=2)
     weights = WeightStatistics(log_dir, histogram_every_n_steps=2)
+    # Report, do not stop or freeze: the demo keeps the broken run whole.
+    rules = StopOnRule([NonFiniteLoss(), ExplodingTensor(), DeadReLU()], log_dir=log_dir,
+                       action=lambda verdicts, model: None, freeze_on_fault=False,
+                       locate_nan=True, verbose=False)
     model.fit(
         images,
         labels,
@@ -73,10 +82,10 @@ def train(log_dir: str, learning_rate: float, epochs: int, optimizer: str = "ada
         epochs=epochs,
         validation_split=0.1,
         verbose=0,
-        callbacks=[gradients, weights, ActivationStatistics(log_dir),
+        callbacks=[gradients, weights, ActivationStatistics(log_dir), rules,
                    keras.callbacks.TensorBoard(log_dir)],
     )
-    return gradients, weights, model
+    return gradients, rules.verdicts, model
 
 
 def dead_units(model) -> str:
@@ -125,15 +134,19 @@ def run_demo(out: str = "runs/demo", epochs: int = 3) -> Dict[str, str]:
     print(f"kerasdbg demo: training a small CNN twice ({epochs} epochs each) ...")
     for name, settings in runs.items():
         log_dir = os.path.join(out, name)
-        gradients, _, model = train(log_dir, epochs=epochs, **settings)
+        gradients, verdicts, model = train(log_dir, epochs=epochs, **settings)
         print(summarize(name, gradients))
         print(dead_units(model))
+        for verdict in verdicts:
+            print(f"    rule: {verdict.reason}")
+        if not verdicts:
+            print("    rules: none fired")
         dirs[name] = log_dir
     absolute = os.path.abspath(out)
     print(f"\nTensorBoard logs written to {absolute}")
     print(f"Open them with:\n  tensorboard --logdir {absolute}\nthen browse http://localhost:6006 "
-          "(Scalars: gradients/*, weights/*, activations/*; Histograms; Keras's own "
-          "epoch_loss).")
+          "(Scalars: gradients/*, weights/*, activations/*, step/loss; Histograms; Text: "
+          "rules/verdicts; Keras's own epoch_loss).")
     return dirs
 
 

@@ -14,6 +14,7 @@ def test_demo_writes_both_runs_and_says_how_to_open_them(tmp_path, capsys):
     assert f"tensorboard --logdir {os.path.abspath(out)}" in printed
     assert "first step with a NaN gradient" in printed  # the diverging run
     assert "dead ReLU units at the last recorded step: conv1 " in printed
+    assert "rule: NonFiniteLoss at step" in printed and "rule: NaNSource at step" in printed
     for name in ("healthy", "lr_too_high"):
         run = load_run(str(out / name))
         assert "gradients/global_norm" in run.tags()
@@ -22,6 +23,8 @@ def test_demo_writes_both_runs_and_says_how_to_open_them(tmp_path, capsys):
         assert "epoch_loss" in run.tags()  # Keras's TensorBoard callback, same dir
         assert "activations/conv1_tap/dead_fraction" in run.tags()
         assert "activations/dense_tap" in run.tags(kind="histograms")
+        assert "step/loss" in run.tags()
+    assert load_run(str(out / "lr_too_high")).tags(kind="text") == ["rules/verdicts"]
 
 
 def test_tags_lists_and_reports_missing_dirs(tmp_path, capsys):

@@ -85,6 +85,11 @@ class StopOnRule(keras.callbacks.Callback):
             `ExplodingTensor` on gradients). Defaults to `None`.
         max_gradient_norm: with `freeze_on_fault`, also a global gradient
             norm above this is a fault. Defaults to `None`.
+        locate_nan: at the first non-finite loss or gradient, replay that
+            step's forward pass layer by layer (inside a `tf.cond` taken only
+            then) and report, as a `NaNSource` verdict, the first layer whose
+            output held NaN/Inf and the variables whose gradient did; None
+            turns it on like `freeze_on_fault`. Defaults to `None`.
         log_dir: TensorBoard log directory for the verdicts and the
             `step/` and `epoch/` scalars, or None. Defaults to `None`.
         suspend: callback classes silenced after "stop". Defaults to
@@ -103,15 +108,17 @@ class StopOnRule(keras.callbacks.Callback):
     >>> import keras, numpy as np
     >>> from kerasdbg.callbacks import StopOnRule
     >>> from kerasdbg.rules import NonFiniteLoss
-    >>> model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, name="d")],
+    >>> model = keras.Sequential([keras.Input((1,), name="x"), keras.layers.Dense(1, name="d")],
     ...                          name="m")
     >>> model.compile("sgd", "mse")
     >>> x = np.array([[1.0], [1.0], [np.nan], [1.0]], "float32")
     >>> stop = StopOnRule(NonFiniteLoss(), verbose=False)
     >>> history = model.fit(x, np.ones((4, 1)), batch_size=1, epochs=2, verbose=0,
     ...                     shuffle=False, callbacks=[stop])
-    >>> [v.reason for v in stop.verdicts]
-    ['NonFiniteLoss at step 3: the loss is nan']
+    >>> for verdict in stop.verdicts:
+    ...     print(verdict.reason)
+    NonFiniteLoss at step 3: the loss is nan
+    NaNSource at step 3: the first layer whose output held NaN/Inf is 'x'; non-finite gradients: m/d/kernel, m/d/bias
     >>> bool(np.all(np.isfinite(model.get_layer("d").kernel.numpy())))
     True
     """
