@@ -31,7 +31,7 @@ from __future__ import annotations
 import threading
 import warnings
 import weakref
-from typing import Callable, List, NamedTuple, Optional, Sequence
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
 
 import keras
 import numpy as np
@@ -206,6 +206,18 @@ class _StepState(NamedTuple):
     loss: Optional[tf.Tensor]
     fault: Optional[tf.Tensor]
     frozen: Optional[tf.Tensor]
+
+
+def unique_paths(variables) -> List[str]:
+    """Variable paths, made unique with a `_<n>` suffix where they repeat."""
+    seen: Dict[str, int] = {}
+    paths = []
+    for v in variables:
+        path = getattr(v, "path", None) or v.name
+        count = seen.get(path, 0)
+        seen[path] = count + 1
+        paths.append(path if count == 0 else f"{path}_{count}")
+    return paths
 
 
 def _sum_of_squares(tensors) -> tf.Tensor:
@@ -570,8 +582,6 @@ class Engine:
         model = self._model()
         x = getattr(self._captured, "x", None)
         self._captured.x = None
-        from kerasdbg.callbacks._statistics import unique_paths
-
         row = self._nan_row
         variables = self._apply_variables[: int(row.shape[0]) - 2]
         self.nan_variables = unique_paths(variables)

@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 
 from kerasdbg import _engine
+from kerasdbg._engine import unique_paths
 from kerasdbg import _events
 from kerasdbg.callbacks._recording import RecordingCallback, selected
 from kerasdbg import _validation as check
@@ -23,18 +24,6 @@ def trainable_float_variables(model) -> list:
         for v in model.trainable_variables
         if keras.backend.standardize_dtype(v.dtype).startswith(("float", "bfloat"))
     ]
-
-
-def unique_paths(variables) -> List[str]:
-    """Variable paths, made unique with a `_<n>` suffix where they repeat."""
-    seen: Dict[str, int] = {}
-    paths = []
-    for v in variables:
-        path = getattr(v, "path", None) or v.name
-        count = seen.get(path, 0)
-        seen[path] = count + 1
-        paths.append(path if count == 0 else f"{path}_{count}")
-    return paths
 
 
 def column_tags(request: _engine.Request) -> List[Optional[str]]:

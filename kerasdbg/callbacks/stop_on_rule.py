@@ -16,7 +16,8 @@ from kerasdbg import _keras_internals as internals
 from kerasdbg import _replay
 from kerasdbg import _validation as check
 from kerasdbg import stats as stats_lib
-from kerasdbg.callbacks._statistics import column_tags, trainable_float_variables, unique_paths
+from kerasdbg._engine import unique_paths
+from kerasdbg.callbacks._statistics import column_tags, trainable_float_variables
 from kerasdbg.callbacks.activation_statistics import find_taps
 from kerasdbg.rules._runner import RuleRunner, check_rules
 from kerasdbg.rules.rule import RuleFired, Verdict, tag_pattern
