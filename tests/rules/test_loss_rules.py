@@ -38,7 +38,9 @@ def _run(tmp_path, rule_factory, strategy_name, spe, learning_rate, epochs=1,
         model.fit(x, Y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0,
                   validation_data=validation, callbacks=[stop])
     offline = kerasdbg.check_run(log_dir, rule_factory())
-    return [v.step for v in stop.verdicts], [v.step for v in offline]
+    # NaNSource (where a NaN came from) is reported online only.
+    online = [v.step for v in stop.verdicts if v.rule != "NaNSource"]
+    return online, [v.step for v in offline]
 
 
 @pytest.mark.parametrize("strategy_name, spe", MATRIX)
