@@ -146,3 +146,9 @@ def writer_for(log_dir: str) -> EventWriter:
         # A new writer also when the directory was removed under the old one.
         writer = _WRITERS[key] = EventWriter(key)
     return writer
+
+
+def flush_all() -> None:
+    """Flushes every shared writer (before a callback ends `fit` with an exception)."""
+    for writer in list(_WRITERS.values()):
+        writer.flush()

@@ -420,8 +420,10 @@ class StopOnRule(keras.callbacks.Callback):
             return
         self._done = True
         if self.action == "raise":
+            # No on_train_end follows: restore the model and flush every writer now.
             engine.abort()
             self._finish()
+            _events.flush_all()
             raise RuleFired(verdicts)
         self.model.stop_training = True
         self._suspend_others()

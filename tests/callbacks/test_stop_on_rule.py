@@ -127,12 +127,16 @@ def test_the_loss_of_every_step_matches_gradient_tape(tmp_path, strategy_name, s
 
 
 # ------------------------------------------------------------------ actions
-def test_raise_carries_the_verdict_and_leaves_a_plain_model():
+def test_raise_carries_the_verdict_and_leaves_a_plain_model(tmp_path):
     model = _model(spe=4)
+    recorder = GradientStatistics(str(tmp_path), stats=["nan_count"])
     with pytest.raises(RuleFired, match="NonFiniteLoss at step 7: the loss is nan") as caught:
         _fit(model, _with_batch(FAULT, np.nan), [StopOnRule(NonFiniteLoss(), action="raise",
-                                                            verbose=False)])
+                                                            verbose=False), recorder])
     assert caught.value.verdicts[0].step == FAULT
+    # The other recorders' events are on disk although no on_train_end ran.
+    norms = kerasdbg.load_run(str(tmp_path)).scalars("gradients/global_norm")
+    assert norms.step.tolist() == list(range(1, 9))
     assert "apply" not in vars(model.optimizer) and "compute_loss" not in vars(model)
     before = model.get_layer("d").kernel.numpy().copy()
     _fit(model, X, [], steps=2)  # a plain fit afterwards trains
