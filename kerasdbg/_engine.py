@@ -626,6 +626,8 @@ class Engine:
 
         inner = internals.inner_optimizer(optimizer)
         scaled = inner is not optimizer
+        # Built here, not inside a branch (a LossScaleOptimizer builds in apply).
+        internals.ensure_built(optimizer, trainable_variables)
 
         def count_step(grads, trainable_variables):
             # The gradient statistics of a frozen step are recorded too: the

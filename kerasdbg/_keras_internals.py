@@ -71,6 +71,14 @@ def unpatch(obj, name: str) -> None:
         object.__delattr__(obj, name)
 
 
+def ensure_built(optimizer, variables) -> None:
+    """Builds the optimizer for `variables` as its `apply` would, if not built."""
+    if not optimizer.built and variables is not None:
+        with keras.name_scope(optimizer.name, caller=optimizer):
+            optimizer.build(list(variables))
+        optimizer.built = True
+
+
 def optimizer_variables(optimizer) -> list:
     """The variables an optimizer was built for (what `apply(grads)` updates)."""
     return list(optimizer._trainable_variables)

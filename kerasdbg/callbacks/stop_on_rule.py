@@ -274,10 +274,15 @@ class StopOnRule(keras.callbacks.Callback):
         request = next(r for r in self._requests if r.kind == kind)
         tags = column_tags(request)
         for record in records:
-            if record.values is None or record.skipped:
+            # A step the loss scaler skipped shares its number with the next
+            # one; only its loss is kept, and a non-finite one is not overwritten.
+            if record.values is None or (record.skipped and kind != "step"):
                 continue
             row = self._pending.setdefault(record.step, {})
-            row.update((t, float(v)) for t, v in zip(tags, record.values) if t is not None)
+            for tag, value in zip(tags, record.values):
+                if tag is not None and not (tag == "step/loss" and not math.isfinite(
+                        row.get(tag, 0.0))):
+                    row[tag] = float(value)
 
     def _take_tap(self, tap, rows) -> None:
         for row, _ in rows:

@@ -348,3 +348,22 @@ def test_a_subclassed_model_reports_the_gradients_and_says_why_not_the_layer():
     assert source.rule == "NaNSource" and source.step == 3
     assert "subclassed model 'sub' are not visible" in source.reason
     assert set(source.tensors) == {"sub/dense/kernel", "sub/dense/bias"}
+
+
+@pytest.mark.parametrize("freeze", [True, False], ids=["freeze", "scaler-skips"])
+def test_mixed_precision_nan_loss_is_caught(mixed_precision, freeze):
+    model = _model(spe=4)
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    stop = StopOnRule(NonFiniteLoss(), freeze_on_fault=freeze, verbose=False)
+    _fit(model, _with_batch(FAULT, np.nan), [stop])
+    # Steps count applied updates: the scaler skips some of the first batches
+    # (scaled gradients overflow), so the NaN batch is the update after those
+    # a plain fit applies on the batches before it.
+    reference = _model()
+    _fit(reference, X, [], steps=FAULT - 1)
+    step = int(reference.optimizer.iterations.numpy()) + 1
+    assert [(v.rule, v.step) for v in stop.verdicts][0] == ("NonFiniteLoss", step)
+    if freeze:
+        _assert_weights(model.get_weights(), reference.get_weights())
+    # Either way no NaN reached the weights (frozen, or skipped by the scaler).
+    assert all(np.all(np.isfinite(w)) for w in model.get_weights())
