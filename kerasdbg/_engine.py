@@ -65,6 +65,9 @@ WEIGHT_EXTRA_STATISTICS = ("update_ratio", "distance_from_start")
 MAX_FLAGGED = 4096
 """Variables whose non-finite gradient NaN localisation can name, for a model
 that is built only inside `fit`."""
+MAX_CLASSES = 1000
+"""Classes a "classes" request can count (its buffer is sized before the trace)."""
+CLASS_COLUMNS = ("seen", "mispredicted")
 STEP_COLUMNS = ("loss", "frozen", "fault")
 """Columns of a "step" request: the step's loss (summed over replicas, as
 the applied gradient sees it; NaN when `compute_loss` was not called),
@@ -91,8 +94,10 @@ class Request:
     """What one consumer (a callback) wants recorded at each step.
 
     Args:
-        kind: "gradients", "weights", or "step" (the loss of each step and
-            whether it was frozen; `variables`, `paths` and `stats` empty).
+        kind: "gradients", "weights", "step" (the loss of each step and
+            whether it was frozen; `variables`, `paths` and `stats` empty) or
+            "classes" (labels seen and mispredicted per class, summed over
+            the fit; `variables`, `paths` and `stats` empty).
         variables: the Keras variables to describe.
         paths: one unique display path per variable.
         stats: statistic names (`stats.STATISTICS`, plus for weights
@@ -144,6 +149,12 @@ class Request:
             self.columns.append("global_norm")
         if kind == "step":
             self.columns = list(STEP_COLUMNS)
+        if kind == "classes":
+            self.paths = [str(k) for k in range(MAX_CLASSES)]
+            self.stats = CLASS_COLUMNS
+            self.columns = [f"{p}/{c}" for p in self.paths for c in CLASS_COLUMNS]
+            self.present = [False] * MAX_CLASSES
+        self.totals: Optional[tf.Variable] = None
         # Which variables had a gradient in the traced step (None grads are
         # known at trace time); filled by the engine.
         self.present = [True] * len(self.variables)
@@ -173,6 +184,9 @@ class Request:
             self.hist_ids = _buffers.on_read_variable(
                 tf.zeros([n], tf.int64), f"kerasdbg_{self.kind}_hist_ids"
             )
+        if self.kind == "classes":
+            self.totals = _buffers.on_read_variable(
+                tf.zeros([MAX_CLASSES, len(CLASS_COLUMNS)], tf.float64), "kerasdbg_class_totals")
         if self.kind == "weights" and "update_ratio" in self.stats:
             self.previous = [
                 _buffers.on_read_variable(internals.read(v), "kerasdbg_previous")
@@ -206,6 +220,7 @@ class _StepState(NamedTuple):
     loss: Optional[tf.Tensor]
     fault: Optional[tf.Tensor]
     frozen: Optional[tf.Tensor]
+    classes: Optional[tf.Tensor] = None
 
 
 def unique_paths(variables) -> List[str]:
@@ -288,7 +303,7 @@ class Engine:
             internals.check_supported(model.optimizer)
             self._install(model.optimizer)
             model.make_train_function(force=True)
-        if request.kind == "step" and not self._loss_patched:
+        if request.kind in ("step", "classes") and not self._loss_patched:
             self._patch_compute_loss(model)
         self.requests.append(request)
 
@@ -315,6 +330,8 @@ class Engine:
                         tf.zeros([width], tf.int64), "kerasdbg_nan_source")
             for request in self.requests:
                 request.build(self._optimizer, n)
+                if request.kind == "classes":
+                    request.totals.assign(tf.zeros_like(request.totals))
         self._steps_per_execution = n
         self._last_call = int(self._calls.numpy())
         if self._frozen is not None:
@@ -418,6 +435,8 @@ class Engine:
             loss = original(*args, **kwargs)
             captured.loss = loss
             captured.x = args[0] if args else kwargs.get("x")
+            captured.y = args[1] if len(args) > 1 else kwargs.get("y")
+            captured.y_pred = args[2] if len(args) > 2 else kwargs.get("y_pred")
             return loss
 
         internals.patch(model, "compute_loss", compute_loss)
@@ -514,7 +533,47 @@ class Engine:
                         copy.assign(internals.read(variable))
 
                 _buffers.run_if(request.records_at(step), snapshot)
-        return _StepState(step, loss, fault, frozen)
+        classes = None
+        requests = [r for r in self.requests if r.kind == "classes"]
+        if requests:
+            classes = self._class_counts(requests)
+        return _StepState(step, loss, fault, frozen, classes)
+
+    def _class_counts(self, requests):
+        """`[MAX_CLASSES, 2]` labels seen and mispredicted in this step (all
+        replicas), from the first output; None when there are no labels."""
+        y = getattr(self._captured, "y", None)
+        y_pred = getattr(self._captured, "y_pred", None)
+        self._captured.y = self._captured.y_pred = None
+        if y is None or y_pred is None:
+            return None
+        y, y_pred = keras.tree.flatten(y)[0], keras.tree.flatten(y_pred)[0]
+        classes = y_pred.shape[-1] if y_pred.shape.rank else None
+        if classes is None or classes > MAX_CLASSES:
+            return None
+        if classes == 1:  # one sigmoid unit: class 1 above 0.5
+            predicted = tf.cast(tf.reshape(y_pred, [-1]) > 0.5, tf.int64)
+            labels = tf.cast(tf.reshape(y, [-1]) > 0.5, tf.int64)
+            classes = 2
+        else:
+            predicted = tf.reshape(tf.argmax(y_pred, axis=-1), [-1])
+            if y.shape.rank == y_pred.shape.rank and y.shape[-1] == y_pred.shape[-1]:
+                labels = tf.reshape(tf.argmax(y, axis=-1), [-1])  # one-hot
+            else:
+                labels = tf.reshape(tf.cast(y, tf.int64), [-1])
+        for request in requests:
+            request.present = [k < classes for k in range(MAX_CLASSES)]
+        valid = tf.logical_and(labels >= 0, labels < classes)
+        ids = tf.where(valid, labels, classes)  # out-of-range labels are dropped
+        wrong = tf.cast(tf.not_equal(predicted, labels), tf.float64)
+        counts = tf.stack([
+            tf.math.unsorted_segment_sum(tf.ones_like(wrong), ids, classes + 1)[:classes],
+            tf.math.unsorted_segment_sum(wrong, ids, classes + 1)[:classes],
+        ], axis=1)
+        replicas = tf.distribute.get_replica_context()
+        if replicas is not None and replicas.num_replicas_in_sync > 1:
+            counts = replicas.all_reduce(tf.distribute.ReduceOp.SUM, counts)
+        return tf.pad(counts, [[0, MAX_CLASSES - classes], [0, 0]])
 
     def _step_loss_and_fault(self, optimizer, grads):
         """The step's loss (all replicas) and frozen flag, each None if unused.
@@ -687,6 +746,11 @@ class Engine:
                 ),
             )
         for request in self.requests:
+            if request.kind == "classes" and before.classes is not None:
+                totals = request.totals.read_value() + before.classes
+                request.totals.assign(totals)
+                _buffers.write_row(request.values, row, tf.reshape(totals, [-1]))
+                _buffers.write_row(request.ids, row, call_id)
             if request.kind == "step":
                 frozen = tf.constant(False) if before.frozen is None else before.frozen
                 fault = tf.constant(np.nan, tf.float64) if before.fault is None else tf.cast(

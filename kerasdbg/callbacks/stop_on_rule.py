@@ -43,7 +43,8 @@ class StopOnRule(keras.callbacks.Callback):
     weight statistics in the compiled train step, the statistics of the
     model's `TapLayer`s, the loss of each step (`step/loss`, summed over
     replicas: per step, not per execution) and Keras's epoch logs
-    (`epoch/loss`, `epoch/val_loss`, ...). After each execution it evaluates
+    (`epoch/loss`, `epoch/val_loss`, ...), and for `ClassImbalance` the labels
+    seen and mispredicted per class. After each execution it evaluates
     the rules on every step of it, in order; each rule fires at most once per
     `fit`. When a rule fires, the verdict (rule, step, tensors, values) is
     printed, written to TensorBoard as text (`rules/verdicts` under
@@ -237,6 +238,16 @@ class StopOnRule(keras.callbacks.Callback):
         for collection, statistics in needs.items():
             if collection in ("gradients", "weights"):
                 requests.append(self._request(collection, statistics))
+            elif collection == "classes":
+                unknown = sorted(statistics - set(_engine.CLASS_COLUMNS))
+                if unknown:
+                    self._refuse(collection, unknown[0], "classes/<k>/seen, classes/<k>/mispredicted")
+                requests.append(_engine.Request(
+                    kind="classes", variables=[], paths=[], stats=(), every_n_steps=1,
+                    histogram_every_n_steps=None,
+                    consumer=lambda records: self._take("classes", records),
+                    strict=self.strict,
+                ))
             elif collection == "activations":
                 self._taps = find_taps(self.model)
                 if not self._taps:
@@ -398,7 +409,8 @@ class StopOnRule(keras.callbacks.Callback):
     def _write(self, step: int, record) -> None:
         if self._writer is None:
             return
-        scalars = {k: v for k, v in record.items() if k.startswith(("step/", "epoch/"))}
+        scalars = {k: v for k, v in record.items()
+                   if k.startswith(("step/", "epoch/", "classes/"))}
         if scalars:
             self._writer.write(step, scalars)
 

@@ -1,6 +1,7 @@
 """Rules: records of a step in, a verdict out; online and offline alike."""
 
 from kerasdbg.rules.all_zero import AllZero
+from kerasdbg.rules.class_imbalance import ClassImbalance
 from kerasdbg.rules.dead_relu import DeadReLU
 from kerasdbg.rules.dead_relu import SaturatedActivation
 from kerasdbg.rules.exploding_tensor import ExplodingTensor
@@ -18,6 +19,7 @@ from kerasdbg.rules.weight_update_ratio import WeightUpdateRatio
 
 __all__ = (
     "AllZero",
+    "ClassImbalance",
     "DeadReLU",
     "ExplodingTensor",
     "LossNotDecreasing",

@@ -119,11 +119,17 @@ class Rule:
         return f"{self.name}({arguments})"
 
 
+CLASSES = "classes"
+"""Tags `classes/<k>/seen` and `classes/<k>/mispredicted`: labels of class `k`
+seen in training so far and how many of them were predicted wrong (from
+`StopOnRule` when a rule reads them)."""
+
+
 def tag_parts(tag: str) -> Optional[Tuple[str, str, str]]:
-    """`(collection, tensor, statistic)` of a per-tensor tag, else None."""
+    """`(collection, tensor, statistic)` of a per-tensor (or per-class) tag, else None."""
     collection, _, rest = tag.partition("/")
     tensor, _, statistic = rest.rpartition("/")
-    if collection not in COLLECTIONS or not tensor:
+    if collection not in COLLECTIONS + (CLASSES,) or not tensor:
         return None
     return collection, tensor, statistic
 

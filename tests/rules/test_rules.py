@@ -225,7 +225,7 @@ def test_cli_check_agrees_with_check_run_and_sets_the_exit_status(tmp_path, caps
 
 
 @pytest.mark.parametrize("rule, message", [
-    ("Nope", "unknown rule 'Nope'. Rules: AllZero, DeadReLU, ExplodingTensor"),
+    ("Nope", "unknown rule 'Nope'. Rules: AllZero, ClassImbalance, DeadReLU"),
     ("DeadReLU:threshold_layer", "rule parameters are written param=value"),
     ("DeadReLU:limit=3",
      "DeadReLU has no parameter 'limit'. Parameters: threshold_inactivity, threshold_layer"),
