@@ -6,7 +6,7 @@ import math
 from typing import Sequence
 
 from kerasdbg import _validation as check
-from kerasdbg.rules.rule import COLLECTIONS, Rule, listing, values_of
+from kerasdbg.rules.rule import COLLECTIONS, Rule, values_of
 
 
 class AllZero(Rule):
@@ -43,10 +43,9 @@ class AllZero(Rule):
                 for name, value in values_of(record, collection, "zero_fraction")
                 if not math.isnan(value) and 100.0 * value >= self.threshold
             }
-            if bad:
-                return self.verdict(
-                    step, f"at least {self.threshold:g}% zeros in {collection}: {listing(bad)}",
-                    bad)
+            verdict = self.verdict_on(step, f"at least {self.threshold:g}% zeros in {collection}", bad)
+            if verdict is not None:
+                return verdict
         return None
 
     def get_config(self):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from kerasdbg import _validation as check
-from kerasdbg.rules.rule import Rule, listing, values_of
+from kerasdbg.rules.rule import Rule, values_of
 
 
 class _ActivationHealth(Rule):
@@ -28,11 +28,8 @@ class _ActivationHealth(Rule):
             tap: 100.0 * value for tap, value in values_of(record, "activations", self.statistic)
             if not math.isnan(value) and 100.0 * value >= self.threshold_layer
         }
-        if not bad:
-            return None
-        return self.verdict(
-            step, f"{self.what} units (percent) at or above {self.threshold_layer:g}%: "
-            f"{listing(bad)}", bad)
+        return self.verdict_on(
+            step, f"{self.what} units (percent) at or above {self.threshold_layer:g}%", bad)
 
     def get_config(self):
         return {"threshold_inactivity": self.threshold_inactivity,

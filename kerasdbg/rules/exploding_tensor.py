@@ -6,7 +6,7 @@ import math
 from typing import Optional, Sequence
 
 from kerasdbg import _validation as check
-from kerasdbg.rules.rule import COLLECTIONS, Rule, listing, values_of
+from kerasdbg.rules.rule import COLLECTIONS, Rule, values_of
 
 
 class ExplodingTensor(Rule):
@@ -58,8 +58,7 @@ class ExplodingTensor(Rule):
                     bad[name] = bad.get(name, 0.0) + count
             bad = {k: v for k, v in bad.items() if v > 0}
             if bad:
-                return self.verdict(
-                    step, f"non-finite values in {collection}: {listing(bad)}", bad)
+                return self.verdict_on(step, f"non-finite values in {collection}", bad)
             if self.threshold is not None:
                 peaks = {}
                 for stat in ("min", "max"):
@@ -68,9 +67,8 @@ class ExplodingTensor(Rule):
                             peaks[name] = max(peaks.get(name, 0.0), abs(value))
                 large = {k: v for k, v in peaks.items() if v > self.threshold}
                 if large:
-                    return self.verdict(
-                        step, f"|values| above {self.threshold:g} in {collection}: "
-                        f"{listing(large)}", large)
+                    return self.verdict_on(
+                        step, f"|values| above {self.threshold:g} in {collection}", large)
         return None
 
     def get_config(self):

@@ -107,6 +107,13 @@ class Rule:
     def from_config(cls, config: dict) -> "Rule":
         return cls(**config)
 
+    def verdict_on(self, step: int, what: str, values: Dict[str, float]) -> Optional[Verdict]:
+        """`verdict(step, "<what>: <values listed>", values)`, or None when
+        `values` (the tensors that make the rule fire) is empty."""
+        if not values:
+            return None
+        return self.verdict(step, f"{what}: {listing(values)}", values)
+
     def verdict(self, step: int, reason: str, values: Dict[str, float]) -> Verdict:
         """A `Verdict` of this rule; `reason` is prefixed with the rule and step."""
         return Verdict(

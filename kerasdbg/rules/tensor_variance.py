@@ -6,7 +6,7 @@ import math
 from typing import Sequence
 
 from kerasdbg import _validation as check
-from kerasdbg.rules.rule import COLLECTIONS, Rule, listing, values_of
+from kerasdbg.rules.rule import COLLECTIONS, Rule, values_of
 
 
 class TensorVariance(Rule):
@@ -61,9 +61,8 @@ class TensorVariance(Rule):
             }
             bad = {name: v for name, v in variances.items() if not low <= v <= high}
             if bad:
-                return self.verdict(
-                    step, f"variance outside [{low:g}, {high:g}] in {collection}: {listing(bad)}",
-                    bad)
+                return self.verdict_on(
+                    step, f"variance outside [{low:g}, {high:g}] in {collection}", bad)
         return None
 
     def get_config(self):

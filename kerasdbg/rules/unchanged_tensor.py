@@ -8,7 +8,7 @@ from typing import Sequence
 import numpy as np
 
 from kerasdbg import _validation as check
-from kerasdbg.rules.rule import COLLECTIONS, Rule, listing, tag_parts
+from kerasdbg.rules.rule import COLLECTIONS, Rule, tag_parts
 
 # Statistics compared between steps, where recorded.
 COMPARED = ("l2_norm", "mean", "std", "min", "max", "mean_abs", "zero_fraction")
@@ -85,9 +85,9 @@ class UnchangedTensor(Rule):
             return None
         collection = sorted(fired)[0][0]
         values = {name: v for (c, name), v in sorted(fired.items()) if c == collection}
-        return self.verdict(
-            step, f"statistics unchanged over {self.num_steps} recorded steps in "
-            f"{collection}: {listing(values)}", values)
+        return self.verdict_on(
+            step, f"statistics unchanged over {self.num_steps} recorded steps in {collection}",
+            values)
 
     def get_config(self):
         return {"num_steps": self.num_steps, "rtol": self.rtol, "atol": self.atol,

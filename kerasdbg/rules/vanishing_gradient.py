@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from kerasdbg import _validation as check
-from kerasdbg.rules.rule import Rule, listing, values_of
+from kerasdbg.rules.rule import Rule, values_of
 
 
 class VanishingGradient(Rule):
@@ -40,14 +40,11 @@ class VanishingGradient(Rule):
     def check(self, step, record):
         values = {k: v for k, v in values_of(record, "gradients", "mean_abs") if not math.isnan(v)}
         low = {k: v for k, v in values.items() if v < self.threshold}
-        if not low or (self.require == "all" and len(low) < len(values)):
+        if self.require == "all" and len(low) < len(values):
             return None
-        return self.verdict(
-            step,
-            f"mean |gradient| below {self.threshold:g} for {len(low)} of {len(values)} "
-            f"variables: {listing(low)}",
-            low,
-        )
+        return self.verdict_on(
+            step, f"mean |gradient| below {self.threshold:g} for {len(low)} of {len(values)} "
+            "variables", low)
 
     def get_config(self):
         return {"threshold": self.threshold, "require": self.require}

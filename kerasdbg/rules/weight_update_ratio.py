@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from kerasdbg import _validation as check
-from kerasdbg.rules.rule import Rule, listing, values_of
+from kerasdbg.rules.rule import Rule, values_of
 
 
 class WeightUpdateRatio(Rule):
@@ -47,11 +47,9 @@ class WeightUpdateRatio(Rule):
             if math.isfinite(ratio) and norms.get(name, math.inf) >= self.epsilon
             and not self.small_threshold <= ratio <= self.large_threshold
         }
-        if not bad:
-            return None
-        return self.verdict(
+        return self.verdict_on(
             step, f"update/weight ratio outside [{self.small_threshold:g}, "
-            f"{self.large_threshold:g}]: {listing(bad)}", bad)
+            f"{self.large_threshold:g}]", bad)
 
     def get_config(self):
         return {"large_threshold": self.large_threshold,
