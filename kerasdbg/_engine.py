@@ -155,6 +155,7 @@ class Request:
             self.columns = [f"{p}/{c}" for p in self.paths for c in CLASS_COLUMNS]
             self.present = [False] * MAX_CLASSES
         self.totals: Optional[tf.Variable] = None
+        self._tags = None
         # Which variables had a gradient in the traced step (None grads are
         # known at trace time); filled by the engine.
         self.present = [True] * len(self.variables)
@@ -163,6 +164,19 @@ class Request:
         self.hist_counts = self.hist_ranges = self.hist_ids = None
         self.previous: List[tf.Variable] = []
         self.initial: List[tf.Variable] = []
+
+    def tags(self) -> List[Optional[str]]:
+        """TensorBoard tag of each column, `<kind>/<column>`; None for the
+        columns of variables without a gradient (or classes not in the output)."""
+        key = tuple(self.present)
+        if self._tags is None or self._tags[0] != key:
+            tags, width = [], len(self.stats)
+            for i, _ in enumerate(self.paths):
+                for column in self.columns[i * width:(i + 1) * width]:
+                    tags.append(f"{self.kind}/{column}" if self.present[i] else None)
+            tags.extend(f"{self.kind}/{c}" for c in self.columns[len(tags):])
+            self._tags = (key, tags)
+        return self._tags[1]
 
     def build(self, optimizer, steps_per_execution: int) -> None:
         """Creates this request's buffers (in the strategy's scope)."""
@@ -235,10 +249,12 @@ def unique_paths(variables) -> List[str]:
     return paths
 
 
-def _sum_of_squares(tensors) -> tf.Tensor:
-    """Σ x² over all `tensors`, in float64 (no overflow for finite values)."""
-    return tf.add_n([tf.constant(0.0, tf.float64)] + [
-        tf.reduce_sum(tf.square(tf.cast(_dense(t), tf.float64))) for t in tensors])
+def _squared_norm(tensors) -> tf.Tensor:
+    """The squared global norm of `tensors`, from `stats` (finite elements,
+    no float32 overflow), as the recorded `global_norm`."""
+    if not tensors:
+        return tf.constant(0.0, tf.float64)
+    return tf.reduce_sum(tf.square(stats_lib.tensor_statistics(tensors, ["l2_norm"])[:, 0]))
 
 
 def _dense(gradient) -> tf.Tensor:
@@ -274,7 +290,6 @@ class Engine:
         self._steps_per_execution = None
         self._failed = False
         self._frozen: Optional[tf.Variable] = None
-        self._nonfinite = None  # trace time: this step's non-finite test
         # NaN localisation: [step, first layer index, one flag per variable].
         self._nan_row: Optional[tf.Variable] = None
         self.nan_layers: List[str] = []
@@ -522,9 +537,9 @@ class Engine:
     def _before_apply(self, optimizer, grads) -> "_StepState":
         self.trace_count += 1
         step = internals.read(optimizer.iterations) + 1
-        loss, fault, frozen = self._step_loss_and_fault(optimizer, grads)
-        if fault is not None and self._localizes():
-            self._localize(step, self._nonfinite, grads)
+        loss, nonfinite, fault, frozen = self._step_loss_and_fault(optimizer, grads)
+        if nonfinite is not None and self._localizes():
+            self._localize(step, nonfinite, grads)
         for request in self._weight_requests():
             if request.previous:
 
@@ -576,62 +591,60 @@ class Engine:
         return tf.pad(counts, [[0, MAX_CLASSES - classes], [0, 0]])
 
     def _step_loss_and_fault(self, optimizer, grads):
-        """The step's loss (all replicas) and frozen flag, each None if unused.
+        """`(loss, nonfinite, fault, frozen)` of the step, each None if unused.
 
-        One all-reduce of a small vector gives every replica the same loss
-        and the same fault, hence the same decision.
+        `loss` is summed over replicas; `nonfinite` says the loss or a
+        gradient held NaN/Inf, `fault` adds a gradient norm above the limit,
+        `frozen` is the sticky flag that skips the update. One all-reduce of a
+        small vector gives every replica the same loss and the same fault,
+        hence the same decision.
         """
         freeze = self._freeze()
-        if freeze is None and not any(r.kind == "step" for r in self.requests):
-            return None, None, None
-        if freeze is None and self._localizes():
-            freeze = Freeze()  # the same faults, without freezing
-            freezes = False
-        else:
-            freezes = freeze is not None
+        # The faults are tested to freeze, or only to localise a NaN.
+        watched = freeze or (Freeze() if self._localizes() else None)
+        if watched is None and not any(r.kind == "step" for r in self.requests):
+            return None, None, None, None
         local = self._captured_loss()
         parts = [tf.constant(np.nan, tf.float64) if local is None else local]
         present = [g for g in grads if g is not None]
         scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-        check_grads = freeze is not None and freeze.nonfinite_gradients and not scaled
-        replicas = tf.distribute.get_replica_context()
-        several = replicas is not None and replicas.num_replicas_in_sync > 1
-        squares = None
+        check_grads = watched is not None and watched.nonfinite_gradients and not scaled
         if check_grads:
             # One pass per gradient (a sum of squares could overflow float32
             # for finite gradients with a norm above 1.8e19).
             finite = tf.reduce_all(tf.stack(
                 [tf.constant(True)] + [tf.reduce_all(tf.math.is_finite(_dense(g))) for g in present]))
             parts.append(tf.cast(tf.logical_not(finite), tf.float64))
-        if freeze is not None and freeze.max_gradient_norm is not None and not several:
-            squares = _sum_of_squares(present)
         vector = tf.stack(parts)
+        replicas = tf.distribute.get_replica_context()
+        several = replicas is not None and replicas.num_replicas_in_sync > 1
         if several:
             vector = replicas.all_reduce(tf.distribute.ReduceOp.SUM, vector)
         loss = vector[0]
-        if freeze is None:
-            return loss, None, None
-        fault = tf.constant(False)
-        if freeze.nonfinite_loss and local is not None:
-            fault = tf.logical_or(fault, tf.logical_not(tf.math.is_finite(loss)))
+        if watched is None:
+            return loss, None, None, None
+        nonfinite = tf.constant(False)
+        if watched.nonfinite_loss and local is not None:
+            nonfinite = tf.logical_or(nonfinite, tf.logical_not(tf.math.is_finite(loss)))
         if check_grads:
-            fault = tf.logical_or(fault, vector[1] > 0)
-        self._nonfinite = fault
-        if freeze.max_gradient_norm is not None:
+            nonfinite = tf.logical_or(nonfinite, vector[1] > 0)
+        fault = nonfinite
+        if watched.max_gradient_norm is not None:
             if several:
                 # The norm of the summed gradient, as the optimizer applies it.
-                squares = _sum_of_squares(replicas.all_reduce(
-                    tf.distribute.ReduceOp.SUM, [_dense(g) for g in present]))
+                present = replicas.all_reduce(
+                    tf.distribute.ReduceOp.SUM, [_dense(g) for g in present])
+            squares = _squared_norm(present)
             if scaled:
                 squares = squares / tf.square(tf.cast(optimizer.dynamic_scale, tf.float64))
-            fault = tf.logical_or(fault, tf.sqrt(squares) > freeze.max_gradient_norm)
-        if not freezes:
-            return loss, fault, None
+            fault = tf.logical_or(fault, tf.sqrt(squares) > watched.max_gradient_norm)
+        if freeze is None:
+            return loss, nonfinite, fault, None
         frozen = tf.logical_or(self._frozen.read_value() > 0, fault)
         self._frozen.assign(tf.cast(frozen, tf.int64))
-        return loss, fault, frozen
+        return loss, nonfinite, fault, frozen
 
-    def _localize(self, step, fault, grads) -> None:
+    def _localize(self, step, nonfinite, grads) -> None:
         """On the first fault of the fit, replays the forward pass layer by
         layer and records where non-finite values first appear.
 
@@ -673,8 +686,8 @@ class Engine:
             row.assign(tf.stack([tf.cast(step, tf.int64), first] + variable_flags + padding))
             return tf.constant(True)
 
-        first_fault = tf.logical_and(fault, tf.equal(row.read_value()[0], 0))
-        tf.cond(first_fault, replay, lambda: tf.constant(False))
+        first_time = tf.logical_and(nonfinite, tf.equal(row.read_value()[0], 0))
+        tf.cond(first_time, replay, lambda: tf.constant(False))
 
     def _apply_unless_frozen(self, original_apply, optimizer, grads, trainable_variables, frozen):
         """Applies the update unless `frozen`; a frozen step only counts itself.

@@ -26,18 +26,6 @@ def trainable_float_variables(model) -> list:
     ]
 
 
-def column_tags(request: _engine.Request) -> List[Optional[str]]:
-    """TensorBoard tag of each column of a request's values; None for
-    variables without gradient."""
-    tags = []
-    width = len(request.stats)
-    for i, _ in enumerate(request.paths):
-        for column in request.columns[i * width:(i + 1) * width]:
-            tags.append(f"{request.kind}/{column}" if request.present[i] else None)
-    tags.extend(f"{request.kind}/{c}" for c in request.columns[len(tags):])
-    return tags
-
-
 class StatisticsCallback(RecordingCallback):
     """Records per-variable statistics at each optimizer step (base class).
 
@@ -77,7 +65,6 @@ class StatisticsCallback(RecordingCallback):
         self._writer: Optional[_events.EventWriter] = None
         self._failed = False
         self._skipped = 0
-        self._tag_cache = None
 
     # ------------------------------------------------------------ config
     def get_config(self) -> dict:
@@ -115,7 +102,6 @@ class StatisticsCallback(RecordingCallback):
         self._rows.clear()
         self._failed = False
         self._skipped = 0
-        self._tag_cache = None
         variables, paths = self._select(self.model)
         self._request = _engine.Request(
             kind=self.kind,
@@ -154,7 +140,7 @@ class StatisticsCallback(RecordingCallback):
 
     def _write(self, records: List[_engine.Record]) -> None:
         request = self._request
-        tags = self._tags(request)
+        tags = request.tags()
         loss_scaled = isinstance(self.model.optimizer, keras.optimizers.LossScaleOptimizer)
         for record in records:
             if record.skipped:
@@ -178,12 +164,6 @@ class StatisticsCallback(RecordingCallback):
                     if request.present[i] and np.all(np.isfinite(ranges[i])):
                         histograms[f"{self.kind}/{path}"] = (counts[i], *ranges[i])
             self._writer.write(record.step, scalars, histograms)
-
-    def _tags(self, request) -> List[Optional[str]]:
-        key = (id(request), tuple(request.present))
-        if self._tag_cache is None or self._tag_cache[0] != key:
-            self._tag_cache = (key, column_tags(request))
-        return self._tag_cache[1]
 
     # --------------------------------------------------------- results
     @property

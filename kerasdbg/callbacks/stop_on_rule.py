@@ -17,10 +17,10 @@ from kerasdbg import _replay
 from kerasdbg import _validation as check
 from kerasdbg import stats as stats_lib
 from kerasdbg._engine import unique_paths
-from kerasdbg.callbacks._statistics import column_tags, trainable_float_variables
+from kerasdbg.callbacks._statistics import trainable_float_variables
 from kerasdbg.callbacks.activation_statistics import find_taps
 from kerasdbg.rules._runner import RuleRunner, check_rules
-from kerasdbg.rules.rule import RuleFired, Verdict, tag_pattern
+from kerasdbg.rules.rule import RuleFired, RuleWarning, Verdict, tag_pattern
 
 ACTIONS = ("stop", "raise", "warn")
 VERDICT_TAG = "rules/verdicts"
@@ -30,10 +30,6 @@ DEFAULT_SUSPEND = (
     keras.callbacks.EarlyStopping,
 )
 _SUSPENDED_HOOKS = ("on_train_batch_end", "on_epoch_end", "on_train_end")
-
-
-class RuleWarning(RuntimeWarning):
-    """Issued by `StopOnRule(action="warn")` for each verdict."""
 
 
 class StopOnRule(keras.callbacks.Callback):
@@ -59,7 +55,7 @@ class StopOnRule(keras.callbacks.Callback):
       current epoch still runs.
     - "raise": raises `kerasdbg.rules.RuleFired` carrying the verdicts, after
       restoring the model's train step; no other callback runs.
-    - "warn": issues a `RuleWarning` and training goes on.
+    - "warn": issues a `kerasdbg.rules.RuleWarning` and training goes on.
     - a callable: called as `action(verdicts, model)`.
 
     With `freeze_on_fault`, steps at and after an in-graph fault (a
@@ -283,7 +279,7 @@ class StopOnRule(keras.callbacks.Callback):
     # --------------------------------------------------------- records
     def _take(self, kind: str, records: List[_engine.Record]) -> None:
         request = next(r for r in self._requests if r.kind == kind)
-        tags = column_tags(request)
+        tags = request.tags()
         for record in records:
             # A step the loss scaler skipped shares its number with the next
             # one; only its loss is kept, and a non-finite one is not overwritten.

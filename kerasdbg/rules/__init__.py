@@ -11,6 +11,7 @@ from kerasdbg.rules.loss_rules import Overfit
 from kerasdbg.rules.loss_rules import Overtraining
 from kerasdbg.rules.rule import Rule
 from kerasdbg.rules.rule import RuleFired
+from kerasdbg.rules.rule import RuleWarning
 from kerasdbg.rules.rule import Verdict
 from kerasdbg.rules.tensor_variance import TensorVariance
 from kerasdbg.rules.unchanged_tensor import UnchangedTensor
@@ -28,6 +29,7 @@ __all__ = (
     "Overtraining",
     "Rule",
     "RuleFired",
+    "RuleWarning",
     "SaturatedActivation",
     "TensorVariance",
     "UnchangedTensor",

@@ -53,6 +53,22 @@ class RuleFired(RuntimeError):
         super().__init__("\n".join(v.reason for v in self.verdicts))
 
 
+class RuleWarning(RuntimeWarning):
+    """Issued by `StopOnRule(action="warn")` for each verdict; its message is
+    the verdict's reason.
+
+    Example:
+
+    >>> import warnings
+    >>> from kerasdbg.rules import RuleWarning
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("ignore", RuleWarning)  # e.g. in a sweep
+    ...     warnings.warn("NonFiniteLoss at step 5: the loss is nan", RuleWarning)
+    >>> issubclass(RuleWarning, RuntimeWarning)
+    True
+    """
+
+
 class Rule:
     """Base class of the rules: the records of a step in, a verdict out.
 

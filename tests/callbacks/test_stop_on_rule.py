@@ -11,9 +11,8 @@ import tensorflow as tf
 import kerasdbg
 from kerasdbg.callbacks import ActivationStatistics, GradientStatistics, StopOnRule
 from kerasdbg.callbacks import WeightStatistics
-from kerasdbg.callbacks.stop_on_rule import RuleWarning
 from kerasdbg.rules import (
-    AllZero, DeadReLU, ExplodingTensor, LossNotDecreasing, NonFiniteLoss, RuleFired,
+    AllZero, DeadReLU, ExplodingTensor, LossNotDecreasing, NonFiniteLoss, RuleFired, RuleWarning,
     UnchangedTensor, VanishingGradient, WeightUpdateRatio,
 )
 from tests.conftest import make_strategy, matrix, only_upstream_failure

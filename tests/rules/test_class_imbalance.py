@@ -8,8 +8,7 @@ import pytest
 
 import kerasdbg
 from kerasdbg.callbacks import StopOnRule
-from kerasdbg.callbacks.stop_on_rule import RuleWarning
-from kerasdbg.rules import ClassImbalance
+from kerasdbg.rules import ClassImbalance, RuleWarning
 from tests.conftest import make_strategy
 
 BATCH, STEPS, SAMPLES = 16, 12, 64

@@ -8,8 +8,7 @@ import pytest
 
 import kerasdbg
 from kerasdbg.callbacks import StopOnRule
-from kerasdbg.callbacks.stop_on_rule import RuleWarning
-from kerasdbg.rules import LossNotDecreasing, NonFiniteLoss, Overfit, Overtraining
+from kerasdbg.rules import LossNotDecreasing, NonFiniteLoss, Overfit, Overtraining, RuleWarning
 from tests.conftest import make_strategy
 
 BATCH, STEPS = 8, 6
