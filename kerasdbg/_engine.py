@@ -100,7 +100,7 @@ class Request:
             the fit; `variables`, `paths` and `stats` empty).
         variables: the Keras variables to describe.
         paths: one unique display path per variable.
-        stats: statistic names (`stats.STATISTICS`, plus for weights
+        stats: statistic names (`stats.ALL_STATISTICS`, plus for weights
             `WEIGHT_EXTRA_STATISTICS`).
         every_n_steps: record scalars at steps divisible by this.
         histogram_every_n_steps: record histograms at steps divisible by
@@ -112,6 +112,8 @@ class Request:
         localize: for a "step" request, find at the first non-finite loss or
             gradient the first layer whose output was non-finite and the
             variables whose gradient was (see `Engine.nan_source`).
+        last_step: record scalars only up to this optimizer step (for what
+            a rule reads at the start of training only), or None.
     """
 
     def __init__(
@@ -127,8 +129,10 @@ class Request:
         strict: bool = False,
         freeze: Optional[Freeze] = None,
         localize: bool = False,
+        last_step: Optional[int] = None,
     ):
         self.kind = kind
+        self.last_step = last_step
         self.freeze = freeze
         self.localize = localize
         self.strict = strict
@@ -140,7 +144,7 @@ class Request:
         self.consumer = consumer
         self.bins = bins
         # Statistics computed by `tensor_statistics` (the rest are derived).
-        self.base_stats = tuple(s for s in self.stats if s in stats_lib.STATISTICS)
+        self.base_stats = tuple(s for s in self.stats if s in stats_lib.ALL_STATISTICS)
         if kind == "gradients" and "l2_norm" not in self.base_stats:
             # The global norm is derived from the per-variable norms.
             self.base_stats += ("l2_norm",)
@@ -213,7 +217,10 @@ class Request:
             ]
 
     def records_at(self, step) -> object:
-        return _every(step, self.every_n_steps)
+        every = _every(step, self.every_n_steps)
+        if self.last_step is None:
+            return every
+        return tf.logical_and(every, tf.less_equal(step, tf.cast(self.last_step, step.dtype)))
 
     def histograms_at(self, step) -> object:
         if not self.histogram_every_n_steps:

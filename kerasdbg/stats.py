@@ -9,6 +9,9 @@ sum overflows). Both paths give the same definitions:
   the finite elements only; non-finite ones are counted in `nan_count` and
   `inf_count`;
 - `zero_fraction` is the fraction of all elements that are exactly zero;
+- the quantiles `p05`, `p50`, `p95` (not computed unless asked for: they sort
+  the tensor) are those of the finite elements, interpolated linearly as
+  `numpy.percentile` does;
 - a tensor with no finite element has `l2_norm` 0 and NaN for the other
   moments; an empty tensor likewise, with `zero_fraction` NaN.
 
@@ -35,7 +38,11 @@ STATISTICS = (
     "nan_count",
     "inf_count",
 )
-"""Names of the statistics that `tensor_statistics` computes, in order."""
+"""Names of the statistics that `tensor_statistics` computes by default, in order."""
+QUANTILES = {"p05": 0.05, "p50": 0.50, "p95": 0.95}
+"""Quantile statistics, computed only when asked for (they sort each tensor)."""
+ALL_STATISTICS = STATISTICS + tuple(QUANTILES)
+"""Every statistic `tensor_statistics` can compute."""
 
 DEFAULT_HISTOGRAM_BINS = 30
 
@@ -53,6 +60,27 @@ def _flat(tensor: TensorLike) -> tf.Tensor:
 
 def _count(mask: tf.Tensor) -> tf.Tensor:
     return tf.reduce_sum(tf.cast(mask, tf.float64))
+
+
+def _quantiles(x: tf.Tensor, n: tf.Tensor, stats: Tuple[str, ...]) -> dict:
+    """The quantiles in `stats` of the `n` smallest elements of `x` (the
+    finite ones, when non-finite elements were replaced by +inf), NaN when n is 0."""
+    wanted = [s for s in stats if s in QUANTILES]
+    if not wanted:
+        return {}
+    ordered = tf.sort(x)
+    n = tf.cast(n, tf.float64)
+    last = tf.maximum(n - 1.0, 0.0)
+    out = {}
+    for name in wanted:
+        position = QUANTILES[name] * last
+        low = tf.floor(position)
+        high = tf.minimum(low + 1.0, last)
+        below = tf.cast(tf.gather(ordered, tf.cast(low, tf.int32)), tf.float64)
+        above = tf.cast(tf.gather(ordered, tf.cast(high, tf.int32)), tf.float64)
+        value = below + (position - low) * (above - below)
+        out[name] = tf.where(n > 0, value, tf.constant(np.nan, tf.float64))
+    return out
 
 
 def _fast(x: tf.Tensor, stats: Tuple[str, ...]):
@@ -87,6 +115,7 @@ def _fast(x: tf.Tensor, stats: Tuple[str, ...]):
         out["mean_abs"] = tf.reduce_sum(tf.abs(x)) / n
     if "zero_fraction" in stats:
         out["zero_fraction"] = _count(tf.equal(x, 0)) / tf.cast(n, tf.float64)
+    out.update(_quantiles(x, n, stats))
     zero = tf.zeros([], tf.float64)
     row = [tf.cast(out[s], tf.float64) if s in out else zero for s in stats]
     return tf.stack(row), tf.stack([tf.cast(d, tf.float64) for d in detectors])
@@ -119,11 +148,13 @@ def _masked(x: tf.Tensor, stats: Tuple[str, ...]) -> tf.Tensor:
         out["zero_fraction"] = _count(tf.equal(x, 0)) / tf.cast(tf.size(x), tf.float64)
     out["nan_count"] = _count(tf.math.is_nan(x))
     out["inf_count"] = _count(tf.math.is_inf(x))
+    out.update(_quantiles(
+        tf.where(finite, x, tf.fill(tf.shape(x), tf.constant(np.inf, x.dtype))), n_finite, stats))
     return tf.stack([out[s] for s in stats])
 
 
 def _empty_row(stats: Tuple[str, ...]) -> tf.Tensor:
-    zero_stats = ("l2_norm", "nan_count", "inf_count")
+    zero_stats = ("l2_norm", "nan_count", "inf_count")  # the rest NaN
     return tf.constant([0.0 if s in zero_stats else np.nan for s in stats], tf.float64)
 
 
@@ -138,8 +169,8 @@ def tensor_statistics(
 
     Args:
         tensors: the tensors (or `tf.IndexedSlices`) to describe.
-        stats: names from `STATISTICS`, in the order of the output columns.
-            Defaults to `STATISTICS`.
+        stats: names from `ALL_STATISTICS`, in the order of the output
+            columns. Defaults to `STATISTICS` (all but the quantiles).
 
     Returns:
         A float64 tensor of shape `[len(tensors), len(stats)]`.
@@ -153,11 +184,11 @@ def tensor_statistics(
     array([[ 5.   , -4.   ,  0.333]])
     """
     stats = tuple(stats)
-    unknown = [s for s in stats if s not in STATISTICS]
+    unknown = [s for s in stats if s not in ALL_STATISTICS]
     if unknown:
         raise ValueError(
             f"tensor_statistics: `stats` must name statistics from "
-            f"{', '.join(STATISTICS)}. Received: stats={list(stats)!r}"
+            f"{', '.join(ALL_STATISTICS)}. Received: stats={list(stats)!r}"
         )
     if not tensors:
         return tf.zeros([0, len(stats)], tf.float64)

@@ -70,6 +70,33 @@ def test_matrix_records_every_step_with_reference_values(strategy_name, spe, jit
     assert "apply" not in vars(model.optimizer)
 
 
+@pytest.mark.parametrize("strategy_name,spe,jit", [
+    pytest.param("default", 4, True, id="default-spe4-jit"),
+    pytest.param("mirrored", 1, False, id="mirrored-spe1-nojit"),
+])
+def test_quantiles_of_gradients_and_weights_match_numpy(strategy_name, spe, jit):
+    with make_strategy(strategy_name).scope():
+        model = make_mlp()
+        _compile(model, spe, jit)
+    initial = [v.numpy() for v in model.trainable_variables]
+    quantiles = list(stats_lib.QUANTILES)
+    grads_cb = GradientStatistics(stats=quantiles)
+    weights_cb = WeightStatistics(stats=quantiles)
+    model.fit(X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+              callbacks=[grads_cb, weights_cb])
+    steps = len(X) // BATCH
+    reference = reference_training(initial, steps)
+    for step in range(1, steps + 1):
+        g_row, w_row = _row(grads_cb.history, step), _row(weights_cb.history, step)
+        for i, variable in enumerate(model.trainable_variables):
+            for row, tensor in ((g_row, reference[step - 1]["grads"][i]),
+                                (w_row, reference[step - 1]["after"][i])):
+                got = [row[f"{variable.path}/{q}"] for q in quantiles]
+                np.testing.assert_allclose(got, np.percentile(tensor, [5, 50, 95]), rtol=1e-4,
+                                           atol=1e-6 * np.abs(tensor).max(),
+                                           err_msg=f"step {step} {variable.path}")
+
+
 def test_histograms_recorded_at_their_steps_match_numpy(tmp_path):
     from kerasdbg import load_run
 

@@ -46,6 +46,22 @@ def test_statistics_match_numpy(mode):
         assert_stats_close(dict(zip(stats_lib.STATISTICS, row)), expected, scale, name)
 
 
+@pytest.mark.parametrize("mode", list(MODES), ids=list(MODES))
+def test_quantiles_match_numpy_percentile_of_the_finite_elements(mode):
+    names = list(CASES)
+    arrays = [CASES[n] for n in names]
+    quantiles = list(stats_lib.QUANTILES)
+    compute = MODES[mode](lambda *ts: stats_lib.tensor_statistics(list(ts), quantiles + ["max"]))
+    table = compute(*[tf.constant(a) for a in arrays]).numpy()
+    for name, array, row in zip(names, arrays, table):
+        values = np.asarray(array, np.float64).ravel()
+        finite = values[np.isfinite(values)]
+        expected = (np.percentile(finite, [5, 50, 95]) if finite.size
+                    else np.full(3, np.nan))
+        np.testing.assert_allclose(row[:3], expected, rtol=1e-6, err_msg=name)
+    assert stats_lib.ALL_STATISTICS == stats_lib.STATISTICS + ("p05", "p50", "p95")
+
+
 def test_mixed_finite_and_nonfinite_tensors_each_get_exact_stats():
     # One non-finite tensor sends every tensor through the masked path; the
     # finite ones must not change.

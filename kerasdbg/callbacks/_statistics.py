@@ -33,7 +33,7 @@ class StatisticsCallback(RecordingCallback):
     """
 
     kind = ""
-    allowed_stats: Sequence[str] = stats_lib.STATISTICS
+    allowed_stats: Sequence[str] = stats_lib.ALL_STATISTICS
 
     def __init__(
         self,

@@ -41,7 +41,7 @@ class GradientStatistics(StatisticsCallback):
             `re.search`). Defaults to `None` (all).
         exclude: regular expression; leaves out the paths it matches.
             Defaults to `None`.
-        stats: which statistics to record, from `kerasdbg.stats.STATISTICS`.
+        stats: which statistics to record, from `kerasdbg.stats.ALL_STATISTICS`.
             Defaults to all of them.
         histogram_bins: number of histogram bins. Defaults to `30`.
         history_size: how many recorded steps `history` keeps. Defaults to
@@ -72,7 +72,7 @@ class GradientStatistics(StatisticsCallback):
     """
 
     kind = "gradients"
-    allowed_stats = stats_lib.STATISTICS
+    allowed_stats = stats_lib.ALL_STATISTICS
 
     def __init__(
         self,

@@ -190,28 +190,39 @@ class StopOnRule(keras.callbacks.Callback):
         }
 
     # ---------------------------------------------------------- set-up
-    def _needs(self) -> Dict[str, set]:
-        """What the rules read, by collection."""
-        needs: Dict[str, set] = {}
+    def _needs(self) -> Dict[str, Dict[str, Optional[int]]]:
+        """What the rules read, by collection: statistic -> the last step
+        a rule reads it at (None: every step)."""
+        needs: Dict[str, Dict[str, Optional[int]]] = {}
         for rule in self.rules:
             for collection, statistic in rule.requires:
-                needs.setdefault(collection, set()).add(statistic)
+                wanted = needs.setdefault(collection, {})
+                last = wanted.get(statistic, rule.last_step)
+                wanted[statistic] = None if None in (last, rule.last_step) else max(
+                    last, rule.last_step)
         return needs
 
-    def _request(self, kind: str, statistics: set) -> _engine.Request:
-        allowed = stats_lib.STATISTICS + (
+    def _variable_requests(self, kind: str, statistics: Dict[str, Optional[int]]):
+        """One request per last step: what is read at the first steps only
+        (e.g. quantiles) is not computed after them."""
+        allowed = stats_lib.ALL_STATISTICS + (
             _engine.WEIGHT_EXTRA_STATISTICS if kind == "weights" else ())
-        unknown = sorted(statistics - set(allowed) - {"global_norm"})
+        unknown = sorted(set(statistics) - set(allowed) - {"global_norm"})
         if unknown:
             self._refuse(kind, unknown[0], f"statistics of {kind}: {', '.join(allowed)}")
         variables = trainable_float_variables(self.model)
-        stats = [s for s in allowed if s in statistics] or ["l2_norm"]
-        return _engine.Request(
-            kind=kind, variables=variables, paths=unique_paths(variables), stats=stats,
-            every_n_steps=1, histogram_every_n_steps=None,
-            consumer=lambda records, kind=kind: self._take(kind, records),
-            strict=self.strict,
-        )
+        groups: Dict[Optional[int], List[str]] = {}
+        for statistic, last in statistics.items():
+            groups.setdefault(last, []).append(statistic)
+        requests = []
+        for last, wanted in sorted(groups.items(), key=lambda item: item[0] or 0):
+            stats = [s for s in allowed if s in wanted] or ["l2_norm"]
+            requests.append(_engine.Request(
+                kind=kind, variables=variables, paths=unique_paths(variables), stats=stats,
+                every_n_steps=1, histogram_every_n_steps=None, last_step=last,
+                consumer=lambda records: None, strict=self.strict,
+            ))
+        return requests
 
     def _refuse(self, collection: str, statistic: str, allowed: str) -> None:
         rule = next(r for r in self.rules if (collection, statistic) in tuple(r.requires))
@@ -233,15 +244,14 @@ class StopOnRule(keras.callbacks.Callback):
         requests = []
         for collection, statistics in needs.items():
             if collection in ("gradients", "weights"):
-                requests.append(self._request(collection, statistics))
+                requests.extend(self._variable_requests(collection, statistics))
             elif collection == "classes":
-                unknown = sorted(statistics - set(_engine.CLASS_COLUMNS))
+                unknown = sorted(set(statistics) - set(_engine.CLASS_COLUMNS))
                 if unknown:
                     self._refuse(collection, unknown[0], "classes/<k>/seen, classes/<k>/mispredicted")
                 requests.append(_engine.Request(
                     kind="classes", variables=[], paths=[], stats=(), every_n_steps=1,
-                    histogram_every_n_steps=None,
-                    consumer=lambda records: self._take("classes", records),
+                    histogram_every_n_steps=None, consumer=lambda records: None,
                     strict=self.strict,
                 ))
             elif collection == "activations":
@@ -250,7 +260,7 @@ class StopOnRule(keras.callbacks.Callback):
                     self._refuse(collection, sorted(statistics)[0],
                                  "activations need TapLayers (kerasdbg.insert_taps)")
             elif collection == "step":
-                unknown = sorted(statistics - set(_engine.STEP_COLUMNS))
+                unknown = sorted(set(statistics) - set(_engine.STEP_COLUMNS))
                 if unknown:
                     self._refuse(collection, unknown[0],
                                  ", ".join(f"step/{c}" for c in _engine.STEP_COLUMNS))
@@ -262,8 +272,7 @@ class StopOnRule(keras.callbacks.Callback):
             freeze = _engine.Freeze(max_gradient_norm=self.max_gradient_norm)
         requests.append(_engine.Request(
             kind="step", variables=[], paths=[], stats=(), every_n_steps=1,
-            histogram_every_n_steps=None,
-            consumer=lambda records: self._take("step", records),
+            histogram_every_n_steps=None, consumer=lambda records: None,
             strict=self.strict, freeze=freeze, localize=self.locate_nan,
         ))
         self._writer = None
@@ -271,14 +280,15 @@ class StopOnRule(keras.callbacks.Callback):
             self._writer = _events.writer_for(os.path.join(self.log_dir, "train"))
         engine = _engine.engine_for(self.model)
         for request in requests:
+            request.consumer = lambda records, request=request: self._take(request, records)
             engine.attach(request)
         self._requests = requests
         for tap in self._taps:
             tap._host.listeners.append(self._take_tap)
 
     # --------------------------------------------------------- records
-    def _take(self, kind: str, records: List[_engine.Record]) -> None:
-        request = next(r for r in self._requests if r.kind == kind)
+    def _take(self, request: _engine.Request, records: List[_engine.Record]) -> None:
+        kind = request.kind
         tags = request.tags()
         for record in records:
             # A step the loss scaler skipped shares its number with the next

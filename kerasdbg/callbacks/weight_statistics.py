@@ -9,7 +9,9 @@ from kerasdbg import stats as stats_lib
 from kerasdbg.callbacks._statistics import StatisticsCallback
 
 WEIGHT_STATISTICS = stats_lib.STATISTICS + _engine.WEIGHT_EXTRA_STATISTICS
-"""Statistics `WeightStatistics` can record, in order."""
+"""Statistics `WeightStatistics` records by default, in order."""
+ALLOWED_WEIGHT_STATISTICS = WEIGHT_STATISTICS + tuple(stats_lib.QUANTILES)
+"""Statistics `WeightStatistics` can record (the quantiles sort each tensor)."""
 
 
 class WeightStatistics(StatisticsCallback):
@@ -43,7 +45,7 @@ class WeightStatistics(StatisticsCallback):
             Defaults to `None` (all).
         exclude: regular expression; leaves out the paths it matches.
             Defaults to `None`.
-        stats: which statistics to record, from `WEIGHT_STATISTICS`.
+        stats: which statistics to record, from `ALLOWED_WEIGHT_STATISTICS`.
             Defaults to all of them.
         histogram_bins: number of histogram bins. Defaults to `30`.
         history_size: how many recorded steps `history` keeps. Defaults to
@@ -71,7 +73,7 @@ class WeightStatistics(StatisticsCallback):
     """
 
     kind = "weights"
-    allowed_stats = WEIGHT_STATISTICS
+    allowed_stats = ALLOWED_WEIGHT_STATISTICS
 
     def __init__(
         self,

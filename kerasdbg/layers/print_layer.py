@@ -84,7 +84,7 @@ class PrintLayer(DebugLayer):
         every_n_steps: print steps divisible by this. Defaults to `1`.
         summarize: how many leading and trailing elements to print (as
             `tf.print`'s `summarize`); 0 prints none. Defaults to `3`.
-        stats: statistics from `kerasdbg.stats.STATISTICS` to print.
+        stats: statistics from `kerasdbg.stats.ALL_STATISTICS` to print.
             Defaults to mean, std, min, max, nan_count and inf_count.
         replicas: "first" prints replica 0 only; "all" prints every
             replica. Defaults to `"first"`.
@@ -136,7 +136,7 @@ class PrintLayer(DebugLayer):
             )
         self.message = message
         self.summarize = check.non_negative_int(owner, "summarize", summarize)
-        self.stats = check.choices(owner, "stats", stats, stats_lib.STATISTICS, allow_empty=True)
+        self.stats = check.choices(owner, "stats", stats, stats_lib.ALL_STATISTICS, allow_empty=True)
         self.mode = check.one_of(owner, "mode", mode, PRINT_MODES)
         self.output_stream = _check_stream(owner, output_stream)
         if self.mode == "immediate":

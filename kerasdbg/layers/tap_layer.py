@@ -58,8 +58,11 @@ class TapLayer(DebugLayer):
     `predict` and other calls go to `latest_by_mode`.
 
     Args:
-        stats: statistics from `kerasdbg.stats.STATISTICS`. Defaults to mean,
-            std, min, max, zero_fraction, nan_count and inf_count.
+        stats: statistics from `kerasdbg.stats.ALL_STATISTICS`. Defaults to mean,
+            std, min, max, zero_fraction, nan_count and inf_count. With
+            `replicas="all"` the quantiles (`p05`, ...) are the means of the
+            replicas' quantiles, weighted by their sizes: quantiles of parts
+            do not give the quantile of the whole.
         histogram: also record a histogram. Defaults to `False`.
         histogram_bins: bins of the histogram. Defaults to `30`.
         sample_rows: record the first rows of the batch. Defaults to `0`.
@@ -110,7 +113,7 @@ class TapLayer(DebugLayer):
             strict=strict, **kwargs,
         )
         owner = type(self).__name__
-        self.stats = check.choices(owner, "stats", stats, stats_lib.STATISTICS)
+        self.stats = check.choices(owner, "stats", stats, stats_lib.ALL_STATISTICS)
         self.histogram = check.boolean(owner, "histogram", histogram)
         self.histogram_bins = check.positive_int(owner, "histogram_bins", histogram_bins)
         self.sample_rows = check.non_negative_int(owner, "sample_rows", sample_rows)
@@ -235,7 +238,7 @@ class TapLayer(DebugLayer):
                 means = stats[:, self.stats.index("mean")]
                 pooled = np.average(means, weights=sizes)
                 value = np.sqrt(np.average(column ** 2 + (means - pooled) ** 2, weights=sizes))
-            else:  # mean, mean_abs, zero_fraction; std without mean
+            else:  # mean, mean_abs, zero_fraction; std without mean; quantiles
                 value = np.average(column, weights=sizes)
             row[name] = float(value)
         if self.health:

@@ -9,6 +9,7 @@ from kerasdbg.rules.loss_rules import LossNotDecreasing
 from kerasdbg.rules.loss_rules import NonFiniteLoss
 from kerasdbg.rules.loss_rules import Overfit
 from kerasdbg.rules.loss_rules import Overtraining
+from kerasdbg.rules.poor_weight_initialization import PoorWeightInitialization
 from kerasdbg.rules.rule import Rule
 from kerasdbg.rules.rule import RuleFired
 from kerasdbg.rules.rule import RuleWarning
@@ -27,6 +28,7 @@ __all__ = (
     "NonFiniteLoss",
     "Overfit",
     "Overtraining",
+    "PoorWeightInitialization",
     "Rule",
     "RuleFired",
     "RuleWarning",

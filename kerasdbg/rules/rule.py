@@ -104,6 +104,9 @@ class Rule:
     watches_nonfinite = False
     """Whether the rule reacts to NaN/Inf; `StopOnRule` then freezes the
     weights at an in-graph fault by default."""
+    last_step: Optional[int] = None
+    """The last optimizer step the rule reads, or None for all; `StopOnRule`
+    stops recording what only this rule needs after it."""
 
     @property
     def name(self) -> str:
