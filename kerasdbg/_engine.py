@@ -297,6 +297,9 @@ class Engine:
         self._steps_per_execution = None
         self._failed = False
         self._frozen: Optional[tf.Variable] = None
+        # Non-trainable state the forward pass updates (BatchNormalization's
+        # moving statistics) and its copy after the last unfrozen step.
+        self._state: List[tuple] = []
         # NaN localisation: [step, first layer index, one flag per variable].
         self._nan_row: Optional[tf.Variable] = None
         self.nan_layers: List[str] = []
@@ -343,6 +346,8 @@ class Engine:
                 self._meta = _buffers.on_read_variable(tf.zeros([n, 3], tf.int64), "kerasdbg_meta")
             if self._freeze() is not None and self._frozen is None:
                 self._frozen = _buffers.on_read_variable(tf.zeros([], tf.int64), "kerasdbg_frozen")
+            if self._freeze() is not None:
+                self._prepare_state(model, strategy)
             if self._localizes():
                 # One flag per variable; a model built only inside `fit` (a
                 # subclassed one) has none yet, so room for many.
@@ -361,6 +366,31 @@ class Engine:
         if self._nan_row is not None:
             self._nan_row.assign(tf.zeros_like(self._nan_row))
         self._prepared = True
+
+    def _prepare_state(self, model, strategy) -> None:
+        """Copies of the forward pass's state variables, for frozen steps.
+
+        The moving statistics of a BatchNormalization are updated by the
+        forward pass, before `apply` knows the step is faulty; a frozen step
+        puts back their values after the last unfrozen step. Under a
+        strategy each replica keeps its own (Keras updates them per replica).
+        """
+        variables = [
+            v for v in model.non_trainable_variables
+            if internals.is_float(v) and not internals.on_read(v)
+        ] if model.built else []
+        known = [s[0] for s in self._state]
+        if len(known) != len(variables) or any(a is not b for a, b in zip(known, variables)):
+            self._state = [
+                (v, _buffers.on_read_variable(internals.read(v), "kerasdbg_state"))
+                for v in variables
+            ]
+        if self._state:
+            def save():
+                for variable, copy in self._state:
+                    copy.assign(internals.read(variable))
+
+            strategy.run(tf.function(save))
 
     def _freeze(self) -> Optional[Freeze]:
         """The faults that freeze the weights: the union over the requests."""
@@ -531,6 +561,7 @@ class Engine:
         before = self._guard(lambda: self._before_apply(optimizer, grads))
         applied = None
         if before is not None and before.frozen is not None:
+            self._guard(lambda: self._keep_state_unless_frozen(before.frozen))
             applied = self._guard(
                 lambda: self._apply_unless_frozen(
                     original_apply, optimizer, grads, trainable_variables, before.frozen
@@ -695,6 +726,27 @@ class Engine:
 
         first_time = tf.logical_and(nonfinite, tf.equal(row.read_value()[0], 0))
         tf.cond(first_time, replay, lambda: tf.constant(False))
+
+    def _keep_state_unless_frozen(self, frozen) -> None:
+        """A frozen step restores the state variables; any other saves them.
+
+        In replica context: each replica restores its own copy (no
+        communication), as the forward pass updated it.
+        """
+        if not self._state:
+            return
+
+        def restore():
+            for variable, copy in self._state:
+                variable.assign(tf.cast(copy.read_value(), variable.dtype))
+            return tf.constant(True)
+
+        def save():
+            for variable, copy in self._state:
+                copy.assign(tf.cast(internals.read(variable), copy.dtype))
+            return tf.constant(False)
+
+        tf.cond(frozen, restore, save)
 
     def _apply_unless_frozen(self, original_apply, optimizer, grads, trainable_variables, frozen):
         """Applies the update unless `frozen`; a frozen step only counts itself.

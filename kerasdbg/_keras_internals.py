@@ -89,6 +89,17 @@ def read_handle(variable):
     return variable.value if isinstance(variable, keras.Variable) else variable
 
 
+def is_float(variable) -> bool:
+    """Whether a Keras or tf variable holds floating-point values."""
+    return keras.backend.standardize_dtype(variable.dtype).startswith(("float", "bfloat"))
+
+
+def on_read(variable) -> bool:
+    """Whether a variable is synchronized on read (a per-replica buffer, e.g.
+    those of kerasdbg's own layers), rather than state the model updates."""
+    return read_handle(variable).synchronization == tf.VariableSynchronization.ON_READ
+
+
 def read(variable) -> tf.Tensor:
     """The current value of a Keras or tf variable as a tensor (in-graph)."""
     if isinstance(variable, keras.Variable):

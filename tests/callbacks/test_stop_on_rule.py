@@ -34,13 +34,18 @@ def _with_batch(step, value):
     return x
 
 
-def _model(strategy_name="default", spe=1, jit=False, optimizer="adam"):
+def _model(strategy_name="default", spe=1, jit=False, optimizer="adam", batchnorm=False):
     with make_strategy(strategy_name).scope():
         keras.utils.set_random_seed(5)
-        model = keras.Sequential(
-            [keras.Input((3,)), keras.layers.Dense(4, name="d"), keras.layers.Dense(1, name="o")],
-            name="m",
-        )
+        layers = [keras.Input((3,)), keras.layers.Dense(4, name="d"), keras.layers.Dense(1, name="o")]
+        if batchnorm:
+            # The moving statistics of "bn" change in the forward pass, before
+            # the step is known to be faulty: they must be frozen too. (No
+            # bias before it: its gradient would be float noise, which Adam
+            # turns into steps of the learning rate's size.)
+            layers[1:2] = [keras.layers.Dense(4, use_bias=False, name="d"),
+                           keras.layers.BatchNormalization(name="bn")]
+        model = keras.Sequential(layers, name="m")
         chosen = keras.optimizers.Adam(0.01) if optimizer == "adam" else keras.optimizers.SGD(0.05)
         model.compile(chosen, "mse", steps_per_execution=spe, jit_compile=jit)
     return model
@@ -51,9 +56,9 @@ def _fit(model, x, callbacks, steps=STEPS, epochs=1):
                      shuffle=False, verbose=0, callbacks=callbacks)
 
 
-def _weights_after(strategy_name, steps, batches=None, optimizer="adam"):
+def _weights_after(strategy_name, steps, batches=None, optimizer="adam", batchnorm=False):
     """Plain Keras fit on the first `steps` batches (or the given batch indices)."""
-    model = _model(strategy_name, optimizer=optimizer)
+    model = _model(strategy_name, optimizer=optimizer, batchnorm=batchnorm)
     index = np.concatenate([np.arange(b * BATCH, (b + 1) * BATCH)
                             for b in (batches if batches is not None else range(steps))])
     model.fit(X[index], Y[index], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
@@ -68,19 +73,32 @@ def _assert_weights(actual, expected):
 # ------------------------------------------------------------ freeze on fault
 @pytest.mark.parametrize("strategy_name, spe, jit", matrix())
 def test_a_nan_step_freezes_the_weights_within_the_execution(strategy_name, spe, jit):
-    model = _model(strategy_name, spe, jit)
+    model = _model(strategy_name, spe, jit, batchnorm=True)
     stop = StopOnRule([NonFiniteLoss(), ExplodingTensor()], verbose=False)
     with only_upstream_failure(strategy_name, jit):
         _fit(model, _with_batch(FAULT, np.nan), [stop])
     assert [(v.rule, v.step) for v in stop.verdicts] == [
         ("NonFiniteLoss", FAULT), ("ExplodingTensor", FAULT), ("NaNSource", FAULT)]
-    # The weights are those of a plain fit on the steps before the fault,
-    # although with spe=4 steps 7 and 8 ran in the same execution.
-    _assert_weights(model.get_weights(), _weights_after(strategy_name, FAULT - 1))
+    # The weights, BatchNormalization's moving statistics included, are those
+    # of a plain fit on the steps before the fault, although with spe=4 steps
+    # 7 and 8 ran in the same execution.
+    expected = _weights_after(strategy_name, FAULT - 1, batchnorm=True)
+    _assert_weights(model.get_weights(), expected)
+    bn = model.get_layer("bn")
+    assert np.all(np.isfinite(bn.moving_mean.numpy())) and np.any(bn.moving_mean.numpy() != 0)
     if strategy_name == "mirrored":
         for variable in model.trainable_variables:
             first, second = model.distribute_strategy.experimental_local_results(variable.value)
             np.testing.assert_array_equal(first.numpy(), second.numpy())
+        # Keras updates the moving statistics per replica (each from its own
+        # half batch); each replica gets its own back.
+        reference = _model(strategy_name, batchnorm=True)
+        _fit(reference, X, [], steps=FAULT - 1)
+        for mine, plain in zip(bn.non_trainable_variables,
+                               reference.get_layer("bn").non_trainable_variables):
+            for a, b in zip(model.distribute_strategy.experimental_local_results(mine.value),
+                            reference.distribute_strategy.experimental_local_results(plain.value)):
+                np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
 
 
 def test_without_freezing_the_nan_reaches_the_weights():
