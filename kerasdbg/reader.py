@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import List, Optional
+from typing import Dict, List, Optional, Union
 
 import numpy as np
 import pandas as pd
@@ -17,6 +17,8 @@ from tensorboard.backend.event_processing import plugin_event_multiplexer
 from tensorboard.util import tensor_util
 
 _KINDS = {"scalars": "scalars", "histograms": "histograms", "text": "text"}
+REDUCTIONS = ("mean", "std", "min", "max", "l2_norm", "norm")
+"""What `Tensor.reduction` can return, from the recorded statistics."""
 
 
 class Run:
@@ -135,6 +137,64 @@ class Run:
         """
         return self._frame("scalars", tag_or_regex, run, lambda a: {"value": float(a)})
 
+    def steps(self, tag: str, run: Optional[str] = "train") -> List[int]:
+        """The steps at which a scalar (or else histogram) tag was recorded.
+
+        Args:
+            tag: the exact tag, e.g. `"gradients/global_norm"`.
+            run: the run to read. Defaults to `"train"`; None for all runs.
+
+        Raises:
+            KeyError: when the tag is in neither; the message lists the tags.
+        """
+        for kind in ("scalars", "histograms"):
+            if any(t == tag for _, t in self._tags(kind, run)):
+                return sorted({int(e.step) for name, t in self._tags(kind, run) if t == tag
+                               for e in self._multiplexer.Tensors(name, t)})
+        raise KeyError(
+            f"Run.steps: no scalar or histogram tag {tag!r} in run {run!r} of "
+            f"{self.log_dir!r}. Tags: {', '.join(self.tags(run=run)) or '(none)'}"
+        )
+
+    def tensor(self, name: str, run: Optional[str] = "train") -> "Tensor":
+        """One recorded tensor (or scalar), smdebug-style: `.steps()`,
+        `.value(step)`, `.values()`, `.reduction(step, "mean", abs=False)`.
+
+        Args:
+            name: `<collection>/<tensor>` (e.g. `"gradients/model/dense/kernel"`,
+                `"activations/dense_tap"`), whose statistics are the tags
+                `<name>/<statistic>`; or a scalar tag (`"step/loss"`,
+                `"gradients/global_norm"`).
+            run: the run to read. Defaults to `"train"`.
+
+        Raises:
+            KeyError: when nothing was recorded under `name`; the message
+                lists the tensors that were.
+        """
+        return Tensor(self, name, run)
+
+    def tensor_names(self, pattern: Optional[str] = None, run: Optional[str] = "train") -> List[str]:
+        """Names `tensor()` takes: `<collection>/<tensor>` of the per-tensor
+        statistics, and the plain scalar tags, sorted.
+
+        Args:
+            pattern: keep the names this regular expression matches (by
+                `re.search`). Defaults to `None` (all).
+            run: the run to read. Defaults to `"train"`.
+        """
+        names = set()
+        for tag in self.tags(run=run):
+            head, _, statistic = tag.rpartition("/")
+            if head.count("/") >= 1 and tag.split("/", 1)[0] in ("gradients", "weights",
+                                                                  "activations"):
+                names.add(head)
+            else:
+                names.add(tag)
+        names.update(self.tags(kind="histograms", run=run))
+        if pattern is not None:
+            names = {n for n in names if re.search(pattern, n)}
+        return sorted(names)
+
     def histograms(self, tag_or_regex: str, run: Optional[str] = None) -> pd.DataFrame:
         """Histograms: columns `run`, `tag`, `step`, `wall_time`, `edges`, `counts`.
 
@@ -164,6 +224,147 @@ class Run:
             return {"text": value.decode("utf-8") if isinstance(value, bytes) else str(value)}
 
         return self._frame("text", tag_or_regex, run, convert)
+
+
+class Tensor:
+    """The recorded statistics of one tensor across steps (see `Run.tensor`).
+
+    kerasdbg records statistics (and histograms) of a tensor, not the tensor
+    itself: `value(step)` is a dict of those statistics, or a float for a
+    scalar tag.
+
+    Example:
+
+    >>> import keras, numpy as np, tempfile
+    >>> from kerasdbg import load_run
+    >>> from kerasdbg.callbacks import GradientStatistics
+    >>> log_dir = tempfile.mkdtemp()
+    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, name="d")], name="m")
+    >>> model.compile("sgd", "mse")
+    >>> _ = model.fit(np.ones((4, 3)), np.ones((4, 1)), batch_size=2, epochs=1, verbose=0,
+    ...               callbacks=[GradientStatistics(log_dir, stats=["min", "max"])])
+    >>> kernel = load_run(log_dir).tensor("gradients/m/d/kernel")
+    >>> kernel.steps()
+    [1, 2]
+    >>> sorted(kernel.value(1))
+    ['max', 'min']
+    >>> kernel.reduction(1, "max", abs=True) == max(abs(kernel.value(1)["min"]),
+    ...                                             abs(kernel.value(1)["max"]))
+    True
+    """
+
+    def __init__(self, run: Run, name: str, run_name: Optional[str]):
+        self.name = name
+        self._run = run
+        self._run_name = run_name
+        tags = run.tags(run=run_name)
+        self._scalar = name in tags
+        self.statistics = [t[len(name) + 1:] for t in tags
+                           if t.startswith(name + "/") and "/" not in t[len(name) + 1:]]
+        self._histogram = name in run.tags(kind="histograms", run=run_name)
+        if not (self._scalar or self.statistics or self._histogram):
+            raise KeyError(
+                f"Run.tensor: nothing recorded under {name!r} in run {run_name!r} of "
+                f"{run.log_dir!r}. Tensors: {', '.join(run.tensor_names(run=run_name)) or '(none)'}"
+            )
+
+    def _table(self) -> pd.DataFrame:
+        if self._scalar:
+            frame = self._run.scalars(re.escape(self.name), run=self._run_name)
+            return frame.pivot_table(index="step", values="value", aggfunc="last")
+        if not self.statistics:
+            return pd.DataFrame()
+        pattern = re.escape(self.name) + "/(" + "|".join(map(re.escape, self.statistics)) + ")"
+        frame = self._run.scalars(pattern, run=self._run_name)
+        frame["statistic"] = frame["tag"].str[len(self.name) + 1:]
+        return frame.pivot_table(index="step", columns="statistic", values="value", aggfunc="last")
+
+    def steps(self) -> List[int]:
+        """The steps with a recorded value (or, without statistics, histogram)."""
+        table = self._table()
+        if len(table):
+            return [int(s) for s in table.index]
+        return self._run.steps(self.name, run=self._run_name)
+
+    def value(self, step: int) -> Union[float, Dict[str, float]]:
+        """The scalar at `step`, or the dict statistic -> value of a tensor.
+
+        Raises:
+            KeyError: when `step` was not recorded; the message lists the steps.
+        """
+        table = self._table()
+        if step not in table.index:
+            steps = [int(s) for s in table.index]
+            raise KeyError(
+                f"Tensor {self.name!r}: step {step!r} was not recorded. Steps: "
+                f"{', '.join(map(str, steps[:20]))}" + (" ..." if len(steps) > 20 else "")
+            )
+        return self._value(table.loc[step])
+
+    def _value(self, row):
+        if self._scalar:
+            return float(row["value"])
+        return {k: float(v) for k, v in row.items() if not pd.isna(v)}
+
+    def values(self) -> Dict[int, Union[float, Dict[str, float]]]:
+        """`{step: value(step)}` for every recorded step (one read)."""
+        return {int(step): self._value(row) for step, row in self._table().iterrows()}
+
+    def reduction(self, step: int, name: str = "mean", abs: bool = False) -> float:
+        """A reduction of the tensor at `step`, from its recorded statistics.
+
+        Args:
+            step: the step.
+            name: one of `REDUCTIONS` ("norm" is "l2_norm").
+            abs: of the absolute values: "mean" reads `mean_abs`, "max" the
+                larger of |min| and |max|, "l2_norm" is unchanged; "min" and
+                "std" of |x| cannot be derived and are refused.
+
+        Raises:
+            ValueError: for an unknown or underivable reduction.
+            KeyError: when the statistics it needs were not recorded.
+        """
+        if name not in REDUCTIONS:
+            raise ValueError(
+                f"Tensor.reduction: `name` must be one of {', '.join(REDUCTIONS)}. "
+                f"Received: name={name!r}"
+            )
+        name = "l2_norm" if name == "norm" else name
+        if abs and name in ("min", "std"):
+            raise ValueError(
+                f"Tensor.reduction: the {name} of |x| is not derivable from the recorded "
+                f"statistics. Received: name={name!r}, abs=True"
+            )
+        value = self.value(step)
+        if self._scalar:
+            return float(np.abs(value)) if abs else float(value)
+        needed = {"mean": ["mean_abs"], "max": ["min", "max"]}.get(name, [name]) if abs else [name]
+        missing = [s for s in needed if s not in value]
+        if missing:
+            raise KeyError(
+                f"Tensor {self.name!r}: reduction {name!r} (abs={abs}) needs the statistics "
+                f"{', '.join(missing)}, not recorded at step {step}. Recorded: "
+                f"{', '.join(sorted(value)) or '(none)'}"
+            )
+        if abs and name == "max":
+            return float(max(np.abs(value["min"]), np.abs(value["max"])))
+        return float(value[needed[0]])
+
+    def histogram(self, step: int):
+        """`(edges, counts)` of the histogram recorded at `step`.
+
+        Raises:
+            KeyError: when no histogram was recorded at `step`.
+        """
+        frame = self._run.histograms(re.escape(self.name), run=self._run_name) \
+            if self._histogram else pd.DataFrame(columns=["step"])
+        rows = frame[frame["step"] == step]
+        if not len(rows):
+            raise KeyError(f"Tensor {self.name!r}: no histogram recorded at step {step!r}")
+        return rows.iloc[-1]["edges"], rows.iloc[-1]["counts"]
+
+    def __repr__(self) -> str:
+        return f"Tensor({self.name!r}, statistics={self.statistics})"
 
 
 def load_run(log_dir: str) -> Run:

@@ -100,3 +100,89 @@ def test_event_file_is_named_for_tensorboard_and_starts_with_the_version(tmp_pat
     events = list(event_file_loader.EventFileLoader(writer.path).Load())
     assert events[0].file_version == "brain.Event:2"
     assert events[1].step == 1 and events[1].summary.value[0].tag == "a/loss"
+
+
+# --------------------------------------------------- trial-style access
+def _trained_run(tmp_path):
+    """A recorded fit and the GradientTape gradients of each step (SGD, so
+    the weights of step k+1 follow from those of step k)."""
+    import keras
+    import tensorflow as tf
+
+    from kerasdbg.callbacks import GradientStatistics, StopOnRule
+    from kerasdbg.rules import NonFiniteLoss
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(12, 3)).astype("float32")
+    y = rng.normal(size=(12, 1)).astype("float32")
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="d"),
+                              keras.layers.Dense(1, name="o")], name="m")
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    weights = [w.copy() for w in model.get_weights()]
+    log_dir = str(tmp_path / "logs")
+    callbacks = [GradientStatistics(log_dir, histogram_every_n_steps=2),
+                 StopOnRule(NonFiniteLoss(), log_dir=log_dir, verbose=False)]
+    model.fit(x, y, batch_size=4, shuffle=False, verbose=0, callbacks=callbacks)
+    expected = []
+    for step in range(3):
+        variables = [tf.Variable(w) for w in weights]
+        xb, yb = x[4 * step: 4 * step + 4], y[4 * step: 4 * step + 4]
+        with tf.GradientTape() as tape:
+            out = (xb @ variables[0] + variables[1]) @ variables[2] + variables[3]
+            loss = tf.reduce_mean(tf.square(out - yb))
+        grads = [g.numpy() for g in tape.gradient(loss, variables)]
+        expected.append({"loss": float(loss), "kernel": grads[0]})
+        weights = [w - 0.1 * g for w, g in zip(weights, grads)]
+    return load_run(log_dir), expected
+
+
+def test_tensor_values_and_reductions_match_gradient_tape(tmp_path):
+    run, expected = _trained_run(tmp_path)
+    assert "gradients/m/d/kernel" in run.tensor_names()
+    assert run.tensor_names("^step/") == ["step/fault", "step/frozen", "step/loss"]
+    kernel = run.tensor("gradients/m/d/kernel")
+    assert kernel.steps() == run.steps("gradients/m/d/kernel/mean") == [1, 2, 3]
+    for step, want in enumerate(expected, 1):
+        g = want["kernel"].astype(np.float64)
+        value = kernel.value(step)
+        np.testing.assert_allclose(value["mean"], g.mean(), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(kernel.reduction(step, "max", abs=True), np.abs(g).max(),
+                                   rtol=1e-5)
+        np.testing.assert_allclose(kernel.reduction(step, "mean", abs=True), np.abs(g).mean(),
+                                   rtol=1e-5)
+        np.testing.assert_allclose(kernel.reduction(step, "norm"), np.linalg.norm(g), rtol=1e-5)
+        np.testing.assert_allclose(run.tensor("step/loss").value(step), want["loss"], rtol=1e-5)
+    assert list(kernel.values()) == [1, 2, 3]
+    edges, counts = kernel.histogram(2)
+    assert counts.sum() == want["kernel"].size and len(edges) == len(counts) + 1
+    np.testing.assert_allclose([edges[0], edges[-1]],
+                               [expected[1]["kernel"].min(), expected[1]["kernel"].max()],
+                               rtol=1e-5)
+
+
+def test_tensor_errors_say_what_exists(tmp_path):
+    run, _ = _trained_run(tmp_path)
+    with pytest.raises(KeyError, match=r"nothing recorded under 'gradients/m/x'.*gradients/m/d/kernel"):
+        run.tensor("gradients/m/x")
+    kernel = run.tensor("gradients/m/d/kernel")
+    with pytest.raises(KeyError, match=r"step 9 was not recorded. Steps: 1, 2, 3"):
+        kernel.value(9)
+    with pytest.raises(ValueError, match=r"`name` must be one of mean, std.*Received: name='median'"):
+        kernel.reduction(1, "median")
+    with pytest.raises(ValueError, match="min of \\|x\\| is not derivable"):
+        kernel.reduction(1, "min", abs=True)
+    with pytest.raises(KeyError, match="no histogram recorded at step 1"):
+        kernel.histogram(1)
+    with pytest.raises(KeyError, match="Run.steps: no scalar or histogram tag 'nope'"):
+        run.steps("nope")
+
+
+def test_a_run_being_written_shows_its_new_steps_through_tensor(tmp_path):
+    writer = _write_steps(str(tmp_path), [1, 2])
+    run = load_run(str(tmp_path))
+    loss = run.tensor("a/loss")
+    assert loss.steps() == [1, 2]
+    writer.write(3, {"a/loss": 1.5}, {}, {})
+    writer.flush()
+    assert loss.steps() == [1, 2, 3] and loss.value(3) == 1.5
