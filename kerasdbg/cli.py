@@ -9,6 +9,7 @@ from typing import List, Optional
 EXAMPLES = """examples:
   kerasdbg demo --out runs/demo      train the demo and write TensorBoard logs
   kerasdbg tags runs/demo/healthy    list the scalar tags of a log directory
+  kerasdbg report runs/demo/lr_too_high --out report/   plots and a summary in report.html
   kerasdbg check runs/demo/lr_too_high                      every rule the run can feed
   kerasdbg check LOG_DIR --rule DeadReLU:threshold_layer=30 --rule ExplodingTensor
 """
@@ -90,6 +91,18 @@ def _parser() -> argparse.ArgumentParser:
     tags.add_argument("log_dir")
     tags.add_argument("--kind", choices=["scalars", "histograms", "text"], default="scalars")
     tags.add_argument("--pattern", default=None, help="regular expression the tags must match")
+    report = commands.add_parser(
+        "report",
+        help="write report.html with plots of a log directory and print a summary",
+        description="Writes report.html with PNG plots (loss, global gradient norm, a "
+        "per-layer gradient-norm heatmap, update ratios, activation health, rule verdicts) "
+        "and prints a short summary (first non-finite step, largest and smallest gradients). "
+        "Exit status 2 on a missing, empty or not-a-run directory. "
+        "Example: kerasdbg report runs/demo/lr_too_high --out report/",
+    )
+    report.add_argument("log_dir")
+    report.add_argument("--out", default=None, help="output directory (default: LOG_DIR/report)")
+    report.add_argument("--run", default="train", help="run of the log directory (default: train)")
     check = commands.add_parser(
         "check",
         help="run rules on a recorded log directory; exit status 1 when one fires",
@@ -135,6 +148,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     if args.command == "check":
         return _check(args)
+    if args.command == "report":
+        from kerasdbg.report import main_report
+
+        return main_report(args.log_dir, args.out, args.run)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 
