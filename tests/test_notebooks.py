@@ -27,6 +27,23 @@ EXPECTED_OUTPUT = {
         "kerasdbg: DeadReLU at step 1: dead units (percent) at or above 50%: hidden_tap=100",
         "Verdict(rule='NonFiniteLoss', step=4",
     ],
+    "03_gradient_and_weight_statistics.ipynb": [
+        "sigmoid steps recorded: 32",
+        "relu: first layer / last layer gradient norm = ",
+        "Tensor('gradients/sigmoid8/dense0/kernel'",
+        "first non-finite step: none",
+        "smallest mean gradient norms: sigmoid8/dense0",
+        "<IPython.core.display.Image object>",
+    ],
+    "04_strategies_and_steps_per_execution.ipynb": [
+        "default, spe=1                 steps [1, 2, 3, 4, 5, 6, 7, 8]  global norm at step 8: ",
+        "Mirrored (2 replicas), spe=4   steps [1, 2, 3, 4, 5, 6, 7, 8]  global norm at step 8: ",
+        "the three agree at every step: True",
+        "default + XLA: [6, 7, 8]",
+        "Mirrored + XLA fails in Keras: InvalidArgumentError Trying to access resource",
+        "plain Keras fit fails: InvalidArgumentError",
+        "You must feed a value for placeholder tensor",
+    ],
 }
 
 
