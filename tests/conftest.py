@@ -74,6 +74,21 @@ def make_strategy(name: str, collective: bool = False):
     raise ValueError(name)
 
 
+RULE_MATRIX = [
+    pytest.param(s, spe, id=f"{s}-spe{spe}") for s in ("default", "mirrored") for spe in (1, 4)
+]
+"""The (strategy, steps_per_execution) cases of the rule trainings."""
+
+
+def repeated_batch(seed: int, batch: int, steps: int, features: int):
+    """`(x, y)`: one random batch repeated `steps` times, so that with a
+    learning rate of 0 every step has the same loss."""
+    rng = np.random.default_rng(seed)
+    x = np.tile(rng.normal(size=(batch, features)).astype("float32"), (steps, 1))
+    y = np.tile(rng.normal(size=(batch, 1)).astype("float32"), (steps, 1))
+    return x, y
+
+
 def matrix():
     """(strategy, steps_per_execution, jit_compile) cases with readable ids."""
     cases = []

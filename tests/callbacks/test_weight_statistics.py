@@ -60,7 +60,7 @@ def test_get_config_round_trip_and_defaults():
 @pytest.mark.parametrize(
     "kwargs,error,match",
     [
-        ({"stats": ["update"]}, ValueError, r"WeightStatistics: `stats` must be a non-empty list of names from .*update_ratio, distance_from_start. Received: stats=\['update'\]"),
+        ({"stats": ["update"]}, ValueError, r"WeightStatistics: `stats` must be a non-empty list of names from .*update_ratio, distance_from_start, p05, p50, p95. Received: stats=\['update'\]"),
         ({"every_n_steps": 0}, ValueError, r"WeightStatistics: `every_n_steps` must be a positive int. Received: every_n_steps=0"),
     ],
     ids=["unknown-stat", "every_n_steps"],

@@ -9,17 +9,11 @@ import pytest
 import kerasdbg
 from kerasdbg.callbacks import StopOnRule
 from kerasdbg.rules import LossNotDecreasing, NonFiniteLoss, Overfit, Overtraining, RuleWarning
-from tests.conftest import make_strategy
+from tests.conftest import RULE_MATRIX, make_strategy, repeated_batch
 
 BATCH, STEPS = 8, 6
-RNG = np.random.default_rng(2)
-# One batch repeated: with a learning rate of 0 every step has the same loss.
-X = np.tile(RNG.normal(size=(BATCH, 4)).astype("float32"), (STEPS, 1))
-Y = np.tile(RNG.normal(size=(BATCH, 1)).astype("float32"), (STEPS, 1))
-
-MATRIX = [
-    pytest.param(s, spe, id=f"{s}-spe{spe}") for s in ("default", "mirrored") for spe in (1, 4)
-]
+X, Y = repeated_batch(2, BATCH, STEPS, 4)
+MATRIX = RULE_MATRIX
 
 
 def _run(tmp_path, rule_factory, strategy_name, spe, learning_rate, epochs=1,

@@ -9,17 +9,11 @@ import pytest
 import kerasdbg
 from kerasdbg.callbacks import ActivationStatistics, GradientStatistics, StopOnRule
 from kerasdbg.rules import PoorWeightInitialization, RuleWarning
-from tests.conftest import make_strategy
+from tests.conftest import RULE_MATRIX, make_strategy, repeated_batch
 
 BATCH, STEPS = 16, 12
-RNG = np.random.default_rng(5)
-# One batch repeated: with a learning rate of 0 every step has the same loss.
-X = np.tile(RNG.normal(size=(BATCH, 8)).astype("float32"), (STEPS, 1))
-Y = np.tile(RNG.normal(size=(BATCH, 1)).astype("float32"), (STEPS, 1))
-
-MATRIX = [
-    pytest.param(s, spe, id=f"{s}-spe{spe}") for s in ("default", "mirrored") for spe in (1, 4)
-]
+X, Y = repeated_batch(5, BATCH, STEPS, 8)
+MATRIX = RULE_MATRIX
 
 
 # ---------------------------------------------------------------- records

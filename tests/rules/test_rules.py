@@ -216,9 +216,10 @@ def test_cli_check_agrees_with_check_run_and_sets_the_exit_status(tmp_path, caps
     out = capsys.readouterr().out.strip()
     assert out == kerasdbg.check_run(broken, [DeadReLU(threshold_layer=90.0)])[0].reason
     assert out.startswith("DeadReLU at step 4: dead units")
-    # Without --rule: every rule the run can feed (not SaturatedActivation here).
+    # Without --rule: every rule the run can feed (not SaturatedActivation here;
+    # PoorWeightInitialization on the taps' variances, the only part recorded).
     assert cli.main(["check", healthy]) == 0
-    assert capsys.readouterr().err.strip() == "kerasdbg check: 0 of 6 rules fired"
+    assert capsys.readouterr().err.strip() == "kerasdbg check: 0 of 7 rules fired"
     assert cli.main(["check", broken, "--rule", "AllZero:collections=gradients|weights",
                      "--all-steps"]) == 1
     assert capsys.readouterr().out.splitlines()[0].startswith("AllZero at step 4")
