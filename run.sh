@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The two set-up commands of the README:
 #   ./run.sh demo [--out DIR]   trains the demo with the instruments, writes a TensorBoard log dir
-#   ./run.sh test [PYTEST ARGS] runs the whole test suite
+#   ./run.sh test [PYTEST ARGS] runs the whole test suite (and installs Debian's chromium,
+#                               when missing, for the TensorBoard screenshot tests)
 # Each creates .venv (or $KERASDBG_VENV) and installs kerasdbg with what it
 # needs, again whenever setup.cfg or pyproject.toml change.
 set -euo pipefail
@@ -25,9 +26,30 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$wanted" ]; then
   echo "$wanted" > "$stamp"
 fi
 
+# The tests screenshot TensorBoard's dashboards with a headless Chromium:
+# Debian's `chromium` package, installed here when missing and apt-get can.
+have_browser() { command -v chromium || command -v chromium-browser || command -v google-chrome; } >/dev/null
+ensure_browser() {
+  have_browser && return 0
+  local as_root=()
+  if [ "$(id -u)" != 0 ]; then
+    sudo -n true 2>/dev/null || { echo "run.sh: no chromium and no root to install it" \
+      "(apt-get install chromium); the screenshot tests will fail and say so" >&2; return 0; }
+    as_root=(sudo -n)
+  fi
+  command -v apt-get >/dev/null || { echo "run.sh: no chromium and no apt-get;" \
+    "install a headless Chromium for the screenshot tests" >&2; return 0; }
+  echo "Installing Debian's chromium for the TensorBoard screenshot tests..." >&2
+  export DEBIAN_FRONTEND=noninteractive
+  "${as_root[@]}" apt-get install -y -qq chromium >/dev/null 2>&1 || {
+    "${as_root[@]}" apt-get update -qq >/dev/null 2>&1 &&
+    "${as_root[@]}" apt-get install -y -qq chromium >/dev/null 2>&1; } ||
+    echo "run.sh: apt-get could not install chromium; the screenshot tests will fail and say so" >&2
+}
+
 export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-2}
 case "$command" in
   demo) exec "$venv/bin/kerasdbg" demo "$@" ;;
-  test) exec "$venv/bin/python" -m pytest "$@" ;;
+  test) ensure_browser; exec "$venv/bin/python" -m pytest "$@" ;;
   *) usage ;;
 esac

@@ -137,9 +137,9 @@ def _chromium():
 @pytest.mark.parametrize("dashboard", ["scalars", "histograms"])
 def test_dashboard_screenshot(server, tmp_path, dashboard):
     browser = _chromium()
-    if browser is None:
-        pytest.skip("no headless browser: install Debian's `chromium` package to take the "
-                    "dashboard screenshots (the data API tests above ran)")
+    assert browser is not None, (
+        "no headless browser for the dashboard screenshots: `./run.sh test` installs Debian's "
+        "`chromium` with apt-get when it can (as root or with sudo); install it by hand otherwise")
     shot = tmp_path / f"tensorboard_{dashboard}.png"
     url = f"{server}/?darkMode=false#{dashboard}&tagFilter=global_norm%7Ckernel"
     result = subprocess.run(
