@@ -555,10 +555,7 @@ class Engine:
         return call_id, tf.math.floormod(call_id - 1, self._steps_per_execution)
 
     def _apply(self, original_apply, optimizer, grads, trainable_variables):
-        self._apply_variables = list(
-            trainable_variables if trainable_variables is not None
-            else internals.optimizer_variables(internals.inner_optimizer(optimizer)))
-        before = self._guard(lambda: self._before_apply(optimizer, grads))
+        before = self._guard(lambda: self._before_apply(optimizer, grads, trainable_variables))
         applied = None
         if before is not None and before.frozen is not None:
             self._guard(lambda: self._keep_state_unless_frozen(before.frozen))
@@ -572,12 +569,15 @@ class Engine:
         if before is not None:
             self._guard(lambda: self._after_apply(optimizer, before))
 
-    def _before_apply(self, optimizer, grads) -> "_StepState":
+    def _before_apply(self, optimizer, grads, trainable_variables) -> "_StepState":
         self.trace_count += 1
         step = internals.read(optimizer.iterations) + 1
         loss, nonfinite, fault, frozen = self._step_loss_and_fault(optimizer, grads)
         if nonfinite is not None and self._localizes():
-            self._localize(step, nonfinite, grads)
+            if trainable_variables is None:
+                trainable_variables = internals.optimizer_variables(
+                    internals.inner_optimizer(optimizer))
+            self._localize(step, nonfinite, grads, list(trainable_variables))
         for request in self._weight_requests():
             if request.previous:
 
@@ -682,7 +682,7 @@ class Engine:
         self._frozen.assign(tf.cast(frozen, tf.int64))
         return loss, nonfinite, fault, frozen
 
-    def _localize(self, step, nonfinite, grads) -> None:
+    def _localize(self, step, nonfinite, grads, variables) -> None:
         """On the first fault of the fit, replays the forward pass layer by
         layer and records where non-finite values first appear.
 
@@ -693,7 +693,7 @@ class Engine:
         x = getattr(self._captured, "x", None)
         self._captured.x = None
         row = self._nan_row
-        variables = self._apply_variables[: int(row.shape[0]) - 2]
+        variables = variables[: int(row.shape[0]) - 2]
         self.nan_variables = unique_paths(variables)
 
         def replay():

@@ -102,19 +102,19 @@ def dead_units(model) -> str:
 
 def summarize(name: str, gradients) -> str:
     """A few lines on what the gradient statistics show."""
-    history = gradients.history
-    norms = history.filter(like="/l2_norm")
+    from kerasdbg.report import first_positive_step, mean_norms
+
+    history = gradients.history.set_index("step")
     lines = [f"  {name}: {len(history)} steps recorded"]
     finite = np.isfinite(history["global_norm"].to_numpy())
     if finite.any():
         last = history["global_norm"][finite].iloc[-1]
         lines.append(f"    global gradient norm at the last finite step: {last:.4g}")
-    nan_columns = history.filter(like="/nan_count")
-    bad = history["step"][(nan_columns.fillna(0).to_numpy() > 0).any(axis=1)]
-    if len(bad):
-        lines.append(f"    first step with a NaN gradient: {int(bad.iloc[0])}")
+    bad = first_positive_step(history.filter(like="/nan_count"))
+    if bad is not None:
+        lines.append(f"    first step with a NaN gradient: {bad}")
     else:
-        mean = norms.mean().sort_values()
+        mean = mean_norms(history.filter(like="/l2_norm"))
         lines.append(f"    largest mean gradient norm:  {mean.index[-1]} ({mean.iloc[-1]:.3g})")
         lines.append(f"    smallest mean gradient norm: {mean.index[0]} ({mean.iloc[0]:.3g})")
     return "\n".join(lines)

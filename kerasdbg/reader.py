@@ -137,6 +137,30 @@ class Run:
         """
         return self._frame("scalars", tag_or_regex, run, lambda a: {"value": float(a)})
 
+    def scalar_table(self, tag_or_regex: str, run: Optional[str] = None) -> pd.DataFrame:
+        """The scalars as a table: one row per step, one column per tag (the
+        last value where a step was written twice).
+
+        Raises:
+            KeyError: when no scalar tag matches; the message lists the tags.
+
+        Example:
+
+        >>> import os, tempfile
+        >>> from kerasdbg import _events, load_run
+        >>> log_dir = tempfile.mkdtemp()
+        >>> writer = _events.EventWriter(os.path.join(log_dir, "train"))
+        >>> for step in (1, 2):
+        ...     writer.write(step, {"a/x": step * 1.0, "a/y": -step * 1.0})
+        >>> writer.flush()
+        >>> load_run(log_dir).scalar_table("a/.*").to_dict("list")
+        {'a/x': [1.0, 2.0], 'a/y': [-1.0, -2.0]}
+        """
+        frame = self.scalars(tag_or_regex, run=run)
+        table = frame.pivot_table(index="step", columns="tag", values="value", aggfunc="last")
+        table.columns.name = None
+        return table
+
     def steps(self, tag: str, run: Optional[str] = "train") -> List[int]:
         """The steps at which a scalar (or else histogram) tag was recorded.
 
@@ -181,15 +205,28 @@ class Run:
             pattern: keep the names this regular expression matches (by
                 `re.search`). Defaults to `None` (all).
             run: the run to read. Defaults to `"train"`.
+
+        Example:
+
+        >>> import os, tempfile
+        >>> from kerasdbg import _events, load_run
+        >>> log_dir = tempfile.mkdtemp()
+        >>> writer = _events.EventWriter(os.path.join(log_dir, "train"))
+        >>> writer.write(1, {"gradients/m/d/kernel/mean": 0.5, "gradients/m/d/kernel/max": 2.0,
+        ...                  "gradients/global_norm": 3.0, "step/loss": 0.25})
+        >>> writer.flush()
+        >>> run = load_run(log_dir)
+        >>> run.tensor_names()
+        ['gradients/global_norm', 'gradients/m/d/kernel', 'step/loss']
+        >>> run.steps("step/loss")
+        [1]
         """
+        from kerasdbg.rules.rule import COLLECTIONS, tag_parts  # (the rules import the reader)
+
         names = set()
         for tag in self.tags(run=run):
-            head, _, statistic = tag.rpartition("/")
-            if head.count("/") >= 1 and tag.split("/", 1)[0] in ("gradients", "weights",
-                                                                  "activations"):
-                names.add(head)
-            else:
-                names.add(tag)
+            parts = tag_parts(tag)
+            names.add(f"{parts[0]}/{parts[1]}" if parts and parts[0] in COLLECTIONS else tag)
         names.update(self.tags(kind="histograms", run=run))
         if pattern is not None:
             names = {n for n in names if re.search(pattern, n)}
@@ -270,14 +307,13 @@ class Tensor:
 
     def _table(self) -> pd.DataFrame:
         if self._scalar:
-            frame = self._run.scalars(re.escape(self.name), run=self._run_name)
-            return frame.pivot_table(index="step", values="value", aggfunc="last")
+            table = self._run.scalar_table(re.escape(self.name), run=self._run_name)
+            return table.rename(columns={self.name: "value"})
         if not self.statistics:
             return pd.DataFrame()
         pattern = re.escape(self.name) + "/(" + "|".join(map(re.escape, self.statistics)) + ")"
-        frame = self._run.scalars(pattern, run=self._run_name)
-        frame["statistic"] = frame["tag"].str[len(self.name) + 1:]
-        return frame.pivot_table(index="step", columns="statistic", values="value", aggfunc="last")
+        table = self._run.scalar_table(pattern, run=self._run_name)
+        return table.rename(columns=lambda tag: tag[len(self.name) + 1:])
 
     def steps(self) -> List[int]:
         """The steps with a recorded value (or, without statistics, histogram)."""

@@ -11,12 +11,28 @@ import numpy as np
 import pandas as pd
 
 from kerasdbg.reader import Run, load_run
+from kerasdbg.rules.rule import CLASSES, COLLECTIONS, SCALAR_COLLECTIONS
 
-KERASDBG_PREFIXES = ("gradients/", "weights/", "activations/", "step/", "epoch/", "classes/")
+__all__ = ("NotARunError", "collect", "first_positive_step", "mean_norms", "summary",
+           "write_report")
+
+KERASDBG_PREFIXES = tuple(f"{c}/" for c in COLLECTIONS + SCALAR_COLLECTIONS + (CLASSES,))
+"""Tags that kerasdbg writes start with one of these."""
 
 
 class NotARunError(ValueError):
-    """The directory holds no run kerasdbg can report on."""
+    """The directory holds no run kerasdbg can report on (the message says why).
+
+    Example:
+
+    >>> import tempfile
+    >>> from kerasdbg.report import NotARunError, collect
+    >>> try:
+    ...     collect(tempfile.mkdtemp())
+    ... except NotARunError as error:
+    ...     print("holds no TensorBoard event files" in str(error))
+    True
+    """
 
 
 def _progress(stream) -> Callable[[int, int, str], None]:
@@ -37,10 +53,10 @@ def _progress(stream) -> Callable[[int, int, str], None]:
 
 def _wide(run: Run, pattern: str, run_name: str) -> pd.DataFrame:
     """Scalars matching `pattern` as a step x tag table (empty if none)."""
-    if not run.tags(pattern, run=run_name):
+    try:
+        return run.scalar_table(pattern, run=run_name)
+    except KeyError:
         return pd.DataFrame()
-    frame = run.scalars(pattern, run=run_name)
-    return frame.pivot_table(index="step", columns="tag", values="value", aggfunc="last")
 
 
 def _strip(columns, prefix: str, suffix: str) -> List[str]:
@@ -59,7 +75,27 @@ def _layer_norms(norms: pd.DataFrame) -> pd.DataFrame:
 
 
 def collect(log_dir: str, run_name: str = "train", progress=None) -> Dict[str, object]:
-    """Reads what the report shows from a log directory.
+    """Reads what the report shows from a log directory: step x tag tables
+    under "loss", "global_norm", "gradient_norms", "nan_counts",
+    "update_ratios", "activations", and the "verdicts" texts.
+
+    Args:
+        log_dir: a log directory written by kerasdbg's callbacks.
+        run_name: the run of the log directory. Defaults to `"train"`.
+        progress: called as `progress(done, total, what)`, or None.
+
+    Example:
+
+    >>> import keras, numpy as np, tempfile
+    >>> from kerasdbg.callbacks import GradientStatistics
+    >>> from kerasdbg.report import collect
+    >>> log_dir = tempfile.mkdtemp()
+    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, name="d")], name="m")
+    >>> model.compile("sgd", "mse")
+    >>> _ = model.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=2, verbose=0,
+    ...               callbacks=[GradientStatistics(log_dir)])
+    >>> list(collect(log_dir)["global_norm"].columns)
+    ['gradients/global_norm']
 
     Raises:
         FileNotFoundError: `log_dir` is not a directory.
@@ -102,8 +138,58 @@ def collect(log_dir: str, run_name: str = "train", progress=None) -> Dict[str, o
     return data
 
 
+def first_positive_step(table: pd.DataFrame) -> Optional[int]:
+    """The first step (index) at which any column is above 0 (e.g. NaN counts), or None.
+
+    Example:
+
+    >>> import pandas as pd
+    >>> from kerasdbg.report import first_positive_step
+    >>> first_positive_step(pd.DataFrame({"a/nan_count": [0.0, 0.0, 3.0]}, index=[1, 2, 3]))
+    3
+    """
+    if not len(table.columns):
+        return None
+    bad = table.index[(table.fillna(0).to_numpy() > 0).any(axis=1)]
+    return int(bad[0]) if len(bad) else None
+
+
+def mean_norms(norms: pd.DataFrame) -> pd.Series:
+    """Each column's mean over the steps, finite values only, smallest first.
+
+    Example:
+
+    >>> import pandas as pd
+    >>> from kerasdbg.report import mean_norms
+    >>> mean_norms(pd.DataFrame({"a": [1.0, 3.0], "b": [0.5, float("inf")]})).to_dict()
+    {'b': 0.5, 'a': 2.0}
+    """
+    return norms.replace([np.inf, -np.inf], np.nan).mean().dropna().sort_values()
+
+
 def summary(data: Dict[str, object], top: int = 3) -> str:
-    """A short text summary: steps, first non-finite step, largest and smallest gradients."""
+    """A short text summary of `collect`'s data: steps, the first non-finite
+    step, the variables with the largest and smallest mean gradient norms,
+    and the number of rule verdicts.
+
+    Example:
+
+    >>> import keras, numpy as np, tempfile
+    >>> from kerasdbg.callbacks import GradientStatistics
+    >>> from kerasdbg.report import collect, summary
+    >>> log_dir = tempfile.mkdtemp()
+    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, name="d")], name="m")
+    >>> model.compile("sgd", "mse")
+    >>> _ = model.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=2, verbose=0,
+    ...               callbacks=[GradientStatistics(log_dir)])
+    >>> for line in summary(collect(log_dir)).splitlines()[1:]:
+    ...     print(line)
+      steps recorded: 4 (1-4)
+      first non-finite step: none
+      largest mean gradient norms:  m/d/kernel (...), m/d/bias (...)
+      smallest mean gradient norms: m/d/bias (...), m/d/kernel (...)
+      rule verdicts: 0
+    """
     lines = [f"run {data['run']!r} of {data['log_dir']}"]
     norms: pd.DataFrame = data["gradient_norms"]
     global_norm: pd.DataFrame = data["global_norm"]
@@ -115,8 +201,7 @@ def summary(data: Dict[str, object], top: int = 3) -> str:
     first = _first_nonfinite(data)
     lines.append(f"  first non-finite step: {first if first is not None else 'none'}")
     if len(norms.columns):
-        finite = norms.replace([np.inf, -np.inf], np.nan)
-        mean = finite.mean().dropna().sort_values()
+        mean = mean_norms(norms)
         mean.index = _strip(mean.index, "gradients/", "/l2_norm")
         lines.append("  largest mean gradient norms:  " + ", ".join(
             f"{name} ({value:.3g})" for name, value in mean.iloc[::-1][:top].items()))
@@ -139,10 +224,8 @@ def _first_nonfinite(data) -> Optional[int]:
         bad = loss.index[~np.isfinite(loss["step/loss"].to_numpy(dtype=float))
                          & loss["step/loss"].notna().to_numpy()]
         candidates += [int(s) for s in bad[:1]]
-    counts: pd.DataFrame = data["nan_counts"]
-    if len(counts.columns):
-        bad = counts.index[(counts.fillna(0).to_numpy() > 0).any(axis=1)]
-        candidates += [int(s) for s in bad[:1]]
+    first = first_positive_step(data["nan_counts"])
+    candidates += [] if first is None else [first]
     return min(candidates) if candidates else None
 
 
@@ -183,7 +266,7 @@ def _plot_heatmap(layers: pd.DataFrame, path: str) -> str:
     values = layers.T.to_numpy(dtype=float)
     with np.errstate(divide="ignore", invalid="ignore"):
         shown = np.where(np.isfinite(values) & (values > 0), np.log10(values), np.nan)
-    figure, axes = plt.subplots(figsize=(8, 0.6 + 0.32 * len(layers.columns)))
+    figure, axes = plt.subplots(figsize=(8, max(2.0, 0.6 + 0.32 * len(layers.columns))))
     image = axes.imshow(shown, aspect="auto", interpolation="nearest", cmap="viridis",
                         extent=(layers.index.min() - 0.5, layers.index.max() + 0.5,
                                 len(layers.columns) - 0.5, -0.5))

@@ -5,8 +5,11 @@ import importlib
 
 import pytest
 
-MODULES = ["kerasdbg", "kerasdbg.callbacks", "kerasdbg.layers", "kerasdbg.rules"]
-EXTRA = ["kerasdbg.stats.tensor_statistics", "kerasdbg.stats.histograms", "kerasdbg.reader.Run"]
+MODULES = ["kerasdbg", "kerasdbg.callbacks", "kerasdbg.layers", "kerasdbg.rules", "kerasdbg.report"]
+EXTRA = ["kerasdbg.stats.tensor_statistics", "kerasdbg.stats.histograms", "kerasdbg.reader.Run",
+         "kerasdbg.reader.Tensor", "kerasdbg.reader.Run.scalar_table",
+         "kerasdbg.reader.Run.tensor_names", "kerasdbg.rules.rule.make_verdict",
+         "kerasdbg.rules.loss_rules.Plateau"]
 
 
 def _public():
@@ -22,8 +25,17 @@ def _public():
 
 
 def _resolve(dotted):
-    module_name, _, attr = dotted.rpartition(".")
-    return getattr(importlib.import_module(module_name), attr)
+    """A module attribute, or a class attribute (`module.Class.method`)."""
+    parts = dotted.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for attr in parts[split:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(dotted)
 
 
 @pytest.mark.parametrize("dotted", _public())

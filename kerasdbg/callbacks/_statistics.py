@@ -12,6 +12,7 @@ import pandas as pd
 from kerasdbg import _engine
 from kerasdbg._engine import unique_paths
 from kerasdbg import _events
+from kerasdbg import _keras_internals as internals
 from kerasdbg.callbacks._recording import RecordingCallback, selected
 from kerasdbg import _validation as check
 from kerasdbg import stats as stats_lib
@@ -19,11 +20,7 @@ from kerasdbg import stats as stats_lib
 
 def trainable_float_variables(model) -> list:
     """The model's trainable floating-point variables, in model order."""
-    return [
-        v
-        for v in model.trainable_variables
-        if keras.backend.standardize_dtype(v.dtype).startswith(("float", "bfloat"))
-    ]
+    return [v for v in model.trainable_variables if internals.is_float(v)]
 
 
 class StatisticsCallback(RecordingCallback):

@@ -20,7 +20,8 @@ from kerasdbg._engine import unique_paths
 from kerasdbg.callbacks._statistics import trainable_float_variables
 from kerasdbg.callbacks.activation_statistics import find_taps
 from kerasdbg.rules._runner import RuleRunner, check_rules
-from kerasdbg.rules.rule import RuleFired, RuleWarning, Verdict, tag_pattern
+from kerasdbg.rules.rule import CLASSES, SCALAR_COLLECTIONS, RuleFired, RuleWarning, Verdict
+from kerasdbg.rules.rule import make_verdict, tag_pattern
 
 ACTIONS = ("stop", "raise", "warn")
 VERDICT_TAG = "rules/verdicts"
@@ -30,6 +31,8 @@ DEFAULT_SUSPEND = (
     keras.callbacks.EarlyStopping,
 )
 _SUSPENDED_HOOKS = ("on_train_batch_end", "on_epoch_end", "on_train_end")
+# The tags StopOnRule writes itself (the statistics callbacks write the rest).
+_OWN_PREFIXES = tuple(f"{c}/" for c in SCALAR_COLLECTIONS + (CLASSES,))
 
 
 class StopOnRule(keras.callbacks.Callback):
@@ -60,9 +63,11 @@ class StopOnRule(keras.callbacks.Callback):
 
     With `freeze_on_fault`, steps at and after an in-graph fault (a
     non-finite loss or gradient, or a global gradient norm above
-    `max_gradient_norm`) do not change the weights, the optimizer slots or
-    the loss scale, even within one execution of `steps_per_execution > 1`:
-    the weights at the end are those before the faulty step. The fault is
+    `max_gradient_norm`) do not change the weights, the optimizer slots, the
+    loss scale or the state the forward pass updates (BatchNormalization's
+    moving statistics, restored per replica), even within one execution of
+    `steps_per_execution > 1`: the weights at the end are those before the
+    faulty step. The fault is
     computed from values summed over replicas, so every replica takes the
     same decision. Frozen steps still count in `optimizer.iterations`. The
     freeze is reported as a `FreezeOnFault` verdict when no rule fired at
@@ -382,12 +387,9 @@ class StopOnRule(keras.callbacks.Callback):
         loss = record.get("step/loss", math.nan)
         norm = "" if self.max_gradient_norm is None else \
             f", or a global gradient norm above {self.max_gradient_norm:g}"
-        return [Verdict(
-            rule="FreezeOnFault", step=step,
-            reason=f"FreezeOnFault at step {step}: the weights were frozen from this step "
-                   f"on (in-graph fault: a non-finite loss or gradient{norm}); loss={loss:.4g}",
-            tensors=("step/loss",), values={"step/loss": loss},
-        )]
+        return [make_verdict(
+            "FreezeOnFault", step, f"the weights were frozen from this step on (in-graph "
+            f"fault: a non-finite loss or gradient{norm}); loss={loss:.4g}", {"step/loss": loss})]
 
     def _nan_source_verdict(self, step: int, record) -> List[Verdict]:
         if self._located or not self.locate_nan or not record.get("step/fault"):
@@ -406,17 +408,14 @@ class StopOnRule(keras.callbacks.Callback):
                      "visible; insert TapLayers in its call() to see them")
         grads = ", ".join(variables[:8]) + (f" and {len(variables) - 8} more"
                                              if len(variables) > 8 else "")
-        reason = (f"NaNSource at step {step}: {where}; non-finite gradients: "
-                  f"{grads or 'none'}")
         tensors = ((layer,) if layer else ()) + tuple(variables)
-        return [Verdict(rule="NaNSource", step=step, reason=reason, tensors=tensors,
-                        values={t: 1.0 for t in tensors})]
+        return [make_verdict("NaNSource", step, f"{where}; non-finite gradients: "
+                             f"{grads or 'none'}", {t: 1.0 for t in tensors})]
 
     def _write(self, step: int, record) -> None:
         if self._writer is None:
             return
-        scalars = {k: v for k, v in record.items()
-                   if k.startswith(("step/", "epoch/", "classes/"))}
+        scalars = {k: v for k, v in record.items() if k.startswith(_OWN_PREFIXES)}
         if scalars:
             self._writer.write(step, scalars)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import math
+from typing import Optional
 from kerasdbg import _validation as check
 from kerasdbg.rules.rule import Rule
 
@@ -120,6 +121,39 @@ class LossNotDecreasing(Rule):
         return {"num_steps": self.num_steps, "diff_percent": self.diff_percent, "mode": self.mode}
 
 
+class Plateau:
+    """The lowest value so far, where it was, and the values since it last
+    fell by more than `delta` (a fraction of it): what "not improving" means
+    for the loss rules.
+
+    Example:
+
+    >>> from kerasdbg.rules.loss_rules import Plateau
+    >>> plateau = Plateau()
+    >>> [plateau.update(s, v) for s, v in [(1, 1.0), (2, 0.8), (3, 0.9)]]
+    [True, True, False]
+    >>> plateau.best, plateau.best_step, plateau.waits
+    (0.8, 2, 1)
+    """
+
+    def __init__(self, delta: float = 0.0):
+        self.delta = delta
+        self.reset()
+
+    def reset(self) -> None:
+        self.best: Optional[float] = None
+        self.best_step: Optional[int] = None
+        self.waits = 0
+
+    def update(self, step: int, value: float) -> bool:
+        """Takes the value of `step`; returns whether it improved on the best."""
+        if self.best is None or value < self.best - self.delta * abs(self.best):
+            self.best, self.best_step, self.waits = value, step, 0
+            return True
+        self.waits += 1
+        return False
+
+
 def _epoch_losses(record):
     train, val = record.get(TRAIN_LOSS), record.get(VAL_LOSS)
     if train is None or val is None or not (math.isfinite(train) and math.isfinite(val)):
@@ -219,28 +253,20 @@ class Overtraining(Rule):
         self.reset()
 
     def reset(self):
-        self._best: list = [None, None]
-        self._waits = [0, 0]
-
-    def _update(self, index: int, value: float) -> None:
-        best = self._best[index]
-        if best is None or value < best - self.delta * abs(best):
-            self._best[index], self._waits[index] = value, 0
-        else:
-            self._waits[index] += 1
+        self._train, self._val = Plateau(self.delta), Plateau(self.delta)
 
     def check(self, step, record):
         losses = _epoch_losses(record)
         if losses is None:
             return None
-        for index, value in enumerate(losses):
-            self._update(index, value)
-        if self._waits[0] < self.patience_train or self._waits[1] < self.patience_validation:
+        self._train.update(step, losses[0])
+        self._val.update(step, losses[1])
+        if self._train.waits < self.patience_train or self._val.waits < self.patience_validation:
             return None
         return self.verdict(
             step, f"no improvement by more than {100 * self.delta:g}% of the training loss "
-            f"for {self._waits[0]} evaluations (best {self._best[0]:.4g}) nor of the "
-            f"validation loss for {self._waits[1]} (best {self._best[1]:.4g})",
+            f"for {self._train.waits} evaluations (best {self._train.best:.4g}) nor of the "
+            f"validation loss for {self._val.waits} (best {self._val.best:.4g})",
             {TRAIN_LOSS: losses[0], VAL_LOSS: losses[1]})
 
     def get_config(self):

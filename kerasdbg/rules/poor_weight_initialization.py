@@ -7,6 +7,7 @@ import re
 from typing import Optional
 
 from kerasdbg import _validation as check
+from kerasdbg.rules.loss_rules import Plateau
 from kerasdbg.rules.rule import Rule, values_of
 
 
@@ -96,9 +97,7 @@ class PoorWeightInitialization(Rule):
         return tuple(needs)
 
     def reset(self):
-        self._best = math.inf
-        self._best_step = None
-        self._since_best = 0
+        self._loss = Plateau()
 
     def check(self, step, record):
         if step > self.steps:
@@ -143,15 +142,12 @@ class PoorWeightInitialization(Rule):
         loss = record.get("step/loss")
         if self.patience is None or loss is None or not math.isfinite(loss):
             return None
-        if loss < self._best:
-            self._best, self._best_step, self._since_best = loss, step, 0
-            return None
-        self._since_best += 1
-        if self._since_best < self.patience:
+        if self._loss.update(step, loss) or self._loss.waits < self.patience:
             return None
         return self.verdict(
-            step, f"no new lowest loss for {self._since_best} steps (lowest "
-            f"{self._best:.4g} at step {self._best_step}, now {loss:.4g})", {"step/loss": loss})
+            step, f"no new lowest loss for {self._loss.waits} steps (lowest "
+            f"{self._loss.best:.4g} at step {self._loss.best_step}, now {loss:.4g})",
+            {"step/loss": loss})
 
     def get_config(self):
         return {"threshold": self.threshold, "distribution_range": self.distribution_range,

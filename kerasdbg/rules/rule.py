@@ -35,6 +35,22 @@ class Verdict(NamedTuple):
     values: Dict[str, float]
 
 
+def make_verdict(rule: str, step: int, reason: str, values: Mapping[str, float]) -> Verdict:
+    """A `Verdict` whose reason reads `<rule> at step <step>: <reason>` and
+    whose tensors are the keys of `values`.
+
+    Example:
+
+    >>> from kerasdbg.rules.rule import make_verdict
+    >>> make_verdict("FreezeOnFault", 7, "the weights were frozen", {"step/loss": 1.5}).reason
+    'FreezeOnFault at step 7: the weights were frozen'
+    """
+    return Verdict(
+        rule=rule, step=int(step), reason=f"{rule} at step {int(step)}: {reason}",
+        tensors=tuple(values), values={k: float(v) for k, v in values.items()},
+    )
+
+
 class RuleFired(RuntimeError):
     """Raised by `StopOnRule(action="raise")`; `verdicts` says what fired.
 
@@ -135,10 +151,7 @@ class Rule:
 
     def verdict(self, step: int, reason: str, values: Dict[str, float]) -> Verdict:
         """A `Verdict` of this rule; `reason` is prefixed with the rule and step."""
-        return Verdict(
-            rule=self.name, step=int(step), reason=f"{self.name} at step {int(step)}: {reason}",
-            tensors=tuple(values), values={k: float(v) for k, v in values.items()},
-        )
+        return make_verdict(self.name, step, reason, values)
 
     def __repr__(self) -> str:
         arguments = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
