@@ -13,21 +13,29 @@ from kerasdbg import callbacks
 from kerasdbg import layers
 from kerasdbg import rules
 from kerasdbg import stats
+from kerasdbg.determinism import deterministic
 from kerasdbg.multi_output_model import MultiOutputModel
 from kerasdbg.reader import load_run
 from kerasdbg.rules.offline import check_run
 from kerasdbg.tapping import insert_taps
 from kerasdbg.tapping import strip_debug_layers
+from kerasdbg.trace import TraceWriter
+from kerasdbg.trace import compare_traces
+from kerasdbg.trace import load_trace
 
 __version__ = "0.1.0"
 
 __all__ = (
     "MultiOutputModel",
+    "TraceWriter",
     "callbacks",
     "check_run",
+    "compare_traces",
+    "deterministic",
     "insert_taps",
     "layers",
     "load_run",
+    "load_trace",
     "rules",
     "stats",
     "strip_debug_layers",

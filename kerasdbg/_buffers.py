@@ -16,12 +16,14 @@ import numpy as np
 import tensorflow as tf
 
 
-def on_read_variable(initial_value, name: str) -> tf.Variable:
-    """A non-trainable buffer each replica writes for itself."""
+def on_read_variable(initial_value, name: str, shapeless: bool = False) -> tf.Variable:
+    """A non-trainable buffer each replica writes for itself; a `shapeless`
+    one takes a value of any shape at each assignment (not under XLA)."""
     return tf.Variable(
         initial_value,
         trainable=False,
         name=name,
+        shape=tf.TensorShape(None) if shapeless else None,
         synchronization=tf.VariableSynchronization.ON_READ,
         aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
     )

@@ -94,7 +94,8 @@ class Request:
     """What one consumer (a callback) wants recorded at each step.
 
     Args:
-        kind: "gradients", "weights", "step" (the loss of each step and
+        kind: "gradients", "weights", "tensors" (full tensors at a few
+            steps: `_step_tensors.TensorRequest`), "step" (the loss of each step and
             whether it was frozen; `variables`, `paths` and `stats` empty) or
             "classes" (labels seen and mispredicted per class, summed over
             the fit; `variables`, `paths` and `stats` empty).
@@ -328,7 +329,7 @@ class Engine:
             internals.check_supported(model.optimizer)
             self._install(model.optimizer)
             model.make_train_function(force=True)
-        if request.kind in ("step", "classes") and not self._loss_patched:
+        if request.kind in ("step", "classes", "tensors") and not self._loss_patched:
             self._patch_compute_loss(model)
         self.requests.append(request)
 
@@ -357,6 +358,8 @@ class Engine:
                         tf.zeros([width], tf.int64), "kerasdbg_nan_source")
             for request in self.requests:
                 request.build(self._optimizer, n)
+                if request.kind == "tensors":
+                    request.jit = getattr(model, "jit_compile", False) is True
                 if request.kind == "classes":
                     request.totals.assign(tf.zeros_like(request.totals))
         self._steps_per_execution = n
@@ -442,7 +445,7 @@ class Engine:
     def _all_buffers(self) -> list:
         """Every buffer, in the order `collect` reads them."""
         buffers = [self._calls, self._meta]
-        for request in self.requests:
+        for request in self._ring_requests():
             buffers += [request.values, request.ids]
             if request.hist_ids is not None:
                 buffers += [request.hist_ids, request.hist_counts, request.hist_ranges]
@@ -505,6 +508,16 @@ class Engine:
         ):
             return None  # left over from another function (a custom train_step)
         return tf.reduce_sum(tf.cast(loss, tf.float64))
+
+    def _captured_inputs(self):
+        """The inputs `compute_loss` saw in this trace, or None."""
+        x = getattr(self._captured, "x", None)
+        self._captured.x = None
+        tensors = [t for t in keras.tree.flatten(x) if tf.is_tensor(t)]
+        if not tensors or (not tf.executing_eagerly() and any(
+                getattr(t, "graph", None) is not tf.compat.v1.get_default_graph() for t in tensors)):
+            return None  # not called, or left over from another function
+        return x
 
     def _install(self, optimizer) -> None:
         inner = internals.inner_optimizer(optimizer)
@@ -572,12 +585,15 @@ class Engine:
     def _before_apply(self, optimizer, grads, trainable_variables) -> "_StepState":
         self.trace_count += 1
         step = internals.read(optimizer.iterations) + 1
+        x = self._captured_inputs()
         loss, nonfinite, fault, frozen = self._step_loss_and_fault(optimizer, grads)
         if nonfinite is not None and self._localizes():
             if trainable_variables is None:
                 trainable_variables = internals.optimizer_variables(
                     internals.inner_optimizer(optimizer))
-            self._localize(step, nonfinite, grads, list(trainable_variables))
+            self._localize(step, nonfinite, grads, list(trainable_variables), x)
+        for request in self._tensor_requests():
+            request.record_before(self._model(), optimizer, step, loss, x)
         for request in self._weight_requests():
             if request.previous:
 
@@ -640,7 +656,7 @@ class Engine:
         freeze = self._freeze()
         # The faults are tested to freeze, or only to localise a NaN.
         watched = freeze or (Freeze() if self._localizes() else None)
-        if watched is None and not any(r.kind == "step" for r in self.requests):
+        if watched is None and not any(r.kind in ("step", "tensors") for r in self.requests):
             return None, None, None, None
         local = self._captured_loss()
         parts = [tf.constant(np.nan, tf.float64) if local is None else local]
@@ -682,7 +698,7 @@ class Engine:
         self._frozen.assign(tf.cast(frozen, tf.int64))
         return loss, nonfinite, fault, frozen
 
-    def _localize(self, step, nonfinite, grads, variables) -> None:
+    def _localize(self, step, nonfinite, grads, variables, x) -> None:
         """On the first fault of the fit, replays the forward pass layer by
         layer and records where non-finite values first appear.
 
@@ -690,8 +706,6 @@ class Engine:
         sits in a `tf.cond` taken once.
         """
         model = self._model()
-        x = getattr(self._captured, "x", None)
-        self._captured.x = None
         row = self._nan_row
         variables = variables[: int(row.shape[0]) - 2]
         self.nan_variables = unique_paths(variables)
@@ -830,9 +844,18 @@ class Engine:
                 values = tf.stack([before.loss, tf.cast(frozen, tf.float64), fault])
                 _buffers.write_row(request.values, row, values)
                 _buffers.write_row(request.ids, row, call_id)
+        for request in self._tensor_requests():
+            request.record_after(step)
         meta = tf.stack([call_id, step, tf.cast(skipped, tf.int64)])
         _buffers.write_row(self._meta, row, meta)
         self._calls.assign_add(1)
+
+    def _ring_requests(self):
+        """The requests with one ring-buffer row per step (all but "tensors")."""
+        return [r for r in self.requests if r.kind != "tensors"]
+
+    def _tensor_requests(self):
+        return [r for r in self.requests if r.kind == "tensors"]
 
     def _weight_requests(self):
         return [r for r in self.requests if r.kind == "weights"]
@@ -860,11 +883,13 @@ class Engine:
 
     def _record_gradients(self, inner, reduced) -> None:
         requests = [r for r in self.requests if r.kind == "gradients"]
-        if not requests:
+        if not requests and not self._tensor_requests():
             return
         step = internals.read(inner.iterations) + 1
         call_id, row = self._position()
         by_key = {internals.variable_key(inner, v): g for g, v in reduced if g is not None}
+        for request in self._tensor_requests():
+            request.record_gradients(step, by_key)
         for request in requests:
             grads = [by_key.get(k) for k in request.keys]
             request.present = [g is not None for g in grads]
@@ -918,13 +943,15 @@ class Engine:
         """Reads the rows written since the last call and hands them out."""
         if not self._prepared:
             return
+        for request in self._tensor_requests():
+            request.collect()
         buffers = iter([_buffers.read(b) for b in self._all_buffers()])
         calls, meta = int(next(buffers)), next(buffers)
         if calls <= self._last_call:
             return
         n = self._steps_per_execution
         first = max(self._last_call + 1, calls - n + 1)
-        if first > self._last_call + 1:
+        if first > self._last_call + 1 and self._ring_requests():
             warnings.warn(
                 f"kerasdbg lost {first - self._last_call - 1} step records: the "
                 "train function ran more than steps_per_execution steps between "
@@ -932,7 +959,7 @@ class Engine:
                 RuntimeWarning,
                 stacklevel=2,
             )
-        for request in self.requests:
+        for request in self._ring_requests():
             values, ids = next(buffers), next(buffers)
             hist = None
             if request.hist_ids is not None:

@@ -151,6 +151,21 @@ def _loop_callbacks(frame, model):
     return None
 
 
+def fit_batch_size(model):
+    """The global batch size of the `fit` running `model` (from a callback),
+    as its data adapter reports it, or None when unknown."""
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
+            adapter = getattr(frame.f_locals.get("epoch_iterator"), "data_adapter", None)
+            size = getattr(adapter, "batch_size", None)
+            return size if isinstance(size, int) and size > 0 else None
+        frame = frame.f_back
+    return None
+
+
 def running_callbacks(model):
     """The `CallbackList` of the Keras loop running `model` (from a callback), or None."""
     import sys
@@ -228,3 +243,36 @@ def takes_training(layer) -> bool:
 def producing_layer(keras_tensor):
     """The layer whose output `keras_tensor` is (an `InputLayer` for an input)."""
     return keras_tensor._keras_history.operation
+
+
+# ------------------------------------------------ random state (deterministic)
+def random_state() -> dict:
+    """TensorFlow's and Keras's global random settings (private in both)."""
+    from keras.src.backend.common import global_state
+    from keras.src.random import seed_generator
+    from keras.src.utils import rng_utils
+    from tensorflow.python.eager import context
+    from tensorflow.python.framework import config
+
+    return {
+        "tf_seed": context.global_seed(),
+        "op_determinism": config.is_op_determinism_enabled(),
+        "keras_seed": global_state.get_global_attribute(rng_utils.GLOBAL_RANDOM_SEED),
+        "keras_generator": global_state.get_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR),
+    }
+
+
+def set_random_state(state: dict) -> None:
+    """Puts back what `random_state` returned."""
+    from keras.src.backend.common import global_state
+    from keras.src.random import seed_generator
+    from keras.src.utils import rng_utils
+    from tensorflow.python.framework import config
+
+    tf.random.set_seed(state["tf_seed"])
+    if state["op_determinism"]:
+        config.enable_op_determinism()
+    else:
+        config.disable_op_determinism()
+    global_state.set_global_attribute(rng_utils.GLOBAL_RANDOM_SEED, state["keras_seed"])
+    global_state.set_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR, state["keras_generator"])

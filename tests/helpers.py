@@ -22,7 +22,8 @@ def make_mlp(activation="relu"):
 def reference_training(initial, steps, x=X, y=Y, batch=BATCH, lr=LEARNING_RATE, activation="relu"):
     """Plain TF forward pass, GradientTape gradients and a NumPy SGD update.
 
-    Returns, per step, the gradients and the weights before and after the update.
+    Returns, per step, the gradients, the weights before and after the update,
+    the loss and the two layers' outputs.
     """
     weights = [np.array(w, np.float32) for w in initial]
     batches = len(x) // batch
@@ -34,9 +35,11 @@ def reference_training(initial, steps, x=X, y=Y, batch=BATCH, lr=LEARNING_RATE, 
         with tf.GradientTape() as tape:
             hidden = xb @ tvars[0] + tvars[1]
             hidden = tf.nn.relu(hidden) if activation == "relu" else hidden
-            loss = tf.reduce_mean(tf.square(hidden @ tvars[2] + tvars[3] - yb))
+            output = hidden @ tvars[2] + tvars[3]
+            loss = tf.reduce_mean(tf.square(output - yb))
         grads = [g.numpy() for g in tape.gradient(loss, tvars)]
         after = [w - np.float32(lr) * g for w, g in zip(weights, grads)]
-        out.append({"grads": grads, "before": weights, "after": after})
+        out.append({"grads": grads, "before": weights, "after": after, "loss": float(loss),
+                    "hidden": hidden.numpy(), "out": output.numpy()})
         weights = after
     return out

@@ -1,0 +1,213 @@
+"""`StepRecorder`: the full tensors of a few training steps, in one file."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Dict, Optional, Sequence, Union
+
+import keras
+import numpy as np
+
+from kerasdbg import _engine
+from kerasdbg import _keras_internals as internals
+from kerasdbg import _step_tensors
+from kerasdbg import _validation as check
+from kerasdbg import trace as trace_lib
+from kerasdbg.callbacks._recording import selected
+from kerasdbg.callbacks._statistics import trainable_float_variables
+
+RECORDABLE = _step_tensors.RECORDABLE
+
+
+class StepRecorder(keras.callbacks.Callback):
+    """Records the full tensors of chosen training steps into one `.npz` file.
+
+    For each recorded optimizer step: the loss, the learning rate the update
+    used, the gradients the optimizer applied (after clipping and, under a
+    `tf.distribute` strategy, summed over replicas), the weights after the
+    update, and every layer's output for the step's batch. The file is the
+    one `kerasdbg.TraceWriter` writes from plain Python (a custom loop, a
+    `tf.compat.v1` session), so a migrated or re-distributed model can be
+    compared with the original by `kerasdbg.compare_traces` or
+    `kerasdbg compare A B`. Read it with `numpy.load` or `kerasdbg.load_trace`.
+
+    Works with any `steps_per_execution`, with `jit_compile` on or off, and
+    under `OneDeviceStrategy` and `MirroredStrategy` (layer outputs then hold
+    the whole global batch, the replicas' slices in order). Steps are
+    `optimizer.iterations` after the update, from 1; step 0 records the
+    weights before training (when `fit` starts at step 0). The file is
+    written once every requested step is recorded, and at the end of `fit`.
+
+    Memory: the recorded steps are kept in full until read, on every
+    replica (steps x (2 x weights + layer outputs)). Layer outputs come from
+    a replay of the forward pass at recorded steps only (Functional and
+    Sequential models; a layer called several times: its first call; a
+    layer with several outputs: its first float one). The replay does not
+    change training, but Dropout-like layers draw a fresh random mask in it;
+    compare outputs with such layers inactive. Under XLA layer outputs need
+    a static batch dimension (`drop_remainder=True`); without one they are
+    left out with a warning.
+
+    Args:
+        path: the `.npz` file to write.
+        steps: how many first steps to record (`3` records steps 1, 2, 3),
+            or a list of steps (0 for the initial weights). Defaults to `3`.
+        record: which of "loss", "learning_rate", "gradients", "weights",
+            "layer_outputs". Defaults to all of them.
+        include: regular expression; only variable paths it matches are
+            recorded. Defaults to None (all trainable float variables).
+        exclude: regular expression; variable paths it matches are left
+            out. Defaults to None.
+        layers: regular expression on qualified layer names for
+            "layer_outputs". Defaults to None (every layer).
+        strict: raise on a failure of the recording instead of warning and
+            letting training go on. Defaults to `False`.
+
+    Example:
+
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "keras.npz")
+    >>> inputs = keras.Input((3,), name="x")
+    >>> model = keras.Model(inputs, keras.layers.Dense(1, name="dense")(inputs))
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> x, y = np.ones((4, 3)), np.zeros((4, 1))
+    >>> _ = model.fit(x, y, batch_size=2, epochs=1, verbose=0,
+    ...               callbacks=[StepRecorder(path, steps=2)])
+    >>> trace = np.load(path)
+    >>> trace["gradients/dense/kernel@2"].shape, trace["layer_outputs/dense@1"].shape
+    ((3, 1), (2, 1))
+    """
+
+    def __init__(
+        self,
+        path: Union[str, os.PathLike],
+        steps: Union[int, Sequence[int]] = 3,
+        record: Sequence[str] = RECORDABLE,
+        include: Optional[str] = None,
+        exclude: Optional[str] = None,
+        layers: Optional[str] = None,
+        strict: bool = False,
+    ):
+        super().__init__()
+        owner = "StepRecorder"
+        path = check.optional_path(owner, "path", path)
+        if path is None:
+            raise TypeError(f"{owner}: `path` must be a str or an os.PathLike. Received: path=None")
+        self.path = path
+        if isinstance(steps, int) and not isinstance(steps, bool):
+            self.steps = check.positive_int(owner, "steps", steps)
+            self._steps = tuple(range(1, steps + 1))
+        elif isinstance(steps, (list, tuple)) and steps:
+            for step in steps:
+                if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+                    raise ValueError(
+                        f"{owner}: `steps` must be a positive int or a non-empty list of "
+                        f"ints >= 0. Received: steps={steps!r}")
+            self.steps = list(steps)
+            self._steps = tuple(sorted(set(steps)))
+        else:
+            raise TypeError(
+                f"{owner}: `steps` must be a positive int or a non-empty list of ints >= 0. "
+                f"Received: steps={steps!r}")
+        self.record = check.choices(owner, "record", record, RECORDABLE)
+        self.include = check.optional_regex(owner, "include", include)
+        self.exclude = check.optional_regex(owner, "exclude", exclude)
+        self.layers = check.optional_regex(owner, "layers", layers)
+        self.strict = check.boolean(owner, "strict", strict)
+        self._request: Optional[_step_tensors.TensorRequest] = None
+        self._writer: Optional[trace_lib.TraceWriter] = None
+        self._saved = False
+
+    def get_config(self) -> dict:
+        return {"path": self.path, "steps": self.steps, "record": list(self.record),
+                "include": self.include, "exclude": self.exclude, "layers": self.layers,
+                "strict": self.strict}
+
+    @classmethod
+    def from_config(cls, config: dict) -> "StepRecorder":
+        return cls(**config)
+
+    # --------------------------------------------------------- callbacks
+    def on_train_begin(self, logs=None):
+        model = self.model
+        variables = trainable_float_variables(model)
+        paths = _engine.unique_paths(variables)
+        chosen = [(v, p) for v, p in zip(variables, paths)
+                  if selected(p, self.include, self.exclude)]
+        if not chosen and {"gradients", "weights"} & set(self.record):
+            raise ValueError(
+                f"StepRecorder: no trainable float variable matches include={self.include!r}, "
+                f"exclude={self.exclude!r}. Variables: {', '.join(paths) or '(none)'}")
+        variables, paths = [v for v, _ in chosen], [p for _, p in chosen]
+        layers = []
+        if "layer_outputs" in self.record:
+            layers = [n for n in _step_tensors.recordable_layers(model)
+                      if selected(n, self.layers, None)]
+            if not layers and not _step_tensors.recordable_layers(model):
+                warnings.warn(
+                    f"StepRecorder records no layer outputs: {type(model).__name__} is not a "
+                    "Functional or Sequential model, whose forward pass it can replay.",
+                    RuntimeWarning, stacklevel=2)
+        start = int(model.optimizer.iterations.numpy())
+        initial = 0 in self._steps and start == 0 and "weights" in self.record
+        steps = [s for s in self._steps if s > start]
+        self._request = None
+        # A later fit past the recorded steps leaves the file as it is.
+        self._saved = not (steps or initial)
+        self._writer = None if self._saved else trace_lib.TraceWriter(
+            self.path, source="StepRecorder")
+        if initial:
+            self._guarded(self._writer.record, 0,
+                          weights=_step_tensors.initial_weights(variables, paths))
+        if steps:
+            self._request = _step_tensors.TensorRequest(
+                variables, paths, steps, self.record, layers, self._consume, strict=self.strict)
+            batch = internals.fit_batch_size(model)
+            if batch is not None:
+                replicas = model.distribute_strategy.num_replicas_in_sync
+                self._request.max_rows = -(-batch // replicas)
+            _engine.engine_for(model).attach(self._request)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._request is not None:
+            _engine.engine_for(self.model).prepare()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._request is not None and not self._request.complete:
+            _engine.engine_for(self.model).collect()
+
+    def on_train_end(self, logs=None):
+        if self._request is not None:
+            _engine.engine_for(self.model).detach(self._request)
+        if not self._saved:
+            self._save()
+
+    # -------------------------------------------------------- records
+    def _consume(self, steps: Dict[int, Dict[str, np.ndarray]]) -> None:
+        for step, tensors in steps.items():
+            by_kind: Dict[str, dict] = {}
+            for name, value in tensors.items():
+                kind, _, rest = name.partition("/")
+                if kind in trace_lib.SCALAR_KINDS:
+                    by_kind[kind] = value
+                else:
+                    by_kind.setdefault(kind, {})[rest] = value
+            self._guarded(self._writer.record, step, **by_kind)
+        if self._request is not None and self._request.complete:
+            self._save()
+
+    def _save(self) -> None:
+        if self._writer is not None:
+            self._guarded(self._writer.save)
+            self._saved = True
+
+    def _guarded(self, function, *args, **kwargs) -> None:
+        try:
+            function(*args, **kwargs)
+        except Exception as error:  # noqa: BLE001 - must not stop fit
+            if self.strict:
+                raise
+            warnings.warn(
+                f"StepRecorder could not record to {self.path}; training goes on. "
+                f"Cause: {type(error).__name__}: {error}", RuntimeWarning, stacklevel=3)
