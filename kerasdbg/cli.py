@@ -12,6 +12,7 @@ EXAMPLES = """examples:
   kerasdbg report runs/demo/lr_too_high --out report/   plots and a summary in report.html
   kerasdbg check runs/demo/lr_too_high                      every rule the run can feed
   kerasdbg check LOG_DIR --rule DeadReLU:threshold_layer=30 --rule ExplodingTensor
+  kerasdbg compare tf1.npz keras.npz                        two step traces, tensor by tensor
 """
 
 
@@ -118,7 +119,51 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--run", default="train", help="run of the log directory (default: train)")
     check.add_argument("--all-steps", action="store_true",
                        help="report every step at which a rule fires, not only the first")
+    compare = commands.add_parser(
+        "compare",
+        help="compare two step traces (StepRecorder / TraceWriter files); exit status 1 on divergence",
+        description="Compares two step traces tensor by tensor and step by step: the largest "
+        "absolute and relative difference, pass or fail under the policy (absolute tolerance "
+        "up to --exact-steps, relative after; NaN never equal), and the first divergence. "
+        "Exit status: 0 when they match, 1 when they diverge, 2 on bad input. "
+        "Example: kerasdbg compare tf1.npz keras.npz --map dense/kernel:0=dense/kernel",
+    )
+    compare.add_argument("a", help="the first trace (the reference)")
+    compare.add_argument("b", help="the second trace")
+    compare.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance (default: 1e-5)")
+    compare.add_argument("--rtol", type=float, default=0.05, help="relative tolerance (default: 0.05)")
+    compare.add_argument("--exact-steps", type=int, default=10,
+                         help="last step compared with --atol (default: 10)")
+    compare.add_argument("--map", action="append", default=[], metavar="NAME_IN_A=NAME_IN_B",
+                         help="match a tensor of A with one of B (repeatable)")
+    compare.add_argument("--all", action="store_true", help="print every comparison, not only failures")
     return parser
+
+
+def _compare(args) -> int:
+    from kerasdbg.trace import TraceError, compare_traces
+
+    mapping = {}
+    for item in args.map:
+        key, sep, value = item.partition("=")
+        if not sep or not key or not value:
+            print(f"kerasdbg compare: --map takes NAME_IN_A=NAME_IN_B. Received: {item!r}",
+                  file=sys.stderr)
+            return 2
+        mapping[key] = value
+    try:
+        result = compare_traces(args.a, args.b, atol=args.atol, rtol=args.rtol,
+                                exact_steps=args.exact_steps, mapping=mapping)
+    except (TraceError, FileNotFoundError, ValueError, TypeError) as error:
+        print(f"kerasdbg compare: {error}", file=sys.stderr)
+        return 2
+    print(result)
+    if result.table.empty:
+        return 2
+    if args.all and not result.table.empty:
+        columns = ["step", "tensor_a", "tensor_b", "max_abs", "max_rel", "passed"]
+        print(result.table[columns].to_string(index=False))
+    return 0 if result.passed else 1
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -148,6 +193,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     if args.command == "check":
         return _check(args)
+    if args.command == "compare":
+        return _compare(args)
     if args.command == "report":
         from kerasdbg.report import main_report
 

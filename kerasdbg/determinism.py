@@ -36,8 +36,12 @@ class deterministic:  # noqa: N801 - used as a function: `with kerasdbg.determin
 
     Example:
 
+    >>> import keras, numpy as np
+    >>> from kerasdbg import deterministic
     >>> with deterministic(7):
     ...     a = keras.initializers.GlorotUniform()((3, 2))
+    >>> import keras, numpy as np
+    >>> from kerasdbg import deterministic
     >>> with deterministic(7):
     ...     b = keras.initializers.GlorotUniform()((3, 2))
     >>> bool((np.asarray(a) == np.asarray(b)).all())

@@ -89,6 +89,8 @@ class TraceWriter:
     Example:
 
     >>> import os, tempfile
+    >>> import numpy as np
+    >>> from kerasdbg import TraceWriter
     >>> path = os.path.join(tempfile.mkdtemp(), "tf1.npz")
     >>> with TraceWriter(path) as writer:
     ...     writer.record(1, loss=0.5, gradients={"dense/kernel:0": [[0.1], [0.2]]})
@@ -227,9 +229,23 @@ class Trace:
 def load_trace(path: PathOrTrace) -> Trace:
     """Reads a trace file written by `StepRecorder` or `TraceWriter`.
 
+    Returns:
+        A `Trace` (a `Trace` passed in is returned as it is).
+
     Raises:
         FileNotFoundError: no such file.
         TraceError: the file is not a kerasdbg trace.
+
+    Example:
+
+    >>> import os, tempfile
+    >>> from kerasdbg import TraceWriter, load_trace
+    >>> path = os.path.join(tempfile.mkdtemp(), "t.npz")
+    >>> with TraceWriter(path) as writer:
+    ...     writer.record(1, loss=0.5, weights={"dense/kernel": [[1.0], [2.0]]})
+    >>> trace = load_trace(path)
+    >>> trace.steps, trace.names("weights"), float(trace.get("loss", 1))
+    ([1], ['weights/dense/kernel'], 0.5)
     """
     if isinstance(path, Trace):
         return path
@@ -450,6 +466,7 @@ def compare_traces(
     Example:
 
     >>> import os, tempfile
+    >>> from kerasdbg import TraceWriter, compare_traces
     >>> folder = tempfile.mkdtemp()
     >>> for name, grad in (("a.npz", 0.25), ("b.npz", 0.5)):
     ...     with TraceWriter(os.path.join(folder, name)) as writer:

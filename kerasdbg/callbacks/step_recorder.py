@@ -67,6 +67,8 @@ class StepRecorder(keras.callbacks.Callback):
     Example:
 
     >>> import os, tempfile
+    >>> import keras, numpy as np
+    >>> from kerasdbg.callbacks import StepRecorder
     >>> path = os.path.join(tempfile.mkdtemp(), "keras.npz")
     >>> inputs = keras.Input((3,), name="x")
     >>> model = keras.Model(inputs, keras.layers.Dense(1, name="dense")(inputs))
