@@ -44,6 +44,13 @@ EXPECTED_OUTPUT = {
         "plain Keras fit fails: InvalidArgumentError",
         "You must feed a value for placeholder tensor",
     ],
+    "05_migration_equivalence.ipynb": [
+        "['gradients/hidden/kernel:0', 'gradients/hidden/bias:0',",
+        "MATCH: 12 tensors over 3 steps (36 comparisons) within the policy",
+        "loss at step 1",
+        "DIVERGED: first at step 1, loss: max abs diff",
+        "exit status: 1",
+    ],
 }
 
 
