@@ -14,6 +14,7 @@ from kerasdbg import layers
 from kerasdbg import rules
 from kerasdbg import stats
 from kerasdbg.determinism import deterministic
+from kerasdbg.doctor import doctor
 from kerasdbg.multi_output_model import MultiOutputModel
 from kerasdbg.reader import load_run
 from kerasdbg.rules.offline import check_run
@@ -32,6 +33,7 @@ __all__ = (
     "check_run",
     "compare_traces",
     "deterministic",
+    "doctor",
     "insert_taps",
     "layers",
     "load_run",

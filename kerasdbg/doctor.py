@@ -1,0 +1,363 @@
+"""`doctor`: the set-up mistakes that make training slow or break it, before it runs."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, List, NamedTuple, Optional
+
+import keras
+import tensorflow as tf
+
+from kerasdbg import _keras_internals as internals
+from kerasdbg import _validation as check
+
+SEVERITIES = ("error", "warning", "info")
+TARGETS = ("auto", "cpu", "gpu", "xla", "tpu")
+TPU_DTYPES = (tf.int64, tf.uint8, tf.string, tf.float64)
+# Ops that make a `tf.data` map function expensive per element.
+HEAVY_OPS = ("Decode", "Resize", "Crop", "PyFunc", "EagerPyFunc", "ImageProjectiveTransform",
+             "Conv", "MatMul", "ReadFile", "ParseExample", "ParseSingleExample")
+HEAVY_OP_COUNT = 40
+
+# The errors Keras 3 itself raises on these strategy combinations (DESIGN.md, section 4;
+# reproduced by tests/test_keras_limitations.py).
+MIRRORED_SPE_ERROR = (
+    "INVALID_ARGUMENT: You must feed a value for placeholder tensor "
+    "'.../while/cond/Placeholder_1' with dtype int32 (keras-team/keras#19246)"
+)
+MIRRORED_JIT_ERROR = (
+    "Trying to access resource .../replica_1/... located in device CPU:1 from device CPU:0"
+)
+MULTI_WORKER_ERROR = (
+    "`strategy.reduce` on a tuple of PerReplica values in Keras's `_maybe_symbolic_build`, "
+    "then `Invalid reduction dimension 0` in `reduce_per_replica`"
+)
+
+
+class Finding(NamedTuple):
+    """One problem `doctor` found.
+
+    Attributes:
+        severity: "error" (training fails), "warning" (slow or wrong) or "info".
+        check: the name of the check.
+        what: what was found, with the values.
+        why: why it matters.
+        fix: how to fix it.
+    """
+
+    severity: str
+    check: str
+    what: str
+    why: str
+    fix: str
+
+
+class Findings(list):
+    """The list of `Finding`s of one `doctor` call; `str()` is a table."""
+
+    def to_frame(self):
+        """The findings as a pandas DataFrame."""
+        import pandas as pd
+
+        return pd.DataFrame([f._asdict() for f in self], columns=list(Finding._fields))
+
+    def __str__(self) -> str:
+        if not self:
+            return "kerasdbg doctor: no problem found"
+        lines = [f"kerasdbg doctor: {len(self)} finding(s)"]
+        for i, f in enumerate(self, 1):
+            lines.append(f"{i}. [{f.severity.upper()}] {f.check}: {f.what}")
+            lines.append(f"   why: {f.why}")
+            lines.append(f"   fix: {f.fix}")
+        return "\n".join(lines)
+
+
+def _target(strategy, target: str, model) -> tuple:
+    """`(tpu, xla)`: whether the run targets a TPU, and XLA."""
+    tpu = target == "tpu" or isinstance(strategy, (tf.distribute.TPUStrategy,))
+    jit = getattr(model, "jit_compile", None) if getattr(model, "compiled", False) else None
+    xla = tpu or target == "xla" or jit is True
+    return tpu, xla
+
+
+def _specs(dataset) -> list:
+    return [s for s in tf.nest.flatten(dataset.element_spec) if isinstance(s, tf.TensorSpec)]
+
+
+def _kind(dataset) -> str:
+    name = type(dataset).__name__.lstrip("_")
+    for kind in ("Prefetch", "Batch", "Map", "Shuffle"):
+        if kind in name:
+            return kind.lower()
+    return name
+
+
+def _heavy(dataset) -> Optional[str]:
+    """Why a map dataset's function is expensive, or None."""
+    ops = internals.map_function_ops(dataset)
+    heavy = sorted({op for op in ops if any(h in op for h in HEAVY_OPS)})
+    if heavy:
+        return f"its function runs {', '.join(heavy)}"
+    if len(ops) > HEAVY_OP_COUNT:
+        return f"its function has {len(ops)} ops"
+    return None
+
+
+def _data_findings(dataset, replicas: int, tpu: bool, xla: bool, model) -> List[Finding]:
+    found = []
+    specs = _specs(dataset)
+    batch = specs[0].shape[0] if specs and specs[0].shape.rank else None
+    # The batch size of a pipeline without drop_remainder, for the checks after the first.
+    size = batch if batch is not None else internals.dataset_batch_size(dataset)
+    if xla and specs and batch is None:
+        found.append(Finding(
+            "error" if tpu else "warning", "dynamic batch dimension",
+            f"the dataset's batch dimension is unknown (element_spec {specs[0].shape})",
+            "XLA compiles one program per input shape: a partial last batch compiles again, and "
+            "a TPU needs static shapes",
+            "batch with `drop_remainder=True` (`dataset.batch(n, drop_remainder=True)`)"))
+    if tpu:
+        bad = sorted({s.dtype.name for s in specs if s.dtype in TPU_DTYPES})
+        if bad:
+            found.append(Finding(
+                "error", "TPU input dtype", f"the dataset yields {', '.join(bad)} tensors",
+                "TPUs do not take int64, uint8, string or float64 inputs",
+                "cast in the pipeline: `dataset.map(lambda x, y: (tf.cast(x, tf.float32), "
+                "tf.cast(y, tf.int32)))`, and decode strings before batching"))
+        if size is not None and size % (8 * replicas):
+            found.append(Finding(
+                "warning", "batch size", f"the global batch is {size}, not a multiple of 8 x "
+                f"{replicas} replicas = {8 * replicas}",
+                "each TPU core pads its batch to a multiple of 8: the padding is computed and "
+                "thrown away",
+                f"use a global batch that is a multiple of {8 * replicas}, e.g. "
+                f"{8 * replicas * max(1, math.ceil(size / (8 * replicas)))}"))
+    if size is not None and replicas and model is not None:
+        per_replica = size / replicas
+        bns = [layer.name for _, layer in _layers(model)
+               if isinstance(layer, keras.layers.BatchNormalization)]
+        if bns and per_replica < 32:
+            found.append(Finding(
+                "warning", "BatchNormalization batch",
+                f"{len(bns)} BatchNormalization layer(s) ({', '.join(bns[:3])}) see "
+                f"{per_replica:g} examples per replica (global batch {size} / {replicas})",
+                "each replica normalizes over its own slice: fewer than 32 examples give noisy "
+                "statistics and worse accuracy",
+                "raise the global batch to at least 32 x replicas, or use "
+                "`BatchNormalization(synchronized=True)`"))
+    found += _pipeline_findings(dataset)
+    return found
+
+
+def _first_of_each(found: List[Finding]) -> List[Finding]:
+    """One finding per check: the first (a pipeline may repeat a mistake)."""
+    seen, kept = set(), []
+    for finding in found:
+        if finding.check not in seen:
+            seen.add(finding.check)
+            kept.append(finding)
+    return kept
+
+
+def _pipeline_findings(dataset) -> List[Finding]:
+    found = []
+    chain = internals.dataset_chain(dataset)  # last transformation first
+    kinds = [_kind(d) for d in chain]
+    if kinds and kinds[0] != "prefetch":
+        found.append(Finding(
+            "warning", "tf.data prefetch", "the pipeline does not end with prefetch",
+            "without it the input pipeline and the train step take turns instead of overlapping",
+            "end the pipeline with `.prefetch(tf.data.AUTOTUNE)`"))
+    # Order from the source on: index 0 is the first transformation.
+    order = list(reversed(list(zip(kinds, chain))))
+    for i, (kind, d) in enumerate(order):
+        if kind != "map":
+            continue
+        heavy = _heavy(d)
+        if heavy is None:
+            continue
+        before = [k for k, _ in order[:i]]
+        after = [k for k, _ in order[i + 1:]]
+        if "batch" in before:
+            found.append(Finding(
+                "warning", "tf.data map after batch",
+                f"an expensive map ({heavy}) runs after batch",
+                "a per-batch map processes a whole batch in one call, so tf.data cannot spread "
+                "the expensive work over its parallel calls, and the step waits for the batch",
+                "map per element before `.batch(...)`, with `num_parallel_calls=tf.data.AUTOTUNE`"))
+        if "shuffle" in after:
+            found.append(Finding(
+                "warning", "tf.data shuffle after map",
+                f"shuffle comes after an expensive map ({heavy})",
+                "the shuffle buffer must fill with mapped elements before the first batch, and "
+                "holds the large mapped tensors in memory",
+                "shuffle the raw elements (file names, records) before the map"))
+    return _first_of_each(found)
+
+
+def _layers(model):
+    from kerasdbg import _replay
+
+    if _replay.is_graph_model(model):
+        return list(_replay.walk(model))
+    return [((), layer) for layer in getattr(model, "_flatten_layers", lambda: [])()]
+
+
+def _strategy_findings(strategy, model, tpu: bool, replicas: int) -> List[Finding]:
+    found = []
+    name = type(strategy).__name__
+    compiled = model is not None and getattr(model, "compiled", False)
+    spe = int(getattr(model, "steps_per_execution", 1) or 1) if compiled else None
+    jit = getattr(model, "jit_compile", None) if compiled else None
+    if compiled and spe == 1 and (tpu or replicas > 1):
+        found.append(Finding(
+            "warning", "steps_per_execution",
+            f"steps_per_execution is 1 under {name} ({replicas} replica(s))",
+            "each step then returns to Python: on a TPU or several replicas the host round trip "
+            "dominates small steps",
+            "compile with `steps_per_execution=32` (or more), after the workarounds below"))
+    if isinstance(strategy, tf.distribute.MirroredStrategy) and replicas > 1:
+        ops = internals.cross_device_ops(strategy)
+        collective = ops is None or "Collective" in type(ops).__name__
+        if compiled and spe and spe > 1 and collective:
+            found.append(Finding(
+                "error", "Keras: MirroredStrategy + steps_per_execution",
+                f"MirroredStrategy with the default collective all-reduce and "
+                f"steps_per_execution={spe}",
+                f"Keras 3 fit fails with: {MIRRORED_SPE_ERROR}",
+                "create the strategy with `cross_device_ops=tf.distribute.ReductionToOneDevice()`, "
+                "or keep steps_per_execution=1"))
+        if jit is True:
+            found.append(Finding(
+                "error", "Keras: MirroredStrategy + jit_compile",
+                "MirroredStrategy with jit_compile=True",
+                f"Keras 3 fit fails with: {MIRRORED_JIT_ERROR}",
+                "compile with `jit_compile=False` under MirroredStrategy"))
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        found.append(Finding(
+            "error", "Keras: MultiWorkerMirroredStrategy",
+            "MultiWorkerMirroredStrategy with Keras 3 fit",
+            f"Keras 3 fit fails with: {MULTI_WORKER_ERROR}",
+            "use a custom training loop under this strategy, or MirroredStrategy on one worker"))
+    if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
+        found.append(Finding(
+            "error", "Keras: ParameterServerStrategy", "ParameterServerStrategy with Keras 3 fit",
+            "Keras 3 fit does not support it (its trainer has no ClusterCoordinator)",
+            "use a custom training loop with `tf.distribute.coordinator.ClusterCoordinator`"))
+    return found
+
+
+def _loss_findings(loss, replicas: int) -> List[Finding]:
+    if loss is None or replicas <= 1:
+        return []
+    reduction = getattr(loss, "reduction", None)
+    reduction = getattr(reduction, "value", reduction)
+    if str(reduction).lower() not in ("sum_over_batch_size", "auto"):
+        return []
+    return [Finding(
+        "warning", "loss reduction in a custom loop",
+        f"{type(loss).__name__} with reduction={reduction!r} under {replicas} replicas",
+        "in a custom loop each replica divides by its own batch, so the summed gradient is "
+        f"{replicas} times too large (fit scales it for you; a custom loop does not)",
+        "use `reduction=\"none\"` and `tf.nn.compute_average_loss(per_example_loss, "
+        "global_batch_size=GLOBAL_BATCH)`")]
+
+
+def doctor(
+    model: Optional[keras.Model] = None,
+    data: Any = None,
+    strategy: Optional[tf.distribute.Strategy] = None,
+    target: str = "auto",
+    loss: Any = None,
+    verbose: bool = True,
+) -> Findings:
+    """Finds the set-up mistakes that make training slow, or break it, before it runs.
+
+    Checks, each when it applies:
+    - a dataset with a dynamic batch dimension (no `drop_remainder`) when
+      XLA or a TPU is the target;
+    - input dtypes TPUs do not take (int64, uint8, string, float64);
+    - on a TPU, a global batch that is not a multiple of 8 x replicas, and
+      Dense/Conv widths that are not multiples of 128 (padding waste);
+    - BatchNormalization with fewer than 32 examples per replica;
+    - `steps_per_execution=1` on a TPU or several replicas;
+    - `tf.data` order: no prefetch at the end, an expensive map after batch,
+      a shuffle after an expensive map;
+    - a loss with the SUM_OVER_BATCH_SIZE reduction used in a custom loop
+      (pass it as `loss`) under several replicas;
+    - the strategy combinations Keras 3 fit fails on (MirroredStrategy with
+      steps_per_execution > 1 and the collective all-reduce; MirroredStrategy
+      with jit_compile; MultiWorkerMirroredStrategy; ParameterServerStrategy),
+      each with the error Keras raises.
+
+    Args:
+        model: the model, compiled for its `steps_per_execution` and
+            `jit_compile`. Defaults to None.
+        data: the `tf.data.Dataset` that feeds it. Defaults to None.
+        strategy: the strategy; defaults to the model's (or the current one).
+        target: "auto" (a TPU under TPUStrategy, XLA when the model compiles
+            with jit_compile=True), or "cpu", "gpu", "xla", "tpu". Defaults to
+            `"auto"`.
+        loss: the loss object a custom training loop uses. Defaults to None.
+        verbose: print the findings as a table. Defaults to `True`.
+
+    Returns:
+        `Findings`, a list of `Finding(severity, check, what, why, fix)`,
+        errors first.
+
+    Example:
+
+    >>> import tensorflow as tf
+    >>> from kerasdbg import doctor
+    >>> labels = tf.zeros([10], tf.int64)
+    >>> data = tf.data.Dataset.from_tensor_slices(([[1.0]] * 10, labels)).batch(4)
+    >>> findings = doctor(data=data, target="tpu", verbose=False)
+    >>> [f.check for f in findings]
+    ['dynamic batch dimension', 'TPU input dtype', 'tf.data prefetch']
+    """
+    owner = "doctor"
+    if model is not None and not isinstance(model, keras.Model):
+        raise TypeError(f"{owner}: `model` must be a keras.Model or None. "
+                        f"Received: model of type {type(model).__name__}")
+    if data is not None and not isinstance(data, tf.data.Dataset):
+        raise TypeError(f"{owner}: `data` must be a tf.data.Dataset or None (doctor inspects "
+                        f"its pipeline). Received: data of type {type(data).__name__}")
+    if strategy is not None and not isinstance(strategy, tf.distribute.Strategy):
+        raise TypeError(f"{owner}: `strategy` must be a tf.distribute.Strategy or None. "
+                        f"Received: strategy of type {type(strategy).__name__}")
+    check.one_of(owner, "target", target, TARGETS)
+    check.boolean(owner, "verbose", verbose)
+    if strategy is None:
+        strategy = model.distribute_strategy if model is not None else tf.distribute.get_strategy()
+    tpu, xla = _target(strategy, target, model)
+    try:
+        replicas = int(strategy.num_replicas_in_sync)
+    except Exception:  # noqa: BLE001 - a strategy without a cluster yet
+        replicas = 1
+    found: List[Finding] = []
+    found += _strategy_findings(strategy, model, tpu, replicas)
+    if data is not None:
+        found += _data_findings(data, replicas, tpu, xla, model)
+    if tpu and model is not None:
+        found += _width_findings(model)
+    found += _loss_findings(loss, replicas)
+    result = Findings(sorted(found, key=lambda f: SEVERITIES.index(f.severity)))
+    if verbose:
+        print(result)
+    return result
+
+
+def _width_findings(model) -> List[Finding]:
+    odd = []
+    for _, layer in _layers(model):
+        width = getattr(layer, "units", None) or getattr(layer, "filters", None)
+        if isinstance(width, int) and width % 128:
+            odd.append(f"{layer.name}={width}")
+    if not odd:
+        return []
+    return [Finding(
+        "info", "feature width", f"layer widths not a multiple of 128: {', '.join(odd[:6])}"
+        + (" ..." if len(odd) > 6 else ""),
+        "the TPU matrix unit works on 128 x 128 tiles: other widths are padded, and the padding "
+        "costs compute",
+        "round widths up to multiples of 128 where the model allows (small heads are fine)")]
