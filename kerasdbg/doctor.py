@@ -313,7 +313,7 @@ def doctor(
     >>> data = tf.data.Dataset.from_tensor_slices(([[1.0]] * 10, labels)).batch(4)
     >>> findings = doctor(data=data, target="tpu", verbose=False)
     >>> [f.check for f in findings]
-    ['dynamic batch dimension', 'TPU input dtype', 'tf.data prefetch']
+    ['dynamic batch dimension', 'TPU input dtype', 'batch size', 'tf.data prefetch']
     """
     owner = "doctor"
     if model is not None and not isinstance(model, keras.Model):
