@@ -1,0 +1,203 @@
+"""`StepTimer`: where the time of each execution goes, input or compute."""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from typing import List, Optional
+
+import keras
+import numpy as np
+import pandas as pd
+import tensorflow as tf
+
+from kerasdbg import _buffers
+from kerasdbg import _events
+from kerasdbg import _keras_internals as internals
+from kerasdbg import _validation as check
+
+COLUMNS = ("step", "steps", "execution_seconds", "step_seconds", "input_seconds",
+           "compute_seconds", "input_fraction", "examples", "examples_per_second")
+
+
+class StepTimer(keras.callbacks.Callback):
+    """Times each execution of the train function and splits it into input and compute.
+
+    For each execution (`steps_per_execution` optimizer steps): its wall
+    time, the time per step, the time the steps waited for their batch
+    (`input_seconds`: from the end of one step to the start of the next, the
+    first step counted from the moment `fit` called the execution), the time
+    they computed (`compute_seconds`: from the start of `train_step`, with
+    its batch in hand, to its end), the input fraction, and examples per
+    second. The two split times come from `tf.timestamp` ops around the
+    model's `train_step` (replica 0 under a strategy); under XLA
+    (`jit_compile=True`), which cannot compile them, only the wall time and
+    the examples per second are recorded.
+
+    Warns once when training is input-bound: the median input fraction of
+    the executions after the first `warmup` (whose time includes tracing) is
+    above `input_bound_threshold`.
+
+    TensorBoard tags (events under `<log_dir>/train`, at the last step of each
+    execution): `time/execution_seconds`, `time/step_seconds`,
+    `time/input_seconds`, `time/compute_seconds`, `time/input_fraction`,
+    `time/examples_per_second`. The `history` DataFrame holds every execution.
+
+    Args:
+        log_dir: TensorBoard log directory, or None to keep the records in
+            Python only. Defaults to `None`.
+        input_bound_threshold: the input fraction above which training is
+            input-bound. Defaults to `0.5`.
+        warmup: executions left out of the input-bound test. Defaults to `2`.
+        strict: raise on a failure of the timer instead of warning. Defaults
+            to `False`.
+
+    Example:
+
+    >>> import keras, numpy as np
+    >>> from kerasdbg.callbacks import StepTimer
+    >>> inputs = keras.Input((3,), name="x")
+    >>> model = keras.Model(inputs, keras.layers.Dense(1, name="dense")(inputs))
+    >>> model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
+    >>> timer = StepTimer()
+    >>> _ = model.fit(np.ones((8, 3)), np.zeros((8, 1)), batch_size=2, verbose=0,
+    ...               callbacks=[timer])
+    >>> timer.history[["step", "steps", "examples"]].values.tolist()
+    [[2, 2, 4], [4, 2, 4]]
+    """
+
+    def __init__(self, log_dir: Optional[str] = None, input_bound_threshold: float = 0.5,
+                 warmup: int = 2, strict: bool = False):
+        super().__init__()
+        owner = "StepTimer"
+        self.log_dir = check.optional_path(owner, "log_dir", log_dir)
+        self.input_bound_threshold = check.number(
+            owner, "input_bound_threshold", input_bound_threshold, minimum=0.0, maximum=1.0)
+        self.warmup = check.non_negative_int(owner, "warmup", warmup)
+        self.strict = check.boolean(owner, "strict", strict)
+        self._rows: List[dict] = []
+        self._buffer: Optional[tf.Variable] = None
+        self._writer = None
+        self._warned = self._failed = False
+        self._timed = False
+
+    def get_config(self) -> dict:
+        return {"log_dir": self.log_dir, "input_bound_threshold": self.input_bound_threshold,
+                "warmup": self.warmup, "strict": self.strict}
+
+    @classmethod
+    def from_config(cls, config: dict) -> "StepTimer":
+        return cls(**config)
+
+    @property
+    def history(self) -> pd.DataFrame:
+        """One row per execution: `COLUMNS`."""
+        return pd.DataFrame(self._rows, columns=list(COLUMNS))
+
+    # --------------------------------------------------------- callbacks
+    def on_train_begin(self, logs=None):
+        model = self.model
+        self._rows = []
+        self._warned = self._failed = False
+        self._spe = int(model.steps_per_execution)
+        self._timed = getattr(model, "jit_compile", False) is not True
+        self._writer = (_events.writer_for(os.path.join(self.log_dir, "train"))
+                        if self.log_dir else None)
+        if self._timed:
+            with model.distribute_strategy.scope():
+                # [row, (start, end, examples)] per step of an execution.
+                self._buffer = _buffers.on_read_variable(
+                    tf.zeros([self._spe, 3], tf.float64), "kerasdbg_step_times")
+            self._patch(model)
+        self._step = int(model.optimizer.iterations.numpy())
+
+    def _patch(self, model) -> None:
+        original = model.train_step
+        buffer, optimizer, spe = self._buffer, model.optimizer, self._spe
+
+        def train_step(data):
+            flat = [t for t in tf.nest.flatten(data) if tf.is_tensor(t)]
+            with tf.control_dependencies(flat):
+                start = tf.timestamp()
+            with tf.control_dependencies([start]):
+                row = tf.math.floormod(internals.read(optimizer.iterations), spe)
+            logs = original(data)
+            with tf.control_dependencies([t for t in tf.nest.flatten(logs) if tf.is_tensor(t)]):
+                end = tf.timestamp()
+            examples = tf.cast(tf.shape(flat[0])[0], tf.float64) if flat and flat[0].shape.rank \
+                else tf.constant(np.nan, tf.float64)
+            _buffers.write_row(buffer, row, tf.stack([start, end, examples]))
+            return logs
+
+        internals.patch(model, "train_step", train_step)
+        model.make_train_function(force=True)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._begin = time.time()
+
+    def on_train_batch_end(self, batch, logs=None):
+        end = time.time()
+        try:
+            self._record(end)
+        except Exception as error:  # noqa: BLE001 - the timer must not stop fit
+            if self.strict:
+                raise
+            if not self._failed:
+                self._failed = True
+                warnings.warn(f"StepTimer could not record; training goes on. Cause: "
+                              f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=2)
+
+    def on_train_end(self, logs=None):
+        if "train_step" in vars(self.model):
+            internals.unpatch(self.model, "train_step")
+            self.model.make_train_function(force=True)
+        if self._writer is not None:
+            self._writer.flush()
+
+    # -------------------------------------------------------- records
+    def _record(self, end: float) -> None:
+        step = int(self.model.optimizer.iterations.numpy())
+        steps = step - self._step
+        self._step = step
+        if steps <= 0:
+            return
+        wall = end - self._begin
+        row = {"step": step, "steps": steps, "execution_seconds": wall,
+               "step_seconds": wall / steps, "input_seconds": np.nan, "compute_seconds": np.nan,
+               "input_fraction": np.nan, "examples": np.nan, "examples_per_second": np.nan}
+        if self._timed:
+            replicas = _buffers.read_replicas(self._buffer)
+            rows = [(s % self._spe) for s in range(step - steps, step)]
+            times = replicas[0][rows]
+            previous_end = np.concatenate([[self._begin], times[:-1, 1]])
+            input_seconds = float(np.sum(np.maximum(times[:, 0] - previous_end, 0.0)))
+            compute = float(np.sum(times[:, 1] - times[:, 0]))
+            examples = float(sum(r[rows, 2].sum() for r in replicas))
+            row.update(input_seconds=input_seconds, compute_seconds=compute,
+                       input_fraction=input_seconds / wall if wall > 0 else np.nan,
+                       examples=examples,
+                       examples_per_second=examples / wall if wall > 0 else np.nan)
+        self._rows.append(row)
+        if self._writer is not None:
+            scalars = {f"time/{k}": v for k, v in row.items()
+                       if k not in ("step", "steps", "examples") and not np.isnan(v)}
+            self._writer.write(step, scalars=scalars)
+        self._check_input_bound()
+
+    def _check_input_bound(self) -> None:
+        if self._warned or not self._timed:
+            return
+        fractions = [r["input_fraction"] for r in self._rows[self.warmup:]]
+        if len(fractions) < 3:
+            return
+        median = float(np.median(fractions))
+        if median > self.input_bound_threshold:
+            self._warned = True
+            warnings.warn(
+                f"StepTimer: training is input-bound: the steps wait for their batch "
+                f"{median:.0%} of the time (median over executions {self.warmup + 1}-"
+                f"{len(self._rows)}; threshold {self.input_bound_threshold:.0%}). Speed up the "
+                "input pipeline: `.prefetch(tf.data.AUTOTUNE)`, `num_parallel_calls` on maps, "
+                "`.cache()`; `kerasdbg.doctor(model, data)` checks its order.",
+                RuntimeWarning, stacklevel=3)
