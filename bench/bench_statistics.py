@@ -16,7 +16,9 @@ norms (and NaN/Inf counts) every step and weight norms every 10th step;
 "taps+norms" adds the taps to it. "nan_guard" is `StopOnRule(NonFiniteLoss())`
 with what it arms at every step: the loss of each step, the in-graph fault
 test that freezes the weights, and NaN localisation; "terminate_on_nan" is
-Keras's `TerminateOnNaN`, for comparison.
+Keras's `TerminateOnNaN`, for comparison. "step_timer" is `StepTimer` (two
+`tf.timestamp` ops and one buffer row per step); "step_recorder" is
+`StepRecorder(steps=3)`, whose steady state pays only the test of the step.
 
 Printed: median over rounds of each configuration's step time divided by that
 round's plain step time, and the extra trace seconds over plain.
@@ -40,12 +42,13 @@ import numpy as np  # noqa: E402
 
 import kerasdbg  # noqa: E402
 from kerasdbg.callbacks import ActivationStatistics, GradientStatistics, WeightStatistics  # noqa: E402
-from kerasdbg.callbacks import StopOnRule  # noqa: E402
+from kerasdbg.callbacks import StepRecorder, StepTimer, StopOnRule  # noqa: E402
 from kerasdbg.rules import NonFiniteLoss  # noqa: E402
 from kerasdbg.layers import TapLayer  # noqa: E402
 
 CONFIGS = ("plain", "keras_tensorboard", "scalars", "scalars+histograms", "taps+scalars",
-           "norms", "taps+norms", "terminate_on_nan", "nan_guard")
+           "norms", "taps+norms", "terminate_on_nan", "nan_guard", "step_timer",
+           "step_recorder")
 # "norms": the light set-up the README recommends for large models: one pass
 # over each gradient per step (its l2 norm; NaN/Inf counts come free with it)
 # and the weights' norms every 10th step.
@@ -81,6 +84,10 @@ def _callbacks(config, log_dir):
         return [keras.callbacks.TerminateOnNaN()]
     if config == "nan_guard":
         return [StopOnRule(NonFiniteLoss(), log_dir=log_dir)]
+    if config == "step_timer":
+        return [StepTimer(log_dir)]
+    if config == "step_recorder":  # full tensors of steps 1-3, then only the step test
+        return [StepRecorder(os.path.join(log_dir, "trace.npz"), steps=3)]
     if config == "keras_tensorboard":
         return [keras.callbacks.TensorBoard(log_dir, histogram_freq=1)]
     if config == "taps+scalars":

@@ -63,8 +63,8 @@ class StepTimer(keras.callbacks.Callback):
     >>> timer = StepTimer()
     >>> _ = model.fit(np.ones((8, 3)), np.zeros((8, 1)), batch_size=2, verbose=0,
     ...               callbacks=[timer])
-    >>> timer.history[["step", "steps", "examples"]].values.tolist()
-    [[2, 2, 4], [4, 2, 4]]
+    >>> timer.history.step.tolist(), timer.history.examples.tolist()
+    ([2, 4], [4.0, 4.0])
     """
 
     def __init__(self, log_dir: Optional[str] = None, input_bound_threshold: float = 0.5,
