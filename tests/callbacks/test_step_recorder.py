@@ -65,20 +65,21 @@ def _bn_dropout_model():
     return keras.Model(inputs, keras.layers.Dense(3, name="d2")(h), name="bn_dropout")
 
 
-def _train(callbacks, spe):
-    with kerasdbg.deterministic(5):
+def _train(callbacks, spe, strategy_name):
+    with kerasdbg.deterministic(5), make_strategy(strategy_name).scope():
         model = _bn_dropout_model()
         model.compile(keras.optimizers.Adam(0.01), "mse", steps_per_execution=spe)
         model.fit(X, Y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
     return [v.numpy() for v in model.variables]
 
 
-@pytest.mark.parametrize("spe", [1, 4], ids=["spe1", "spe4"])
-def test_recording_does_not_change_training(spe, tmp_path):
+@pytest.mark.parametrize("strategy_name,spe", [("default", 1), ("default", 4), ("mirrored", 2)],
+                         ids=["default-spe1", "default-spe4", "mirrored-spe2"])
+def test_recording_does_not_change_training(strategy_name, spe, tmp_path):
     """The replay for layer outputs puts back BatchNormalization's moving
     statistics and the Dropout seed: training is bitwise that of a plain fit."""
-    plain = _train([], spe)
-    recorded = _train([StepRecorder(str(tmp_path / "t.npz"), steps=[1, 3, 5])], spe)
+    plain = _train([], spe, strategy_name)
+    recorded = _train([StepRecorder(str(tmp_path / "t.npz"), steps=[1, 3, 5])], spe, strategy_name)
     assert len(plain) == len(recorded)
     for a, b in zip(plain, recorded):
         np.testing.assert_array_equal(a, b)
