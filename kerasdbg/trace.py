@@ -371,7 +371,7 @@ class Comparison:
         table: a pandas DataFrame, one row per matched tensor and common step:
             `step, kind, tensor_a, tensor_b, shape_a, shape_b, max_abs, max_rel,
             tolerance ("atol" or "rtol"), passed, reason`.
-        passed: whether every row passed.
+        passed: whether every row passed (False when nothing was compared).
         first_divergence: the first failing row as a dict (earliest step;
             within it, in the order a step computes: layer outputs, loss,
             gradients, learning rate, weights), or None.

@@ -46,7 +46,8 @@ class StepRecorder(keras.callbacks.Callback):
     layer with several outputs: its first float one). The replay does not
     change training, but Dropout-like layers draw a fresh random mask in it;
     compare outputs with such layers inactive. Under XLA layer outputs need
-    a static batch dimension (`drop_remainder=True`); without one they are
+    a static batch dimension or a batch size `fit` knows (arrays, or a
+    dataset batched with `drop_remainder=True`); without either they are
     left out with a warning.
 
     Args:
