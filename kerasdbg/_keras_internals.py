@@ -139,16 +139,22 @@ class StepContext:
         self.callbacks = callbacks
 
 
+def _loop_frame(frame, model, loops=LOOP_METHODS):
+    """The frame of the Keras loop (`fit`, ...) running `model` above `frame`, or None."""
+    while frame is not None:
+        if frame.f_code.co_name in loops and frame.f_locals.get("self") is model:
+            return frame
+        frame = frame.f_back
+    return None
+
+
 def _loop_callbacks(frame, model):
     """The `callbacks` local of the Keras loop running `model` above `frame`."""
     from keras.src.callbacks.callback_list import CallbackList
 
-    while frame is not None:
-        if frame.f_code.co_name in LOOP_METHODS and frame.f_locals.get("self") is model:
-            found = frame.f_locals.get("callbacks")
-            return found if isinstance(found, CallbackList) else None
-        frame = frame.f_back
-    return None
+    frame = _loop_frame(frame, model)
+    found = frame.f_locals.get("callbacks") if frame is not None else None
+    return found if isinstance(found, CallbackList) else None
 
 
 def fit_batch_size(model):
@@ -156,14 +162,12 @@ def fit_batch_size(model):
     as its data adapter reports it, or None when unknown."""
     import sys
 
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
-            adapter = getattr(frame.f_locals.get("epoch_iterator"), "data_adapter", None)
-            size = getattr(adapter, "batch_size", None)
-            return size if isinstance(size, int) and size > 0 else None
-        frame = frame.f_back
-    return None
+    frame = _loop_frame(sys._getframe(1), model, ("fit",))
+    if frame is None:
+        return None
+    adapter = getattr(frame.f_locals.get("epoch_iterator"), "data_adapter", None)
+    size = getattr(adapter, "batch_size", None)
+    return size if isinstance(size, int) and size > 0 else None
 
 
 def running_callbacks(model):

@@ -73,6 +73,7 @@ class TensorRequest(_engine.Request):
         self.columns = []
         self.handed: set = set()
         self.jit = False
+        self._step_slot = None
         # Rows of a layer output per replica under XLA when the batch
         # dimension is not static (the fit's batch size over the replicas).
         self.max_rows: Optional[int] = None
@@ -120,8 +121,12 @@ class TensorRequest(_engine.Request):
         return tf.reduce_any(matches), tf.argmax(tf.cast(matches, tf.int32), output_type=tf.int64)
 
     def record_before(self, model, optimizer, step, loss, x) -> None:
-        """Loss, learning rate and layer outputs of the step (before `apply`)."""
-        hit, slot = self._slot(step)
+        """Loss, learning rate and layer outputs of the step (before `apply`).
+
+        Keeps the step's slot for `record_after`, in the same trace of the
+        same replica function, so the train step tests the step once there.
+        """
+        hit, slot = self._step_slot = self._slot(step)
 
         def write():
             if "loss" in self.record and loss is not None:
@@ -206,7 +211,8 @@ class TensorRequest(_engine.Request):
 
     def record_after(self, step) -> None:
         """Weights after the update, and the slot's step id (last)."""
-        hit, slot = self._slot(step)
+        hit, slot = self._step_slot
+        self._step_slot = None
 
         def write():
             for buffer, variable in zip(self.weights, self.variables):

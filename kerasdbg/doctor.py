@@ -74,7 +74,7 @@ class Findings(list):
 
 def _target(strategy, target: str, model) -> tuple:
     """`(tpu, xla)`: whether the run targets a TPU, and XLA."""
-    tpu = target == "tpu" or isinstance(strategy, (tf.distribute.TPUStrategy,))
+    tpu = target == "tpu" or isinstance(strategy, tf.distribute.TPUStrategy)
     jit = getattr(model, "jit_compile", None) if getattr(model, "compiled", False) else None
     xla = tpu or target == "xla" or jit is True
     return tpu, xla

@@ -274,10 +274,6 @@ def load_trace(path: PathOrTrace) -> Trace:
     return Trace(path, meta.get("source", ""), tensors, meta.get("order", {}))
 
 
-def _kind(name: str) -> str:
-    return name if name in SCALAR_KINDS else name.split("/", 1)[0]
-
-
 def _pairs(a: Trace, b: Trace, mapping: Mapping[str, str]) -> Tuple[list, list, list]:
     """`(pairs, only_in_a, only_in_b)`: pairs `(kind, name in a, name in b)`.
 

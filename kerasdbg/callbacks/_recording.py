@@ -22,8 +22,8 @@ def selected(name: str, include: Optional[str], exclude: Optional[str]) -> bool:
 class RecordingCallback(keras.callbacks.Callback):
     """Base of the callbacks that hand records to a writer and to `history`.
 
-    Subclasses keep `log_dir` and `strict` as attributes and return their
-    constructor arguments from `get_config`.
+    Subclasses keep `log_dir` (or another `destination`) and `strict` as
+    attributes and return their constructor arguments from `get_config`.
     """
 
     log_dir: Optional[str] = None
@@ -40,18 +40,24 @@ class RecordingCallback(keras.callbacks.Callback):
             return None
         return _events.writer_for(os.path.join(self.log_dir, "train"))
 
-    def _guarded(self, write: Callable[..., None], *args) -> None:
-        """Runs `write(*args)`; a failure warns once and training goes on."""
+    @property
+    def destination(self) -> Optional[str]:
+        """Where the records go, for messages."""
+        return self.log_dir
+
+    def _guarded(self, write: Callable[..., None], *args, **kwargs) -> None:
+        """Runs `write(*args, **kwargs)`; a failure warns once and training goes on."""
         try:
-            write(*args)
+            write(*args, **kwargs)
         except Exception as error:  # noqa: BLE001 - the sink must not stop fit
             if self.strict:
                 raise
             if not getattr(self, "_failed", False):
                 self._failed = True
+                where = f" to {self.destination}" if self.destination else ""
                 warnings.warn(
-                    f"{type(self).__name__} could not write its records; "
-                    f"training goes on. Cause: {type(error).__name__}: {error}",
+                    f"{type(self).__name__} could not record: it could not write its "
+                    f"records{where}; training goes on. Cause: {type(error).__name__}: {error}",
                     RuntimeWarning,
                     stacklevel=3,
                 )

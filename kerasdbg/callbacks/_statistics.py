@@ -23,6 +23,21 @@ def trainable_float_variables(model) -> list:
     return [v for v in model.trainable_variables if internals.is_float(v)]
 
 
+def select_variables(owner: str, model, include: Optional[str], exclude: Optional[str]):
+    """`(variables, paths)`: the trainable float variables whose unique path
+    passes `include` / `exclude`; raises, listing the paths, if none does."""
+    variables = trainable_float_variables(model)
+    paths = unique_paths(variables)
+    chosen = [(v, p) for v, p in zip(variables, paths) if selected(p, include, exclude)]
+    if not chosen:
+        raise ValueError(
+            f"{owner}: no trainable float variable matches "
+            f"include={include!r}, exclude={exclude!r}. "
+            f"Variables: {', '.join(paths) or '(none)'}"
+        )
+    return [v for v, _ in chosen], [p for _, p in chosen]
+
+
 class StatisticsCallback(RecordingCallback):
     """Records per-variable statistics at each optimizer step (base class).
 
@@ -79,20 +94,7 @@ class StatisticsCallback(RecordingCallback):
 
     # ------------------------------------------------------- selection
     def _select(self, model):
-        variables = trainable_float_variables(model)
-        paths = unique_paths(variables)
-        chosen = [
-            (v, p)
-            for v, p in zip(variables, paths)
-            if selected(p, self.include, self.exclude)
-        ]
-        if not chosen:
-            raise ValueError(
-                f"{type(self).__name__}: no trainable float variable matches "
-                f"include={self.include!r}, exclude={self.exclude!r}. "
-                f"Variables: {', '.join(paths) or '(none)'}"
-            )
-        return [v for v, _ in chosen], [p for _, p in chosen]
+        return select_variables(type(self).__name__, model, self.include, self.exclude)
 
     # --------------------------------------------------------- callbacks
     def on_train_begin(self, logs=None):

@@ -6,7 +6,6 @@ import os
 import warnings
 from typing import Dict, Optional, Sequence, Union
 
-import keras
 import numpy as np
 
 from kerasdbg import _engine
@@ -14,13 +13,13 @@ from kerasdbg import _keras_internals as internals
 from kerasdbg import _step_tensors
 from kerasdbg import _validation as check
 from kerasdbg import trace as trace_lib
-from kerasdbg.callbacks._recording import selected
-from kerasdbg.callbacks._statistics import trainable_float_variables
+from kerasdbg.callbacks._recording import RecordingCallback, selected
+from kerasdbg.callbacks._statistics import select_variables
 
 RECORDABLE = _step_tensors.RECORDABLE
 
 
-class StepRecorder(keras.callbacks.Callback):
+class StepRecorder(RecordingCallback):
     """Records the full tensors of chosen training steps into one `.npz` file.
 
     For each recorded optimizer step: the loss, the learning rate the update
@@ -127,22 +126,17 @@ class StepRecorder(keras.callbacks.Callback):
                 "include": self.include, "exclude": self.exclude, "layers": self.layers,
                 "strict": self.strict}
 
-    @classmethod
-    def from_config(cls, config: dict) -> "StepRecorder":
-        return cls(**config)
+    @property
+    def destination(self) -> str:
+        return self.path
 
     # --------------------------------------------------------- callbacks
     def on_train_begin(self, logs=None):
         model = self.model
-        variables = trainable_float_variables(model)
-        paths = _engine.unique_paths(variables)
-        chosen = [(v, p) for v, p in zip(variables, paths)
-                  if selected(p, self.include, self.exclude)]
-        if not chosen and {"gradients", "weights"} & set(self.record):
-            raise ValueError(
-                f"StepRecorder: no trainable float variable matches include={self.include!r}, "
-                f"exclude={self.exclude!r}. Variables: {', '.join(paths) or '(none)'}")
-        variables, paths = [v for v, _ in chosen], [p for _, p in chosen]
+        self._failed = False
+        variables, paths = [], []
+        if {"gradients", "weights"} & set(self.record):
+            variables, paths = select_variables("StepRecorder", model, self.include, self.exclude)
         layers = []
         if "layer_outputs" in self.record:
             layers = [n for n in _step_tensors.recordable_layers(model)
@@ -204,13 +198,3 @@ class StepRecorder(keras.callbacks.Callback):
         if self._writer is not None:
             self._guarded(self._writer.save)
             self._saved = True
-
-    def _guarded(self, function, *args, **kwargs) -> None:
-        try:
-            function(*args, **kwargs)
-        except Exception as error:  # noqa: BLE001 - must not stop fit
-            if self.strict:
-                raise
-            warnings.warn(
-                f"StepRecorder could not record to {self.path}; training goes on. "
-                f"Cause: {type(error).__name__}: {error}", RuntimeWarning, stacklevel=3)

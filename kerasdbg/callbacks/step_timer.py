@@ -2,26 +2,24 @@
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from typing import List, Optional
 
-import keras
 import numpy as np
 import pandas as pd
 import tensorflow as tf
 
 from kerasdbg import _buffers
-from kerasdbg import _events
 from kerasdbg import _keras_internals as internals
 from kerasdbg import _validation as check
+from kerasdbg.callbacks._recording import RecordingCallback
 
 COLUMNS = ("step", "steps", "execution_seconds", "step_seconds", "input_seconds",
            "compute_seconds", "input_fraction", "examples", "examples_per_second")
 
 
-class StepTimer(keras.callbacks.Callback):
+class StepTimer(RecordingCallback):
     """Times each execution of the train function and splits it into input and compute.
 
     For each execution (`steps_per_execution` optimizer steps): its wall
@@ -79,16 +77,12 @@ class StepTimer(keras.callbacks.Callback):
         self._rows: List[dict] = []
         self._buffer: Optional[tf.Variable] = None
         self._writer = None
-        self._warned = self._failed = False
+        self._warned = False
         self._timed = False
 
     def get_config(self) -> dict:
         return {"log_dir": self.log_dir, "input_bound_threshold": self.input_bound_threshold,
                 "warmup": self.warmup, "strict": self.strict}
-
-    @classmethod
-    def from_config(cls, config: dict) -> "StepTimer":
-        return cls(**config)
 
     @property
     def history(self) -> pd.DataFrame:
@@ -99,11 +93,10 @@ class StepTimer(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         model = self.model
         self._rows = []
-        self._warned = self._failed = False
+        self._warned = False
         self._spe = int(model.steps_per_execution)
         self._timed = getattr(model, "jit_compile", False) is not True
-        self._writer = (_events.writer_for(os.path.join(self.log_dir, "train"))
-                        if self.log_dir else None)
+        self._writer = self._open_writer()
         if self._timed:
             with model.distribute_strategy.scope():
                 # [row, (start, end, examples)] per step of an execution.
@@ -137,16 +130,7 @@ class StepTimer(keras.callbacks.Callback):
         self._begin = time.time()
 
     def on_train_batch_end(self, batch, logs=None):
-        end = time.time()
-        try:
-            self._record(end)
-        except Exception as error:  # noqa: BLE001 - the timer must not stop fit
-            if self.strict:
-                raise
-            if not self._failed:
-                self._failed = True
-                warnings.warn(f"StepTimer could not record; training goes on. Cause: "
-                              f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=2)
+        self._guarded(self._record, time.time())
 
     def on_train_end(self, logs=None):
         if "train_step" in vars(self.model):
