@@ -16,6 +16,7 @@ on the first write of each tag.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import socket
 import time
@@ -69,6 +70,8 @@ class EventWriter:
         self._writer.flush()
         self._last_flush = time.monotonic()
         self._described = set()
+        # tag -> (step, value) of the last scalar written with `unique=True`.
+        self._unique: Dict[str, Tuple[int, float]] = {}
 
     def _metadata(self, tag: str, plugin) -> Optional[summary_pb2.SummaryMetadata]:
         if tag in self._described:
@@ -83,6 +86,7 @@ class EventWriter:
         histograms: Mapping[str, Tuple[np.ndarray, float, float]] = (),
         texts: Mapping[str, str] = (),
         wall_time: Optional[float] = None,
+        unique: bool = False,
     ) -> None:
         """Writes one event holding every value of `step`.
 
@@ -92,9 +96,16 @@ class EventWriter:
             histograms: tag -> (counts, low, high) for equal-width bins.
             texts: tag -> markdown text.
             wall_time: seconds since the epoch. Defaults to now.
+            unique: leave out each scalar that this writer already wrote at
+                this step with the same value (several `StopOnRule`s in one
+                log directory each record `step/loss`). Defaults to `False`.
         """
         values = []
         for tag, value in dict(scalars).items():
+            if unique:
+                if _same(self._unique.get(tag), (int(step), float(value))):
+                    continue
+                self._unique[tag] = (int(step), float(value))
             values.append(summary_pb2.Summary.Value(tag=tag, simple_value=float(value)))
         for tag, (counts, low, high) in dict(histograms).items():
             values.append(
@@ -133,6 +144,12 @@ class EventWriter:
 
     def close(self) -> None:
         self._writer.close()
+
+
+def _same(old: Optional[Tuple[int, float]], new: Tuple[int, float]) -> bool:
+    if old is None or old[0] != new[0]:
+        return False
+    return old[1] == new[1] or (math.isnan(old[1]) and math.isnan(new[1]))
 
 
 _WRITERS: Dict[str, EventWriter] = {}

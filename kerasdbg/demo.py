@@ -2,15 +2,18 @@
 
 A healthy run and one with a learning rate far too high, side by side, each
 with `GradientStatistics`, `WeightStatistics`, taps after the ReLU layers
-(`insert_taps` + `ActivationStatistics`), `StopOnRule` watching rules (it only
-reports here, so that the broken run is recorded to its end) and Keras's own
-`TensorBoard` callback in one log directory. Synthetic data, so nothing is
+(`insert_taps` + `ActivationStatistics`), two `StopOnRule`s (one stops
+training at a non-finite loss or gradient, keeping the weights of the last
+good step and naming the layer where the NaN arose; one only warns of dead
+ReLU units) and Keras's own `TensorBoard` callback in one log directory. Each
+run also gets a `kerasdbg report` page. Synthetic data, so nothing is
 downloaded.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Dict
 
 import numpy as np
@@ -49,14 +52,15 @@ def make_model():
 
 def train(log_dir: str, learning_rate: float, epochs: int, optimizer: str = "adam"):
     """Trains the CNN with the instruments; returns the gradient statistics, the
-    verdicts of the rules and the model."""
+    verdicts of the rules (in step order), whether a rule stopped the
+    training, and the model."""
     import keras
 
     from kerasdbg import insert_taps
     from kerasdbg.callbacks import ActivationStatistics, GradientStatistics, StopOnRule
     from kerasdbg.callbacks import WeightStatistics
     from kerasdbg.layers import TapLayer
-    from kerasdbg.rules import DeadReLU, ExplodingTensor, NonFiniteLoss
+    from kerasdbg.rules import DeadReLU, ExplodingTensor, NonFiniteLoss, RuleWarning
 
     keras.utils.set_random_seed(0)
     images, labels = make_data()
@@ -71,21 +75,25 @@ def train(log_dir: str, learning_rate: float, epochs: int, optimizer: str = "ada
     )
     gradients = GradientStatistics(log_dir, histogram_every_n_steps=2)
     weights = WeightStatistics(log_dir, histogram_every_n_steps=2)
-    # Report, do not stop or freeze: the demo keeps the broken run whole.
-    rules = StopOnRule([NonFiniteLoss(), ExplodingTensor(), DeadReLU()], log_dir=log_dir,
-                       action=lambda verdicts, model: None, freeze_on_fault=False,
-                       locate_nan=True, verbose=False)
-    model.fit(
-        images,
-        labels,
-        batch_size=64,
-        epochs=epochs,
-        validation_split=0.1,
-        verbose=0,
-        callbacks=[gradients, weights, ActivationStatistics(log_dir), rules,
-                   keras.callbacks.TensorBoard(log_dir)],
-    )
-    return gradients, rules.verdicts, model
+    # Stop at a non-finite loss or gradient: the faulty step does not reach the
+    # weights, and the first layer whose output held NaN/Inf is named.
+    stop = StopOnRule([NonFiniteLoss(), ExplodingTensor()], log_dir=log_dir, verbose=False)
+    # Dead ReLU units are worth knowing about, not worth stopping for: warn.
+    watch = StopOnRule(DeadReLU(), action="warn", log_dir=log_dir, verbose=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuleWarning)  # the demo prints the verdicts itself
+        model.fit(
+            images,
+            labels,
+            batch_size=64,
+            epochs=epochs,
+            validation_split=0.1,
+            verbose=0,
+            callbacks=[gradients, weights, ActivationStatistics(log_dir), stop, watch,
+                       keras.callbacks.TensorBoard(log_dir)],
+        )
+    verdicts = sorted(watch.verdicts + stop.verdicts, key=lambda verdict: verdict.step)
+    return gradients, verdicts, bool(stop.verdicts), model
 
 
 def dead_units(model) -> str:
@@ -106,10 +114,13 @@ def summarize(name: str, gradients) -> str:
 
     history = gradients.history.set_index("step")
     lines = [f"  {name}: {len(history)} steps recorded"]
-    finite = np.isfinite(history["global_norm"].to_numpy())
+    # The norms leave NaN/Inf out (they are counted): a step with any is not "finite".
+    counts = history.filter(regex=r"/(nan|inf)_count$").fillna(0).to_numpy()
+    finite = np.isfinite(history["global_norm"].to_numpy()) & (counts.sum(axis=1) == 0)
     if finite.any():
-        last = history["global_norm"][finite].iloc[-1]
-        lines.append(f"    global gradient norm at the last finite step: {last:.4g}")
+        step = history.index[finite][-1]
+        lines.append(f"    global gradient norm at the last step without NaN/Inf: "
+                     f"{history['global_norm'][step]:.4g} (step {step})")
     bad = first_positive_step(history.filter(like="/nan_count"))
     if bad is not None:
         lines.append(f"    first step with a NaN gradient: {bad}")
@@ -126,6 +137,8 @@ def run_demo(out: str = "runs/demo", epochs: int = 3) -> Dict[str, str]:
     Returns:
         The run name -> log directory.
     """
+    from kerasdbg.report import write_report
+
     runs = {
         "healthy": dict(learning_rate=1e-3, optimizer="adam"),
         "lr_too_high": dict(learning_rate=30.0, optimizer="sgd"),
@@ -134,19 +147,24 @@ def run_demo(out: str = "runs/demo", epochs: int = 3) -> Dict[str, str]:
     print(f"kerasdbg demo: training a small CNN twice ({epochs} epochs each) ...")
     for name, settings in runs.items():
         log_dir = os.path.join(out, name)
-        gradients, verdicts, model = train(log_dir, epochs=epochs, **settings)
+        gradients, verdicts, stopped, model = train(log_dir, epochs=epochs, **settings)
         print(summarize(name, gradients))
         print(dead_units(model))
         for verdict in verdicts:
             print(f"    rule: {verdict.reason}")
         if not verdicts:
             print("    rules: none fired")
+        if stopped:
+            step = int(model.optimizer.iterations.numpy())
+            print(f"    stopped by StopOnRule after step {step}; the weights are those before "
+                  "the fault (frozen there)")
+        print(f"    report: {write_report(log_dir)}")
         dirs[name] = log_dir
     absolute = os.path.abspath(out)
     print(f"\nTensorBoard logs written to {absolute}")
     print(f"Open them with:\n  tensorboard --logdir {absolute}\nthen browse http://localhost:6006 "
           "(Scalars: gradients/*, weights/*, activations/*, step/loss; Histograms; Text: "
-          "rules/verdicts; Keras's own epoch_loss).")
+          "rules/verdicts; Keras's own epoch_loss). Or open each run's report.html.")
     return dirs
 
 

@@ -139,7 +139,8 @@ class Run:
 
     def scalar_table(self, tag_or_regex: str, run: Optional[str] = None) -> pd.DataFrame:
         """The scalars as a table: one row per step, one column per tag (the
-        last value where a step was written twice).
+        last value where a step was written twice; NaN where a tag was not
+        written at a step, and where NaN was written).
 
         Raises:
             KeyError: when no scalar tag matches; the message lists the tags.
@@ -157,7 +158,10 @@ class Run:
         {'a/x': [1.0, 2.0], 'a/y': [-1.0, -2.0]}
         """
         frame = self.scalars(tag_or_regex, run=run)
-        table = frame.pivot_table(index="step", columns="tag", values="value", aggfunc="last")
+        # `pivot`, not `pivot_table`: the latter drops NaN values, and a NaN loss
+        # is exactly what a debugging table must keep.
+        last = frame.drop_duplicates(["step", "tag"], keep="last")
+        table = last.pivot(index="step", columns="tag", values="value")
         table.columns.name = None
         return table
 
@@ -305,46 +309,50 @@ class Tensor:
                 f"{run.log_dir!r}. Tensors: {', '.join(run.tensor_names(run=run_name)) or '(none)'}"
             )
 
-    def _table(self) -> pd.DataFrame:
+    def _rows(self) -> pd.DataFrame:
+        """The written scalars (the last per step and tag): run.scalars's long
+        form, so that a NaN that was written is told from a value never written."""
         if self._scalar:
-            table = self._run.scalar_table(re.escape(self.name), run=self._run_name)
-            return table.rename(columns={self.name: "value"})
-        if not self.statistics:
-            return pd.DataFrame()
-        pattern = re.escape(self.name) + "/(" + "|".join(map(re.escape, self.statistics)) + ")"
-        table = self._run.scalar_table(pattern, run=self._run_name)
-        return table.rename(columns=lambda tag: tag[len(self.name) + 1:])
+            pattern = re.escape(self.name)
+        elif self.statistics:
+            pattern = re.escape(self.name) + "/(" + "|".join(map(re.escape, self.statistics)) + ")"
+        else:
+            return pd.DataFrame(columns=["step", "tag", "value"])
+        frame = self._run.scalars(pattern, run=self._run_name)
+        return frame.drop_duplicates(["step", "tag"], keep="last").sort_values("step", kind="stable")
 
     def steps(self) -> List[int]:
         """The steps with a recorded value (or, without statistics, histogram)."""
-        table = self._table()
-        if len(table):
-            return [int(s) for s in table.index]
+        rows = self._rows()
+        if len(rows):
+            return sorted(int(s) for s in rows.step.unique())
         return self._run.steps(self.name, run=self._run_name)
 
     def value(self, step: int) -> Union[float, Dict[str, float]]:
-        """The scalar at `step`, or the dict statistic -> value of a tensor.
+        """The scalar at `step`, or the dict statistic -> value of a tensor
+        (NaN where NaN was recorded, e.g. the mean of a gradient that is all NaN).
 
         Raises:
             KeyError: when `step` was not recorded; the message lists the steps.
         """
-        table = self._table()
-        if step not in table.index:
-            steps = [int(s) for s in table.index]
+        rows = self._rows()
+        at = rows[rows.step == step]
+        if not len(at):
+            steps = sorted(int(s) for s in rows.step.unique())
             raise KeyError(
                 f"Tensor {self.name!r}: step {step!r} was not recorded. Steps: "
                 f"{', '.join(map(str, steps[:20]))}" + (" ..." if len(steps) > 20 else "")
             )
-        return self._value(table.loc[step])
+        return self._value(at)
 
-    def _value(self, row):
+    def _value(self, rows: pd.DataFrame):
         if self._scalar:
-            return float(row["value"])
-        return {k: float(v) for k, v in row.items() if not pd.isna(v)}
+            return float(rows.value.iloc[-1])
+        return {tag[len(self.name) + 1:]: float(value) for tag, value in zip(rows.tag, rows.value)}
 
     def values(self) -> Dict[int, Union[float, Dict[str, float]]]:
         """`{step: value(step)}` for every recorded step (one read)."""
-        return {int(step): self._value(row) for step, row in self._table().iterrows()}
+        return {int(step): self._value(rows) for step, rows in self._rows().groupby("step")}
 
     def reduction(self, step: int, name: str = "mean", abs: bool = False) -> float:
         """A reduction of the tensor at `step`, from its recorded statistics.

@@ -77,7 +77,10 @@ def _layer_norms(norms: pd.DataFrame) -> pd.DataFrame:
 def collect(log_dir: str, run_name: str = "train", progress=None) -> Dict[str, object]:
     """Reads what the report shows from a log directory: step x tag tables
     under "loss", "global_norm", "gradient_norms", "nan_counts",
-    "update_ratios", "activations", and the "verdicts" texts.
+    "update_ratios", "activations", the `epoch_*` scalars of Keras's
+    `TensorBoard` callback (this run and its "validation" sibling; steps are
+    epochs) in `Run.scalars`'s long form under "epochs", and the "verdicts"
+    texts.
 
     Args:
         log_dir: a log directory written by kerasdbg's callbacks.
@@ -129,6 +132,13 @@ def collect(log_dir: str, run_name: str = "train", progress=None) -> Dict[str, o
         if progress:
             progress(done, total, f"reading {name}")
         data[name] = _wide(run, pattern, run_name)
+    # Keras's own TensorBoard callback: epoch_loss, epoch_<metric> per epoch,
+    # in this run and in its "validation" sibling.
+    epochs = [run.scalars(r"epoch_.+", run=name)
+              for name in dict.fromkeys((run_name, "validation"))
+              if name in run.runs and run.tags(r"epoch_.+", run=name)]
+    data["epochs"] = (pd.concat(epochs, ignore_index=True) if epochs
+                      else pd.DataFrame(columns=["run", "tag", "step", "wall_time", "value"]))
     verdicts = pd.DataFrame()
     if run.tags("rules/verdicts", kind="text", run=run_name):
         verdicts = run.texts("rules/verdicts", run=run_name)[["step", "text"]]
@@ -230,27 +240,81 @@ def _first_nonfinite(data) -> Optional[int]:
 
 
 # ------------------------------------------------------------------ plots
-def _plot_lines(frame: pd.DataFrame, title: str, ylabel: str, path: str, log: bool = False,
-                labels: Optional[List[str]] = None) -> str:
+def _plot_lines(frame: pd.DataFrame, title: str, ylabel: str, path: str,
+                log: Optional[bool] = False, labels: Optional[List[str]] = None,
+                mark: Optional[int] = None) -> str:
+    """Lines over optimizer steps. `log=None` picks a log scale when the finite
+    values are positive and span more than three decades (a diverging loss);
+    `mark` draws the first non-finite step."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
+    finite = frame.replace([np.inf, -np.inf], np.nan)
+    if log is None:
+        low, high = np.nanmin(finite.to_numpy(dtype=float)), np.nanmax(finite.to_numpy(dtype=float))
+        log = bool(low > 0 and high / low > 1e3)
     figure, axes = plt.subplots(figsize=(8, 3.6))
     for column, label in zip(frame.columns, labels or list(frame.columns)):
-        series = frame[column].replace([np.inf, -np.inf], np.nan).dropna()
+        series = finite[column].dropna()
         if log:
             series = series[series > 0]
-        axes.plot(series.index, series.to_numpy(), label=label, linewidth=1.2)
+        axes.plot(series.index, series.to_numpy(), label=label, linewidth=1.2,
+                  marker="o" if len(series) <= 12 else None, markersize=3)
+    if mark is not None:
+        axes.axvline(mark, color="crimson", linestyle="--", linewidth=1,
+                     label=f"first non-finite step ({mark})")
     if log:
         axes.set_yscale("log")
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes.set_title(title)
     axes.set_xlabel("optimizer step")
     axes.set_ylabel(ylabel)
-    if 1 < len(frame.columns) <= 12:
+    if 1 < len(frame.columns) + (mark is not None) <= 12:
         axes.legend(fontsize=7, loc="best")
     axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=96)
+    plt.close(figure)
+    return path
+
+
+def _plot_epochs(epochs: pd.DataFrame, path: str) -> str:
+    """One panel per Keras metric (epoch_loss, epoch_accuracy, ...), a line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    metrics = sorted(epochs.tag.unique())
+    columns = min(len(metrics), 3)
+    rows = -(-len(metrics) // columns)
+    figure, grid = plt.subplots(rows, columns, figsize=(8, 2.8 * rows), squeeze=False)
+    for axes, metric in zip(grid.flat, metrics):
+        bad = []
+        for run, series in epochs[epochs.tag == metric].groupby("run", sort=False):
+            finite = np.isfinite(series.value.to_numpy(dtype=float))
+            axes.plot(series.step[finite], series.value[finite], marker="o", label=run,
+                      linewidth=1.2)
+            bad += [f"{run} {int(e)}" for e in series.step[~finite]]
+        if bad:
+            axes.text(0.02, 0.95, "non-finite at epoch: " + ", ".join(bad), color="crimson",
+                      fontsize=7, transform=axes.transAxes, va="top")
+        shown = sorted(epochs.step.unique())
+        if len(shown) <= 12:
+            axes.set_xticks(shown)
+            axes.set_xlim(shown[0] - 0.5, shown[-1] + 0.5)
+        else:
+            axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+        axes.set_title(metric, fontsize=9)
+        axes.set_xlabel("epoch (from 0, as Keras writes it)", fontsize=8)
+        axes.legend(fontsize=7, loc="best")
+        axes.grid(alpha=0.3)
+    for axes in list(grid.flat)[len(metrics):]:
+        axes.set_visible(False)
     figure.tight_layout()
     figure.savefig(path, dpi=96)
     plt.close(figure)
@@ -262,6 +326,7 @@ def _plot_heatmap(layers: pd.DataFrame, path: str) -> str:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     values = layers.T.to_numpy(dtype=float)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -272,6 +337,7 @@ def _plot_heatmap(layers: pd.DataFrame, path: str) -> str:
                                 len(layers.columns) - 0.5, -0.5))
     axes.set_yticks(range(len(layers.columns)))
     axes.set_yticklabels(layers.columns, fontsize=7)
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes.set_xlabel("optimizer step")
     axes.set_title("gradient norm per layer (log10; blank: zero or non-finite)")
     figure.colorbar(image, ax=axes, fraction=0.03)
@@ -285,7 +351,8 @@ def write_report(log_dir: str, out: Optional[str] = None, run_name: str = "train
                  progress_stream=None) -> str:
     """Writes `report.html` and its PNG plots; returns the HTML file's path.
 
-    The page shows the loss, the global gradient norm, a per-layer
+    The page shows the loss, Keras's epoch logs (when its `TensorBoard`
+    callback shared the log directory), the global gradient norm, a per-layer
     gradient-norm heatmap (layers x steps), the weights' update ratios, the
     activation health of the taps and the rule verdicts, each when the run
     recorded it, with the text `summary` on top.
@@ -327,12 +394,18 @@ def _write(data: Dict[str, object], out: Optional[str]) -> str:
         make(os.path.join(out, name))
         sections.append(f'<h2>{html.escape(title)}</h2><img src="{html.escape(name)}" alt="{html.escape(title)}">')
 
+    first = _first_nonfinite(data)
     loss: pd.DataFrame = data["loss"]
     if len(loss.columns):
-        figure("loss.png", "Loss", lambda p: _plot_lines(loss, "loss", "loss", p))
+        figure("loss.png", "Loss", lambda p: _plot_lines(loss, "loss", "loss", p, log=None,
+                                                         mark=first))
+    epochs: pd.DataFrame = data["epochs"]
+    if len(epochs):
+        figure("epochs.png", "Keras's epoch logs (TensorBoard callback)",
+               lambda p: _plot_epochs(epochs, p))
     if len(data["global_norm"].columns):
         figure("global_norm.png", "Global gradient norm", lambda p: _plot_lines(
-            data["global_norm"], "global gradient norm", "norm", p, log=True))
+            data["global_norm"], "global gradient norm", "norm", p, log=True, mark=first))
     norms: pd.DataFrame = data["gradient_norms"]
     if len(norms.columns):
         norms = norms.copy()

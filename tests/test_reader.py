@@ -39,6 +39,48 @@ def test_scalars_histograms_and_text_round_trip(tmp_path):
     np.testing.assert_allclose(hist.counts, [1, 2, 3])
 
 
+def test_scalar_table_keeps_nan_values_and_the_last_of_a_rewritten_step(tmp_path):
+    writer = _events.EventWriter(os.path.join(str(tmp_path), "train"))
+    writer.write(1, {"a/loss": 1.0})
+    writer.write(2, {"a/loss": np.nan, "b/only_nan": np.nan})
+    writer.write(2, {"b/only_nan": np.nan})
+    writer.write(3, {"a/loss": 2.0})
+    writer.write(3, {"a/loss": 3.0})
+    writer.flush()
+    table = load_run(str(tmp_path)).scalar_table(r"(a|b)/.*")
+    assert table.index.tolist() == [1, 2, 3]
+    np.testing.assert_array_equal(table["a/loss"].to_numpy(), [1.0, np.nan, 3.0])
+    assert table["b/only_nan"].isna().all()
+
+
+def test_tensor_value_keeps_a_recorded_nan_and_leaves_out_what_was_not_written(tmp_path):
+    writer = _events.EventWriter(os.path.join(str(tmp_path), "train"))
+    writer.write(1, {"g/x/min": -2.0, "g/x/max": 1.0, "g/x/nan_count": 0.0})
+    writer.write(2, {"g/x/min": np.nan, "g/x/max": np.nan, "g/x/nan_count": 3.0})
+    writer.write(3, {"g/x/nan_count": 0.0})
+    writer.flush()
+    tensor = load_run(str(tmp_path)).tensor("g/x")
+    assert tensor.steps() == [1, 2, 3]
+    assert tensor.reduction(1, "max", abs=True) == 2.0
+    assert np.isnan(tensor.reduction(2, "max", abs=True))  # all NaN: no finite max
+    assert tensor.value(2)["nan_count"] == 3.0
+    assert tensor.value(3) == {"nan_count": 0.0}
+    assert set(tensor.values()) == {1, 2, 3}
+    with pytest.raises(KeyError, match="needs the statistics min, max, not recorded at step 3"):
+        tensor.reduction(3, "max", abs=True)
+
+
+def test_unique_scalars_are_written_once_per_step_and_value(tmp_path):
+    writer = _events.EventWriter(os.path.join(str(tmp_path), "train"))
+    for step, value in [(1, 1.0), (1, 1.0), (2, np.nan), (2, np.nan), (2, 5.0), (3, 5.0)]:
+        writer.write(step, {"s": value}, unique=True)
+    writer.write(3, {"s": 5.0})  # not unique: written again
+    writer.flush()
+    frame = load_run(str(tmp_path)).scalars("s")
+    assert frame.step.tolist() == [1, 2, 2, 3, 3]
+    np.testing.assert_array_equal(frame.value.to_numpy(), [1.0, np.nan, 5.0, 5.0, 5.0])
+
+
 def test_new_steps_appear_on_the_next_call(tmp_path):
     writer = _write_steps(str(tmp_path), [1, 2])
     run = load_run(str(tmp_path))

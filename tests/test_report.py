@@ -110,3 +110,26 @@ def test_help_explains_each_command_with_an_example(capsys):
         with pytest.raises(SystemExit):
             cli.main([command, "--help"])
         assert "Example: kerasdbg " + command in " ".join(capsys.readouterr().out.split())
+
+
+def test_report_plots_the_epoch_logs_of_keras_tensorboard_callback(tmp_path):
+    """Keras's epoch_loss (steps are epochs, from 0) beside kerasdbg's per-step tags;
+    the values are those of Keras's History."""
+    log_dir = str(tmp_path / "logs")
+    model = make_mlp()
+    model.compile(keras.optimizers.SGD(LEARNING_RATE), "mse", metrics=["mae"])
+    history = model.fit(X, Y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0,
+                        validation_data=(X[:4], Y[:4]),
+                        callbacks=[GradientStatistics(log_dir),
+                                   keras.callbacks.TensorBoard(log_dir)])
+    data = kerasdbg.report.collect(log_dir)
+    epochs = data["epochs"]
+    for run, tag, key in [("train", "epoch_loss", "loss"), ("train", "epoch_mae", "mae"),
+                          ("validation", "epoch_loss", "val_loss"),
+                          ("validation", "epoch_mae", "val_mae")]:
+        rows = epochs[(epochs.run == run) & (epochs.tag == tag)].sort_values("step")
+        assert rows.step.tolist() == [0, 1, 2]
+        np.testing.assert_allclose(rows.value.to_numpy(), history.history[key], rtol=1e-6)
+    page = write_report(log_dir)
+    assert "epochs.png" in os.listdir(os.path.dirname(page))
+    assert "Keras&#x27;s epoch logs" in open(page).read()

@@ -72,7 +72,11 @@ class StopOnRule(keras.callbacks.Callback):
     same decision. Frozen steps still count in `optimizer.iterations`. The
     freeze is reported as a `FreezeOnFault` verdict when no rule fired at
     that step; with "warn" the weights are unfrozen after the report (the
-    frozen steps are lost, as skipped batches).
+    frozen steps are lost, as skipped batches). Several `StopOnRule`s can
+    watch one model, e.g. one that stops on non-finite values and one that
+    only warns of dead units: only those with `freeze_on_fault` report or
+    lift a freeze, and the `step/` and `epoch/` scalars they share are
+    written once to a shared log directory.
 
     Every replica and every worker reaches the same decision from gradients,
     weights and loss, which are read after the cross-replica sum; activation
@@ -379,7 +383,8 @@ class StopOnRule(keras.callbacks.Callback):
             self._evaluate(step, verdicts)
 
     def _freeze_verdict(self, step: int, record, verdicts) -> List[Verdict]:
-        if self._freeze_reported or not record.get("step/frozen"):
+        # The engine's step record is shared: another StopOnRule may have frozen.
+        if not self.freeze_on_fault or self._freeze_reported or not record.get("step/frozen"):
             return []
         self._freeze_reported = True
         if verdicts:
@@ -417,7 +422,7 @@ class StopOnRule(keras.callbacks.Callback):
             return
         scalars = {k: v for k, v in record.items() if k.startswith(_OWN_PREFIXES)}
         if scalars:
-            self._writer.write(step, scalars)
+            self._writer.write(step, scalars, unique=True)
 
     # ----------------------------------------------------------- acting
     def _evaluate(self, step: int, verdicts: List[Verdict]) -> None:
@@ -434,7 +439,7 @@ class StopOnRule(keras.callbacks.Callback):
         if self.action == "warn":
             for verdict in verdicts:
                 warnings.warn(verdict.reason, RuleWarning, stacklevel=3)
-            if engine.frozen:
+            if self.freeze_on_fault and engine.frozen:
                 engine.unfreeze()
             return
         if callable(self.action):

@@ -219,6 +219,26 @@ def test_stop_spares_the_last_backup_and_saves_no_faulty_checkpoint(tmp_path, ca
         assert not any(hook.startswith("on_") for hook in vars(callback))
 
 
+def test_a_second_stop_on_rule_neither_reports_nor_lifts_the_freeze_of_the_first(tmp_path):
+    """One StopOnRule freezes at the NaN and goes on (callable action); another,
+    without freeze_on_fault, warns at the same step. The freeze stays: every
+    step from the fault on is skipped, and only the first reports it."""
+    model = _model(optimizer="sgd")
+    freezing = StopOnRule(NonFiniteLoss(), action=lambda verdicts, m: None, log_dir=str(tmp_path),
+                          verbose=False)
+    warning = StopOnRule(NonFiniteLoss(), action="warn", freeze_on_fault=False,
+                         log_dir=str(tmp_path), verbose=False)
+    with pytest.warns(RuleWarning, match="NonFiniteLoss at step 7"):
+        _fit(model, _with_batch(FAULT, np.nan), [freezing, warning])
+    assert int(model.optimizer.iterations.numpy()) == STEPS
+    assert [v.rule for v in freezing.verdicts] == ["NonFiniteLoss", "NaNSource"]
+    assert [v.rule for v in warning.verdicts] == ["NonFiniteLoss", "NaNSource"]
+    _assert_weights(model.get_weights(), _weights_after("default", FAULT - 1, optimizer="sgd"))
+    # Both record step/loss in one log directory; each step is written once.
+    losses = kerasdbg.load_run(str(tmp_path)).scalars("step/loss")
+    assert losses.step.tolist() == list(range(1, STEPS + 1))
+
+
 # --------------------------------------------------------- TensorBoard text
 def test_verdicts_are_written_as_text_at_their_step(tmp_path):
     model = _model(spe=4)
