@@ -254,8 +254,9 @@ def _plot_lines(frame: pd.DataFrame, title: str, ylabel: str, path: str,
 
     finite = frame.replace([np.inf, -np.inf], np.nan)
     if log is None:
-        low, high = np.nanmin(finite.to_numpy(dtype=float)), np.nanmax(finite.to_numpy(dtype=float))
-        log = bool(low > 0 and high / low > 1e3)
+        values = finite.to_numpy(dtype=float)
+        values = values[~np.isnan(values)]
+        log = bool(values.size and values.min() > 0 and values.max() / values.min() > 1e3)
     figure, axes = plt.subplots(figsize=(8, 3.6))
     for column, label in zip(frame.columns, labels or list(frame.columns)):
         series = finite[column].dropna()
