@@ -21,6 +21,13 @@ CASES = {
     "float64": RNG.normal(size=(6,)).astype("float64"),
     "int": np.array([0, 3, -4, 0], "int32"),
     "empty": np.zeros((0, 3), "float32"),
+    # At least stats_lib.LARGE elements: the one-pass variance (mean below the
+    # spread), its two-pass fallback (mean far above it), and the masked path.
+    "large_with_zeros": np.where(RNG.random((300, 400)) < 0.1, 0,
+                                 RNG.normal(0.1, 2.0, size=(300, 400))).astype("float32"),
+    "large_offset": (1.0 + 1e-3 * RNG.normal(size=(70_000,))).astype("float32"),
+    "large_with_nan": np.where(RNG.random((70_000,)) < 1e-4, np.nan,
+                               RNG.normal(size=(70_000,))).astype("float32"),
 }
 
 MODES = {
@@ -44,6 +51,20 @@ def test_statistics_match_numpy(mode):
         finite = np.asarray(array, np.float64)[np.isfinite(np.asarray(array, np.float64))]
         scale = float(np.max(np.abs(finite))) if finite.size else 1.0
         assert_stats_close(dict(zip(stats_lib.STATISTICS, row)), expected, scale, name)
+
+
+@pytest.mark.parametrize("mode", list(MODES), ids=list(MODES))
+def test_each_finite_tensor_alone_takes_the_fast_path_and_matches_numpy(mode):
+    """Above, one non-finite tensor sends the whole batch to the masked path;
+    alone, a finite tensor is described by the fast path's plain reductions."""
+    compute = MODES[mode](lambda t: stats_lib.tensor_statistics([t]))
+    for name, array in CASES.items():
+        if not np.all(np.isfinite(array)) or array.size == 0 or name == "overflowing_sum":
+            continue
+        row = compute(tf.constant(array)).numpy()[0]
+        scale = float(np.max(np.abs(array)))
+        assert_stats_close(dict(zip(stats_lib.STATISTICS, row)), reference_stats(array), scale,
+                           name)
 
 
 @pytest.mark.parametrize("mode", list(MODES), ids=list(MODES))
