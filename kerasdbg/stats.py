@@ -66,7 +66,7 @@ a pass over memory costs more than the `tf.cond` that guards it."""
 def _count(mask: tf.Tensor) -> tf.Tensor:
     size = mask.shape.num_elements()
     if size is not None and size < 2**31:
-        # Exact in int32, and a third of the memory traffic of a float64 cast
+        # Exact in int32, and half the memory traffic of a float64 cast
         # (measured on 23.5 M elements: 15.5 ms against 23.6 ms).
         return tf.cast(tf.reduce_sum(tf.cast(mask, tf.int32)), tf.float64)
     return tf.reduce_sum(tf.cast(mask, tf.float64))
