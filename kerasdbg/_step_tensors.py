@@ -11,9 +11,10 @@ it is filled:
 - layer outputs: one shape-less buffer per layer and slot, because the batch
   dimension is only known at run time. Under a strategy each replica keeps
   its own slice of the batch and the host concatenates the replicas. XLA
-  needs the buffer's shape before it compiles: it is set at trace time when
-  the batch dimension is static (a dataset batched with
-  `drop_remainder=True`); otherwise layer outputs are left out with a warning.
+  needs the buffer's shape before it compiles: it is set at trace time, from
+  the static batch dimension or else padded to the fit's per-replica batch
+  size (`max_rows`; a per-slot row count cuts the padding off). When neither
+  is known, layer outputs are left out with a warning.
 
 Layer outputs come from a replay of the forward pass (`_replay`) on the
 step's inputs with the step's weights, inside a `tf.cond` taken at recorded
@@ -59,8 +60,10 @@ class TensorRequest(_engine.Request):
         steps: the optimizer steps (>= 1) to record.
         record: which of `RECORDABLE`.
         layers: qualified layer names whose outputs are recorded.
-        consumer: called with `{step: {tensor name: array}}` for the steps
-            whose slots were filled since the last call.
+        consumer: called with `{step: {kind: value}}` for the steps whose
+            slots were filled since the last call: "loss" and
+            "learning_rate" arrays, and `{name: array}` under "gradients",
+            "weights" and "layer_outputs" (`TraceWriter.record`'s arguments).
         strict: a failure raises instead of warning.
     """
 
@@ -234,25 +237,26 @@ class TensorRequest(_engine.Request):
         result = {}
         for k in new:
             step = self.steps[k]
-            tensors: Dict[str, np.ndarray] = {}
+            tensors: Dict[str, object] = {}
             if "loss" in self.record and not np.isnan(loss[k]):
                 tensors["loss"] = np.asarray(loss[k])
             if "learning_rate" in self.record:
                 tensors["learning_rate"] = np.asarray(rate[k])
-            for path, buffer, present in zip(self.paths, gradients, self.present):
-                if present:
-                    tensors[f"gradients/{path}"] = buffer[k].copy()
-            for path, buffer in zip(self.paths, weights):
-                tensors[f"weights/{path}"] = buffer[k].copy()
+            if gradients:
+                tensors["gradients"] = {path: buffer[k].copy() for path, buffer, present
+                                        in zip(self.paths, gradients, self.present) if present}
+            if weights:
+                tensors["weights"] = {path: buffer[k].copy()
+                                      for path, buffer in zip(self.paths, weights)}
+            outputs = {}
             for name, buffers in self.outputs.items():
                 parts = _buffers.read_replicas(buffers[k])
                 rows = [int(r[k]) for r in _buffers.read_replicas(self.rows[name])]
                 if rows[0] > 0:
-                    if parts[0].ndim == 0:
-                        tensors[f"layer_outputs/{name}"] = parts[0]
-                    else:
-                        tensors[f"layer_outputs/{name}"] = np.concatenate(
-                            [p[:r] for p, r in zip(parts, rows)], axis=0)
+                    outputs[name] = parts[0] if parts[0].ndim == 0 else np.concatenate(
+                        [p[:r] for p, r in zip(parts, rows)], axis=0)
+            if outputs:
+                tensors["layer_outputs"] = outputs
             result[step] = tensors
             self.handed.add(step)
         self.consumer(result)

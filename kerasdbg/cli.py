@@ -160,7 +160,7 @@ def _compare(args) -> int:
     print(result)
     if result.table.empty:
         return 2
-    if args.all and not result.table.empty:
+    if args.all:
         columns = ["step", "tensor_a", "tensor_b", "max_abs", "max_rel", "passed"]
         print(result.table[columns].to_string(index=False))
     return 0 if result.passed else 1

@@ -157,13 +157,17 @@ class Run:
         >>> load_run(log_dir).scalar_table("a/.*").to_dict("list")
         {'a/x': [1.0, 2.0], 'a/y': [-1.0, -2.0]}
         """
-        frame = self.scalars(tag_or_regex, run=run)
         # `pivot`, not `pivot_table`: the latter drops NaN values, and a NaN loss
         # is exactly what a debugging table must keep.
-        last = frame.drop_duplicates(["step", "tag"], keep="last")
-        table = last.pivot(index="step", columns="tag", values="value")
+        table = self._last_scalars(tag_or_regex, run).pivot(
+            index="step", columns="tag", values="value")
         table.columns.name = None
         return table
+
+    def _last_scalars(self, tag_or_regex: str, run: Optional[str]) -> pd.DataFrame:
+        """`scalars`, keeping the last value where a step of a tag was written twice."""
+        frame = self.scalars(tag_or_regex, run=run)
+        return frame.drop_duplicates(["step", "tag"], keep="last")
 
     def steps(self, tag: str, run: Optional[str] = "train") -> List[int]:
         """The steps at which a scalar (or else histogram) tag was recorded.
@@ -318,8 +322,7 @@ class Tensor:
             pattern = re.escape(self.name) + "/(" + "|".join(map(re.escape, self.statistics)) + ")"
         else:
             return pd.DataFrame(columns=["step", "tag", "value"])
-        frame = self._run.scalars(pattern, run=self._run_name)
-        return frame.drop_duplicates(["step", "tag"], keep="last").sort_values("step", kind="stable")
+        return self._run._last_scalars(pattern, self._run_name).sort_values("step", kind="stable")
 
     def steps(self) -> List[int]:
         """The steps with a recorded value (or, without statistics, histogram)."""

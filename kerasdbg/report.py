@@ -240,17 +240,31 @@ def _first_nonfinite(data) -> Optional[int]:
 
 
 # ------------------------------------------------------------------ plots
+def _pyplot():
+    """`(matplotlib.pyplot, MaxNLocator)`, drawing off-screen (Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    return plt, MaxNLocator
+
+
+def _save(plt, figure, path: str) -> str:
+    figure.tight_layout()
+    figure.savefig(path, dpi=96)
+    plt.close(figure)
+    return path
+
+
 def _plot_lines(frame: pd.DataFrame, title: str, ylabel: str, path: str,
                 log: Optional[bool] = False, labels: Optional[List[str]] = None,
                 mark: Optional[int] = None) -> str:
     """Lines over optimizer steps. `log=None` picks a log scale when the finite
     values are positive and span more than three decades (a diverging loss);
     `mark` draws the first non-finite step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
+    plt, MaxNLocator = _pyplot()
 
     finite = frame.replace([np.inf, -np.inf], np.nan)
     if log is None:
@@ -276,19 +290,12 @@ def _plot_lines(frame: pd.DataFrame, title: str, ylabel: str, path: str,
     if 1 < len(frame.columns) + (mark is not None) <= 12:
         axes.legend(fontsize=7, loc="best")
     axes.grid(alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=96)
-    plt.close(figure)
-    return path
+    return _save(plt, figure, path)
 
 
 def _plot_epochs(epochs: pd.DataFrame, path: str) -> str:
     """One panel per Keras metric (epoch_loss, epoch_accuracy, ...), a line per run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
+    plt, MaxNLocator = _pyplot()
 
     metrics = sorted(epochs.tag.unique())
     columns = min(len(metrics), 3)
@@ -316,18 +323,11 @@ def _plot_epochs(epochs: pd.DataFrame, path: str) -> str:
         axes.grid(alpha=0.3)
     for axes in list(grid.flat)[len(metrics):]:
         axes.set_visible(False)
-    figure.tight_layout()
-    figure.savefig(path, dpi=96)
-    plt.close(figure)
-    return path
+    return _save(plt, figure, path)
 
 
 def _plot_heatmap(layers: pd.DataFrame, path: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
+    plt, MaxNLocator = _pyplot()
 
     values = layers.T.to_numpy(dtype=float)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -342,10 +342,7 @@ def _plot_heatmap(layers: pd.DataFrame, path: str) -> str:
     axes.set_xlabel("optimizer step")
     axes.set_title("gradient norm per layer (log10; blank: zero or non-finite)")
     figure.colorbar(image, ax=axes, fraction=0.03)
-    figure.tight_layout()
-    figure.savefig(path, dpi=96)
-    plt.close(figure)
-    return path
+    return _save(plt, figure, path)
 
 
 def write_report(log_dir: str, out: Optional[str] = None, run_name: str = "train",

@@ -6,8 +6,6 @@ import os
 import warnings
 from typing import Dict, Optional, Sequence, Union
 
-import numpy as np
-
 from kerasdbg import _engine
 from kerasdbg import _keras_internals as internals
 from kerasdbg import _step_tensors
@@ -139,9 +137,9 @@ class StepRecorder(RecordingCallback):
             variables, paths = select_variables("StepRecorder", model, self.include, self.exclude)
         layers = []
         if "layer_outputs" in self.record:
-            layers = [n for n in _step_tensors.recordable_layers(model)
-                      if selected(n, self.layers, None)]
-            if not layers and not _step_tensors.recordable_layers(model):
+            available = _step_tensors.recordable_layers(model)
+            layers = [n for n in available if selected(n, self.layers, None)]
+            if not available:
                 warnings.warn(
                     f"StepRecorder records no layer outputs: {type(model).__name__} is not a "
                     "Functional or Sequential model, whose forward pass it can replay.",
@@ -181,16 +179,9 @@ class StepRecorder(RecordingCallback):
             self._save()
 
     # -------------------------------------------------------- records
-    def _consume(self, steps: Dict[int, Dict[str, np.ndarray]]) -> None:
+    def _consume(self, steps: Dict[int, Dict[str, object]]) -> None:
         for step, tensors in steps.items():
-            by_kind: Dict[str, dict] = {}
-            for name, value in tensors.items():
-                kind, _, rest = name.partition("/")
-                if kind in trace_lib.SCALAR_KINDS:
-                    by_kind[kind] = value
-                else:
-                    by_kind.setdefault(kind, {})[rest] = value
-            self._guarded(self._writer.record, step, **by_kind)
+            self._guarded(self._writer.record, step, **tensors)
         if self._request is not None and self._request.complete:
             self._save()
 

@@ -29,9 +29,9 @@ class StepTimer(RecordingCallback):
     they computed (`compute_seconds`: from the start of `train_step`, with
     its batch in hand, to its end), the input fraction, and examples per
     second. The two split times come from `tf.timestamp` ops around the
-    model's `train_step` (replica 0 under a strategy); under XLA
-    (`jit_compile=True`), which cannot compile them, only the wall time and
-    the examples per second are recorded.
+    model's `train_step` (replica 0 under a strategy), and so does the
+    count of examples; under XLA (`jit_compile=True`), which cannot compile
+    `tf.timestamp`, only the wall time and the time per step are recorded.
 
     Warns once when training is input-bound: the median input fraction of
     the executions after the first `warmup` (whose time includes tracing) is
