@@ -72,6 +72,11 @@ class EventWriter:
         self._described = set()
         # tag -> (step, value) of the last scalar written with `unique=True`.
         self._unique: Dict[str, Tuple[int, float]] = {}
+        # The scalar tags of a step -> a Summary holding them, whose values
+        # are overwritten at each step: a callback writes the same tags every
+        # step, and setting 80 floats costs 40 us where making 80 protos
+        # costs 100 us.
+        self._templates: Dict[Tuple[str, ...], summary_pb2.Summary] = {}
 
     def _metadata(self, tag: str, plugin) -> Optional[summary_pb2.SummaryMetadata]:
         if tag in self._described:
@@ -100,43 +105,53 @@ class EventWriter:
                 this step with the same value (several `StopOnRule`s in one
                 log directory each record `step/loss`). Defaults to `False`.
         """
-        values = []
-        for tag, value in dict(scalars).items():
-            if unique:
-                if _same(self._unique.get(tag), (int(step), float(value))):
-                    continue
-                self._unique[tag] = (int(step), float(value))
-            values.append(summary_pb2.Summary.Value(tag=tag, simple_value=float(value)))
+        scalars = dict(scalars)
+        if unique:
+            for tag in list(scalars):
+                last = (int(step), float(scalars[tag]))
+                if _same(self._unique.get(tag), last):
+                    del scalars[tag]
+                self._unique[tag] = last
+        event = event_pb2.Event(
+            wall_time=time.time() if wall_time is None else wall_time, step=int(step)
+        )
+        if scalars:
+            event.summary.CopyFrom(self._scalar_summary(scalars))
         for tag, (counts, low, high) in dict(histograms).items():
-            values.append(
-                summary_pb2.Summary.Value(
-                    tag=tag,
-                    metadata=self._metadata(tag, histogram_metadata),
-                    tensor=_histogram_tensor(np.asarray(counts), low, high),
-                )
+            event.summary.value.add(
+                tag=tag,
+                metadata=self._metadata(tag, histogram_metadata),
+                tensor=_histogram_tensor(np.asarray(counts), low, high),
             )
         for tag, text in dict(texts).items():
-            values.append(
-                summary_pb2.Summary.Value(
-                    tag=tag,
-                    metadata=self._metadata(tag, text_metadata),
-                    tensor=tensor_pb2.TensorProto(
-                        dtype=types_pb2.DT_STRING,
-                        tensor_shape=_SCALAR_SHAPE,
-                        string_val=[text.encode("utf-8")],
-                    ),
-                )
+            event.summary.value.add(
+                tag=tag,
+                metadata=self._metadata(tag, text_metadata),
+                tensor=tensor_pb2.TensorProto(
+                    dtype=types_pb2.DT_STRING,
+                    tensor_shape=_SCALAR_SHAPE,
+                    string_val=[text.encode("utf-8")],
+                ),
             )
-        if not values:
+        if not event.summary.value:
             return
-        event = event_pb2.Event(
-            wall_time=time.time() if wall_time is None else wall_time,
-            step=int(step),
-            summary=summary_pb2.Summary(value=values),
-        )
         self._writer.write(event.SerializeToString())
         if time.monotonic() - self._last_flush > FLUSH_SECONDS:
             self.flush()
+
+    def _scalar_summary(self, scalars: Mapping[str, float]) -> summary_pb2.Summary:
+        """The cached Summary of these tags, holding these values."""
+        key = tuple(scalars)
+        summary = self._templates.get(key)
+        if summary is None:
+            if len(self._templates) >= 64:  # tags that change every step
+                self._templates.clear()
+            summary = self._templates[key] = summary_pb2.Summary(
+                value=[summary_pb2.Summary.Value(tag=tag) for tag in key]
+            )
+        for proto, value in zip(summary.value, scalars.values()):
+            proto.simple_value = float(value)
+        return summary
 
     def flush(self) -> None:
         self._writer.flush()

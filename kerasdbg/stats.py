@@ -63,6 +63,11 @@ LARGE = 1 << 16
 a pass over memory costs more than the `tf.cond` that guards it."""
 
 
+EXACT_FLOAT32_COUNT = 1 << 24
+"""Below this many elements a float32 sum of a 0/1 mask is exact (every
+partial sum is an integer below 2**24, whatever the order of summation)."""
+
+
 def _count(mask: tf.Tensor) -> tf.Tensor:
     size = mask.shape.num_elements()
     if size is not None and size < 2**31:
@@ -93,56 +98,87 @@ def _quantiles(x: tf.Tensor, n: tf.Tensor, stats: Tuple[str, ...]) -> dict:
     return out
 
 
-def _fast(x: tf.Tensor, stats: Tuple[str, ...]):
-    """Plain reductions, valid when every element is finite.
+# The reductions `_raw` takes of each tensor, from which `_finish` derives
+# every statistic but the quantiles, for all tensors at once.
+_RAW = ("sum", "sumsq", "centered", "min", "max", "abs_sum", "zeros")
 
-    Returns the statistics and the sums whose finiteness proves that.
+
+def _raw(x: tf.Tensor, stats: Tuple[str, ...]) -> tf.Tensor:
+    """The `_RAW` reductions of `x` that `stats` need (0 for the others),
+    as a float64 vector; plain reductions, valid when every element is finite.
+
+    Only the reductions happen here, per tensor; the arithmetic that turns
+    them into statistics runs once over all tensors' rows (`_finish`).
     """
     size = x.shape.num_elements()
     n = tf.constant(size, x.dtype) if size is not None else tf.cast(tf.size(x), x.dtype)
-    out, detectors = {}, []
+    large = size is not None and size >= LARGE
+    raw = {}
     if {"mean", "std"} & set(stats) or "l2_norm" not in stats:
-        total = tf.reduce_sum(x)
-        detectors.append(total)
-        out["mean"] = total / n
-    if "std" in stats and size is not None and size >= LARGE:
+        raw["sum"] = tf.reduce_sum(x)  # also proves x finite, with nothing else asked
+    if "std" in stats and large:
         # One pass, E[x^2] - E[x]^2, when the mean is no larger than the spread:
         # the cancellation then costs at most a factor 2 in rounding, and the
         # pass over x - mean (a tensor-sized temporary) is saved. Otherwise,
         # e.g. weights like a BatchNorm gamma (mean 1, std ~0), two passes.
         sumsq = 2.0 * tf.nn.l2_loss(x)
-        detectors.append(sumsq)
-        mean = out["mean"]
+        mean = raw["sum"] / n
         spread = sumsq / n - tf.square(mean)
-        centered = tf.cond(tf.square(mean) <= spread, lambda: spread * n,
-                           lambda: 2.0 * tf.nn.l2_loss(x - mean))
-        out["std"] = tf.sqrt(centered / n)
-        if "l2_norm" in stats:
-            out["l2_norm"] = tf.sqrt(sumsq)
+        raw["sumsq"] = sumsq
+        raw["centered"] = tf.cond(tf.square(mean) <= spread, lambda: spread * n,
+                                  lambda: 2.0 * tf.nn.l2_loss(x - mean))
     elif "std" in stats:
         # Two passes: E[x^2] - E[x]^2 in float32 loses everything for
-        # weights like a BatchNorm gamma (mean 1, std ~0).
-        centered = 2.0 * tf.nn.l2_loss(x - out["mean"])
-        detectors.append(centered)
-        out["std"] = tf.sqrt(centered / n)
-        if "l2_norm" in stats:
-            out["l2_norm"] = tf.sqrt(centered + n * tf.square(out["mean"]))
+        # weights like a BatchNorm gamma (mean 1, std ~0). `_finish` takes
+        # the sum of squares from the centered one.
+        raw["centered"] = 2.0 * tf.nn.l2_loss(x - raw["sum"] / n)
     elif "l2_norm" in stats:
-        sumsq = 2.0 * tf.nn.l2_loss(x)
-        detectors.append(sumsq)
-        out["l2_norm"] = tf.sqrt(sumsq)
+        raw["sumsq"] = 2.0 * tf.nn.l2_loss(x)
     if "min" in stats:
-        out["min"] = tf.reduce_min(x)
+        raw["min"] = tf.reduce_min(x)
     if "max" in stats:
-        out["max"] = tf.reduce_max(x)
+        raw["max"] = tf.reduce_max(x)
     if "mean_abs" in stats:
-        out["mean_abs"] = tf.reduce_sum(tf.abs(x)) / n
+        raw["abs_sum"] = tf.reduce_sum(tf.abs(x))
+    counts = {}
     if "zero_fraction" in stats:
-        out["zero_fraction"] = _count(tf.equal(x, 0)) / tf.cast(n, tf.float64)
-    out.update(_quantiles(x, n, stats))
-    zero = tf.zeros([], tf.float64)
-    row = [tf.cast(out[s], tf.float64) if s in out else zero for s in stats]
-    return tf.stack(row), tf.stack([tf.cast(d, tf.float64) for d in detectors])
+        if size is not None and size < EXACT_FLOAT32_COUNT:
+            raw["zeros"] = tf.reduce_sum(tf.cast(tf.equal(x, 0), x.dtype))
+        else:
+            counts["zeros"] = _count(tf.equal(x, 0))
+    zero = tf.zeros([], x.dtype)
+    row = tf.cast(tf.stack([raw.get(r, zero) for r in _RAW]), tf.float64)
+    if counts:
+        row = tf.tensor_scatter_nd_update(
+            row, [[_RAW.index(r)] for r in counts], list(counts.values()))
+    return row
+
+
+def _finish(raw: tf.Tensor, flats: Sequence[tf.Tensor], stats: Tuple[str, ...]) -> tf.Tensor:
+    """The `[k, len(stats)]` statistics of the k tensors `flats` from their
+    `[k, 7]` `_RAW` rows (quantile columns 0)."""
+    column = {name: raw[:, i] for i, name in enumerate(_RAW)}
+    sizes = [x.shape.num_elements() for x in flats]
+    if None in sizes:
+        n = tf.cast(tf.stack([tf.size(x) for x in flats]), tf.float64)
+    else:
+        n = tf.constant(sizes, tf.float64)
+    mean = column["sum"] / n
+    # Two-pass rows (see `_raw`) have no sum of squares of their own.
+    two_pass = [size is None or size < LARGE for size in sizes] if "std" in stats else (
+        [False] * len(sizes))
+    sumsq = tf.where(two_pass, column["centered"] + n * tf.square(mean), column["sumsq"])
+    out = {
+        "l2_norm": tf.sqrt(sumsq),
+        "mean": mean,
+        "std": tf.sqrt(column["centered"] / n),
+        "min": column["min"],
+        "max": column["max"],
+        "mean_abs": column["abs_sum"] / n,
+        "zero_fraction": column["zeros"] / n,
+    }
+    zero = tf.zeros_like(mean)
+    return tf.stack([out.get(s, zero) for s in stats], axis=1)
 
 
 def _masked(x: tf.Tensor, stats: Tuple[str, ...]) -> tf.Tensor:
@@ -214,30 +250,37 @@ def tensor_statistics(
             f"tensor_statistics: `stats` must name statistics from "
             f"{', '.join(ALL_STATISTICS)}. Received: stats={list(stats)!r}"
         )
-    if not tensors:
-        return tf.zeros([0, len(stats)], tf.float64)
+    if not tensors or not stats:
+        return tf.zeros([len(tensors), len(stats)], tf.float64)
     with tf.name_scope("kerasdbg_statistics"):
         flats = [_flat(t) for t in tensors]
-        rows, detectors, empties = [], [], []
-        for x in flats:
-            if x.shape.num_elements() == 0:
-                empties.append(len(rows))
-                rows.append(_empty_row(stats))
-                continue
-            row, detector = _fast(x, stats)
-            rows.append(row)
-            detectors.append(detector)
-        fast = tf.stack(rows)
-        if not detectors:
-            return fast
-        all_finite = tf.reduce_all(tf.math.is_finite(tf.concat(detectors, 0)))
+        present = [i for i, x in enumerate(flats) if x.shape.num_elements() != 0]
+        if not present:
+            return tf.stack([_empty_row(stats)] * len(flats))
+        raw = tf.stack([_raw(flats[i], stats) for i in present])
+        fast = _finish(raw, [flats[i] for i in present], stats)
+        wanted = [s for s in stats if s in QUANTILES]
+        if wanted:
+            rows = [_quantiles(flats[i], tf.cast(tf.size(flats[i]), tf.float64), stats)
+                    for i in present]
+            fast = tf.tensor_scatter_nd_update(
+                tf.transpose(fast),
+                [[stats.index(s)] for s in wanted],
+                tf.stack([tf.stack([row[s] for row in rows]) for s in wanted]),
+            )
+            fast = tf.transpose(fast)
+        if len(present) < len(flats):
+            rows = iter(tf.unstack(fast))
+            fast = tf.stack([next(rows) if i in present else _empty_row(stats)
+                             for i in range(len(flats))])
+        # Every reduction finite proves every element finite; otherwise (or
+        # when a float32 sum overflowed) the masked float64 path.
+        all_finite = tf.reduce_all(tf.math.is_finite(raw))
 
         def masked():
             return tf.stack(
-                [
-                    _empty_row(stats) if i in empties else _masked(x, stats)
-                    for i, x in enumerate(flats)
-                ]
+                [_empty_row(stats) if i not in present else _masked(x, stats)
+                 for i, x in enumerate(flats)]
             )
 
         return tf.cond(all_finite, lambda: fast, masked)

@@ -81,6 +81,24 @@ def test_unique_scalars_are_written_once_per_step_and_value(tmp_path):
     np.testing.assert_array_equal(frame.value.to_numpy(), [1.0, np.nan, 5.0, 5.0, 5.0])
 
 
+def test_steps_with_changing_tag_sets_keep_each_tag_its_own_values(tmp_path):
+    # The writer reuses one Summary per set of tags; alternating sets, a set
+    # in another order and a set that grows must not mix values up.
+    writer = _events.EventWriter(os.path.join(str(tmp_path), "train"))
+    expected = {}
+    for step in range(1, 9):
+        tags = [["a", "b"], ["b", "a"], ["a", "b", "c"], ["c"]][step % 4]
+        scalars = {tag: step * 10.0 + ord(tag) for tag in tags}
+        writer.write(step, scalars)
+        for tag, value in scalars.items():
+            expected.setdefault(tag, []).append((step, value))
+    writer.flush()
+    run = load_run(str(tmp_path))
+    for tag, points in expected.items():
+        frame = run.scalars(tag)
+        assert list(zip(frame.step, frame.value)) == points, tag
+
+
 def test_new_steps_appear_on_the_next_call(tmp_path):
     writer = _write_steps(str(tmp_path), [1, 2])
     run = load_run(str(tmp_path))

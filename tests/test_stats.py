@@ -108,14 +108,47 @@ def test_indexed_slices_describe_the_dense_gradient(mode):
     assert slices.values.shape == (4, 3)
 
 
+@pytest.mark.parametrize("mode", ["function", "xla"])
+def test_tensors_of_unknown_size_match_numpy(mode):
+    # Taps see a batch dimension unknown at trace time: no static element
+    # count, so no one-pass variance and no float32 count.
+    arrays = [CASES["normal"], CASES["batchnorm_gamma"].reshape(8, 8),
+              CASES["large_offset"].reshape(700, 100)]
+    signature = [tf.TensorSpec([None, None], tf.float32)] * len(arrays)
+    compute = MODES[mode](lambda *ts: stats_lib.tensor_statistics(list(ts)))
+    table = tf.function(compute, input_signature=signature)(*arrays).numpy()
+    for array, row in zip(arrays, table):
+        assert_stats_close(dict(zip(stats_lib.STATISTICS, row)), reference_stats(array),
+                           float(np.max(np.abs(array))))
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_zero_fraction_is_exact_where_a_float32_count_would_not_be(mode):
+    size = stats_lib.EXACT_FLOAT32_COUNT + 7
+    array = np.ones(size, "float32")
+    array[::3] = 0.0
+    zeros = len(array[::3])
+    compute = MODES[mode](lambda t: stats_lib.tensor_statistics([t], ["zero_fraction"]))
+    fraction = compute(tf.constant(array)).numpy()[0, 0]
+    assert round(fraction * size) == zeros
+    assert fraction == zeros / size
+
+
+def test_a_sum_of_magnitudes_that_overflows_float32_is_taken_in_float64():
+    x = tf.constant([3e38, -3e38, 1.0], tf.float32)  # the plain sum is finite
+    row = stats_lib.tensor_statistics([x], ["mean", "mean_abs"]).numpy()[0]
+    np.testing.assert_allclose(row, [1 / 3, (6e38 + 1) / 3], rtol=1e-6)
+
+
 def test_subset_of_statistics_in_requested_order():
     x = tf.constant([3.0, -4.0, 0.0])
     row = stats_lib.tensor_statistics([x], ["zero_fraction", "l2_norm", "max"]).numpy()[0]
     np.testing.assert_allclose(row, [1 / 3, 5.0, 3.0], rtol=1e-6)
 
 
-def test_no_tensors_gives_an_empty_table():
+def test_no_tensors_or_no_statistics_give_an_empty_table():
     assert stats_lib.tensor_statistics([], ["mean"]).shape == (0, 1)
+    assert stats_lib.tensor_statistics([tf.constant([1.0]), tf.constant([2.0])], []).shape == (2, 0)
 
 
 def test_unknown_statistic_is_refused():
