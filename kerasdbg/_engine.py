@@ -31,7 +31,7 @@ from __future__ import annotations
 import threading
 import warnings
 import weakref
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import keras
 import numpy as np
@@ -227,6 +227,19 @@ class Request:
         if not self.histogram_every_n_steps:
             return False
         return _every(step, self.histogram_every_n_steps)
+
+    def written_at(self, steps: Sequence[int]) -> Tuple[bool, bool]:
+        """On the host: whether any of these steps wrote values, histograms
+        (as `records_at` and `histograms_at` decided in the graph), so that
+        `collect` reads only the buffers that hold something new."""
+        values = self.kind not in ("gradients", "weights") or any(
+            step % self.every_n_steps == 0 and (self.last_step is None or step <= self.last_step)
+            for step in steps
+        )
+        histograms = self.hist_ids is not None and any(
+            step % self.histogram_every_n_steps == 0 for step in steps
+        )
+        return values, histograms
 
 
 def _every(step, n: int):
@@ -441,15 +454,6 @@ class Engine:
     def frozen(self) -> bool:
         """Whether a fault has frozen the weights (replica 0's flag)."""
         return self._frozen is not None and bool(_buffers.read(self._frozen))
-
-    def _all_buffers(self) -> list:
-        """Every buffer, in the order `collect` reads them."""
-        buffers = [self._calls, self._meta]
-        for request in self._ring_requests():
-            buffers += [request.values, request.ids]
-            if request.hist_ids is not None:
-                buffers += [request.hist_ids, request.hist_counts, request.hist_ranges]
-        return buffers
 
     def detach(self, request: Request) -> None:
         """Removes a request; the last one restores the optimizer (retrace)."""
@@ -956,8 +960,7 @@ class Engine:
         calls = int(_buffers.read(self._calls))
         if calls <= self._last_call:
             return
-        buffers = iter([_buffers.read(b) for b in self._all_buffers()[1:]])
-        meta = next(buffers)
+        meta = _buffers.read(self._meta)
         n = self._steps_per_execution
         first = max(self._last_call + 1, calls - n + 1)
         if first > self._last_call + 1 and self._ring_requests():
@@ -968,24 +971,27 @@ class Engine:
                 RuntimeWarning,
                 stacklevel=2,
             )
+        rows = [((call_id - 1) % n, call_id) for call_id in range(first, calls + 1)]
+        rows = [(row, call_id) for row, call_id in rows if meta[row, 0] == call_id]
+        steps = [int(meta[row, 1]) for row, _ in rows]
         for request in self._ring_requests():
-            values, ids = next(buffers), next(buffers)
-            hist = None
-            if request.hist_ids is not None:
-                hist = (next(buffers), next(buffers), next(buffers))
+            # A buffer no step of these wrote is not read (10-30 us each).
+            has_values, has_histograms = request.written_at(steps)
+            if has_values:
+                values, ids = _buffers.read(request.values), _buffers.read(request.ids)
+            if has_histograms:
+                hist = [_buffers.read(b) for b in
+                        (request.hist_ids, request.hist_counts, request.hist_ranges)]
             records = []
-            for call_id in range(first, calls + 1):
-                row = (call_id - 1) % n
-                if meta[row, 0] != call_id:
-                    continue
+            for (row, call_id), step in zip(rows, steps):
                 histograms = None
-                if hist is not None and hist[0][row] == call_id:
+                if has_histograms and hist[0][row] == call_id:
                     histograms = (hist[1][row], hist[2][row])
                 records.append(
                     Record(
-                        step=int(meta[row, 1]),
+                        step=step,
                         skipped=bool(meta[row, 2]),
-                        values=values[row].copy() if ids[row] == call_id else None,
+                        values=values[row].copy() if has_values and ids[row] == call_id else None,
                         histograms=histograms,
                     )
                 )

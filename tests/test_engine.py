@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from kerasdbg import _engine
+from kerasdbg import _engine, load_run
 from kerasdbg import stats as stats_lib
 from kerasdbg.callbacks import GradientStatistics, WeightStatistics
 from tests.conftest import (
@@ -204,6 +204,30 @@ def test_every_n_steps_records_only_those_steps():
     model.fit(X, Y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[grads_cb, weights_cb])
     assert grads_cb.history.step.tolist() == [3, 6, 9, 12, 15, 18]
     assert weights_cb.history.step.tolist() == [4, 8, 12, 16, 20]
+
+
+def test_the_host_reads_only_buffers_that_the_steps_wrote(monkeypatch, tmp_path):
+    from kerasdbg import _buffers
+    reads = []
+    read = _buffers.read
+    monkeypatch.setattr(_buffers, "read", lambda b: reads.append(b.name.split(":")[0]) or read(b))
+    model = make_mlp()
+    _compile(model)
+    grads_cb = GradientStatistics(str(tmp_path), every_n_steps=2, histogram_every_n_steps=4)
+    weights_cb = WeightStatistics(str(tmp_path), every_n_steps=4)
+    model.fit(X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+              callbacks=[grads_cb, weights_cb])  # 10 executions of one step
+    assert grads_cb.history.step.tolist() == [2, 4, 6, 8, 10]
+    assert weights_cb.history.step.tolist() == [4, 8]
+    hist = sorted(load_run(str(tmp_path)).histograms("gradients/" + model.trainable_variables[0].path).step.unique())
+    assert hist == [4, 8]
+    counts = {name: reads.count(name) for name in set(reads)}
+    assert counts["kerasdbg_gradients_values"] == counts["kerasdbg_gradients_ids"] == 5
+    assert counts["kerasdbg_weights_values"] == 2
+    assert counts["kerasdbg_gradients_hist_ids"] == counts["kerasdbg_gradients_hist"] == 2
+    # The step counter once per batch end (the second callback reads nothing
+    # more) and at the epoch and train ends.
+    assert counts["kerasdbg_meta"] == 10
 
 
 def test_instrumentation_failure_warns_and_training_goes_on(monkeypatch):
