@@ -351,6 +351,7 @@ class Engine:
         if self._prepared or not self.requests:
             return
         model = self._model()
+        internals.build_optimizer_before_trace(model)
         n = int(model.steps_per_execution)
         strategy = model.distribute_strategy
         with strategy.scope():

@@ -79,6 +79,28 @@ def ensure_built(optimizer, variables) -> None:
         optimizer.built = True
 
 
+def build_optimizer_before_trace(model) -> bool:
+    """Builds the model's optimizer now, outside `fit`'s first trace; returns
+    whether it did.
+
+    Without an explicit strategy Keras builds the optimizer inside the first
+    trace of the train function; that trace then creates variables, and
+    `tf.function` throws it away and traces again, so everything in the
+    graph (taps, statistics) is traced twice. Keras itself builds first under
+    an explicit strategy (`Trainer._symbolic_build`); this is that build. A
+    model whose layers are not all built yet (a subclassed model before its
+    first call) is left to Keras: its variables do not exist yet.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or optimizer.built:
+        return False
+    if not all(layer.built for layer in model._flatten_layers()):
+        return False
+    with model.distribute_strategy.scope():
+        ensure_built(optimizer, model.trainable_variables)
+    return True
+
+
 def optimizer_variables(optimizer) -> list:
     """The variables an optimizer was built for (what `apply(grads)` updates)."""
     return list(optimizer._trainable_variables)

@@ -107,13 +107,13 @@ class LayerSink:
             try:
                 return function(*args, **kwargs)
             finally:
-                self.flush(_fit_step(target()) if mode == "fit" else None)
+                self.flush(current_fit_step(target()) if mode == "fit" else None)
 
         flushing._kerasdbg_flushes = True
         return flushing
 
 
-def _fit_step(model):
+def current_fit_step(model):
     """`(iterations, value)` of the model's optimizer, or None."""
     iterations = getattr(getattr(model, "optimizer", None), "iterations", None)
     if iterations is None:

@@ -147,3 +147,44 @@ def test_functional_graph_replay_helpers():
     out = internals.run_graph(model, [keras.ops.convert_to_tensor(data)], call_fn)
     assert calls == ["d"] and set(out) == {"y"}
     np.testing.assert_allclose(out["y"], 2.0 * model(data)["y"], rtol=1e-6)
+
+
+class _CountsTraces(keras.layers.Layer):
+    """An identity that counts the Python calls of `call` (one per trace)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.traces = 0
+
+    def call(self, x):
+        self.traces += 1
+        return x
+
+
+def _adam_model():
+    inputs = keras.Input((6,))
+    counter = _CountsTraces()
+    model = keras.Model(inputs, keras.layers.Dense(3)(counter(keras.layers.Dense(4)(inputs))))
+    model.compile(keras.optimizers.Adam(0.01), "mse")
+    counter.traces = 0
+    return model, counter
+
+
+def test_the_first_fit_traces_once_when_the_optimizer_is_built_before_it():
+    from kerasdbg.callbacks import GradientStatistics
+
+    x, y = np.ones((4, 6)), np.ones((4, 3))
+    # Keras builds Adam inside the first trace; the variables it creates
+    # make tf.function trace again.
+    model, counter = _adam_model()
+    model.fit(x, y, batch_size=2, verbose=0)
+    assert counter.traces == 2
+    # The engine builds it first (as Keras does under an explicit strategy).
+    model, counter = _adam_model()
+    model.fit(x, y, batch_size=2, verbose=0, callbacks=[GradientStatistics()])
+    assert counter.traces == 1
+    assert model.optimizer.built
+    # Not before a subclassed model's first call: its variables do not exist yet.
+    sub = keras.Sequential([keras.layers.Dense(3)])
+    sub.compile(keras.optimizers.Adam(0.01), "mse")
+    assert not internals.build_optimizer_before_trace(sub) and not sub.optimizer.built

@@ -9,6 +9,8 @@ import keras
 import pandas as pd
 
 from kerasdbg import _events
+from kerasdbg import _keras_internals as internals
+from kerasdbg import _layer_sink
 from kerasdbg import _validation as check
 from kerasdbg.callbacks._recording import RecordingCallback, selected
 from kerasdbg.layers.tap_layer import TapLayer
@@ -112,9 +114,14 @@ class ActivationStatistics(RecordingCallback):
         self._writer = self._open_writer()
         for tap in self._taps:
             tap._host.listeners.append(self._consume)
+        # One trace of the train function, not two (the taps' graph is large).
+        internals.build_optimizer_before_trace(self.model)
 
     def on_train_batch_end(self, batch, logs=None):
-        self._flush()
+        # The model's layer sink flushed the taps after the execution; this
+        # catches what it could not, reading only taps whose every_n_steps
+        # selected one of the steps since the last check.
+        self._flush(_layer_sink.current_fit_step(self.model))
 
     def on_epoch_end(self, epoch, logs=None):
         self._flush()
@@ -129,9 +136,10 @@ class ActivationStatistics(RecordingCallback):
         if self._writer is not None:
             self._writer.flush()
 
-    def _flush(self):
+    def _flush(self, fit_step=None):
         for tap in self._taps:
-            tap.flush()
+            if fit_step is None or not tap._nothing_selected_since(*fit_step):
+                tap.flush()
 
     # ----------------------------------------------------------- records
     def _consume(self, tap: TapLayer, rows) -> None:

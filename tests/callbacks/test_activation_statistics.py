@@ -57,6 +57,44 @@ def test_fit_writes_every_tap_and_histograms(tmp_path):
     assert counts.sum() == 4 * 6
 
 
+def test_batch_ends_read_only_taps_that_recorded_and_one_trace():
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((4,))
+    counted = TapLayer(stats=["mean"], every_n_steps=4, name="every_4")
+    h = counted(keras.layers.Dense(6, name="dense")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(1, name="out")(h))
+    model.compile("adam", "mse")  # Adam: built inside the first trace unless built before
+    callback = ActivationStatistics()
+    reads, traces, at_batch_end = [], [], [False]
+    original_read, original_values = counted._read, counted._values
+
+    def counting_read():
+        reads.append(at_batch_end[0])
+        return original_read()
+
+    def counting_values(inputs):
+        traces.append(1)
+        return original_values(inputs)
+
+    class Mark(keras.callbacks.Callback):
+        def __init__(self, value):
+            super().__init__()
+            self.value = value
+
+        def on_train_batch_end(self, batch, logs=None):
+            at_batch_end[0] = self.value
+
+    counted._read, counted._values = counting_read, counting_values
+    # The reads between the two marks are the callback's own.
+    model.fit(X, Y, batch_size=2, epochs=1, verbose=0, shuffle=False,
+              callbacks=[Mark(True), callback, Mark(False)])
+    assert callback.history.step.tolist() == [4, 8]
+    # 8 steps: the callback reads at step 1 (its first check) and then never:
+    # the layer sink read steps 4 and 8 right after their executions.
+    assert reads.count(True) == 1
+    assert len(traces) == 1
+
+
 def test_include_exclude_and_a_model_without_taps():
     model = _model()
     callback = ActivationStatistics(exclude="inner")
