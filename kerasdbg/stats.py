@@ -157,28 +157,33 @@ def _raw(x: tf.Tensor, stats: Tuple[str, ...]) -> tf.Tensor:
 def _finish(raw: tf.Tensor, flats: Sequence[tf.Tensor], stats: Tuple[str, ...]) -> tf.Tensor:
     """The `[k, len(stats)]` statistics of the k tensors `flats` from their
     `[k, 7]` `_RAW` rows (quantile columns 0)."""
-    column = {name: raw[:, i] for i, name in enumerate(_RAW)}
+    column = dict(zip(_RAW, tf.unstack(raw, num=len(_RAW), axis=1)))
     sizes = [x.shape.num_elements() for x in flats]
     if None in sizes:
         n = tf.cast(tf.stack([tf.size(x) for x in flats]), tf.float64)
     else:
         n = tf.constant(sizes, tf.float64)
     mean = column["sum"] / n
-    # Two-pass rows (see `_raw`) have no sum of squares of their own.
-    two_pass = [size is None or size < LARGE for size in sizes] if "std" in stats else (
-        [False] * len(sizes))
-    sumsq = tf.where(two_pass, column["centered"] + n * tf.square(mean), column["sumsq"])
+
+    def l2_norm():
+        # Two-pass rows (see `_raw`) have no sum of squares of their own.
+        if "std" not in stats:
+            return tf.sqrt(column["sumsq"])
+        two_pass = [size is None or size < LARGE for size in sizes]
+        return tf.sqrt(tf.where(two_pass, column["centered"] + n * tf.square(mean), column["sumsq"]))
+
+    # Only the statistics asked for become graph ops (trace time grows with them).
     out = {
-        "l2_norm": tf.sqrt(sumsq),
-        "mean": mean,
-        "std": tf.sqrt(column["centered"] / n),
-        "min": column["min"],
-        "max": column["max"],
-        "mean_abs": column["abs_sum"] / n,
-        "zero_fraction": column["zeros"] / n,
+        "l2_norm": l2_norm,
+        "mean": lambda: mean,
+        "std": lambda: tf.sqrt(column["centered"] / n),
+        "min": lambda: column["min"],
+        "max": lambda: column["max"],
+        "mean_abs": lambda: column["abs_sum"] / n,
+        "zero_fraction": lambda: column["zeros"] / n,
     }
     zero = tf.zeros_like(mean)
-    return tf.stack([out.get(s, zero) for s in stats], axis=1)
+    return tf.stack([out[s]() if s in out else zero for s in stats], axis=1)
 
 
 def _masked(x: tf.Tensor, stats: Tuple[str, ...]) -> tf.Tensor:
@@ -186,31 +191,37 @@ def _masked(x: tf.Tensor, stats: Tuple[str, ...]) -> tf.Tensor:
     x = tf.cast(x, tf.float64)
     finite = tf.math.is_finite(x)
     n_finite = _count(finite)
-    xz = tf.where(finite, x, tf.zeros_like(x))
+    # Scalars broadcast in `tf.where`: no tensor-sized fill in the graph.
+    xz = tf.where(finite, x, tf.constant(0.0, tf.float64))
     nan = tf.constant(np.nan, tf.float64)
     none_finite = tf.equal(n_finite, 0)
-    out = {}
-    mean = tf.reduce_sum(xz) / n_finite
-    out["mean"] = mean
-    out["l2_norm"] = tf.sqrt(tf.reduce_sum(tf.square(xz)))
-    if "std" in stats:
-        dev = tf.where(finite, x - mean, tf.zeros_like(x))
-        out["std"] = tf.sqrt(tf.reduce_sum(tf.square(dev)) / n_finite)
-    if "min" in stats:
-        low = tf.reduce_min(tf.where(finite, x, tf.fill(tf.shape(x), tf.constant(np.inf, x.dtype))))
-        out["min"] = tf.where(none_finite, nan, low)
-    if "max" in stats:
-        high = tf.reduce_max(tf.where(finite, x, tf.fill(tf.shape(x), tf.constant(-np.inf, x.dtype))))
-        out["max"] = tf.where(none_finite, nan, high)
-    if "mean_abs" in stats:
-        out["mean_abs"] = tf.reduce_sum(tf.abs(xz)) / n_finite
-    if "zero_fraction" in stats:
-        out["zero_fraction"] = _count(tf.equal(x, 0)) / tf.cast(tf.size(x), tf.float64)
-    out["nan_count"] = _count(tf.math.is_nan(x))
-    out["inf_count"] = _count(tf.math.is_inf(x))
-    out.update(_quantiles(
-        tf.where(finite, x, tf.fill(tf.shape(x), tf.constant(np.inf, x.dtype))), n_finite, stats))
-    return tf.stack([out[s] for s in stats])
+    mean = tf.reduce_sum(xz) / n_finite if {"mean", "std"} & set(stats) else None
+
+    def std():
+        dev = tf.where(finite, x - mean, tf.constant(0.0, tf.float64))
+        return tf.sqrt(tf.reduce_sum(tf.square(dev)) / n_finite)
+
+    def extreme(reduce, fill):
+        value = reduce(tf.where(finite, x, tf.constant(fill, tf.float64)))
+        return tf.where(none_finite, nan, value)
+
+    # Only the statistics asked for become graph ops (trace time grows with them).
+    out = {
+        "mean": lambda: mean,
+        "l2_norm": lambda: tf.sqrt(tf.reduce_sum(tf.square(xz))),
+        "std": std,
+        "min": lambda: extreme(tf.reduce_min, np.inf),
+        "max": lambda: extreme(tf.reduce_max, -np.inf),
+        "mean_abs": lambda: tf.reduce_sum(tf.abs(xz)) / n_finite,
+        "zero_fraction": lambda: _count(tf.equal(x, 0)) / tf.cast(tf.size(x), tf.float64),
+        "nan_count": lambda: _count(tf.math.is_nan(x)),
+        "inf_count": lambda: _count(tf.math.is_inf(x)),
+    }
+    quantiles = {}
+    if any(s in QUANTILES for s in stats):
+        quantiles = _quantiles(
+            tf.where(finite, x, tf.constant(np.inf, tf.float64)), n_finite, stats)
+    return tf.stack([quantiles[s] if s in quantiles else out[s]() for s in stats])
 
 
 def _empty_row(stats: Tuple[str, ...]) -> tf.Tensor:

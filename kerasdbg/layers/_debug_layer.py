@@ -201,7 +201,7 @@ class DebugLayer(keras.layers.Layer):
         """Counts this call in-graph; returns (mode index, call id, step)."""
         mode = MODES.index(context.mode)
         self.calls.assign_add(1)
-        self.mode_calls.assign_add(tf.one_hot(mode, len(MODES), dtype="int64"))
+        self.mode_calls.assign_add(tf.constant(np.eye(len(MODES), dtype=np.int64)[mode]))
         call_id = internals.read(self.calls)
         optimizer = getattr(context.model, "optimizer", None) if context.model else None
         if context.mode == "fit" and optimizer is not None:
