@@ -256,6 +256,8 @@ class _StepState(NamedTuple):
     fault: Optional[tf.Tensor]
     frozen: Optional[tf.Tensor]
     classes: Optional[tf.Tensor] = None
+    # `(hit, slot)` of each tensor request, in `_tensor_requests()` order.
+    step_slots: tuple = ()
 
 
 def unique_paths(variables) -> List[str]:
@@ -597,8 +599,10 @@ class Engine:
                 trainable_variables = internals.optimizer_variables(
                     internals.inner_optimizer(optimizer))
             self._localize(step, nonfinite, grads, list(trainable_variables), x)
-        for request in self._tensor_requests():
-            request.record_before(self._model(), optimizer, step, loss, x)
+        # Kept in the returned state, not on the request: under Mirrored the
+        # replicas' threads trace their steps at the same time.
+        step_slots = tuple(request.record_before(self._model(), optimizer, step, loss, x)
+                           for request in self._tensor_requests())
         for request in self._weight_requests():
             if request.previous:
 
@@ -611,7 +615,7 @@ class Engine:
         requests = [r for r in self.requests if r.kind == "classes"]
         if requests:
             classes = self._class_counts(requests)
-        return _StepState(step, loss, fault, frozen, classes)
+        return _StepState(step, loss, fault, frozen, classes, step_slots)
 
     def _class_counts(self, requests):
         """`[MAX_CLASSES, 2]` labels seen and mispredicted in this step (all
@@ -849,8 +853,8 @@ class Engine:
                 values = tf.stack([before.loss, tf.cast(frozen, tf.float64), fault])
                 _buffers.write_row(request.values, row, values)
                 _buffers.write_row(request.ids, row, call_id)
-        for request in self._tensor_requests():
-            request.record_after(step)
+        for request, step_slot in zip(self._tensor_requests(), before.step_slots):
+            request.record_after(step, step_slot)
         meta = tf.stack([call_id, step, tf.cast(skipped, tf.int64)])
         _buffers.write_row(self._meta, row, meta)
         self._calls.assign_add(1)

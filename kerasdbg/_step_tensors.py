@@ -76,7 +76,6 @@ class TensorRequest(_engine.Request):
         self.columns = []
         self.handed: set = set()
         self.jit = False
-        self._step_slot = None
         # Rows of a layer output per replica under XLA when the batch
         # dimension is not static (the fit's batch size over the replicas).
         self.max_rows: Optional[int] = None
@@ -123,13 +122,14 @@ class TensorRequest(_engine.Request):
         matches = tf.equal(steps, step)
         return tf.reduce_any(matches), tf.argmax(tf.cast(matches, tf.int32), output_type=tf.int64)
 
-    def record_before(self, model, optimizer, step, loss, x) -> None:
+    def record_before(self, model, optimizer, step, loss, x):
         """Loss, learning rate and layer outputs of the step (before `apply`).
 
-        Keeps the step's slot for `record_after`, in the same trace of the
-        same replica function, so the train step tests the step once there.
+        Returns the step's `(hit, slot)` for `record_after`, so the train
+        step tests the step once. The caller keeps it per call: under
+        MirroredStrategy each replica's thread traces its own step.
         """
-        hit, slot = self._step_slot = self._slot(step)
+        hit, slot = self._slot(step)
 
         def write():
             if "loss" in self.record and loss is not None:
@@ -142,6 +142,7 @@ class TensorRequest(_engine.Request):
             return tf.constant(True)
 
         tf.cond(hit, write, lambda: tf.constant(False))
+        return hit, slot
 
     def _record_outputs(self, model, x, slot) -> None:
         state = [v for v in model.non_trainable_variables if not internals.on_read(v)]
@@ -212,10 +213,10 @@ class TensorRequest(_engine.Request):
 
         tf.cond(hit, write, lambda: tf.constant(False))
 
-    def record_after(self, step) -> None:
-        """Weights after the update, and the slot's step id (last)."""
-        hit, slot = self._step_slot
-        self._step_slot = None
+    def record_after(self, step, step_slot) -> None:
+        """Weights after the update, and the slot's step id (last);
+        `step_slot` is what `record_before` returned in the same call."""
+        hit, slot = step_slot
 
         def write():
             for buffer, variable in zip(self.weights, self.variables):
