@@ -27,8 +27,9 @@ class StepTimer(RecordingCallback):
     (`input_seconds`: from the end of one step to the start of the next, the
     first step counted from the moment `fit` called the execution), the time
     they computed (`compute_seconds`: from the start of `train_step`, with
-    its batch in hand, to its end), the input fraction, and examples per
-    second. The two split times come from `tf.timestamp` ops around the
+    its batch in hand, to the end of its weight update), the input
+    fraction, and examples per second. The two split times come from
+    `tf.timestamp` ops around the
     model's `train_step` (replica 0 under a strategy), and so does the
     count of examples; under XLA (`jit_compile=True`), which cannot compile
     `tf.timestamp`, only the wall time and the time per step are recorded.
@@ -113,10 +114,18 @@ class StepTimer(RecordingCallback):
             flat = [t for t in tf.nest.flatten(data) if tf.is_tensor(t)]
             with tf.control_dependencies(flat):
                 start = tf.timestamp()
+            # Stateless ops (the matmuls of the step) are not ordered by
+            # tf.function: without these edges the forward pass runs beside
+            # `start` (before it, often) and the update after `end`.
             with tf.control_dependencies([start]):
                 row = tf.math.floormod(internals.read(optimizer.iterations), spe)
+                data = tf.nest.map_structure(
+                    lambda t: tf.identity(t) if tf.is_tensor(t) else t, data)
             logs = original(data)
-            with tf.control_dependencies([t for t in tf.nest.flatten(logs) if tf.is_tensor(t)]):
+            # Reads made after the step wait for its writes (the update).
+            done = [t for t in tf.nest.flatten(logs) if tf.is_tensor(t)]
+            done += [internals.read(v) for v in model.weights]
+            with tf.control_dependencies(done):
                 end = tf.timestamp()
             examples = tf.cast(tf.shape(flat[0])[0], tf.float64) if flat and flat[0].shape.rank \
                 else tf.constant(np.nan, tf.float64)

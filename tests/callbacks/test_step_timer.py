@@ -91,6 +91,27 @@ def test_a_slow_model_is_compute_bound_and_does_not_warn(recwarn):
     assert (later.input_fraction < 0.5).all()
 
 
+def test_compute_covers_the_whole_step_of_stateless_ops():
+    """Matmuls are not ordered by tf.function: the timestamps must still
+    bracket the forward pass and the update (they once measured a quarter
+    of the step, and called the rest input)."""
+    rng = np.random.default_rng(0)
+    x = rng.random((256, 512), dtype=np.float32)
+    y = rng.random((256, 1), dtype=np.float32)
+    inputs = keras.Input((512,))
+    h = inputs
+    for _ in range(3):
+        h = keras.layers.Dense(1024, activation="relu")(h)
+    model = keras.Model(inputs, keras.layers.Dense(1)(h))
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(32).cache().prefetch(8)
+    timer = StepTimer(warmup=1)
+    model.compile(keras.optimizers.SGD(0.01), "mse", steps_per_execution=1, jit_compile=False)
+    model.fit(data, epochs=3, verbose=0, callbacks=[timer])
+    later = timer.history.iloc[2:]
+    assert later.compute_seconds.median() >= 0.7 * later.execution_seconds.median()
+    assert later.input_fraction.median() < 0.2
+
+
 def test_get_config_round_trip(tmp_path):
     timer = StepTimer(log_dir=str(tmp_path), input_bound_threshold=0.3, warmup=0, strict=True)
     assert StepTimer.from_config(timer.get_config()).get_config() == timer.get_config()
