@@ -17,7 +17,8 @@ norms (and NaN/Inf counts) every step and weight norms every 10th step;
 with what it arms at every step: the loss of each step, the in-graph fault
 test that freezes the weights, and NaN localisation; "terminate_on_nan" is
 Keras's `TerminateOnNaN`, for comparison. "step_timer" is `StepTimer` (two
-`tf.timestamp` ops and one buffer row per step); "step_recorder" is
+`tf.timestamp` ops, ordered after the batch and after the update, and one
+buffer row per step); "step_recorder" is
 `StepRecorder(steps=3)`, whose steady state pays only the test of the step.
 
 Printed: median over rounds of each configuration's step time divided by that

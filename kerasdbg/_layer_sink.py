@@ -84,8 +84,8 @@ class LayerSink:
             layer = ref()
             if layer is None:
                 self._layers.remove(ref)
-            elif fit_step is None or not layer._nothing_selected_since(*fit_step):
-                layer.flush()
+            else:
+                layer._flush_unless_idle(fit_step)
 
     def hook(self, context: internals.StepContext) -> None:
         model = context.model

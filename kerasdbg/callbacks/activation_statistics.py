@@ -138,8 +138,7 @@ class ActivationStatistics(RecordingCallback):
 
     def _flush(self, fit_step=None):
         for tap in self._taps:
-            if fit_step is None or not tap._nothing_selected_since(*fit_step):
-                tap.flush()
+            tap._flush_unless_idle(fit_step)
 
     # ----------------------------------------------------------- records
     def _consume(self, tap: TapLayer, rows) -> None:

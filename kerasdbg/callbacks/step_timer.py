@@ -29,10 +29,10 @@ class StepTimer(RecordingCallback):
     they computed (`compute_seconds`: from the start of `train_step`, with
     its batch in hand, to the end of its weight update), the input
     fraction, and examples per second. The two split times come from
-    `tf.timestamp` ops around the
-    model's `train_step` (replica 0 under a strategy), and so does the
-    count of examples; under XLA (`jit_compile=True`), which cannot compile
-    `tf.timestamp`, only the wall time and the time per step are recorded.
+    `tf.timestamp` ops around the model's `train_step` (replica 0 under a
+    strategy), and so does the count of examples; under XLA
+    (`jit_compile=True`), which cannot compile `tf.timestamp`, only the wall
+    time and the time per step are recorded.
 
     Warns once when training is input-bound: the median input fraction of
     the executions after the first `warmup` (whose time includes tracing) is
@@ -122,9 +122,10 @@ class StepTimer(RecordingCallback):
                 data = tf.nest.map_structure(
                     lambda t: tf.identity(t) if tf.is_tensor(t) else t, data)
             logs = original(data)
-            # Reads made after the step wait for its writes (the update).
+            # Reads made after the step wait for its writes: the update
+            # writes the trainable variables.
             done = [t for t in tf.nest.flatten(logs) if tf.is_tensor(t)]
-            done += [internals.read(v) for v in model.weights]
+            done += [internals.read(v) for v in model.trainable_variables]
             with tf.control_dependencies(done):
                 end = tf.timestamp()
             examples = tf.cast(tf.shape(flat[0])[0], tf.float64) if flat and flat[0].shape.rank \
