@@ -1,33 +1,44 @@
 """The capture engine: gets per-step data out of the compiled train function.
 
 One engine per model, shared by every kerasdbg callback on it. During a `fit`
-it wraps two optimizer methods (see `_keras_internals`), so that each
-optimizer step computes the requested statistics in-graph and stores them in
-ring buffers with one row per step of an execution. After each execution the
-host reads the buffers once and hands the new rows to the callbacks.
+it wraps the model's `train_step` (an instance attribute, for the duration
+of the `fit`). While that step is traced, every optimizer's `apply` is
+routed through the engine (`_keras_internals.optimizer_routes`), so each
+optimizer step of the train step, of any optimizer wherever the model keeps
+it, computes the requested statistics in-graph and stores them in ring
+buffers with one row per train step of an execution. After each execution
+the host reads the buffers once and hands the new rows to the callbacks.
 
 Life cycle, driven by the callbacks:
 
-- `attach(request)` in `on_train_begin`: the first one patches the optimizer
-  and forces a retrace (`make_train_function(force=True)`); later ones only
-  add their request, since nothing is traced before the first batch.
-- `prepare()` in `on_train_batch_begin`: creates the buffers once the whole
-  set of requests and `steps_per_execution` are known, before the trace.
+- `attach(request)` in `on_train_begin`: the first one wraps `train_step`
+  (and `compute_loss`) and forces a retrace; later ones only add their
+  request, since nothing is traced before the first batch.
+- `prepare()` in `on_train_batch_begin`: creates the buffers it can before
+  the trace (for the optimizers that are built: creating variables inside
+  the first trace makes `tf.function` trace twice).
+- in the trace: a *channel* per optimizer and per apply of it in the train
+  step (WGAN-GP's discriminator: three), created when first seen unless
+  `prepare` predicted it, with a *slot* per request: the variables it
+  selects among those the optimizer applies, and its buffers.
 - `collect()` in `on_train_batch_end` (and at the end): reads new rows.
-- `detach(request)` in `on_train_end`: the last one restores the optimizer
-  and forces a retrace, so a later `fit` without the callbacks runs the plain
-  train step again.
+- `detach(request)` in `on_train_end`: the last one restores the model and
+  forces a retrace, so a later `fit` without the callbacks runs the plain
+  train step again. A `fit` that ends by an exception has no
+  `on_train_end`; the engine then restores the model from the `fit`
+  wrapper (`_keras_internals.wrap_fit`) as that `fit` unwinds.
 
 Buffers are `ON_READ` / `ONLY_FIRST_REPLICA` variables: under a
 `tf.distribute` strategy each replica writes its own copy without any
-communication, and the host reads replica 0. Rows are addressed by a call id
-(one per `optimizer.apply`), `row = (call_id - 1) % steps_per_execution`, so
-consecutive calls of one execution never share a row and the host needs no
-reset between executions.
+communication, and the host reads replica 0 (or all, for values a replica
+holds alone). Rows are addressed by a train-step id (`row = (id - 1) %
+steps_per_execution`), so consecutive train steps of one execution never
+share a row and the host needs no reset between executions.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 import warnings
 import weakref
@@ -39,40 +50,59 @@ import tensorflow as tf
 
 from kerasdbg import _buffers
 from kerasdbg import _replay
+from kerasdbg import _tags
 from kerasdbg import _keras_internals as internals
 from kerasdbg import stats as stats_lib
 
 
 class Record(NamedTuple):
-    """What one optimizer step recorded for one request.
+    """What one step recorded for one request.
 
     Attributes:
-        step: `optimizer.iterations` after the update (1-based). A step the
-            loss scaler skipped carries the number the update would have had.
+        step: the step: for gradients and weights, the applying optimizer's
+            step (its `iterations` after the update, 1-based; with gradient
+            accumulation, the batch it accumulated); for "step" requests the
+            train step. A step the loss scaler skipped carries the number
+            the update would have had.
         skipped: whether the loss scaler skipped the update.
-        values: the request's columns for this step, or None if the step was
-            not recorded (`every_n_steps`, or skipped before the gradients).
+        values: the request's values for this step, or None if the step was
+            not recorded (`every_n_steps`, or no update to describe).
         histograms: `(counts [V, bins], ranges [V, 2])`, or None.
+        tags: the TensorBoard tag of each value; None for a value left out
+            (a variable without a gradient, a loss that was not captured).
+        histogram_tags: the tag of each histogram row, None likewise.
+        optimizer: the name of the optimizer that applied the step, or None
+            for a "step" request.
+        applied: whether the step updated the weights (False: a batch whose
+            gradient the optimizer only accumulated).
     """
 
     step: int
     skipped: bool
     values: Optional[np.ndarray]
     histograms: Optional[tuple]
+    tags: Tuple[Optional[str], ...] = ()
+    histogram_tags: Tuple[Optional[str], ...] = ()
+    optimizer: Optional[str] = None
+    applied: bool = True
 
 
 WEIGHT_EXTRA_STATISTICS = ("update_ratio", "distance_from_start")
 MAX_FLAGGED = 4096
-"""Variables whose non-finite gradient NaN localisation can name, for a model
-that is built only inside `fit`."""
+"""Variables of one optimizer whose non-finite gradient NaN localisation can name."""
 MAX_CLASSES = 1000
 """Classes a "classes" request can count (its buffer is sized before the trace)."""
+MAX_STEP_SCALARS = 32
+"""Scalars of what `train_step` returns that a "step" request records."""
 CLASS_COLUMNS = ("seen", "mispredicted")
 STEP_COLUMNS = ("loss", "frozen", "fault")
-"""Columns of a "step" request: the step's loss (summed over replicas, as
-the applied gradient sees it; NaN when `compute_loss` was not called),
-whether the weights were frozen at that step, and whether the step had an
-in-graph fault (NaN when no fault is watched)."""
+"""Columns of a "step" request: the step's loss (from `compute_loss`, summed
+over replicas, as the applied gradient sees it; else the `loss` the train
+step returns; absent when neither exists), whether the weights were frozen
+at that step, and whether the step had an in-graph fault (absent when no
+fault is watched). Then `step/<name>` for every other scalar the train step
+returns, averaged over replicas as Keras does."""
+_STEP_FIXED = 6  # train id, step, loss, loss captured, frozen, fault
 
 
 class Freeze(NamedTuple):
@@ -95,133 +125,83 @@ class Request:
 
     Args:
         kind: "gradients", "weights", "tensors" (full tensors at a few
-            steps: `_step_tensors.TensorRequest`), "step" (the loss of each step and
-            whether it was frozen; `variables`, `paths` and `stats` empty) or
+            steps: `_step_tensors.TensorRequest`), "step" (the loss and
+            returned scalars of each train step and whether it was frozen),
             "classes" (labels seen and mispredicted per class, summed over
-            the fit; `variables`, `paths` and `stats` empty).
-        variables: the Keras variables to describe.
-        paths: one unique display path per variable.
+            the fit) or "wrap" (a function around each train step, for
+            `StepTimer`: `wrapper(step_function, data, row)`).
         stats: statistic names (`stats.ALL_STATISTICS`, plus for weights
             `WEIGHT_EXTRA_STATISTICS`).
         every_n_steps: record scalars at steps divisible by this.
         histogram_every_n_steps: record histograms at steps divisible by
             this, or None for no histograms.
         consumer: called as `consumer(records)` with a list of `Record`.
+        include, exclude: regular expressions on variable paths.
         bins: histogram bins.
         strict: a failure of the instrumentation raises instead of warning.
         freeze: for a "step" request, the faults that freeze the weights.
         localize: for a "step" request, find at the first non-finite loss or
             gradient the first layer whose output was non-finite and the
             variables whose gradient was (see `Engine.nan_source`).
-        last_step: record scalars only up to this optimizer step (for what
-            a rule reads at the start of training only), or None.
+        last_step: record scalars only up to this step (for what a rule
+            reads at the start of training only), or None.
+        owner: the callback, for messages.
+        wrapper: for a "wrap" request.
     """
 
     def __init__(
         self,
         kind: str,
-        variables: Sequence,
-        paths: Sequence[str],
-        stats: Sequence[str],
-        every_n_steps: int,
-        histogram_every_n_steps: Optional[int],
-        consumer: Callable[[List[Record]], None],
+        stats: Sequence[str] = (),
+        every_n_steps: int = 1,
+        histogram_every_n_steps: Optional[int] = None,
+        consumer: Callable[[List[Record]], None] = lambda records: None,
+        include: Optional[str] = None,
+        exclude: Optional[str] = None,
         bins: int = stats_lib.DEFAULT_HISTOGRAM_BINS,
         strict: bool = False,
         freeze: Optional[Freeze] = None,
         localize: bool = False,
         last_step: Optional[int] = None,
+        owner: str = "kerasdbg",
+        wrapper: Optional[Callable] = None,
     ):
         self.kind = kind
-        self.last_step = last_step
-        self.freeze = freeze
-        self.localize = localize
-        self.strict = strict
-        self.variables = list(variables)
-        self.paths = list(paths)
         self.stats = tuple(stats)
         self.every_n_steps = every_n_steps
         self.histogram_every_n_steps = histogram_every_n_steps
         self.consumer = consumer
+        self.include = include
+        self.exclude = exclude
         self.bins = bins
+        self.strict = strict
+        self.freeze = freeze
+        self.localize = localize
+        self.last_step = last_step
+        self.owner = owner
+        self.wrapper = wrapper
         # Statistics computed by `tensor_statistics` (the rest are derived).
         self.base_stats = tuple(s for s in self.stats if s in stats_lib.ALL_STATISTICS)
         if kind == "gradients" and "l2_norm" not in self.base_stats:
             # The global norm is derived from the per-variable norms.
             self.base_stats += ("l2_norm",)
-        self.columns = [f"{p}/{s}" for p in self.paths for s in self.stats]
-        if kind == "gradients":
-            self.columns.append("global_norm")
-        if kind == "step":
-            self.columns = list(STEP_COLUMNS)
-        if kind == "classes":
-            self.paths = [str(k) for k in range(MAX_CLASSES)]
-            self.stats = CLASS_COLUMNS
-            self.columns = [f"{p}/{c}" for p in self.paths for c in CLASS_COLUMNS]
-            self.present = [False] * MAX_CLASSES
         self.totals: Optional[tf.Variable] = None
-        self._tags = None
-        # Which variables had a gradient in the traced step (None grads are
-        # known at trace time); filled by the engine.
-        self.present = [True] * len(self.variables)
-        self.keys: List[int] = []
+        self.present = [False] * MAX_CLASSES
         self.values = self.ids = None
-        self.hist_counts = self.hist_ranges = self.hist_ids = None
-        self.previous: List[tf.Variable] = []
-        self.initial: List[tf.Variable] = []
 
-    def tags(self) -> List[Optional[str]]:
-        """TensorBoard tag of each column, `<kind>/<column>`; None for the
-        columns of variables without a gradient (or classes not in the output)."""
-        key = tuple(self.present)
-        if self._tags is None or self._tags[0] != key:
-            tags, width = [], len(self.stats)
-            for i, _ in enumerate(self.paths):
-                for column in self.columns[i * width:(i + 1) * width]:
-                    tags.append(f"{self.kind}/{column}" if self.present[i] else None)
-            tags.extend(f"{self.kind}/{c}" for c in self.columns[len(tags):])
-            self._tags = (key, tags)
-        return self._tags[1]
+    @property
+    def per_variable(self) -> bool:
+        return self.kind in ("gradients", "weights", "tensors")
 
-    def build(self, optimizer, steps_per_execution: int) -> None:
-        """Creates this request's buffers (in the strategy's scope)."""
-        n = steps_per_execution
-        self.keys = [internals.variable_key(optimizer, v) for v in self.variables]
-        self.values = _buffers.on_read_variable(
-            tf.fill([n, len(self.columns)], tf.constant(np.nan, tf.float64)),
-            f"kerasdbg_{self.kind}_values",
-        )
-        self.ids = _buffers.on_read_variable(tf.zeros([n], tf.int64), f"kerasdbg_{self.kind}_ids")
-        if self.histogram_every_n_steps:
-            v = len(self.variables)
-            self.hist_counts = _buffers.on_read_variable(
-                tf.zeros([n, v, self.bins], tf.float64), f"kerasdbg_{self.kind}_hist"
-            )
-            self.hist_ranges = _buffers.on_read_variable(
-                tf.zeros([n, v, 2], tf.float64), f"kerasdbg_{self.kind}_hist_ranges"
-            )
-            self.hist_ids = _buffers.on_read_variable(
-                tf.zeros([n], tf.int64), f"kerasdbg_{self.kind}_hist_ids"
-            )
-        if self.kind == "classes":
-            self.totals = _buffers.on_read_variable(
-                tf.zeros([MAX_CLASSES, len(CLASS_COLUMNS)], tf.float64), "kerasdbg_class_totals")
-        if self.kind == "weights" and "update_ratio" in self.stats:
-            self.previous = [
-                _buffers.on_read_variable(internals.read(v), "kerasdbg_previous")
-                for v in self.variables
-            ]
-        if self.kind == "weights" and "distance_from_start" in self.stats:
-            self.initial = [
-                _buffers.on_read_variable(internals.read(v), "kerasdbg_initial")
-                for v in self.variables
-            ]
+    def selects(self, path: str) -> bool:
+        return (self.include is None or re.search(self.include, path) is not None) and (
+            self.exclude is None or re.search(self.exclude, path) is None)
 
     def records_at(self, step) -> object:
         every = _every(step, self.every_n_steps)
         if self.last_step is None:
             return every
-        return tf.logical_and(every, tf.less_equal(step, tf.cast(self.last_step, step.dtype)))
+        return _and(every, tf.less_equal(step, tf.cast(self.last_step, step.dtype)))
 
     def histograms_at(self, step) -> object:
         if not self.histogram_every_n_steps:
@@ -232,14 +212,18 @@ class Request:
         """On the host: whether any of these steps wrote values, histograms
         (as `records_at` and `histograms_at` decided in the graph), so that
         `collect` reads only the buffers that hold something new."""
-        values = self.kind not in ("gradients", "weights") or any(
+        values = any(
             step % self.every_n_steps == 0 and (self.last_step is None or step <= self.last_step)
             for step in steps
         )
-        histograms = self.hist_ids is not None and any(
+        histograms = bool(self.histogram_every_n_steps) and any(
             step % self.histogram_every_n_steps == 0 for step in steps
         )
         return values, histograms
+
+    # Hooks of the "tensors" request (`_step_tensors.TensorRequest`).
+    def bind(self, channel: "Channel", variables, paths) -> None:
+        """Called when the request is given its variables in a channel."""
 
 
 def _every(step, n: int):
@@ -248,16 +232,14 @@ def _every(step, n: int):
     return tf.equal(tf.math.floormod(step, n), 0)
 
 
-class _StepState(NamedTuple):
-    """What `_before_apply` hands to the rest of the step (trace time)."""
-
-    step: tf.Tensor
-    loss: Optional[tf.Tensor]
-    fault: Optional[tf.Tensor]
-    frozen: Optional[tf.Tensor]
-    classes: Optional[tf.Tensor] = None
-    # `(hit, slot)` of each tensor request, in `_tensor_requests()` order.
-    step_slots: tuple = ()
+def _and(a, b):
+    if a is True:
+        return b
+    if b is True:
+        return a
+    if a is False or b is False:
+        return False
+    return tf.logical_and(a, b)
 
 
 def unique_paths(variables) -> List[str]:
@@ -272,12 +254,8 @@ def unique_paths(variables) -> List[str]:
     return paths
 
 
-def _squared_norm(tensors) -> tf.Tensor:
-    """The squared global norm of `tensors`, from `stats` (finite elements,
-    no float32 overflow), as the recorded `global_norm`."""
-    if not tensors:
-        return tf.constant(0.0, tf.float64)
-    return tf.reduce_sum(tf.square(stats_lib.tensor_statistics(tensors, ["l2_norm"])[:, 0]))
+def _zeros_like(variable) -> tf.Tensor:
+    return tf.zeros(variable.shape, internals.read_handle(variable).dtype.base_dtype)
 
 
 def _dense(gradient) -> tf.Tensor:
@@ -286,7 +264,217 @@ def _dense(gradient) -> tf.Tensor:
     return gradient
 
 
+def _several_replicas():
+    """The replica context when there are several replicas, else None."""
+    replicas = tf.distribute.get_replica_context()
+    if replicas is not None and replicas.num_replicas_in_sync > 1:
+        return replicas
+    return None
+
+
+class Hook:
+    """One optimizer the train step applies."""
+
+    def __init__(self, name: str, optimizer, index: int):
+        self.name = name
+        self.optimizer = optimizer
+        self.inner = internals.inner_optimizer(optimizer)
+        self.index = index
+        self.channels: List["Channel"] = []
+        self.clipping = internals.clipping(optimizer)
+        self.accumulation = internals.accumulation_steps(optimizer)
+        self.scaled = self.inner is not optimizer
+
+    @property
+    def separate(self) -> bool:
+        """Whether the applied gradient differs from the model's by construction."""
+        return self.clipping is not None or self.accumulation is not None
+
+    def updates_at(self, step):
+        """Whether the optimizer's step `step` updates the weights."""
+        if not self.accumulation:
+            return True
+        return tf.equal(tf.math.floormod(step, self.accumulation), 0)
+
+
+class Slot:
+    """One request's part of one channel: its variables and its buffers."""
+
+    def __init__(self, request: Request, channel: "Channel", positions: List[int]):
+        self.request = request
+        self.channel = channel
+        self.positions = positions  # indices into the channel's variables
+        self.variables = [channel.variables[i] for i in positions]
+        self.paths = [channel.paths[i] for i in positions]
+        self.present = [True] * len(positions)
+        self.values = self.ids = None
+        self.applied_values = self.applied_ids = None
+        self.hist_counts = self.hist_ranges = self.hist_ids = None
+        self.previous: List[tf.Variable] = []
+        self.initial: List[tf.Variable] = []
+        self.started: Optional[tf.Variable] = None
+
+    def build(self, steps_per_execution: int) -> None:
+        request, n = self.request, steps_per_execution
+        kind = request.kind
+        width = len(self.positions) * len(request.stats)
+        if kind == "gradients":
+            width += 2  # global norm, clipped
+        nan = tf.constant(np.nan, tf.float64)
+        self.values = _buffers.on_read_variable(tf.fill([n, width], nan), f"kerasdbg_{kind}")
+        self.ids = _buffers.on_read_variable(tf.zeros([n], tf.int64), f"kerasdbg_{kind}_ids")
+        if kind == "gradients" and self.channel.hook.separate:
+            self.applied_values = _buffers.on_read_variable(
+                tf.fill([n, width - 1], nan), "kerasdbg_applied_gradients")
+            self.applied_ids = _buffers.on_read_variable(
+                tf.zeros([n], tf.int64), "kerasdbg_applied_gradients_ids")
+        if request.histogram_every_n_steps:
+            v = len(self.positions)
+            self.hist_counts = _buffers.on_read_variable(
+                tf.zeros([n, v, request.bins], tf.float64), f"kerasdbg_{kind}_hist")
+            self.hist_ranges = _buffers.on_read_variable(
+                tf.zeros([n, v, 2], tf.float64), f"kerasdbg_{kind}_hist_ranges")
+            self.hist_ids = _buffers.on_read_variable(tf.zeros([n], tf.int64),
+                                                      f"kerasdbg_{kind}_hist_ids")
+        # Zeros, filled in the graph: a variable created in this trace has
+        # no value to read yet.
+        if kind == "weights" and "update_ratio" in request.stats:
+            self.previous = [_buffers.on_read_variable(_zeros_like(v), "kerasdbg_previous")
+                             for v in self.variables]
+        if kind == "weights" and "distance_from_start" in request.stats:
+            self.initial = [_buffers.on_read_variable(_zeros_like(v), "kerasdbg_initial")
+                            for v in self.variables]
+            # Whether `initial` holds the weights at the start of the fit.
+            self.started = _buffers.on_read_variable(tf.zeros([], tf.int64), "kerasdbg_started")
+
+    def tags(self, several: bool) -> Tuple[Optional[str], ...]:
+        """The tag of each value column; None for variables without a gradient."""
+        request, kind = self.request, self.request.kind
+        optimizer = self.channel.hook.name if several else None
+        tags = []
+        for path, present in zip(self.paths, self.present):
+            tags += [_tags.statistic(kind, path, s) if present else None for s in request.stats]
+        if kind == "gradients":
+            tags.append(_tags.per_optimizer(kind, "global_norm", optimizer))
+            tags.append(_tags.per_optimizer(kind, "clipped", optimizer)
+                        if self.channel.hook.clipping else None)
+        return tuple(tags)
+
+    def applied_tags(self, several: bool) -> Tuple[Optional[str], ...]:
+        optimizer = self.channel.hook.name if several else None
+        kind = _tags.APPLIED_GRADIENTS
+        tags = []
+        for path, present in zip(self.paths, self.present):
+            tags += [_tags.statistic(kind, path, s) if present else None
+                     for s in self.request.stats]
+        tags.append(_tags.per_optimizer(kind, "global_norm", optimizer))
+        return tuple(tags)
+
+    def histogram_tags(self, kind: Optional[str] = None) -> Tuple[Optional[str], ...]:
+        kind = kind or self.request.kind
+        return tuple(f"{kind}/{p}" if present else None
+                     for p, present in zip(self.paths, self.present))
+
+
+class Channel:
+    """One apply of one optimizer in the train step (the `index`-th)."""
+
+    def __init__(self, hook: Hook, index: int, variables, paths: List[str]):
+        self.hook = hook
+        self.index = index
+        self.variables = list(variables)
+        self.paths = paths
+        self.keys = [internals.variable_key(hook.optimizer, v) for v in self.variables]
+        self.meta: Optional[tf.Variable] = None
+        self.slots: Dict[int, Slot] = {}
+        self.number = -1  # its index in `Engine.channels`
+
+    def build(self, requests, steps_per_execution: int) -> None:
+        if self.meta is None:
+            # [row, (train id, step, skipped, updated)]
+            self.meta = _buffers.on_read_variable(
+                tf.zeros([steps_per_execution, 4], tf.int64), "kerasdbg_meta")
+        for request in requests:
+            if id(request) in self.slots or not request.per_variable:
+                continue
+            positions = [i for i, (v, p) in enumerate(zip(self.variables, self.paths))
+                         if internals.is_float(v) and request.selects(p)]
+            if request.kind == "tensors":
+                if request.channel is not None:
+                    continue
+                request.bind(self, [self.variables[i] for i in positions],
+                             [self.paths[i] for i in positions])
+                request.channel = self
+                request.positions = positions
+                continue
+            if not positions:
+                continue
+            slot = Slot(request, self, positions)
+            slot.build(steps_per_execution)
+            self.slots[id(request)] = slot
+
+    def slots_of(self, kind: str) -> List[Slot]:
+        return [s for s in self.slots.values() if s.request.kind == kind]
+
+
+class _StepState:
+    """What the engine keeps about the train step being traced (per replica)."""
+
+    def __init__(self, engine: "Engine", train_id, x):
+        self.engine = engine
+        self.train_id = train_id
+        self.x = x
+        self.applies: Dict[int, int] = {}
+        self.in_apply = False
+        self.loss = None  # compute_loss's, this replica's
+        self.loss_sum = None  # summed over replicas
+        self.y = self.y_pred = None
+        self.fault = None
+        self.first_step = None  # the step of the first optimizer apply
+
+
+class _ApplyContext:
+    """One apply being traced: its channel and what `_before_apply` found."""
+
+    def __init__(self, state: _StepState, channel: Channel):
+        self.state = state
+        self.channel = channel
+        self.step = None
+        self.frozen = None
+        self.loss = None
+        self.step_slots = None
+        self.clipped = None
+        self.applied = None
+
+
+_TLS = threading.local()
+# (replica id, id(inner optimizer)) -> the apply being traced: the reduction
+# may run in another thread than `apply` (a merge_call under Mirrored).
+_CONTEXTS: Dict[Tuple[Optional[int], int], _ApplyContext] = {}
+
+
+def _route_apply(optimizer, original, grads, trainable_variables=None):
+    state = getattr(_TLS, "state", None)
+    if state is None or state.in_apply:
+        return original(grads, trainable_variables)
+    state.in_apply = True
+    try:
+        return state.engine._apply(state, optimizer, original, grads, trainable_variables)
+    finally:
+        state.in_apply = False
+
+
+def _route_reduce(optimizer, original, grads_and_vars):
+    reduced = original(grads_and_vars)
+    context = _CONTEXTS.get((internals.replica_id(), id(optimizer)))
+    if context is not None:
+        engine = context.state.engine
+        engine._guard(lambda: engine._record_applied(context, reduced))
+    return reduced
+
+
 _ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_CLEANUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def engine_for(model) -> "Engine":
@@ -298,6 +486,31 @@ def engine_for(model) -> "Engine":
     return engine
 
 
+def on_fit_end(model, key, cleanup: Callable[[], None]) -> None:
+    """Runs `cleanup()` when the running `fit` of `model` ends, however it
+    ends, unless `cancel_fit_end(model, key)` came first."""
+    internals.wrap_fit(_after_fit)
+    _CLEANUPS.setdefault(model, {})[key] = cleanup
+
+
+def cancel_fit_end(model, key) -> None:
+    cleanups = _CLEANUPS.get(model)
+    if cleanups is not None:
+        cleanups.pop(key, None)
+
+
+def _after_fit(model) -> None:
+    cleanups = _CLEANUPS.pop(model, None) if model in _CLEANUPS else None
+    if cleanups is None:
+        return
+    for key, cleanup in cleanups.items():
+        try:
+            cleanup()
+        except Exception as error:  # noqa: BLE001 - the fit's own outcome comes first
+            warnings.warn(f"kerasdbg could not restore the model after fit ({key}): "
+                          f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=3)
+
+
 class Engine:
     """The capture engine of one model. See the module docstring."""
 
@@ -305,35 +518,42 @@ class Engine:
         self._model = weakref.ref(model)
         self.requests: List[Request] = []
         self.trace_count = 0
-        self._optimizer = None
+        self.installed = False
         self._prepared = False
-        self._calls: Optional[tf.Variable] = None
-        self._meta: Optional[tf.Variable] = None
-        self._last_call = 0
-        self._steps_per_execution = None
         self._failed = False
+        self._calls: Optional[tf.Variable] = None
+        self._last_call = 0
+        self._first_call = 0
+        self._step_base = 0
+        self._steps_per_execution = None
+        self.hooks: Dict[int, Hook] = {}
+        self.channels: List[Channel] = []
+        self._lock = threading.Lock()
+        self._several: Optional[bool] = None
+        # The "step" buffer: [row, train id, loss, loss captured, frozen,
+        # fault, MAX_STEP_SCALARS returned scalars].
+        self._step_values: Optional[tf.Variable] = None
+        self._step_names: List[str] = []
+        self._step_warned = False
         self._frozen: Optional[tf.Variable] = None
         # Non-trainable state the forward pass updates (BatchNormalization's
         # moving statistics) and its copy after the last unfrozen step.
         self._state: List[tuple] = []
-        # NaN localisation: [step, first layer index, one flag per variable].
+        # NaN localisation: [step, first layer index, channel, one flag per variable].
         self._nan_row: Optional[tf.Variable] = None
         self.nan_layers: List[str] = []
-        self.nan_variables: List[str] = []
-        self._loss_patched = False
-        # The loss `compute_loss` returned, per replica thread, until `apply`.
-        self._captured = threading.local()
+        self._diagnosed = False
+        self._saw_steps = False
+        # Whether the traced train step called `compute_loss`.
+        self.loss_captured = False
 
     # ----------------------------------------------------------- lifecycle
-    @property
-    def installed(self) -> bool:
-        return self._optimizer is not None
-
     def attach(self, request: Request) -> None:
-        """Adds a request; the first one patches the optimizer (retrace)."""
+        """Adds a request; the first one instruments the train step (retrace)."""
         model = self._model()
         if self._prepared:
-            # The last fit ended without on_train_end (an exception): start over.
+            # The last fit ended without on_train_end and without the fit
+            # wrapper (a Keras loop of its own): start over.
             self._reset()
         if getattr(model, "optimizer", None) is None:
             raise ValueError(
@@ -342,74 +562,98 @@ class Engine:
             )
         if not self.installed:
             internals.check_supported(model.optimizer)
-            self._install(model.optimizer)
-            model.make_train_function(force=True)
-        if request.kind in ("step", "classes", "tensors") and not self._loss_patched:
-            self._patch_compute_loss(model)
+            self._install(model)
         self.requests.append(request)
 
     def prepare(self) -> None:
-        """Creates the buffers before the first trace of this fit."""
+        """Creates the buffers it can before the first trace of this fit."""
         if self._prepared or not self.requests:
             return
         model = self._model()
-        internals.build_optimizer_before_trace(model)
+        if internals.uses_standard_train_step(model):
+            internals.build_optimizer_before_trace(model)
         n = int(model.steps_per_execution)
         strategy = model.distribute_strategy
+        if self._steps_per_execution != n:
+            self.channels, self.hooks = [], {}
+            self._step_values = None
+        self._steps_per_execution = n
+        found = internals.find_optimizers(model)
         with strategy.scope():
             if self._calls is None:
                 self._calls = _buffers.on_read_variable(tf.zeros([], tf.int64), "kerasdbg_calls")
-            if self._meta is None or self._steps_per_execution != n:
-                self._meta = _buffers.on_read_variable(tf.zeros([n, 3], tf.int64), "kerasdbg_meta")
+            if self._step_values is None and self._wants("step", "classes"):
+                self._step_values = _buffers.on_read_variable(
+                    tf.fill([n, _STEP_FIXED + MAX_STEP_SCALARS], tf.constant(np.nan, tf.float64)),
+                    "kerasdbg_step")
             if self._freeze() is not None and self._frozen is None:
                 self._frozen = _buffers.on_read_variable(tf.zeros([], tf.int64), "kerasdbg_frozen")
             if self._freeze() is not None:
                 self._prepare_state(model, strategy)
-            if self._localizes():
-                # One flag per variable; a model built only inside `fit` (a
-                # subclassed one) has none yet, so room for many.
-                width = 2 + (len(model.trainable_variables) if model.built else MAX_FLAGGED)
-                if self._nan_row is None or int(self._nan_row.shape[0]) != width:
-                    self._nan_row = _buffers.on_read_variable(
-                        tf.zeros([width], tf.int64), "kerasdbg_nan_source")
+            if self._localizes() and self._nan_row is None:
+                self._nan_row = _buffers.on_read_variable(
+                    tf.zeros([3 + MAX_FLAGGED], tf.int64), "kerasdbg_nan_source")
             for request in self.requests:
-                request.build(self._optimizer, n)
+                if request.kind == "classes":
+                    request.totals = _buffers.on_read_variable(
+                        tf.zeros([MAX_CLASSES, len(CLASS_COLUMNS)], tf.float64),
+                        "kerasdbg_class_totals")
                 if request.kind == "tensors":
                     request.jit = getattr(model, "jit_compile", False) is True
-                if request.kind == "classes":
-                    request.totals.assign(tf.zeros_like(request.totals))
-        self._steps_per_execution = n
-        self._last_call = int(self._calls.numpy())
+                    request.channel = None
+            # The optimizers that are built: their channel is known now.
+            for name, optimizer in found:
+                inner = internals.inner_optimizer(optimizer)
+                if inner.built and getattr(inner, "_trainable_variables", None):
+                    hook = self._hook(optimizer, name)
+                    self._channel_now(hook, 0, internals.optimizer_variables(inner))
+        iterations = [int(internals.read(internals.raw_iterations(o)).numpy()) for _, o in found]
+        self._step_base = min([i for i in iterations if i > 0], default=0)
+        self._last_call = self._first_call = int(self._calls.numpy())
         if self._frozen is not None:
             self.unfreeze()
         if self._nan_row is not None:
             self._nan_row.assign(tf.zeros_like(self._nan_row))
+        self._diagnosed = False
+        self._saw_steps = False
         self._prepared = True
+
+    def _wants(self, *kinds) -> bool:
+        return any(r.kind in kinds for r in self.requests)
 
     def _prepare_state(self, model, strategy) -> None:
         """Copies of the forward pass's state variables, for frozen steps.
 
         The moving statistics of a BatchNormalization are updated by the
-        forward pass, before `apply` knows the step is faulty; a frozen step
-        puts back their values after the last unfrozen step. Under a
+        forward pass, before the update knows the step is faulty; a frozen
+        step puts back their values after the last unfrozen step. Under a
         strategy each replica keeps its own (Keras updates them per replica).
+        Layers built only inside `fit` get theirs in the trace.
         """
-        variables = [
-            v for v in model.non_trainable_variables
-            if internals.is_float(v) and not internals.on_read(v)
-        ] if model.built else []
-        known = [s[0] for s in self._state]
-        if len(known) != len(variables) or any(a is not b for a, b in zip(known, variables)):
-            self._state = [
-                (v, _buffers.on_read_variable(internals.read(v), "kerasdbg_state"))
-                for v in variables
-            ]
+        self._make_state(model)
         if self._state:
             def save():
                 for variable, copy in self._state:
                     copy.assign(internals.read(variable))
 
             strategy.run(tf.function(save))
+
+    @staticmethod
+    def _state_variables(model) -> list:
+        return [v for v in model.non_trainable_variables
+                if internals.is_float(v) and not internals.on_read(v)]
+
+    def _state_matches(self, variables) -> bool:
+        known = [s[0] for s in self._state]
+        return len(known) == len(variables) and all(a is b for a, b in zip(known, variables))
+
+    def _make_state(self, model) -> None:
+        variables = self._state_variables(model)
+        if not self._state_matches(variables):
+            # Zeros: the first unfrozen step saves the values (a variable
+            # created in the trace has none to read yet).
+            self._state = [(v, _buffers.on_read_variable(_zeros_like(v), "kerasdbg_state"))
+                           for v in variables]
 
     def _freeze(self) -> Optional[Freeze]:
         """The faults that freeze the weights: the union over the requests."""
@@ -429,10 +673,11 @@ class Engine:
     def nan_source(self) -> Optional[dict]:
         """Where the first non-finite loss or gradient of this fit came from.
 
-        Returns None until one occurred, else `{"step", "layer", "variables"}`:
-        the first layer (qualified name, in graph order, inputs first) whose
-        output held NaN/Inf on any replica, or None if none did (or the model
-        is subclassed), and the paths of the variables whose gradient did.
+        Returns None until one occurred, else `{"step", "layer", "variables",
+        "optimizer"}`: the first layer (qualified name, in graph order, inputs
+        first) whose output held NaN/Inf on any replica, or None if none did
+        (or the model is subclassed), the paths of the variables whose
+        gradient did, and the optimizer that was applying them.
         """
         if self._nan_row is None:
             return None
@@ -444,9 +689,13 @@ class Engine:
         layer = None
         if indices and min(indices) < len(self.nan_layers):
             layer = self.nan_layers[min(indices)]
-        flags = np.any([r[2:] for r in hits], axis=0)
-        variables = [p for p, bad in zip(self.nan_variables, flags) if bad]
-        return {"step": int(hits[0][0]), "layer": layer, "variables": variables}
+        number = int(hits[0][2])
+        channel = self.channels[number] if 0 <= number < len(self.channels) else None
+        flags = np.any([r[3:] for r in hits], axis=0)
+        paths = channel.paths if channel is not None else []
+        variables = [p for p, bad in zip(paths, flags) if bad]
+        return {"step": int(hits[0][0]), "layer": layer, "variables": variables,
+                "optimizer": channel.hook.name if channel is not None else None}
 
     def unfreeze(self) -> None:
         """Lets the weights change again after a fault froze them (host side)."""
@@ -458,8 +707,13 @@ class Engine:
         """Whether a fault has frozen the weights (replica 0's flag)."""
         return self._frozen is not None and bool(_buffers.read(self._frozen))
 
+    @property
+    def several_optimizers(self) -> bool:
+        """Whether more than one optimizer applied gradients in the train step."""
+        return bool(self._several)
+
     def detach(self, request: Request) -> None:
-        """Removes a request; the last one restores the optimizer (retrace)."""
+        """Removes a request; the last one restores the model (retrace)."""
         self.collect()
         if request in self.requests:
             self.requests.remove(request)
@@ -472,82 +726,66 @@ class Engine:
         For a callback that ends `fit` with an exception, after which no
         `on_train_end` runs.
         """
-        self.collect()
-        self._reset()
+        try:
+            self.collect()
+        finally:
+            self._reset()
+
+    def _after_failed_fit(self) -> None:
+        """`abort` for a `fit` that ended by an exception: the records are
+        handed out if they can be, and the fit's own exception is what
+        propagates (a consumer failing again here is left alone)."""
+        try:
+            self.collect()
+        except Exception:  # noqa: BLE001 - the fit already raised
+            pass
+        finally:
+            self._reset()
 
     def _reset(self) -> None:
         model = self._model()
         self.requests = []
         self._prepared = False
         self._failed = False
-        if self._loss_patched:
-            if model is not None:
-                internals.unpatch(model, "compute_loss")
-            self._loss_patched = False
+        for channel in self.channels:
+            channel.slots = {}
         if self.installed:
-            self._uninstall()
-            if model is not None:
-                model.make_train_function(force=True)
+            self._uninstall(model)
 
-    def _patch_compute_loss(self, model) -> None:
-        original = model.compute_loss
-        captured = self._captured
+    def _install(self, model) -> None:
+        original_step = model.train_step
+        original_loss = model.compute_loss
+
+        def train_step(data):
+            return self._train_step(original_step, data)
 
         def compute_loss(*args, **kwargs):
-            loss = original(*args, **kwargs)
-            captured.loss = loss
-            captured.x = args[0] if args else kwargs.get("x")
-            captured.y = args[1] if len(args) > 1 else kwargs.get("y")
-            captured.y_pred = args[2] if len(args) > 2 else kwargs.get("y_pred")
+            loss = original_loss(*args, **kwargs)
+            state = getattr(_TLS, "state", None)
+            if state is not None and state.engine is self:
+                state.loss = loss
+                state.y = args[1] if len(args) > 1 else kwargs.get("y")
+                state.y_pred = args[2] if len(args) > 2 else kwargs.get("y_pred")
+                x = args[0] if args else kwargs.get("x")
+                if x is not None:
+                    state.x = x
             return loss
 
+        internals.patch(model, "train_step", train_step)
         internals.patch(model, "compute_loss", compute_loss)
-        self._loss_patched = True
+        self.installed = True
+        self._several = None
+        on_fit_end(model, self, self._after_failed_fit)
+        model.make_train_function(force=True)
 
-    def _captured_loss(self):
-        """The loss of the step being applied, from this replica's trace, or None."""
-        loss = getattr(self._captured, "loss", None)
-        self._captured.loss = None
-        if loss is None or not tf.is_tensor(loss):
-            return None
-        if not tf.executing_eagerly() and getattr(loss, "graph", None) is not (
-            tf.compat.v1.get_default_graph()
-        ):
-            return None  # left over from another function (a custom train_step)
-        return tf.reduce_sum(tf.cast(loss, tf.float64))
-
-    def _captured_inputs(self):
-        """The inputs `compute_loss` saw in this trace, or None."""
-        x = getattr(self._captured, "x", None)
-        self._captured.x = None
-        tensors = [t for t in keras.tree.flatten(x) if tf.is_tensor(t)]
-        if not tensors or (not tf.executing_eagerly() and any(
-                getattr(t, "graph", None) is not tf.compat.v1.get_default_graph() for t in tensors)):
-            return None  # not called, or left over from another function
-        return x
-
-    def _install(self, optimizer) -> None:
-        inner = internals.inner_optimizer(optimizer)
-        original_apply = optimizer.apply
-        original_reduce = getattr(inner, internals.REDUCE_METHOD)
-
-        def apply(grads, trainable_variables=None):
-            return self._apply(original_apply, optimizer, grads, trainable_variables)
-
-        def reduce(grads_and_vars):
-            reduced = original_reduce(grads_and_vars)
-            self._guard(lambda: self._record_gradients(inner, reduced))
-            return reduced
-
-        internals.patch(optimizer, "apply", apply)
-        internals.patch(inner, internals.REDUCE_METHOD, reduce)
-        self._optimizer = optimizer
-
-    def _uninstall(self) -> None:
-        optimizer = self._optimizer
-        internals.unpatch(optimizer, "apply")
-        internals.unpatch(internals.inner_optimizer(optimizer), internals.REDUCE_METHOD)
-        self._optimizer = None
+    def _uninstall(self, model) -> None:
+        self.installed = False
+        if model is None:
+            return
+        cancel_fit_end(model, self)
+        internals.unpatch(model, "train_step")
+        internals.unpatch(model, "compute_loss")
+        model.make_train_function(force=True)
 
     # ------------------------------------------------------- in the graph
     def _guard(self, function: Callable[[], object]):
@@ -569,109 +807,191 @@ class Engine:
             )
             return None
 
-    def _position(self):
-        """Call id of the step being applied and its ring-buffer row."""
-        call_id = self._calls.read_value() + 1
-        return call_id, tf.math.floormod(call_id - 1, self._steps_per_execution)
+    def _row(self, train_id):
+        return tf.math.floormod(train_id - 1, self._steps_per_execution)
 
-    def _apply(self, original_apply, optimizer, grads, trainable_variables):
-        before = self._guard(lambda: self._before_apply(optimizer, grads, trainable_variables))
-        applied = None
-        if before is not None and before.frozen is not None:
-            self._guard(lambda: self._keep_state_unless_frozen(before.frozen))
-            applied = self._guard(
-                lambda: self._apply_unless_frozen(
-                    original_apply, optimizer, grads, trainable_variables, before.frozen
-                )
-            )
-        if applied is None:
-            original_apply(grads, trainable_variables)
-        if before is not None:
-            self._guard(lambda: self._after_apply(optimizer, before))
+    def _train_step(self, original, data):
+        if not self._prepared or self._failed:
+            return original(data)
+        state = self._guard(lambda: self._begin_step(data))
+        if state is None:
+            return original(data)
+        step_function = original
+        for request in [r for r in self.requests if r.kind == "wrap" and r.wrapper]:
+            step_function = _wrapped(request.wrapper, step_function, self._row(state.train_id))
+        previous = getattr(_TLS, "state", None)
+        _TLS.state = state
+        try:
+            with internals.optimizer_routes(_route_apply, _route_reduce):
+                logs = step_function(data)
+        finally:
+            _TLS.state = previous
+        self._guard(lambda: self._end_step(state, logs))
+        return logs
 
-    def _before_apply(self, optimizer, grads, trainable_variables) -> "_StepState":
+    def _begin_step(self, data) -> _StepState:
         self.trace_count += 1
-        step = internals.read(optimizer.iterations) + 1
-        x = self._captured_inputs()
-        loss, nonfinite, fault, frozen = self._step_loss_and_fault(optimizer, grads)
-        if nonfinite is not None and self._localizes():
-            if trainable_variables is None:
-                trainable_variables = internals.optimizer_variables(
-                    internals.inner_optimizer(optimizer))
-            self._localize(step, nonfinite, grads, list(trainable_variables), x)
-        # Kept in the returned state, not on the request: under Mirrored the
-        # replicas' threads trace their steps at the same time.
-        step_slots = tuple(request.record_before(self._model(), optimizer, step, loss, x)
-                           for request in self._tensor_requests())
-        for request in self._weight_requests():
-            if request.previous:
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data) if isinstance(
+            data, (tuple, list)) else (data, None, None)
+        return _StepState(self, self._calls.read_value() + 1, x)
 
-                def snapshot(request=request):
-                    for copy, variable in zip(request.previous, request.variables):
+    def _hook(self, optimizer, name: Optional[str] = None) -> Hook:
+        hook = self.hooks.get(id(optimizer))
+        if hook is None:
+            if name is None:
+                names = dict((id(o), n) for n, o in internals.find_optimizers(self._model()))
+                name = names.get(id(optimizer), optimizer.name)
+            hook = Hook(name, optimizer, len(self.hooks))
+            self.hooks[id(optimizer)] = hook
+        return hook
+
+    def _paths(self, variables) -> List[str]:
+        """Display paths: unique over the model's variables, stable across channels."""
+        model = self._model()
+        every = list(model.variables) if model is not None else []
+        known = dict(zip((id(internals.read_handle(v)) for v in every), unique_paths(every)))
+        return [known.get(id(internals.read_handle(v))) or getattr(v, "path", None) or v.name
+                for v in variables]
+
+    def _channel_now(self, hook: Hook, index: int, variables) -> Channel:
+        """The channel of the `index`-th apply of `hook` on `variables`,
+        created now (eagerly, or in a cross-replica context) if needed."""
+        keys = [internals.variable_key(hook.optimizer, v) for v in variables]
+        with self._lock:
+            for channel in hook.channels:
+                if channel.index == index and channel.keys == keys:
+                    channel.build(self.requests, self._steps_per_execution)
+                    return channel
+            hook.channels = [c for c in hook.channels if c.index != index]
+            channel = Channel(hook, index, variables, self._paths(variables))
+            channel.build(self.requests, self._steps_per_execution)
+            channel.number = len(self.channels)
+            self.channels.append(channel)
+            hook.channels.append(channel)
+            return channel
+
+    def _channel(self, hook: Hook, index: int, variables) -> Channel:
+        """`_channel_now` from the trace: buffers are created outside it."""
+        keys = [internals.variable_key(hook.optimizer, v) for v in variables]
+        for channel in hook.channels:
+            if channel.index == index and channel.keys == keys and all(
+                    id(r) in channel.slots or not r.per_variable or r.kind == "tensors"
+                    for r in self.requests):
+                return channel
+        model = self._model()
+        found = []
+
+        def create():
+            with tf.init_scope(), model.distribute_strategy.scope():
+                found.append(self._channel_now(hook, index, variables))
+
+        internals.merge_call(create)
+        return found[0] if found else self._channel_now(hook, index, variables)
+
+    def _apply(self, state: _StepState, optimizer, original, grads, trainable_variables):
+        inner = internals.inner_optimizer(optimizer)
+        grads = list(grads)
+        if trainable_variables is not None:
+            variables = list(trainable_variables)
+        elif inner.built:
+            variables = internals.optimizer_variables(inner)
+        else:
+            variables = None
+        if not grads or variables is None or len(variables) != len(grads):
+            return original(grads, trainable_variables)
+        hook = self._hook(optimizer)
+        index = state.applies.get(id(hook), 0)
+        state.applies[id(hook)] = index + 1
+        channel = self._guard(lambda: self._channel(hook, index, variables))
+        if channel is None:
+            return original(grads, trainable_variables)
+        context = _ApplyContext(state, channel)
+        before = self._guard(lambda: self._before_apply(context, optimizer, grads))
+        key = (internals.replica_id(), id(inner))
+        _CONTEXTS[key] = context
+        try:
+            applied = None
+            if before is not None and context.frozen is not None:
+                applied = self._guard(lambda: self._apply_unless_frozen(
+                    original, optimizer, grads, trainable_variables, context.frozen))
+            result = None
+            if applied is None:
+                result = original(grads, trainable_variables)
+        finally:
+            _CONTEXTS.pop(key, None)
+        if before is not None:
+            self._guard(lambda: self._after_apply(context, optimizer))
+        return result
+
+    def _before_apply(self, context: _ApplyContext, optimizer, grads) -> bool:
+        channel, state = context.channel, context.state
+        hook = channel.hook
+        step = internals.read(internals.raw_iterations(optimizer)) + 1
+        context.step = step
+        if state.first_step is None:
+            state.first_step = step
+        loss, nonfinite, fault, frozen = self._step_loss_and_fault(context, optimizer, grads)
+        context.loss, context.frozen = loss, frozen
+        if fault is not None:
+            state.fault = fault if state.fault is None else tf.logical_or(state.fault, fault)
+        if nonfinite is not None and self._localizes():
+            self._localize(context, step, nonfinite, grads)
+        if hook.separate:
+            self._record_model_gradients(context, optimizer, grads)
+        for slot in channel.slots_of("weights"):
+            if slot.initial:
+
+                def start(slot=slot):
+                    for copy, variable in zip(slot.initial, slot.variables):
+                        copy.assign(internals.read(variable))
+                    slot.started.assign(tf.ones([], tf.int64))
+
+                _buffers.run_if(tf.equal(slot.started.read_value(), 0), start)
+            if slot.previous:
+
+                def snapshot(slot=slot):
+                    for copy, variable in zip(slot.previous, slot.variables):
                         copy.assign(internals.read(variable))
 
-                _buffers.run_if(request.records_at(step), snapshot)
-        classes = None
-        requests = [r for r in self.requests if r.kind == "classes"]
-        if requests:
-            classes = self._class_counts(requests)
-        return _StepState(step, loss, fault, frozen, classes, step_slots)
+                _buffers.run_if(_and(slot.request.records_at(step), hook.updates_at(step)),
+                                snapshot)
+        tensors = self._tensor_request(channel)
+        if tensors is not None:
+            context.step_slots = tensors.record_before(self._model(), optimizer, step, loss,
+                                                       state.x)
+        return True
 
-    def _class_counts(self, requests):
-        """`[MAX_CLASSES, 2]` labels seen and mispredicted in this step (all
-        replicas), from the first output; None when there are no labels."""
-        y = getattr(self._captured, "y", None)
-        y_pred = getattr(self._captured, "y_pred", None)
-        self._captured.y = self._captured.y_pred = None
-        if y is None or y_pred is None:
-            return None
-        y, y_pred = keras.tree.flatten(y)[0], keras.tree.flatten(y_pred)[0]
-        classes = y_pred.shape[-1] if y_pred.shape.rank else None
-        if classes is None or classes > MAX_CLASSES:
-            return None
-        if classes == 1:  # one sigmoid unit: class 1 above 0.5
-            predicted = tf.cast(tf.reshape(y_pred, [-1]) > 0.5, tf.int64)
-            labels = tf.cast(tf.reshape(y, [-1]) > 0.5, tf.int64)
-            classes = 2
-        else:
-            predicted = tf.reshape(tf.argmax(y_pred, axis=-1), [-1])
-            if y.shape.rank == y_pred.shape.rank and y.shape[-1] == y_pred.shape[-1]:
-                labels = tf.reshape(tf.argmax(y, axis=-1), [-1])  # one-hot
-            else:
-                labels = tf.reshape(tf.cast(y, tf.int64), [-1])
-        for request in requests:
-            request.present = [k < classes for k in range(MAX_CLASSES)]
-        valid = tf.logical_and(labels >= 0, labels < classes)
-        ids = tf.where(valid, labels, classes)  # out-of-range labels are dropped
-        wrong = tf.cast(tf.not_equal(predicted, labels), tf.float64)
-        counts = tf.stack([
-            tf.math.unsorted_segment_sum(tf.ones_like(wrong), ids, classes + 1)[:classes],
-            tf.math.unsorted_segment_sum(wrong, ids, classes + 1)[:classes],
-        ], axis=1)
-        replicas = tf.distribute.get_replica_context()
-        if replicas is not None and replicas.num_replicas_in_sync > 1:
-            counts = replicas.all_reduce(tf.distribute.ReduceOp.SUM, counts)
-        return tf.pad(counts, [[0, MAX_CLASSES - classes], [0, 0]])
+    def _tensor_request(self, channel: Channel):
+        for request in self.requests:
+            if request.kind == "tensors" and request.channel is channel:
+                return request
+        return None
 
-    def _step_loss_and_fault(self, optimizer, grads):
-        """`(loss, nonfinite, fault, frozen)` of the step, each None if unused.
+    def _step_loss_and_fault(self, context: _ApplyContext, optimizer, grads):
+        """`(loss, nonfinite, fault, frozen)` of the apply, each None if unused.
 
-        `loss` is summed over replicas; `nonfinite` says the loss or a
-        gradient held NaN/Inf, `fault` adds a gradient norm above the limit,
-        `frozen` is the sticky flag that skips the update. One all-reduce of a
-        small vector gives every replica the same loss and the same fault,
-        hence the same decision.
+        `loss` is `compute_loss`'s, summed over replicas; `nonfinite` says
+        the loss or a gradient held NaN/Inf, `fault` adds a gradient norm
+        above the limit, `frozen` is the sticky flag that skips the update.
+        One all-reduce of a small vector gives every replica the same loss
+        and the same fault, hence the same decision.
         """
+        state = context.state
         freeze = self._freeze()
         # The faults are tested to freeze, or only to localise a NaN.
         watched = freeze or (Freeze() if self._localizes() else None)
-        if watched is None and not any(r.kind in ("step", "tensors") for r in self.requests):
-            return None, None, None, None
-        local = self._captured_loss()
-        parts = [tf.constant(np.nan, tf.float64) if local is None else local]
+        wants_loss = self._wants("step", "tensors")
+        local = None if state.loss is None else tf.reduce_sum(tf.cast(state.loss, tf.float64))
+        if watched is None:
+            if local is not None and wants_loss and state.loss_sum is None:
+                replicas = _several_replicas()
+                state.loss_sum = local if replicas is None else replicas.all_reduce(
+                    tf.distribute.ReduceOp.SUM, local)
+            return state.loss_sum, None, None, None
+        parts = [tf.constant(0.0, tf.float64) if local is None else local]
         present = [g for g in grads if g is not None]
-        scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-        check_grads = watched is not None and watched.nonfinite_gradients and not scaled
+        scaled = context.channel.hook.scaled
+        check_grads = watched.nonfinite_gradients and not scaled
         if check_grads:
             # One pass per gradient (a sum of squares could overflow float32
             # for finite gradients with a norm above 1.8e19).
@@ -679,25 +999,26 @@ class Engine:
                 [tf.constant(True)] + [tf.reduce_all(tf.math.is_finite(_dense(g))) for g in present]))
             parts.append(tf.cast(tf.logical_not(finite), tf.float64))
         vector = tf.stack(parts)
-        replicas = tf.distribute.get_replica_context()
-        several = replicas is not None and replicas.num_replicas_in_sync > 1
-        if several:
+        replicas = _several_replicas()
+        if replicas is not None:
             vector = replicas.all_reduce(tf.distribute.ReduceOp.SUM, vector)
-        loss = vector[0]
-        if watched is None:
-            return loss, None, None, None
+        loss = None if local is None else vector[0]
+        if loss is not None:
+            state.loss_sum = loss
         nonfinite = tf.constant(False)
-        if watched.nonfinite_loss and local is not None:
+        if watched.nonfinite_loss and loss is not None:
             nonfinite = tf.logical_or(nonfinite, tf.logical_not(tf.math.is_finite(loss)))
         if check_grads:
             nonfinite = tf.logical_or(nonfinite, vector[1] > 0)
         fault = nonfinite
         if watched.max_gradient_norm is not None:
-            if several:
+            if replicas is not None:
                 # The norm of the summed gradient, as the optimizer applies it.
                 present = replicas.all_reduce(
                     tf.distribute.ReduceOp.SUM, [_dense(g) for g in present])
-            squares = _squared_norm(present)
+            norms = stats_lib.tensor_statistics(present, ["l2_norm"])[:, 0] if present else \
+                tf.zeros([0], tf.float64)
+            squares = tf.reduce_sum(tf.square(norms))
             if scaled:
                 squares = squares / tf.square(tf.cast(optimizer.dynamic_scale, tf.float64))
             fault = tf.logical_or(fault, tf.sqrt(squares) > watched.max_gradient_norm)
@@ -707,7 +1028,7 @@ class Engine:
         self._frozen.assign(tf.cast(frozen, tf.int64))
         return loss, nonfinite, fault, frozen
 
-    def _localize(self, step, nonfinite, grads, variables, x) -> None:
+    def _localize(self, context: _ApplyContext, step, nonfinite, grads) -> None:
         """On the first fault of the fit, replays the forward pass layer by
         layer and records where non-finite values first appear.
 
@@ -716,8 +1037,8 @@ class Engine:
         """
         model = self._model()
         row = self._nan_row
-        variables = variables[: int(row.shape[0]) - 2]
-        self.nan_variables = unique_paths(variables)
+        x = context.state.x
+        number = context.channel.number
 
         def replay():
             names, flags = [], []
@@ -741,10 +1062,11 @@ class Engine:
             variable_flags = [
                 tf.constant(0, tf.int64) if g is None else tf.cast(
                     tf.logical_not(tf.reduce_all(tf.math.is_finite(_dense(g)))), tf.int64)
-                for g in list(grads)[: len(variables)]
+                for g in list(grads)[:MAX_FLAGGED]
             ]
-            padding = [tf.constant(0, tf.int64)] * (int(row.shape[0]) - 2 - len(variable_flags))
-            row.assign(tf.stack([tf.cast(step, tf.int64), first] + variable_flags + padding))
+            padding = [tf.constant(0, tf.int64)] * (MAX_FLAGGED - len(variable_flags))
+            row.assign(tf.stack([tf.cast(step, tf.int64), first, tf.constant(number, tf.int64)]
+                                + variable_flags + padding))
             return tf.constant(True)
 
         first_time = tf.logical_and(nonfinite, tf.equal(row.read_value()[0], 0))
@@ -785,7 +1107,7 @@ class Engine:
 
         def count_step(grads, trainable_variables):
             # The gradient statistics of a frozen step are recorded too: the
-            # (patched) reduction records them, and nothing is applied.
+            # (routed) reduction records them, and nothing is applied.
             if scaled:
                 scale = optimizer.dynamic_scale
                 grads = [g if g is None else g / tf.cast(scale, g.dtype) for g in grads]
@@ -793,7 +1115,7 @@ class Engine:
                 trainable_variables = internals.optimizer_variables(inner)
             variables = [internals.read_handle(v) for v in trainable_variables]
             getattr(inner, internals.REDUCE_METHOD)(list(zip(grads, variables)))
-            optimizer.iterations.assign_add(1)
+            internals.raw_iterations(optimizer).assign_add(1)
 
         def branch(function):
             def run():
@@ -824,151 +1146,340 @@ class Engine:
         )
         return True
 
-    def _after_apply(self, optimizer, before: "_StepState"):
-        step = before.step
-        after = internals.read(optimizer.iterations)
+    def _record_model_gradients(self, context: _ApplyContext, optimizer, grads) -> None:
+        """The gradients the model produced and, separately, the ones the
+        optimizer applies, when those differ by construction (clipping,
+        gradient accumulation): both from `apply`'s arguments, unscaled,
+        summed over replicas (one more all-reduce).
+
+        The applied gradient is computed here as Keras does (the averaged
+        sum of the accumulated gradients, clipped), not read from Keras's
+        own tensors: a second reader of those changes how TensorFlow's graph
+        optimizer rewrites the update, and so its last bit."""
+        channel, hook = context.channel, context.channel.hook
+        slots = channel.slots_of("gradients")
+        tensors = self._tensor_request(channel)
+        if not slots and tensors is None:
+            return
+        step = context.step
+        if hook.scaled:
+            scale = tf.cast(optimizer.dynamic_scale, tf.float32)
+            grads = [g if g is None else _dense(g) / tf.cast(scale, g.dtype) for g in grads]
+        grads = [None if g is None else _dense(g) for g in grads]
+        applied, clipped = self._applied_gradients(context, optimizer, grads)
+        replicas = _several_replicas()
+        present = [i for i, g in enumerate(grads) if g is not None]
+        if replicas is not None and present:
+            parts = [grads[i] for i in present] + [applied[i] for i in present]
+            parts += [tf.cast(clipped, tf.float32)] if clipped is not None else []
+            reduced = replicas.all_reduce(tf.distribute.ReduceOp.SUM, parts)
+            for k, i in enumerate(present):
+                grads[i], applied[i] = reduced[k], reduced[len(present) + k]
+            if clipped is not None:
+                clipped = reduced[-1] > 0
+        context.clipped = clipped
+        context.applied = applied
+        row, train_id = self._row(context.state.train_id), context.state.train_id
+        for slot in slots:
+            self._write_gradients(slot, grads, step, row, train_id, clipped, applied=False)
+            self._write_gradients(slot, applied, step, row, train_id, None, applied=True)
+
+    def _applied_gradients(self, context: _ApplyContext, optimizer, grads):
+        """`(applied, clipped)`: what Keras applies for this replica's `grads`
+        (with gradient accumulation the sum of the accumulated batches over
+        their number, then clipped: `BaseOptimizer._backend_apply_gradients`),
+        and whether its clipping changed it, by Keras's own test (None
+        without clipping; with accumulation, False at the batches that do
+        not update)."""
+        hook = context.channel.hook
+        applied = list(grads)
+        if hook.accumulation:
+            variables = [v for v, g in zip(context.channel.variables, grads) if g is not None]
+            accumulated = iter(internals.accumulators(optimizer, variables))
+            applied = [None if g is None else
+                       (g + tf.cast(internals.read(next(accumulated)), g.dtype)) / hook.accumulation
+                       for g in applied]
+        if not hook.clipping:
+            return applied, None
+        kind, value = hook.clipping
+        present = [g for g in applied if g is not None]
+        if not present:
+            return applied, tf.constant(False)
+        if kind == "clipvalue":
+            clipped = tf.reduce_any(tf.stack([tf.reduce_max(tf.abs(g)) > value for g in present]))
+            applied = [None if g is None else tf.clip_by_value(g, -value, value) for g in applied]
+        elif kind == "clipnorm":
+            norms = [tf.norm(g) for g in present]
+            clipped = tf.reduce_any(tf.stack([n > value for n in norms]))
+            applied = [None if g is None else tf.clip_by_norm(g, value) for g in applied]
+        else:
+            norm = tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(g)) for g in present]))
+            clipped = norm > value
+            scale = value * tf.minimum(1.0 / norm, 1.0 / value)
+            applied = [None if g is None else g * tf.cast(scale, g.dtype) for g in applied]
+        if hook.accumulation:
+            clipped = tf.logical_and(clipped, hook.updates_at(context.step))
+        return applied, clipped
+
+    def _record_applied(self, context: _ApplyContext, reduced) -> None:
+        """The gradient the optimizer applies (after clipping, summed over
+        replicas), from the routed reduction, when it is the model's; with
+        clipping or accumulation `_record_model_gradients` did it all."""
+        channel = context.channel
+        inner = channel.hook.inner
+        if channel.hook.separate:
+            grads = context.applied
+        else:
+            by_key = {internals.variable_key(inner, v): g for g, v in reduced if g is not None}
+            grads = [by_key.get(k) for k in channel.keys]
+        step = context.step
+        row, train_id = self._row(context.state.train_id), context.state.train_id
+        tensors = self._tensor_request(channel)
+        if tensors is not None and grads is not None:
+            tensors.record_gradients(step, [grads[i] for i in tensors.positions])
+        if channel.hook.separate:
+            return
+        for slot in channel.slots_of("gradients"):
+            self._write_gradients(slot, grads, step, row, train_id, None, applied=False)
+
+    def _write_gradients(self, slot: Slot, grads, step, row, train_id, clipped,
+                         applied: bool) -> None:
+        """Statistics of `grads` (the channel's, in its order) into the slot:
+        the model's gradient (`applied=False`), else the applied one."""
+        request = slot.request
+        mine = [grads[i] for i in slot.positions]
+        slot.present = [g is not None for g in mine]
+        others = [g for i, g in enumerate(grads) if g is not None and i not in set(slot.positions)]
+        present = [g for g in mine if g is not None]
+        buffer, ids = (slot.applied_values, slot.applied_ids) if applied else (
+            slot.values, slot.ids)
+
+        def record():
+            table = stats_lib.tensor_statistics(present, request.base_stats)
+            nan_row = tf.fill([len(request.base_stats)], tf.constant(np.nan, tf.float64))
+            rows, i = [], 0
+            for g in mine:
+                rows.append(nan_row if g is None else table[i])
+                i += g is not None
+            full = tf.stack(rows) if rows else tf.zeros([0, len(request.base_stats)], tf.float64)
+            l2 = table[:, request.base_stats.index("l2_norm")]
+            squares = tf.reduce_sum(tf.square(l2))
+            if others:
+                other_l2 = stats_lib.tensor_statistics(others, ["l2_norm"])[:, 0]
+                squares += tf.reduce_sum(tf.square(other_l2))
+            keep = [request.base_stats.index(s) for s in request.stats]
+            tail = [tf.sqrt(squares)]
+            if not applied:
+                tail.append(tf.constant(np.nan, tf.float64) if clipped is None
+                            else tf.cast(clipped, tf.float64))
+            values = tf.concat([tf.reshape(tf.gather(full, keep, axis=1), [-1]), tail], 0)
+            _buffers.write_row(buffer, row, values)
+            _buffers.write_row(ids, row, train_id)
+
+        records = request.records_at(step)
+        if applied:
+            records = _and(records, slot.channel.hook.updates_at(step))
+        _buffers.run_if(records, record)
+        if not applied:
+            _buffers.run_if(request.histograms_at(step),
+                            lambda: self._record_histograms(slot, mine, row, train_id))
+
+    def _after_apply(self, context: _ApplyContext, optimizer) -> None:
+        channel, hook = context.channel, context.channel.hook
+        step = context.step
+        after = internals.read(internals.raw_iterations(optimizer))
         skipped = tf.equal(after, step - 1)
-        call_id, row = self._position()
-        for request in self._weight_requests():
+        train_id = context.state.train_id
+        row = self._row(train_id)
+        # The weights describe updates that happened: not the batches gradient
+        # accumulation only adds up, not the steps a fault froze.
+        updates = hook.updates_at(step)
+        if context.frozen is not None:
+            updates = _and(updates, tf.logical_not(context.frozen))
+        for slot in channel.slots_of("weights"):
             _buffers.run_if(
-                request.records_at(step),
-                lambda request=request: self._record_weights(request, call_id, row),
+                _and(slot.request.records_at(step), updates),
+                lambda slot=slot: self._record_weights(slot, row, train_id),
             )
             _buffers.run_if(
-                request.histograms_at(step),
-                lambda request=request: self._record_histograms(
-                    request, [internals.read(v) for v in request.variables], call_id, row
-                ),
+                _and(slot.request.histograms_at(step), updates),
+                lambda slot=slot: self._record_histograms(
+                    slot, [internals.read(v) for v in slot.variables], row, train_id),
             )
-        for request in self.requests:
-            if request.kind == "classes" and before.classes is not None:
-                totals = request.totals.read_value() + before.classes
-                request.totals.assign(totals)
-                _buffers.write_row(request.values, row, tf.reshape(totals, [-1]))
-                _buffers.write_row(request.ids, row, call_id)
-            if request.kind == "step":
-                frozen = tf.constant(False) if before.frozen is None else before.frozen
-                fault = tf.constant(np.nan, tf.float64) if before.fault is None else tf.cast(
-                    before.fault, tf.float64)
-                values = tf.stack([before.loss, tf.cast(frozen, tf.float64), fault])
-                _buffers.write_row(request.values, row, values)
-                _buffers.write_row(request.ids, row, call_id)
-        for request, step_slot in zip(self._tensor_requests(), before.step_slots):
-            request.record_after(step, step_slot)
-        meta = tf.stack([call_id, step, tf.cast(skipped, tf.int64)])
-        _buffers.write_row(self._meta, row, meta)
+        tensors = self._tensor_request(channel)
+        if tensors is not None and context.step_slots is not None:
+            tensors.record_after(step, context.step_slots)
+        updated = tf.constant(1, tf.int64) if updates is True else tf.cast(updates, tf.int64)
+        meta = tf.stack([train_id, step, tf.cast(skipped, tf.int64), updated])
+        _buffers.write_row(channel.meta, row, meta)
+
+    def _end_step(self, state: _StepState, logs) -> None:
+        """The train step's own row (loss, frozen, returned scalars), the
+        class counts, the state kept for frozen steps; then counts the step."""
+        model = self._model()
+        if self._several is None and state.applies:
+            self._several = len(state.applies) > 1
+        freeze = self._freeze()
+        frozen = None
+        if freeze is not None:
+            frozen = self._frozen.read_value() > 0
+            if not self._state_matches(self._state_variables(model)):
+                internals.merge_call(lambda: self._make_state_now(model))
+            self._keep_state_unless_frozen(frozen)
+        row = self._row(state.train_id)
+        if self._step_values is not None:
+            self._write_step(state, logs, frozen, row)
+        classes = [r for r in self.requests if r.kind == "classes"]
+        if classes:
+            counts = self._class_counts(state, classes)
+            if counts is not None:
+                for request in classes:
+                    totals = request.totals.read_value() + counts
+                    request.totals.assign(totals)
         self._calls.assign_add(1)
 
-    def _ring_requests(self):
-        """The requests with one ring-buffer row per step (all but "tensors")."""
-        return [r for r in self.requests if r.kind != "tensors"]
+    def _make_state_now(self, model) -> None:
+        with tf.init_scope(), model.distribute_strategy.scope():
+            self._make_state(model)
 
-    def _tensor_requests(self):
-        return [r for r in self.requests if r.kind == "tensors"]
+    def _write_step(self, state: _StepState, logs, frozen, row) -> None:
+        self.loss_captured = state.loss is not None
+        loss = state.loss_sum
+        if loss is None and state.loss is not None:
+            local = tf.reduce_sum(tf.cast(state.loss, tf.float64))
+            replicas = _several_replicas()
+            loss = local if replicas is None else replicas.all_reduce(
+                tf.distribute.ReduceOp.SUM, local)
+        scalars, names = [], []
+        for name, value in (logs.items() if isinstance(logs, dict) else ()):
+            if tf.is_tensor(value) and value.shape.rank == 0 and (
+                    value.dtype.is_floating or value.dtype.is_integer):
+                names.append(str(name))
+                scalars.append(tf.cast(value, tf.float64))
+        if len(names) > MAX_STEP_SCALARS and not self._step_warned:
+            self._step_warned = True
+            warnings.warn(f"kerasdbg records the first {MAX_STEP_SCALARS} of the "
+                          f"{len(names)} scalars the train step returns, per step: "
+                          f"{', '.join(names[MAX_STEP_SCALARS:])} are left out.",
+                          RuntimeWarning, stacklevel=3)
+        names, scalars = names[:MAX_STEP_SCALARS], scalars[:MAX_STEP_SCALARS]
+        self._step_names = names
+        nan = tf.constant(np.nan, tf.float64)
+        fault = nan if state.fault is None else tf.cast(state.fault, tf.float64)
+        fixed = [tf.cast(state.train_id, tf.float64),
+                 nan if state.first_step is None else tf.cast(state.first_step, tf.float64),
+                 nan if loss is None else loss,
+                 tf.constant(0.0 if loss is None else 1.0, tf.float64),
+                 nan if frozen is None else tf.cast(frozen, tf.float64),
+                 fault]
+        padding = [nan] * (MAX_STEP_SCALARS - len(scalars))
+        _buffers.write_row(self._step_values, row, tf.stack(fixed + scalars + padding))
 
-    def _weight_requests(self):
-        return [r for r in self.requests if r.kind == "weights"]
+    def _class_counts(self, state: _StepState, requests):
+        """`[MAX_CLASSES, 2]` labels seen and mispredicted in this step (all
+        replicas), from the first output; None when there are no labels."""
+        y, y_pred = state.y, state.y_pred
+        if y is None or y_pred is None:
+            return None
+        y, y_pred = keras.tree.flatten(y)[0], keras.tree.flatten(y_pred)[0]
+        classes = y_pred.shape[-1] if y_pred.shape.rank else None
+        if classes is None or classes > MAX_CLASSES:
+            return None
+        if classes == 1:  # one sigmoid unit: class 1 above 0.5
+            predicted = tf.cast(tf.reshape(y_pred, [-1]) > 0.5, tf.int64)
+            labels = tf.cast(tf.reshape(y, [-1]) > 0.5, tf.int64)
+            classes = 2
+        else:
+            predicted = tf.reshape(tf.argmax(y_pred, axis=-1), [-1])
+            if y.shape.rank == y_pred.shape.rank and y.shape[-1] == y_pred.shape[-1]:
+                labels = tf.reshape(tf.argmax(y, axis=-1), [-1])  # one-hot
+            else:
+                labels = tf.reshape(tf.cast(y, tf.int64), [-1])
+        for request in requests:
+            request.present = [k < classes for k in range(MAX_CLASSES)]
+        valid = tf.logical_and(labels >= 0, labels < classes)
+        ids = tf.where(valid, labels, classes)  # out-of-range labels are dropped
+        wrong = tf.cast(tf.not_equal(predicted, labels), tf.float64)
+        counts = tf.stack([
+            tf.math.unsorted_segment_sum(tf.ones_like(wrong), ids, classes + 1)[:classes],
+            tf.math.unsorted_segment_sum(wrong, ids, classes + 1)[:classes],
+        ], axis=1)
+        replicas = _several_replicas()
+        if replicas is not None:
+            counts = replicas.all_reduce(tf.distribute.ReduceOp.SUM, counts)
+        return tf.pad(counts, [[0, MAX_CLASSES - classes], [0, 0]])
 
-    def _record_weights(self, request: Request, call_id, row) -> None:
-        weights = [internals.read(v) for v in request.variables]
+    def _record_weights(self, slot: Slot, row, train_id) -> None:
+        request = slot.request
+        weights = [internals.read(v) for v in slot.variables]
         base = stats_lib.tensor_statistics(weights, request.base_stats)
         columns = {s: base[:, i] for i, s in enumerate(request.base_stats)}
         # The norms of the update, of the weights before it and of the drift
         # from the start: one call, so one fault test and one finishing step.
         extras = []
-        if request.previous:
-            previous = [p.read_value() for p in request.previous]
+        if slot.previous:
+            previous = [p.read_value() for p in slot.previous]
             extras += [w - tf.cast(p, w.dtype) for w, p in zip(weights, previous)] + previous
-        if request.initial:
-            extras += [w - tf.cast(i.read_value(), w.dtype) for w, i in zip(weights, request.initial)]
+        if slot.initial:
+            extras += [w - tf.cast(i.read_value(), w.dtype) for w, i in zip(weights, slot.initial)]
         norms = tf.unstack(
             tf.reshape(stats_lib.tensor_statistics(extras, ["l2_norm"]), [-1, len(weights)])
         ) if extras else []
-        if request.previous:
+        if slot.previous:
             update, before = norms[0], norms[1]
             # 0/0 (a zero tensor that did not move) is no update at all.
             columns["update_ratio"] = tf.where(
                 tf.equal(update, 0), tf.zeros_like(update), update / before
             )
-        if request.initial:
+        if slot.initial:
             columns["distance_from_start"] = norms[-1]
         table = tf.stack([columns[s] for s in request.stats], axis=1)
-        _buffers.write_row(request.values, row, tf.reshape(table, [-1]))
-        _buffers.write_row(request.ids, row, call_id)
+        _buffers.write_row(slot.values, row, tf.reshape(table, [-1]))
+        _buffers.write_row(slot.ids, row, train_id)
 
-    def _record_gradients(self, inner, reduced) -> None:
-        requests = [r for r in self.requests if r.kind == "gradients"]
-        if not requests and not self._tensor_requests():
-            return
-        step = internals.read(inner.iterations) + 1
-        call_id, row = self._position()
-        by_key = {internals.variable_key(inner, v): g for g, v in reduced if g is not None}
-        for request in self._tensor_requests():
-            request.record_gradients(step, by_key)
-        for request in requests:
-            grads = [by_key.get(k) for k in request.keys]
-            request.present = [g is not None for g in grads]
-            others = [g for k, g in by_key.items() if k not in set(request.keys)]
-            present = [g for g in grads if g is not None]
-
-            def record(request=request, grads=grads, present=present, others=others):
-                table = stats_lib.tensor_statistics(present, request.base_stats)
-                nan_row = tf.fill([len(request.base_stats)], tf.constant(np.nan, tf.float64))
-                rows, i = [], 0
-                for g in grads:
-                    rows.append(nan_row if g is None else table[i])
-                    i += g is not None
-                full = tf.stack(rows) if rows else tf.zeros([0, len(request.base_stats)], tf.float64)
-                l2 = table[:, request.base_stats.index("l2_norm")]
-                squares = tf.reduce_sum(tf.square(l2))
-                if others:
-                    other_l2 = stats_lib.tensor_statistics(others, ["l2_norm"])[:, 0]
-                    squares += tf.reduce_sum(tf.square(other_l2))
-                keep = [request.base_stats.index(s) for s in request.stats]
-                values = tf.concat(
-                    [tf.reshape(tf.gather(full, keep, axis=1), [-1]), [tf.sqrt(squares)]], 0
-                )
-                _buffers.write_row(request.values, row, values)
-                _buffers.write_row(request.ids, row, call_id)
-
-            _buffers.run_if(request.records_at(step), record)
-            _buffers.run_if(
-                request.histograms_at(step),
-                lambda request=request, grads=grads: self._record_histograms(
-                    request, grads, call_id, row
-                ),
-            )
-
-    def _record_histograms(self, request: Request, tensors, call_id, row) -> None:
+    def _record_histograms(self, slot: Slot, tensors, row, train_id) -> None:
         present = [t for t in tensors if t is not None]
-        counts, ranges = stats_lib.histograms(present, request.bins)
-        empty_counts = tf.zeros([request.bins], tf.float64)
+        counts, ranges = stats_lib.histograms(present, slot.request.bins)
+        empty_counts = tf.zeros([slot.request.bins], tf.float64)
         empty_range = tf.constant([np.nan, np.nan], tf.float64)
         all_counts, all_ranges, i = [], [], 0
         for t in tensors:
             all_counts.append(empty_counts if t is None else counts[i])
             all_ranges.append(empty_range if t is None else ranges[i])
             i += t is not None
-        _buffers.write_row(request.hist_counts, row, tf.stack(all_counts))
-        _buffers.write_row(request.hist_ranges, row, tf.stack(all_ranges))
-        _buffers.write_row(request.hist_ids, row, call_id)
+        _buffers.write_row(slot.hist_counts, row, tf.stack(all_counts))
+        _buffers.write_row(slot.hist_ranges, row, tf.stack(all_ranges))
+        _buffers.write_row(slot.hist_ids, row, train_id)
 
     # ----------------------------------------------------------- on host
+    def fit_step(self, train_id: int, step: float = np.nan) -> int:
+        """The step of a train step: that of the first optimizer apply in it
+        (so that a model trained by one optimizer numbers its train steps as
+        the optimizer does, and a fault found by that apply and the train
+        step's loss share a step), else counted from `_step_base`."""
+        if not np.isnan(step):
+            return int(step)
+        return self._step_base + train_id - self._first_call
+
+    def train_steps(self) -> int:
+        """The train-step id of the last train step run (host read)."""
+        return int(_buffers.read(self._calls)) if self._calls is not None else 0
+
     def collect(self) -> None:
         """Reads the rows written since the last call and hands them out."""
         if not self._prepared:
             return
-        for request in self._tensor_requests():
-            request.collect()
+        for request in self.requests:
+            if request.kind == "tensors" and request.channel is not None:
+                request.collect()
         # Each callback collects at each batch end; the first read tells the
         # later ones there is nothing new (a read costs 10-30 us).
         calls = int(_buffers.read(self._calls))
         if calls <= self._last_call:
             return
-        meta = _buffers.read(self._meta)
         n = self._steps_per_execution
         first = max(self._last_call + 1, calls - n + 1)
-        if first > self._last_call + 1 and self._ring_requests():
+        if first > self._last_call + 1 and self._wants("gradients", "weights", "step", "classes"):
             warnings.warn(
                 f"kerasdbg lost {first - self._last_call - 1} step records: the "
                 "train function ran more than steps_per_execution steps between "
@@ -976,30 +1487,147 @@ class Engine:
                 RuntimeWarning,
                 stacklevel=2,
             )
-        rows = [((call_id - 1) % n, call_id) for call_id in range(first, calls + 1)]
-        rows = [(row, call_id) for row, call_id in rows if meta[row, 0] == call_id]
+        ids = list(range(first, calls + 1))
+        records: Dict[int, List[Record]] = {id(r): [] for r in self.requests}
+        self._collect_steps(ids, records)
+        several = self.several_optimizers
+        ordered: Dict[int, list] = {id(r): [] for r in self.requests}
+        for channel in self.channels:
+            if channel.slots:
+                self._collect_channel(channel, ids, ordered, several)
+        for key, entries in ordered.items():
+            # In the order the steps ran: train step, then apply in it.
+            records[key] += [record for _, _, record in sorted(entries, key=lambda e: e[:2])]
+        self._last_call = calls
+        self._saw_steps = True
+        for request in self.requests:
+            if records[id(request)]:
+                request.consumer(records[id(request)])
+        if not self._diagnosed:
+            self._diagnosed = True
+            self._diagnose()
+
+    def _collect_steps(self, ids, records) -> None:
+        requests = [r for r in self.requests if r.kind in ("step", "classes")]
+        if not requests or self._step_values is None:
+            return
+        n = self._steps_per_execution
+        replicas = _buffers.read_replicas(self._step_values)
+        table = replicas[0]
+        names = self._step_names
+        for train_id in ids:
+            row = table[(train_id - 1) % n]
+            if int(row[0]) != train_id:
+                continue
+            step = self.fit_step(train_id, row[1])
+            scalars = np.mean([r[(train_id - 1) % n][_STEP_FIXED:_STEP_FIXED + len(names)]
+                               for r in replicas], axis=0) if names else np.zeros(0)
+            for request in requests:
+                if request.kind == "classes":
+                    continue
+                captured = row[3] > 0
+                tags = [_tags.step_scalar("loss") if captured else None,
+                        _tags.step_scalar("frozen") if not np.isnan(row[4]) else None,
+                        _tags.step_scalar("fault") if not np.isnan(row[5]) else None]
+                values = [row[2], row[4], row[5]]
+                for name, value in zip(names, scalars):
+                    if name == "loss" and captured:
+                        continue  # compute_loss's loss of the step comes first
+                    tags.append(_tags.step_scalar(name))
+                    values.append(value)
+                records[id(request)].append(Record(
+                    step=step, skipped=False, values=np.asarray(values, np.float64),
+                    histograms=None, tags=tuple(tags)))
+        for request in requests:
+            if request.kind == "classes":
+                totals = _buffers.read(request.totals)
+                tags = tuple(f"classes/{k}/{c}" if request.present[k] else None
+                             for k in range(MAX_CLASSES) for c in CLASS_COLUMNS)
+                last = [table[(i - 1) % n] for i in ids if int(table[(i - 1) % n][0]) == i]
+                if last:
+                    records[id(request)].append(Record(
+                        step=self.fit_step(int(last[-1][0]), last[-1][1]), skipped=False,
+                        values=totals.reshape(-1), histograms=None, tags=tags))
+
+    def _collect_channel(self, channel: Channel, ids, records, several: bool) -> None:
+        n = self._steps_per_execution
+        meta = _buffers.read(channel.meta)
+        rows = [((i - 1) % n, i) for i in ids if meta[(i - 1) % n, 0] == i]
+        if not rows:
+            return
         steps = [int(meta[row, 1]) for row, _ in rows]
-        for request in self._ring_requests():
+        name = channel.hook.name
+        for slot in channel.slots.values():
+            request = slot.request
             # A buffer no step of these wrote is not read (10-30 us each).
             has_values, has_histograms = request.written_at(steps)
+            values = ids_ = applied = applied_ids = hist = None
             if has_values:
-                values, ids = _buffers.read(request.values), _buffers.read(request.ids)
+                values, ids_ = _buffers.read(slot.values), _buffers.read(slot.ids)
+                if slot.applied_values is not None:
+                    applied = _buffers.read(slot.applied_values)
+                    applied_ids = _buffers.read(slot.applied_ids)
             if has_histograms:
-                hist = [_buffers.read(b) for b in
-                        (request.hist_ids, request.hist_counts, request.hist_ranges)]
-            records = []
-            for (row, call_id), step in zip(rows, steps):
+                hist = [_buffers.read(b) for b in (slot.hist_ids, slot.hist_counts,
+                                                   slot.hist_ranges)]
+            tags = slot.tags(several)
+            applied_tags = slot.applied_tags(several) if applied is not None else ()
+            histogram_tags = slot.histogram_tags()
+            for (row, train_id), step in zip(rows, steps):
                 histograms = None
-                if has_histograms and hist[0][row] == call_id:
+                if hist is not None and hist[0][row] == train_id:
                     histograms = (hist[1][row], hist[2][row])
-                records.append(
-                    Record(
-                        step=step,
-                        skipped=bool(meta[row, 2]),
-                        values=values[row].copy() if has_values and ids[row] == call_id else None,
-                        histograms=histograms,
-                    )
-                )
-            if records:
-                request.consumer(records)
-        self._last_call = calls
+                row_values, row_tags = None, tags
+                if values is not None and ids_[row] == train_id:
+                    row_values = values[row].copy()
+                    if applied is not None and applied_ids[row] == train_id:
+                        row_values = np.concatenate([row_values, applied[row]])
+                        row_tags = tags + applied_tags
+                records[id(request)].append((train_id, channel.number, Record(
+                    step=step, skipped=bool(meta[row, 2]), values=row_values,
+                    histograms=histograms, tags=row_tags, histogram_tags=histogram_tags,
+                    optimizer=name, applied=bool(meta[row, 3]))))
+
+    def _diagnose(self) -> None:
+        """After the first execution with steps: says once, for each request
+        that recorded nothing by construction, why."""
+        model = self._model()
+        applied = [h for h in self.hooks.values() if h.channels]
+        found = [name for name, _ in internals.find_optimizers(model)]
+        for request in self.requests:
+            if not request.per_variable:
+                continue
+            if request.kind == "tensors" and request.channel is not None and (
+                    request.variables or not {"gradients", "weights"} & set(request.record)):
+                continue
+            if any(id(request) in c.slots for c in self.channels):
+                continue
+            if not self.channels:
+                if not model.trainable_variables:
+                    why = (f"the model {model.name!r} has no trainable variables, so no "
+                           "optimizer applied gradients")
+                else:
+                    why = ("no optimizer applied gradients in the train step (kerasdbg sees "
+                           "every Keras optimizer's `apply`/`apply_gradients` called inside "
+                           f"`train_step`; the model holds: {', '.join(found) or 'none'}). "
+                           "If the train step updates the weights another way (assign, a "
+                           "non-Keras optimizer), there is nothing to record")
+            else:
+                names = ", ".join(h.name for h in applied)
+                paths = sorted({p for c in self.channels for p in c.paths})
+                listing = ", ".join(paths[:8]) + (f" and {len(paths) - 8} more"
+                                                  if len(paths) > 8 else "")
+                why = (f"none of the variables that {names} applied matches "
+                       f"include={request.include!r}, exclude={request.exclude!r}: "
+                       f"{listing}")
+            message = f"{request.owner} records nothing this fit: {why}."
+            if request.strict:
+                raise ValueError(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def _wrapped(wrapper, step_function, row):
+    def step(data):
+        return wrapper(step_function, data, row)
+
+    return step

@@ -1,19 +1,33 @@
 """Every private part of Keras that kerasdbg relies on, in one place.
 
-Keras 3 has no public hook for the gradients that `fit` applies. kerasdbg
-wraps two methods of the optimizer instance for the duration of a `fit`:
+Keras 3 has no public hook for the gradients that `fit` applies. While a
+kerasdbg train step is being traced (only then: tracing is the only time
+Python runs inside `fit`'s compiled step), kerasdbg routes two optimizer
+methods of every optimizer class through itself (`optimizer_routes`):
 
-- `apply` (public), for the step being applied, whether the loss scaler
-  skipped it, and the weights before and after the update;
+- `apply` (public; `BaseOptimizer.apply` and `LossScaleOptimizer.apply`), for
+  every optimizer the train step applies, wherever the model keeps it: the
+  step being applied, whether the loss scaler skipped it, the gradients the
+  model produced and the weights before and after the update;
 - `_all_reduce_sum_gradients` (private, TensorFlow backend), whose result is
   the gradient the optimizer applies: after clipping and, under a
   `tf.distribute` strategy, after the cross-replica sum.
+
+A class method is replaced only during traces and put back after each, so
+nothing is left on any optimizer instance. `fit` itself is wrapped once
+(`wrap_fit`) so that whatever way a `fit` ends, an exception included, kerasdbg
+restores the model it instrumented.
 
 `check_supported` is called before anything is patched, and
 `tests/test_keras_internals.py` fails loudly if an upgrade moves any of this.
 """
 
 from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from typing import Callable, List, Optional, Tuple
 
 import keras
 import tensorflow as tf
@@ -34,10 +48,14 @@ def check_supported(optimizer) -> None:
             f"Received: keras.backend.backend()={keras.backend.backend()!r}"
         )
     inner = inner_optimizer(optimizer)
-    for owner, name in ((optimizer, "apply"), (inner, REDUCE_METHOD), (inner, VAR_KEY_METHOD)):
-        if not callable(getattr(owner, name, None)):
+    owners = ((optimizer, "apply"), (inner, REDUCE_METHOD), (inner, VAR_KEY_METHOD),
+              (inner, "_iterations"))
+    owners += tuple((cls, name) for cls, name in _routed_methods())
+    for owner, name in owners:
+        if getattr(owner, name, None) is None:
+            kind = owner.__name__ if isinstance(owner, type) else type(owner).__name__
             raise KerasInternalsError(
-                f"kerasdbg: {type(owner).__name__} has no method `{name}` "
+                f"kerasdbg: {kind} has no `{name}` "
                 f"(Keras {keras.__version__}). kerasdbg supports Keras >= 3.0 "
                 "with the TensorFlow backend; please report this Keras version."
             )
@@ -79,6 +97,14 @@ def ensure_built(optimizer, variables) -> None:
         optimizer.built = True
 
 
+def uses_standard_train_step(model) -> bool:
+    """Whether the model trains with Keras's own `train_step` (which applies
+    `model.optimizer` to `model.trainable_variables`)."""
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    return type(model).train_step is TensorFlowTrainer.train_step
+
+
 def build_optimizer_before_trace(model) -> bool:
     """Builds the model's optimizer now, outside `fit`'s first trace; returns
     whether it did.
@@ -104,6 +130,206 @@ def build_optimizer_before_trace(model) -> bool:
 def optimizer_variables(optimizer) -> list:
     """The variables an optimizer was built for (what `apply(grads)` updates)."""
     return list(optimizer._trainable_variables)
+
+
+def raw_iterations(optimizer):
+    """The variable counting the optimizer's `apply` calls that updated (or, with
+    gradient accumulation, accumulated): `optimizer.iterations` is this count
+    divided by `gradient_accumulation_steps` there, and a tensor, not a variable."""
+    return inner_optimizer(optimizer)._iterations
+
+
+def accumulation_steps(optimizer) -> Optional[int]:
+    """The optimizer's `gradient_accumulation_steps`, or None."""
+    return getattr(inner_optimizer(optimizer), "gradient_accumulation_steps", None) or None
+
+
+def clipping(optimizer) -> Optional[Tuple[str, float]]:
+    """`(kind, value)` of the optimizer's gradient clipping, or None: kind is
+    "clipnorm", "global_clipnorm" or "clipvalue" (Keras allows one of them)."""
+    inner = inner_optimizer(optimizer)
+    for kind in ("clipnorm", "global_clipnorm", "clipvalue"):
+        value = getattr(inner, kind, None)
+        if value:
+            return kind, float(value)
+    return None
+
+
+def accumulators(optimizer, variables) -> list:
+    """The gradient accumulators of `variables` (gradient accumulation)."""
+    inner = inner_optimizer(optimizer)
+    return [inner._accumulated_gradients[inner._get_variable_index(v)] for v in variables]
+
+
+def find_optimizers(model) -> List[Tuple[str, object]]:
+    """`(name, optimizer)` of every optimizer the model or its layers hold.
+
+    `model.optimizer` first (named "optimizer"), then the attributes of the
+    model and of each of its layers, also inside lists, tuples and dicts
+    (a GAN's `d_optimizer`, `optimizers[0]`), each once. Keras's layer
+    tracker does not list optimizers, so this looks at the attributes.
+    Names are the attribute paths: `d_optimizer`, `discriminator.optimizer`.
+    """
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    found: List[Tuple[str, object]] = []
+    seen = set()
+
+    def add(name, value):
+        if isinstance(value, BaseOptimizer) and id(value) not in seen:
+            seen.add(id(value))
+            found.append((name, value))
+
+    add("optimizer", getattr(model, "optimizer", None))
+    try:
+        layers = list(model._flatten_layers(include_self=False))
+    except Exception:  # noqa: BLE001 - a model Keras cannot list: its own attributes only
+        layers = []
+    modules = [("", model)] + [(f"{layer.name}.", layer) for layer in layers]
+    # Attributes first, then what lists and dicts hold; TensorFlow's own
+    # tracking attributes (`_self_...`) are not the model's.
+    attributes = [(prefix + name, value) for prefix, module in modules
+                  for name, value in list(vars(module).items())
+                  if not name.startswith(("__", "_self_"))]
+    for name, value in attributes:
+        add(name, value)
+    for name, value in attributes:
+        if isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                add(f"{name}[{i}]", item)
+        elif isinstance(value, dict):
+            for key, item in list(value.items()):
+                add(f"{name}[{key}]", item)
+    return found
+
+
+def replica_id() -> Optional[int]:
+    """The replica this code is traced for (0 without a strategy), or None
+    in a cross-replica context."""
+    context = tf.distribute.get_replica_context()
+    if context is None:
+        return None
+    value = getattr(context, "_replica_id_in_sync_group", None)
+    if not isinstance(value, int):
+        value = tf.get_static_value(context.replica_id_in_sync_group)
+    return int(value) if value is not None else 0
+
+
+def merge_call(function: Callable[[], object]):
+    """Runs `function` once, in a cross-replica context, from a replica
+    context of a `tf.distribute` strategy (each replica must call this), or
+    directly without one. Variables can only be created there."""
+    context = tf.distribute.get_replica_context()
+    if tf.distribute.has_strategy() and context is not None and not tf.distribute.in_cross_replica_context():
+        return context.merge_call(lambda _: function())
+    return function()
+
+
+def _routed_methods() -> List[Tuple[type, str]]:
+    """The class methods `optimizer_routes` replaces."""
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    return [(BaseOptimizer, "apply"), (keras.optimizers.LossScaleOptimizer, "apply"),
+            (TFOptimizer, REDUCE_METHOD)]
+
+
+_ROUTES_LOCK = threading.Lock()
+_ROUTES_DEPTH = 0
+_ROUTES_ORIGINALS: dict = {}
+
+
+@contextlib.contextmanager
+def optimizer_routes(apply_route, reduce_route):
+    """While active, every optimizer's `apply` runs as
+    `apply_route(optimizer, original_apply, grads, trainable_variables)` and
+    its `_all_reduce_sum_gradients` as `reduce_route(optimizer,
+    original_reduce, grads_and_vars)`, where the originals are bound methods.
+
+    Class-level and reference-counted: the replicas of a `MirroredStrategy`
+    trace their steps at the same time in several threads, and routes that
+    do not recognise the optimizer call the original. Only kerasdbg's own
+    two routes are ever passed.
+    """
+    global _ROUTES_DEPTH
+    with _ROUTES_LOCK:
+        if _ROUTES_DEPTH == 0:
+            for cls, name in _routed_methods():
+                original = cls.__dict__[name]
+                _ROUTES_ORIGINALS[(cls, name)] = original
+                route = reduce_route if name == REDUCE_METHOD else apply_route
+                type.__setattr__(cls, name, _routed(original, route, name))
+        _ROUTES_DEPTH += 1
+    try:
+        yield
+    finally:
+        with _ROUTES_LOCK:
+            _ROUTES_DEPTH -= 1
+            if _ROUTES_DEPTH == 0:
+                restore_optimizer_methods()
+
+
+def restore_optimizer_methods() -> None:
+    """Puts back every class method `optimizer_routes` replaced (idempotent)."""
+    for (cls, name), original in list(_ROUTES_ORIGINALS.items()):
+        type.__setattr__(cls, name, original)
+    _ROUTES_ORIGINALS.clear()
+
+
+def routes_active() -> bool:
+    """Whether an optimizer class method is routed now (for tests)."""
+    return any(getattr(cls.__dict__[name], "_kerasdbg_route", False)
+               for cls, name in _routed_methods())
+
+
+def _routed(original, route, name):
+    if name == REDUCE_METHOD:
+        @functools.wraps(original)
+        def routed(self, grads_and_vars):
+            return route(self, functools.partial(original, self), grads_and_vars)
+    else:
+        @functools.wraps(original)
+        def routed(self, grads, trainable_variables=None):
+            return route(self, functools.partial(original, self), grads, trainable_variables)
+    routed._kerasdbg_route = True
+    return routed
+
+
+_FIT_WRAPPED = "_kerasdbg_after_fit"
+
+
+def wrap_fit(after_fit: Callable[[object], None]) -> None:
+    """Makes every `Model.fit` call `after_fit(model)` when it ends, by a
+    return or an exception (KeyboardInterrupt included); idempotent.
+
+    Keras calls no callback when `fit` raises (no `on_train_end`), so this
+    is the one place where kerasdbg can restore what it changed in the
+    model then. `after_fit` must be cheap for models kerasdbg never touched.
+    """
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    fit = TensorFlowTrainer.__dict__["fit"]
+    if getattr(fit, _FIT_WRAPPED, None) is not None:
+        return
+
+    @functools.wraps(fit)
+    def wrapped(self, *args, **kwargs):
+        try:
+            return fit(self, *args, **kwargs)
+        finally:
+            after_fit(self)
+
+    setattr(wrapped, _FIT_WRAPPED, after_fit)
+    type.__setattr__(TensorFlowTrainer, "fit", wrapped)
+
+
+def unwrap_fit() -> None:
+    """Removes what `wrap_fit` did (for tests)."""
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    fit = TensorFlowTrainer.__dict__["fit"]
+    if getattr(fit, _FIT_WRAPPED, None) is not None:
+        type.__setattr__(TensorFlowTrainer, "fit", fit.__wrapped__)
 
 
 def read_handle(variable):

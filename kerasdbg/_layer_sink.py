@@ -115,7 +115,8 @@ class LayerSink:
 
 def current_fit_step(model):
     """`(iterations, value)` of the model's optimizer, or None."""
-    iterations = getattr(getattr(model, "optimizer", None), "iterations", None)
+    optimizer = getattr(model, "optimizer", None)
+    iterations = internals.raw_iterations(optimizer) if optimizer is not None else None
     if iterations is None:
         return None
     try:

@@ -54,9 +54,11 @@ def recordable_layers(model) -> List[str]:
 class TensorRequest(_engine.Request):
     """What a `StepRecorder` asks the engine for.
 
+    The engine binds the request to the first optimizer apply of the train
+    step whose variables it selects (`bind`), at trace time: a model built
+    only inside `fit` has no variables before.
+
     Args:
-        variables, paths: the trainable variables whose gradients and
-            weights are recorded, with their display paths.
         steps: the optimizer steps (>= 1) to record.
         record: which of `RECORDABLE`.
         layers: qualified layer names whose outputs are recorded.
@@ -64,18 +66,29 @@ class TensorRequest(_engine.Request):
             slots were filled since the last call: "loss" and
             "learning_rate" arrays, and `{name: array}` under "gradients",
             "weights" and "layer_outputs" (`TraceWriter.record`'s arguments).
+        include, exclude: regular expressions on variable paths.
         strict: a failure raises instead of warning.
     """
 
-    def __init__(self, variables, paths, steps: Sequence[int], record: Sequence[str],
-                 layers: Sequence[str], consumer, strict: bool = False):
-        super().__init__("tensors", variables, paths, (), 1, None, consumer, strict=strict)
+    def __init__(self, steps: Sequence[int], record: Sequence[str], layers: Sequence[str],
+                 consumer, include=None, exclude=None, strict: bool = False,
+                 initial: bool = False):
+        super().__init__("tensors", consumer=consumer, include=include, exclude=exclude,
+                         strict=strict, owner="StepRecorder")
         self.steps = tuple(sorted(steps))
         self.record = tuple(record)
         self.layers = list(layers) if "layer_outputs" in record else []
-        self.columns = []
         self.handed: set = set()
+        self.initial = initial
+        self.initial_handed = False
+        self.initial_buffers: List[tf.Variable] = []
+        self.initial_set: Optional[tf.Variable] = None
         self.jit = False
+        self.channel = None
+        self.positions: List[int] = []
+        self.variables: list = []
+        self.paths: List[str] = []
+        self.present: List[bool] = []
         # Rows of a layer output per replica under XLA when the batch
         # dimension is not static (the fit's batch size over the replicas).
         self.max_rows: Optional[int] = None
@@ -85,12 +98,19 @@ class TensorRequest(_engine.Request):
         self.weights: List[tf.Variable] = []
         self.outputs: Dict[str, List[tf.Variable]] = {}
 
-    def tags(self) -> list:
-        return []
-
-    def build(self, optimizer, steps_per_execution: int) -> None:
+    def bind(self, channel, variables, paths) -> None:
+        """Creates the buffers for `variables` (in the strategy's scope)."""
         n = len(self.steps)
-        self.keys = [internals.variable_key(optimizer, v) for v in self.variables]
+        self.variables, self.paths = list(variables), list(paths)
+        self.present = [True] * len(self.variables)
+        if self.initial:
+            # The weights of step 0, copied in the graph before the first update
+            # (a variable created in this trace has no value to read yet).
+            self.initial_buffers = [
+                _buffers.on_read_variable(tf.zeros(v.shape, internals.read_handle(v).dtype.base_dtype),
+                                          "kerasdbg_trace_initial") for v in self.variables]
+            self.initial_set = _buffers.on_read_variable(tf.zeros([], tf.int64),
+                                                         "kerasdbg_trace_initial_set")
         self.slot_ids = _buffers.on_read_variable(tf.zeros([n], tf.int64), "kerasdbg_trace_steps")
         nan = tf.fill([n], tf.constant(np.nan, tf.float64))
         self.loss = _buffers.on_read_variable(nan, "kerasdbg_trace_loss")
@@ -118,6 +138,8 @@ class TensorRequest(_engine.Request):
     # ------------------------------------------------------- in the graph
     def _slot(self, step):
         """`(hit, slot)`: whether `step` is recorded, and its slot index."""
+        if not self.steps:
+            return tf.constant(False), tf.constant(0, tf.int64)
         steps = tf.constant(self.steps, step.dtype)
         matches = tf.equal(steps, step)
         return tf.reduce_any(matches), tf.argmax(tf.cast(matches, tf.int32), output_type=tf.int64)
@@ -129,7 +151,17 @@ class TensorRequest(_engine.Request):
         step tests the step once. The caller keeps it per call: under
         MirroredStrategy each replica's thread traces its own step.
         """
+        if self.initial:
+            def start():
+                for buffer, variable in zip(self.initial_buffers, self.variables):
+                    buffer.assign(internals.read(variable))
+                self.initial_set.assign(tf.ones([], tf.int64))
+                return tf.constant(True)
+
+            tf.cond(tf.equal(self.initial_set.read_value(), 0), start, lambda: tf.constant(False))
         hit, slot = self._slot(step)
+        if not self.steps:  # only step 0: the weights before training
+            return hit, slot
 
         def write():
             if "loss" in self.record and loss is not None:
@@ -198,11 +230,11 @@ class TensorRequest(_engine.Request):
             self.warned.add(key)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
 
-    def record_gradients(self, step, by_key) -> None:
-        if not self.gradients:
+    def record_gradients(self, step, grads) -> None:
+        """The applied gradients of this request's variables, in their order."""
+        if not self.gradients or not self.steps:
             return
         hit, slot = self._slot(step)
-        grads = [by_key.get(k) for k in self.keys]
         self.present = [g is not None for g in grads]
 
         def write():
@@ -217,6 +249,8 @@ class TensorRequest(_engine.Request):
         """Weights after the update, and the slot's step id (last);
         `step_slot` is what `record_before` returned in the same call."""
         hit, slot = step_slot
+        if not self.steps:
+            return
 
         def write():
             for buffer, variable in zip(self.weights, self.variables):
@@ -228,6 +262,12 @@ class TensorRequest(_engine.Request):
 
     # ----------------------------------------------------------- on host
     def collect(self) -> None:
+        if self.slot_ids is None:
+            return
+        if self.initial and not self.initial_handed and _buffers.read(self.initial_set):
+            self.initial_handed = True
+            self.consumer({0: {"weights": {p: _buffers.read(b).copy() for p, b
+                                           in zip(self.paths, self.initial_buffers)}}})
         ids = _buffers.read(self.slot_ids)
         new = [k for k, s in enumerate(self.steps) if ids[k] == s and s not in self.handed]
         if not new:
@@ -264,10 +304,4 @@ class TensorRequest(_engine.Request):
 
     @property
     def complete(self) -> bool:
-        return len(self.handed) == len(self.steps)
-
-
-def initial_weights(variables, paths) -> Dict[str, np.ndarray]:
-    """The weights before training (step 0), read on the host."""
-    return {p: np.array(internals.read(v)) for v, p in zip(variables, paths)}
-
+        return len(self.handed) == len(self.steps) and (self.initial_handed or not self.initial)

@@ -113,6 +113,21 @@ def optional_path(owner: str, name: str, value: Any) -> Optional[str]:
     return value
 
 
+def log_dir(owner: str, name: str, value: Any) -> Optional[str]:
+    """`optional_path`, refusing a path that exists and is not a directory
+    (or whose `train` run is not one): what can be seen before `fit`."""
+    value = optional_path(owner, name, value)
+    if value is None or "://" in value:
+        return value
+    for path in (value, os.path.join(value, "train")):
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ValueError(
+                f"{owner}: `{name}` must be a directory (TensorBoard writes event files "
+                f"into it); {path!r} is a file. Received: {name}={value!r}"
+            )
+    return value
+
+
 def boolean(owner: str, name: str, value: Any) -> bool:
     """Returns `value` if it is a bool, else raises TypeError."""
     if not isinstance(value, bool):

@@ -60,6 +60,7 @@ class Run:
                 f"load_run: `log_dir` is not a directory. Received: log_dir={log_dir!r}"
             )
         self.log_dir = log_dir
+        self._dropped: Dict[tuple, set] = {}
         self._multiplexer = plugin_event_multiplexer.EventMultiplexer(
             size_guidance={"tensors": 0},
             tensor_size_guidance={"scalars": 0, "histograms": 0, "text": 0},
@@ -105,6 +106,53 @@ class Run:
             tags = {t for t in tags if re.search(pattern, t)}
         return sorted(tags)
 
+    def _events(self, name: str, tag: str) -> list:
+        """The events of one tag in the order they were written, without
+        those a rollback abandoned: an event at a step at or below an earlier
+        one (a run resumed from a backup, e.g. `BackupAndRestore`) drops the
+        earlier events from that step on, as TensorBoard purges orphaned
+        data. The drops are kept for `rollbacks`."""
+        events = sorted(self._multiplexer.Tensors(name, tag), key=lambda e: e.wall_time)
+        kept: list = []
+        for event in events:
+            if kept and event.step <= kept[-1].step:
+                dropped = [e for e in kept if e.step >= event.step]
+                kept = [e for e in kept if e.step < event.step]
+                if any(e.step > event.step for e in dropped):
+                    self._dropped.setdefault((name, int(event.step)), set()).update(
+                        int(e.step) for e in dropped)
+            kept.append(event)
+        return kept
+
+    def rollbacks(self, run: Optional[str] = "train") -> pd.DataFrame:
+        """Where training was rolled back and resumed (e.g. by
+        `keras.callbacks.BackupAndRestore` after a crash): one row per restart,
+        columns `run`, `step` (the first step written again) and `dropped`
+        (the abandoned steps, from `step` on, that the reader leaves out).
+
+        Example:
+
+        >>> import os, tempfile
+        >>> from kerasdbg import _events, load_run
+        >>> log_dir = tempfile.mkdtemp()
+        >>> writer = _events.EventWriter(os.path.join(log_dir, "train"))
+        >>> for step, value in [(1, 1.0), (2, 2.0), (3, 3.0), (2, 20.0), (3, 30.0)]:
+        ...     writer.write(step, {"step/loss": value})
+        >>> writer.flush()
+        >>> run = load_run(log_dir)
+        >>> run.scalars("step/loss")[["step", "value"]].values.tolist()
+        [[1.0, 1.0], [2.0, 20.0], [3.0, 30.0]]
+        >>> run.rollbacks().to_dict("records")
+        [{'run': 'train', 'step': 2, 'dropped': [2, 3]}]
+        """
+        self._dropped = {}
+        for kind in _KINDS:
+            for name, tag in self._tags(kind, run):
+                self._events(name, tag)
+        rows = [{"run": name, "step": step, "dropped": sorted(steps)}
+                for (name, step), steps in sorted(self._dropped.items())]
+        return pd.DataFrame(rows, columns=["run", "step", "dropped"])
+
     def _frame(self, kind: str, tag_or_regex: str, run: Optional[str], convert):
         rows = []
         matched = [
@@ -118,7 +166,7 @@ class Run:
                 f"Tags: {', '.join(self.tags(kind=kind, run=run)) or '(none)'}"
             )
         for name, tag in matched:
-            for event in self._multiplexer.Tensors(name, tag):
+            for event in self._events(name, tag):
                 rows.append(
                     dict(run=name, tag=tag, step=event.step, wall_time=event.wall_time,
                          **convert(tensor_util.make_ndarray(event.tensor_proto)))
@@ -182,7 +230,7 @@ class Run:
         for kind in ("scalars", "histograms"):
             if any(t == tag for _, t in self._tags(kind, run)):
                 return sorted({int(e.step) for name, t in self._tags(kind, run) if t == tag
-                               for e in self._multiplexer.Tensors(name, t)})
+                               for e in self._events(name, t)})
         raise KeyError(
             f"Run.steps: no scalar or histogram tag {tag!r} in run {run!r} of "
             f"{self.log_dir!r}. Tags: {', '.join(self.tags(run=run)) or '(none)'}"

@@ -5,15 +5,17 @@ touch memory as few times as possible: a fast path of plain reductions, and a
 masked float64 path that only runs when some value is NaN or infinite (or a
 sum overflows). Both paths give the same definitions:
 
-- moments (`l2_norm`, `mean`, `std`, `min`, `max`, `mean_abs`) are taken over
+- `l2_norm` is NaN when an element is NaN, else infinite when one is
+  infinite: an explosion never reads as a small norm;
+- the other moments (`mean`, `std`, `min`, `max`, `mean_abs`) are taken over
   the finite elements only; non-finite ones are counted in `nan_count` and
   `inf_count`;
 - `zero_fraction` is the fraction of all elements that are exactly zero;
 - the quantiles `p05`, `p50`, `p95` (not computed unless asked for: they sort
   the tensor) are those of the finite elements, interpolated linearly as
   `numpy.percentile` does;
-- a tensor with no finite element has `l2_norm` 0 and NaN for the other
-  moments; an empty tensor likewise, with `zero_fraction` NaN.
+- a tensor with no finite element has NaN for those other moments; an empty
+  tensor has `l2_norm` 0, NaN moments and `zero_fraction` NaN.
 
 `tf.IndexedSlices` (e.g. the gradient of an `Embedding`) are described as the
 dense tensor they stand for, duplicated indices summed, as the optimizer sees
@@ -186,6 +188,14 @@ def _finish(raw: tf.Tensor, flats: Sequence[tf.Tensor], stats: Tuple[str, ...]) 
     return tf.stack([out[s]() if s in out else zero for s in stats], axis=1)
 
 
+def _nonfinite_norm(x: tf.Tensor, norm: tf.Tensor) -> tf.Tensor:
+    """`norm` of `x`, made NaN when `x` holds a NaN, else inf when an inf."""
+    nan = tf.reduce_any(tf.math.is_nan(x))
+    inf = tf.reduce_any(tf.math.is_inf(x))
+    return tf.where(nan, tf.constant(np.nan, tf.float64),
+                    tf.where(inf, tf.constant(np.inf, tf.float64), norm))
+
+
 def _masked(x: tf.Tensor, stats: Tuple[str, ...]) -> tf.Tensor:
     """Float64 statistics over the finite elements; exact, but more passes."""
     x = tf.cast(x, tf.float64)
@@ -208,7 +218,7 @@ def _masked(x: tf.Tensor, stats: Tuple[str, ...]) -> tf.Tensor:
     # Only the statistics asked for become graph ops (trace time grows with them).
     out = {
         "mean": lambda: mean,
-        "l2_norm": lambda: tf.sqrt(tf.reduce_sum(tf.square(xz))),
+        "l2_norm": lambda: _nonfinite_norm(x, tf.sqrt(tf.reduce_sum(tf.square(xz)))),
         "std": std,
         "min": lambda: extreme(tf.reduce_min, np.inf),
         "max": lambda: extreme(tf.reduce_max, -np.inf),

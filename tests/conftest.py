@@ -115,7 +115,9 @@ def reference_stats(array) -> dict:
     n = a.size
     with np.errstate(invalid="ignore", divide="ignore"):
         out = {
-            "l2_norm": float(np.sqrt(np.sum(finite ** 2))),
+            # NaN when an element is NaN, else inf when one is infinite.
+            "l2_norm": float(np.nan if np.isnan(a).any() else np.inf if np.isinf(a).any()
+                             else np.sqrt(np.sum(finite ** 2))),
             "mean": float(np.mean(finite)) if finite.size else np.nan,
             "std": float(np.std(finite)) if finite.size else np.nan,
             "min": float(np.min(finite)) if finite.size else np.nan,

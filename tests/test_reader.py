@@ -6,6 +6,8 @@ import shutil
 
 import numpy as np
 import pytest
+import tensorflow as tf
+from tensorboard.compat.proto import event_pb2
 
 from kerasdbg import _events
 from kerasdbg import load_run
@@ -76,9 +78,16 @@ def test_unique_scalars_are_written_once_per_step_and_value(tmp_path):
         writer.write(step, {"s": value}, unique=True)
     writer.write(3, {"s": 5.0})  # not unique: written again
     writer.flush()
+    written = []
+    for record in tf.data.TFRecordDataset(writer.path):
+        event = event_pb2.Event.FromString(record.numpy())
+        written += [(event.step, v.simple_value) for v in event.summary.value]
+    assert [step for step, _ in written] == [1, 2, 2, 3, 3]
+    np.testing.assert_array_equal([v for _, v in written], [1.0, np.nan, 5.0, 5.0, 5.0])
+    # The reader keeps the last value written at each step.
     frame = load_run(str(tmp_path)).scalars("s")
-    assert frame.step.tolist() == [1, 2, 2, 3, 3]
-    np.testing.assert_array_equal(frame.value.to_numpy(), [1.0, np.nan, 5.0, 5.0, 5.0])
+    assert frame.step.tolist() == [1, 2, 3]
+    np.testing.assert_array_equal(frame.value.to_numpy(), [1.0, 5.0, 5.0])
 
 
 def test_steps_with_changing_tag_sets_keep_each_tag_its_own_values(tmp_path):

@@ -19,6 +19,24 @@ def selected(name: str, include: Optional[str], exclude: Optional[str]) -> bool:
     )
 
 
+def open_writer(owner: str, log_dir: str, strict: bool) -> Optional[_events.EventWriter]:
+    """The shared event writer of `<log_dir>/train`; when the directory cannot
+    be written (no permission, a full disk), a warning naming `owner` and
+    the path, and None: the callback records in Python only and training
+    goes on. `strict` raises instead."""
+    path = os.path.join(log_dir, "train")
+    try:
+        return _events.writer_for(path)
+    except Exception as error:  # noqa: BLE001 - tf.errors of every kind
+        if strict:
+            raise
+        warnings.warn(
+            f"{owner} cannot write TensorBoard events to {path!r} (`log_dir`): "
+            f"{type(error).__name__}: {error}. It keeps its records in Python only; "
+            "training goes on.", RuntimeWarning, stacklevel=3)
+        return None
+
+
 class RecordingCallback(keras.callbacks.Callback):
     """Base of the callbacks that hand records to a writer and to `history`.
 
@@ -34,11 +52,12 @@ class RecordingCallback(keras.callbacks.Callback):
         return cls(**config)
 
     def _open_writer(self) -> Optional[_events.EventWriter]:
-        """The shared writer of `<log_dir>/train`, or None without a log dir."""
+        """The shared writer of `<log_dir>/train`, or None without a log dir
+        or when it cannot be opened (a warning says why, unless `strict`)."""
         self._failed = False
         if self.log_dir is None:
             return None
-        return _events.writer_for(os.path.join(self.log_dir, "train"))
+        return open_writer(type(self).__name__, self.log_dir, self.strict)
 
     @property
     def destination(self) -> Optional[str]:

@@ -12,6 +12,7 @@ import pandas as pd
 from kerasdbg import _engine
 from kerasdbg._engine import unique_paths
 from kerasdbg import _events
+from kerasdbg import _tags
 from kerasdbg import _keras_internals as internals
 from kerasdbg.callbacks._recording import RecordingCallback, selected
 from kerasdbg import _validation as check
@@ -23,18 +24,12 @@ def trainable_float_variables(model) -> list:
     return [v for v in model.trainable_variables if internals.is_float(v)]
 
 
-def select_variables(owner: str, model, include: Optional[str], exclude: Optional[str]):
+def select_variables(model, include: Optional[str], exclude: Optional[str]):
     """`(variables, paths)`: the trainable float variables whose unique path
-    passes `include` / `exclude`; raises, listing the paths, if none does."""
+    passes `include` / `exclude` (none for a model not built yet)."""
     variables = trainable_float_variables(model)
     paths = unique_paths(variables)
     chosen = [(v, p) for v, p in zip(variables, paths) if selected(p, include, exclude)]
-    if not chosen:
-        raise ValueError(
-            f"{owner}: no trainable float variable matches "
-            f"include={include!r}, exclude={exclude!r}. "
-            f"Variables: {', '.join(paths) or '(none)'}"
-        )
     return [v for v, _ in chosen], [p for _, p in chosen]
 
 
@@ -61,7 +56,7 @@ class StatisticsCallback(RecordingCallback):
     ):
         super().__init__()
         owner = type(self).__name__
-        self.log_dir = check.optional_path(owner, "log_dir", log_dir)
+        self.log_dir = check.log_dir(owner, "log_dir", log_dir)
         self.every_n_steps = check.positive_int(owner, "every_n_steps", every_n_steps)
         self.histogram_every_n_steps = check.optional_positive_int(
             owner, "histogram_every_n_steps", histogram_every_n_steps
@@ -74,6 +69,10 @@ class StatisticsCallback(RecordingCallback):
         self.strict = check.boolean(owner, "strict", strict)
         self._request: Optional[_engine.Request] = None
         self._rows: collections.deque = collections.deque(maxlen=history_size)
+        self._columns: Dict[str, None] = {}
+        self._clipped = 0
+        self._several = False
+        self._accumulating = False
         self._writer: Optional[_events.EventWriter] = None
         self._failed = False
         self._skipped = 0
@@ -93,25 +92,26 @@ class StatisticsCallback(RecordingCallback):
         }
 
     # ------------------------------------------------------- selection
-    def _select(self, model):
-        return select_variables(type(self).__name__, model, self.include, self.exclude)
-
     # --------------------------------------------------------- callbacks
     def on_train_begin(self, logs=None):
         self._rows.clear()
+        self._columns = {}
         self._failed = False
         self._skipped = 0
-        variables, paths = self._select(self.model)
+        self._clipped = 0
+        self._several = False
+        self._accumulating = False
         self._request = _engine.Request(
             kind=self.kind,
-            variables=variables,
-            paths=paths,
             stats=self.stats,
             every_n_steps=self.every_n_steps,
             histogram_every_n_steps=self.histogram_every_n_steps,
             consumer=self._consume,
+            include=self.include,
+            exclude=self.exclude,
             bins=self.histogram_bins,
             strict=self.strict,
+            owner=type(self).__name__,
         )
         self._writer = self._open_writer()
         _engine.engine_for(self.model).attach(self._request)
@@ -138,59 +138,102 @@ class StatisticsCallback(RecordingCallback):
         self._guarded(self._write, records)
 
     def _write(self, records: List[_engine.Record]) -> None:
-        request = self._request
-        tags = request.tags()
-        loss_scaled = isinstance(self.model.optimizer, keras.optimizers.LossScaleOptimizer)
+        several = _engine.engine_for(self.model).several_optimizers
+        self._several = self._several or several
         for record in records:
             if record.skipped:
                 self._skipped += 1
+            self._accumulating = self._accumulating or not record.applied
+            if record.values is not None and self.history_size:
+                for tag in record.tags:
+                    if tag is not None:
+                        self._columns.setdefault(_tags.column(tag, self.kind), None)
             if record.values is not None or record.skipped:
                 if self.history_size:
-                    self._rows.append((record.step, record.skipped, record.values))
+                    self._rows.append(record)
+            if record.values is not None and self.kind == "gradients":
+                clipped = [v for t, v in zip(record.tags, record.values)
+                           if t is not None and t.endswith("/clipped")]
+                self._clipped += int(bool(clipped) and clipped[0] > 0)
             if self._writer is None or record.skipped:
                 continue
             scalars = {}
             if record.values is not None:
                 scalars = {
-                    tag: value for tag, value in zip(tags, record.values) if tag is not None
+                    tag: value for tag, value in zip(record.tags, record.values)
+                    if tag is not None
                 }
-                if loss_scaled and self.kind == "gradients":
-                    scalars[f"{self.kind}/skipped_updates"] = self._skipped
+                if self.kind == "gradients" and isinstance(
+                        self._optimizer(record.optimizer), keras.optimizers.LossScaleOptimizer):
+                    scalars[_tags.per_optimizer(self.kind, "skipped_updates",
+                                                record.optimizer if several else None)] = \
+                        self._skipped
             histograms = {}
             if record.histograms is not None:
                 counts, ranges = record.histograms
-                for i, path in enumerate(request.paths):
-                    if request.present[i] and np.all(np.isfinite(ranges[i])):
-                        histograms[f"{self.kind}/{path}"] = (counts[i], *ranges[i])
+                for i, tag in enumerate(record.histogram_tags):
+                    if tag is not None and np.all(np.isfinite(ranges[i])):
+                        histograms[tag] = (counts[i], *ranges[i])
             self._writer.write(record.step, scalars, histograms)
+
+    def _optimizer(self, name: Optional[str]):
+        engine = _engine.engine_for(self.model)
+        for hook in engine.hooks.values():
+            if hook.name == name:
+                return hook.optimizer
+        return None
 
     # --------------------------------------------------------- results
     @property
     def history(self) -> pd.DataFrame:
         """The latest recorded steps (at most `history_size`), one row each.
 
-        Columns: `step`, `skipped`, then `<variable path>/<stat>` (and
-        `global_norm` for gradients). Steps the loss scaler skipped have
-        `skipped=True` and NaN gradient statistics.
+        Columns: `step` (the step of the optimizer that applied it), with
+        several optimizers `optimizer` (its name), with gradient
+        accumulation `applied` (whether the step updated the weights), then
+        `skipped`, then the recorded values: `<variable path>/<stat>` (and
+        for gradients `global_norm`, or `<optimizer>/global_norm` with
+        several optimizers; `clipped` and `applied_gradients/...` under
+        clipping or accumulation). Steps the loss scaler skipped have
+        `skipped=True` and NaN statistics.
         """
-        columns = self._request.columns if self._request is not None else []
-        width = len(columns)
-        steps = [r[0] for r in self._rows]
-        skipped = [r[1] for r in self._rows]
-        values = np.array(
-            [r[2] if r[2] is not None else np.full(width, np.nan) for r in self._rows]
-        ).reshape(len(self._rows), width)
+        columns = list(self._columns)
+        index = {c: i for i, c in enumerate(columns)}
+        values = np.full((len(self._rows), len(columns)), np.nan)
+        for row, record in enumerate(self._rows):
+            if record.values is None:
+                continue
+            for tag, value in zip(record.tags, record.values):
+                if tag is not None:
+                    values[row, index[_tags.column(tag, self.kind)]] = value
         frame = pd.DataFrame(values, columns=columns)
-        frame.insert(0, "skipped", skipped)
-        frame.insert(0, "step", np.array(steps, dtype=np.int64))
+        frame.insert(0, "skipped", [r.skipped for r in self._rows])
+        if self._accumulating:
+            frame.insert(0, "applied", [r.applied for r in self._rows])
+        if self._several:
+            frame.insert(0, "optimizer", [r.optimizer for r in self._rows])
+        frame.insert(0, "step", np.array([r.step for r in self._rows], dtype=np.int64))
         return frame
 
     @property
     def latest(self) -> Dict[str, float]:
-        """The last recorded step as `{"step": ..., "<path>/<stat>": ...}`."""
-        for step, _, values in reversed(self._rows):
-            if values is not None:
-                latest = {"step": step}
-                latest.update(zip(self._request.columns, values.tolist()))
-                return latest
-        return {}
+        """The last recorded step as `{"step": ..., "<path>/<stat>": ...}`
+        (with several optimizers, the last step of each one merged)."""
+        latest: Dict[str, float] = {}
+        seen = set()
+        for record in reversed(self._rows):
+            if record.values is None or record.optimizer in seen:
+                continue
+            seen.add(record.optimizer)
+            latest.setdefault("step", record.step)
+            for tag, value in zip(record.tags, record.values.tolist()):
+                if tag is not None:
+                    latest.setdefault(_tags.column(tag, self.kind), value)
+            if not self._several:
+                break
+        return latest
+
+    @property
+    def clipped_steps(self) -> int:
+        """Recorded steps at which gradient clipping changed the gradient."""
+        return self._clipped

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import warnings
 from typing import Dict, List, Optional
 
 import keras
@@ -49,8 +50,8 @@ class ActivationStatistics(RecordingCallback):
         strict: raise, instead of warning and going on, when writing fails.
             Defaults to `False`.
 
-    Raises:
-        ValueError: at the start of `fit` when the model has no matching tap.
+    A model with no matching tap trains on with a warning that says so
+    (`strict=True` raises a `ValueError` instead).
 
     Example:
 
@@ -81,7 +82,7 @@ class ActivationStatistics(RecordingCallback):
     ):
         super().__init__()
         owner = type(self).__name__
-        self.log_dir = check.optional_path(owner, "log_dir", log_dir)
+        self.log_dir = check.log_dir(owner, "log_dir", log_dir)
         self.include = check.optional_regex(owner, "include", include)
         self.exclude = check.optional_regex(owner, "exclude", exclude)
         self.history_size = check.non_negative_int(owner, "history_size", history_size)
@@ -106,16 +107,20 @@ class ActivationStatistics(RecordingCallback):
         taps = find_taps(self.model)
         self._taps = [t for t in taps if selected(t.name, self.include, self.exclude)]
         if not self._taps:
-            raise ValueError(
-                f"{type(self).__name__}: the model has no TapLayer matching "
-                f"include={self.include!r}, exclude={self.exclude!r}. Taps: "
-                f"{', '.join(t.name for t in taps) or '(none; add TapLayer()s after the layers to watch)'}"
+            message = (
+                f"{type(self).__name__} records nothing this fit: the model has no TapLayer "
+                f"matching include={self.include!r}, exclude={self.exclude!r}. Taps: "
+                f"{', '.join(t.name for t in taps) or '(none; add TapLayer()s after the layers to watch, or use kerasdbg.insert_taps)'}"
             )
+            if self.strict:
+                raise ValueError(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
         self._writer = self._open_writer()
         for tap in self._taps:
             tap._host.listeners.append(self._consume)
         # One trace of the train function, not two (the taps' graph is large).
-        internals.build_optimizer_before_trace(self.model)
+        if internals.uses_standard_train_step(self.model):
+            internals.build_optimizer_before_trace(self.model)
 
     def on_train_batch_end(self, batch, logs=None):
         # The model's layer sink flushed the taps after the execution; this

@@ -12,7 +12,6 @@ from kerasdbg import _step_tensors
 from kerasdbg import _validation as check
 from kerasdbg import trace as trace_lib
 from kerasdbg.callbacks._recording import RecordingCallback, selected
-from kerasdbg.callbacks._statistics import select_variables
 
 RECORDABLE = _step_tensors.RECORDABLE
 
@@ -132,9 +131,6 @@ class StepRecorder(RecordingCallback):
     def on_train_begin(self, logs=None):
         model = self.model
         self._failed = False
-        variables, paths = [], []
-        if {"gradients", "weights"} & set(self.record):
-            variables, paths = select_variables("StepRecorder", model, self.include, self.exclude)
         layers = []
         if "layer_outputs" in self.record:
             available = _step_tensors.recordable_layers(model)
@@ -144,7 +140,7 @@ class StepRecorder(RecordingCallback):
                     f"StepRecorder records no layer outputs: {type(model).__name__} is not a "
                     "Functional or Sequential model, whose forward pass it can replay.",
                     RuntimeWarning, stacklevel=2)
-        start = int(model.optimizer.iterations.numpy())
+        start = int(internals.read(internals.raw_iterations(model.optimizer)).numpy())
         initial = 0 in self._steps and start == 0 and "weights" in self.record
         steps = [s for s in self._steps if s > start]
         self._request = None
@@ -152,12 +148,10 @@ class StepRecorder(RecordingCallback):
         self._saved = not (steps or initial)
         self._writer = None if self._saved else trace_lib.TraceWriter(
             self.path, source="StepRecorder")
-        if initial:
-            self._guarded(self._writer.record, 0,
-                          weights=_step_tensors.initial_weights(variables, paths))
-        if steps:
+        if steps or initial:
             self._request = _step_tensors.TensorRequest(
-                variables, paths, steps, self.record, layers, self._consume, strict=self.strict)
+                steps, self.record, layers, self._consume, include=self.include,
+                exclude=self.exclude, strict=self.strict, initial=initial)
             batch = internals.fit_batch_size(model)
             if batch is not None:
                 replicas = model.distribute_strategy.num_replicas_in_sync

@@ -11,6 +11,7 @@ import pandas as pd
 import tensorflow as tf
 
 from kerasdbg import _buffers
+from kerasdbg import _engine
 from kerasdbg import _keras_internals as internals
 from kerasdbg import _validation as check
 from kerasdbg.callbacks._recording import RecordingCallback
@@ -70,7 +71,7 @@ class StepTimer(RecordingCallback):
                  warmup: int = 2, strict: bool = False):
         super().__init__()
         owner = "StepTimer"
-        self.log_dir = check.optional_path(owner, "log_dir", log_dir)
+        self.log_dir = check.log_dir(owner, "log_dir", log_dir)
         self.input_bound_threshold = check.number(
             owner, "input_bound_threshold", input_bound_threshold, minimum=0.0, maximum=1.0)
         self.warmup = check.non_negative_int(owner, "warmup", warmup)
@@ -100,69 +101,74 @@ class StepTimer(RecordingCallback):
         self._writer = self._open_writer()
         if self._timed:
             with model.distribute_strategy.scope():
-                # [row, (start, end, examples)] per step of an execution.
+                # [row, (start, end, examples)] per train step of an execution.
                 self._buffer = _buffers.on_read_variable(
                     tf.zeros([self._spe, 3], tf.float64), "kerasdbg_step_times")
-            self._patch(model)
-        self._step = int(model.optimizer.iterations.numpy())
+        # Under XLA the engine only counts the train steps.
+        self._request = _engine.Request(
+            "wrap", wrapper=self._timed_step if self._timed else None, strict=self.strict,
+            owner="StepTimer")
+        engine = _engine.engine_for(model)
+        engine.attach(self._request)
+        self._last = None
 
-    def _patch(self, model) -> None:
-        original = model.train_step
-        buffer, optimizer, spe = self._buffer, model.optimizer, self._spe
-
-        def train_step(data):
-            flat = [t for t in tf.nest.flatten(data) if tf.is_tensor(t)]
-            with tf.control_dependencies(flat):
-                start = tf.timestamp()
-            # Stateless ops (the matmuls of the step) are not ordered by
-            # tf.function: without these edges the forward pass runs beside
-            # `start` (before it, often) and the update after `end`.
-            with tf.control_dependencies([start]):
-                row = tf.math.floormod(internals.read(optimizer.iterations), spe)
-                data = tf.nest.map_structure(
-                    lambda t: tf.identity(t) if tf.is_tensor(t) else t, data)
-            logs = original(data)
-            # Reads made after the step wait for its writes: the update
-            # writes the trainable variables.
-            done = [t for t in tf.nest.flatten(logs) if tf.is_tensor(t)]
-            done += [internals.read(v) for v in model.trainable_variables]
-            with tf.control_dependencies(done):
-                end = tf.timestamp()
-            examples = tf.cast(tf.shape(flat[0])[0], tf.float64) if flat and flat[0].shape.rank \
-                else tf.constant(np.nan, tf.float64)
-            _buffers.write_row(buffer, row, tf.stack([start, end, examples]))
-            return logs
-
-        internals.patch(model, "train_step", train_step)
-        model.make_train_function(force=True)
+    def _timed_step(self, step_function, data, row):
+        """The train step between two timestamps (in the graph)."""
+        model, buffer = self.model, self._buffer
+        flat = [t for t in tf.nest.flatten(data) if tf.is_tensor(t)]
+        with tf.control_dependencies(flat):
+            start = tf.timestamp()
+        # Stateless ops (the matmuls of the step) are not ordered by
+        # tf.function: without these edges the forward pass runs beside
+        # `start` (before it, often) and the update after `end`.
+        with tf.control_dependencies([start]):
+            data = tf.nest.map_structure(
+                lambda t: tf.identity(t) if tf.is_tensor(t) else t, data)
+        logs = step_function(data)
+        # Reads made after the step wait for its writes: the update writes
+        # the trainable variables.
+        done = [t for t in tf.nest.flatten(logs) if tf.is_tensor(t)]
+        done += [internals.read(v) for v in model.trainable_variables]
+        with tf.control_dependencies(done):
+            end = tf.timestamp()
+        examples = tf.cast(tf.shape(flat[0])[0], tf.float64) if flat and flat[0].shape.rank \
+            else tf.constant(np.nan, tf.float64)
+        _buffers.write_row(buffer, row, tf.stack([start, end, examples]))
+        return logs
 
     def on_train_batch_begin(self, batch, logs=None):
+        engine = _engine.engine_for(self.model)
+        engine.prepare()
+        if self._last is None:
+            self._last = engine.train_steps()
         self._begin = time.time()
 
     def on_train_batch_end(self, batch, logs=None):
         self._guarded(self._record, time.time())
 
     def on_train_end(self, logs=None):
-        if "train_step" in vars(self.model):
-            internals.unpatch(self.model, "train_step")
-            self.model.make_train_function(force=True)
+        if self._request is not None:
+            _engine.engine_for(self.model).detach(self._request)
+            self._request = None
         if self._writer is not None:
             self._writer.flush()
 
     # -------------------------------------------------------- records
     def _record(self, end: float) -> None:
-        step = int(self.model.optimizer.iterations.numpy())
-        steps = step - self._step
-        self._step = step
+        engine = _engine.engine_for(self.model)
+        last = engine.train_steps()
+        steps = last - self._last
+        self._last = last
         if steps <= 0:
             return
+        step = engine.fit_step(last)
         wall = end - self._begin
         row = {"step": step, "steps": steps, "execution_seconds": wall,
                "step_seconds": wall / steps, "input_seconds": np.nan, "compute_seconds": np.nan,
                "input_fraction": np.nan, "examples": np.nan, "examples_per_second": np.nan}
         if self._timed:
             replicas = _buffers.read_replicas(self._buffer)
-            rows = [(s % self._spe) for s in range(step - steps, step)]
+            rows = [(i - 1) % self._spe for i in range(last - steps + 1, last + 1)]
             times = replicas[0][rows]
             previous_end = np.concatenate([[self._begin], times[:-1, 1]])
             input_seconds = float(np.sum(np.maximum(times[:, 0] - previous_end, 0.0)))

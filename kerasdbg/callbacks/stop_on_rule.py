@@ -16,14 +16,16 @@ from kerasdbg import _keras_internals as internals
 from kerasdbg import _replay
 from kerasdbg import _validation as check
 from kerasdbg import stats as stats_lib
-from kerasdbg._engine import unique_paths
-from kerasdbg.callbacks._statistics import trainable_float_variables
+from kerasdbg import _tags
+from kerasdbg.callbacks._recording import open_writer
 from kerasdbg.callbacks.activation_statistics import find_taps
 from kerasdbg.rules._runner import RuleRunner, check_rules
-from kerasdbg.rules.rule import CLASSES, SCALAR_COLLECTIONS, RuleFired, RuleWarning, Verdict
-from kerasdbg.rules.rule import make_verdict, tag_pattern
+from kerasdbg.rules.defaults import default_rules
+from kerasdbg.rules.rule import CLASSES, SCALAR_COLLECTIONS, Rule, RuleFired, RuleWarning
+from kerasdbg.rules.rule import Verdict, make_verdict, tag_pattern
 
 ACTIONS = ("stop", "raise", "warn")
+LOSS_TAG = _tags.step_scalar("loss")
 VERDICT_TAG = "rules/verdicts"
 DEFAULT_SUSPEND = (
     keras.callbacks.BackupAndRestore,
@@ -132,7 +134,7 @@ class StopOnRule(keras.callbacks.Callback):
 
     def __init__(
         self,
-        rules,
+        rules=None,
         action: Union[str, Callable] = "stop",
         start_step: int = 0,
         freeze_on_fault: Optional[bool] = None,
@@ -142,10 +144,12 @@ class StopOnRule(keras.callbacks.Callback):
         suspend: Sequence[type] = DEFAULT_SUSPEND,
         verbose: bool = True,
         strict: bool = False,
+        loss: Optional[str] = None,
     ):
         super().__init__()
         owner = type(self).__name__
-        self.rules = check_rules(owner, rules)
+        self.default_rules = rules is None
+        self.rules = default_rules() if rules is None else check_rules(owner, rules)
         if not callable(action):
             check.one_of(owner, "action", action, ACTIONS)
         self.action = action
@@ -163,7 +167,7 @@ class StopOnRule(keras.callbacks.Callback):
                 "needs freeze_on_fault=True. Received: freeze_on_fault=False, "
                 f"max_gradient_norm={max_gradient_norm!r}"
             )
-        self.log_dir = check.optional_path(owner, "log_dir", log_dir)
+        self.log_dir = check.log_dir(owner, "log_dir", log_dir)
         suspend = tuple(suspend)
         for kind in suspend:
             if not (isinstance(kind, type) and issubclass(kind, keras.callbacks.Callback)):
@@ -174,6 +178,12 @@ class StopOnRule(keras.callbacks.Callback):
         self.suspend = suspend
         self.verbose = check.boolean(owner, "verbose", verbose)
         self.strict = check.boolean(owner, "strict", strict)
+        if loss is not None and (not isinstance(loss, str) or not loss):
+            raise TypeError(
+                f"{owner}: `loss` must be None or the name of a scalar the train step "
+                f"returns. Received: loss={loss!r} of type {type(loss).__name__}")
+        self.loss = loss
+        self.loss_source: Optional[str] = None
         self.verdicts: List[Verdict] = []
         self._requests: List[_engine.Request] = []
         self._taps = []
@@ -184,10 +194,13 @@ class StopOnRule(keras.callbacks.Callback):
         self._done = False
         self._freeze_reported = False
         self._located = False
+        self._silent: List[Rule] = []
+        self._loss_checked = False
 
     def get_config(self) -> dict:
         return {
-            "rules": [{"class_name": r.name, "config": r.get_config()} for r in self.rules],
+            "rules": None if self.default_rules else
+            [{"class_name": r.name, "config": r.get_config()} for r in self.rules],
             "action": self.action if isinstance(self.action, str) else None,
             "start_step": self.start_step,
             "freeze_on_fault": self.freeze_on_fault,
@@ -196,14 +209,15 @@ class StopOnRule(keras.callbacks.Callback):
             "log_dir": self.log_dir,
             "verbose": self.verbose,
             "strict": self.strict,
+            "loss": self.loss,
         }
 
     # ---------------------------------------------------------- set-up
-    def _needs(self) -> Dict[str, Dict[str, Optional[int]]]:
+    def _needs(self, rules) -> Dict[str, Dict[str, Optional[int]]]:
         """What the rules read, by collection: statistic -> the last step
         a rule reads it at (None: every step)."""
         needs: Dict[str, Dict[str, Optional[int]]] = {}
-        for rule in self.rules:
+        for rule in rules:
             for collection, statistic in rule.requires:
                 wanted = needs.setdefault(collection, {})
                 last = wanted.get(statistic, rule.last_step)
@@ -216,10 +230,9 @@ class StopOnRule(keras.callbacks.Callback):
         (e.g. quantiles) is not computed after them."""
         allowed = stats_lib.ALL_STATISTICS + (
             _engine.WEIGHT_EXTRA_STATISTICS if kind == "weights" else ())
-        unknown = sorted(set(statistics) - set(allowed) - {"global_norm"})
+        unknown = sorted(set(statistics) - set(allowed) - {"global_norm", "clipped"})
         if unknown:
             self._refuse(kind, unknown[0], f"statistics of {kind}: {', '.join(allowed)}")
-        variables = trainable_float_variables(self.model)
         groups: Dict[Optional[int], List[str]] = {}
         for statistic, last in statistics.items():
             groups.setdefault(last, []).append(statistic)
@@ -227,18 +240,26 @@ class StopOnRule(keras.callbacks.Callback):
         for last, wanted in sorted(groups.items(), key=lambda item: item[0] or 0):
             stats = [s for s in allowed if s in wanted] or ["l2_norm"]
             requests.append(_engine.Request(
-                kind=kind, variables=variables, paths=unique_paths(variables), stats=stats,
-                every_n_steps=1, histogram_every_n_steps=None, last_step=last,
-                consumer=lambda records: None, strict=self.strict,
+                kind=kind, stats=stats, every_n_steps=1, last_step=last,
+                strict=self.strict, owner=type(self).__name__,
             ))
         return requests
 
     def _refuse(self, collection: str, statistic: str, allowed: str) -> None:
-        rule = next(r for r in self.rules if (collection, statistic) in tuple(r.requires))
-        raise ValueError(
-            f"{type(self).__name__}: {rule.name} reads {tag_pattern(collection, statistic)}, "
-            f"which cannot be recorded for model {self.model.name!r}. Recordable: {allowed}."
-        )
+        """A rule reads what cannot be recorded for this model: it will not
+        fire; say so once (raise with `strict`)."""
+        for rule in self.rules:
+            if (collection, statistic) not in tuple(rule.requires) or rule in self._silent:
+                continue
+            self._silent.append(rule)
+            message = (
+                f"{type(self).__name__}: {rule.name} reads "
+                f"{tag_pattern(collection, statistic)}, which cannot be recorded for model "
+                f"{self.model.name!r}, so it has nothing to read and will not fire. "
+                f"Recordable: {allowed}.")
+            if self.strict:
+                raise ValueError(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
 
     def on_train_begin(self, logs=None):
         self.verdicts = []
@@ -246,10 +267,21 @@ class StopOnRule(keras.callbacks.Callback):
         self._done = False
         self._freeze_reported = False
         self._located = False
-        self._last_step = int(internals.read(self.model.optimizer.iterations).numpy()) \
-            if getattr(self.model, "optimizer", None) is not None else 0
-        self._runner = RuleRunner(self.rules)
-        needs = self._needs()
+        self._silent = []
+        self._loss_checked = False
+        self.loss_source = None
+        self._last_step = 0
+        if getattr(self.model, "optimizer", None) is not None:
+            self._last_step = int(internals.read(
+                internals.raw_iterations(self.model.optimizer)).numpy())
+        rules = self.rules
+        if self.default_rules:
+            # The activation rules need taps; without them they are left out.
+            taps = find_taps(self.model)
+            rules = [r for r in rules if taps or not any(
+                c == "activations" for c, _ in r.requires)]
+        self._runner = RuleRunner(rules)
+        needs = self._needs(rules)
         requests = []
         for collection, statistics in needs.items():
             if collection in ("gradients", "weights"):
@@ -258,35 +290,30 @@ class StopOnRule(keras.callbacks.Callback):
                 unknown = sorted(set(statistics) - set(_engine.CLASS_COLUMNS))
                 if unknown:
                     self._refuse(collection, unknown[0], "classes/<k>/seen, classes/<k>/mispredicted")
-                requests.append(_engine.Request(
-                    kind="classes", variables=[], paths=[], stats=(), every_n_steps=1,
-                    histogram_every_n_steps=None, consumer=lambda records: None,
-                    strict=self.strict,
-                ))
+                requests.append(_engine.Request(kind="classes", strict=self.strict,
+                                                owner=type(self).__name__))
             elif collection == "activations":
                 self._taps = find_taps(self.model)
                 if not self._taps:
-                    self._refuse(collection, sorted(statistics)[0],
-                                 "activations need TapLayers (kerasdbg.insert_taps)")
+                    for statistic in sorted(statistics):
+                        self._refuse(collection, statistic,
+                                     "activations need TapLayers (kerasdbg.insert_taps)")
             elif collection == "step":
-                unknown = sorted(set(statistics) - set(_engine.STEP_COLUMNS))
-                if unknown:
-                    self._refuse(collection, unknown[0],
-                                 ", ".join(f"step/{c}" for c in _engine.STEP_COLUMNS))
+                pass  # step/loss, step/frozen and every scalar the train step returns
             elif collection != "epoch":
-                self._refuse(collection, sorted(statistics)[0],
-                             "gradients/, weights/, activations/, step/, epoch/ tags")
+                for statistic in sorted(statistics):
+                    self._refuse(collection, statistic,
+                                 "gradients/, weights/, activations/, step/, epoch/ tags")
         freeze = None
         if self.freeze_on_fault:
             freeze = _engine.Freeze(max_gradient_norm=self.max_gradient_norm)
         requests.append(_engine.Request(
-            kind="step", variables=[], paths=[], stats=(), every_n_steps=1,
-            histogram_every_n_steps=None, consumer=lambda records: None,
-            strict=self.strict, freeze=freeze, localize=self.locate_nan,
+            kind="step", strict=self.strict, freeze=freeze, localize=self.locate_nan,
+            owner=type(self).__name__,
         ))
         self._writer = None
         if self.log_dir is not None:
-            self._writer = _events.writer_for(os.path.join(self.log_dir, "train"))
+            self._writer = open_writer(type(self).__name__, self.log_dir, self.strict)
         engine = _engine.engine_for(self.model)
         for request in requests:
             request.consumer = lambda records, request=request: self._take(request, records)
@@ -294,21 +321,68 @@ class StopOnRule(keras.callbacks.Callback):
         self._requests = requests
         for tap in self._taps:
             tap._host.listeners.append(self._take_tap)
+        # Whatever way this fit ends, the taps forget this callback.
+        _engine.on_fit_end(self.model, self, self._finish)
 
     # --------------------------------------------------------- records
     def _take(self, request: _engine.Request, records: List[_engine.Record]) -> None:
         kind = request.kind
-        tags = request.tags()
         for record in records:
             # A step the loss scaler skipped shares its number with the next
             # one; only its loss is kept, and a non-finite one is not overwritten.
             if record.values is None or (record.skipped and kind != "step"):
                 continue
+            if not record.applied and kind == "weights":
+                continue  # gradient accumulation: no update at this batch
             row = self._pending.setdefault(record.step, {})
-            for tag, value in zip(tags, record.values):
-                if tag is not None and not (tag == "step/loss" and not math.isfinite(
-                        row.get(tag, 0.0))):
-                    row[tag] = float(value)
+            values = dict((t, float(v)) for t, v in zip(record.tags, record.values)
+                          if t is not None)
+            if kind == "step":
+                values = self._step_values(values)
+            for tag, value in values.items():
+                if not (tag == LOSS_TAG and not math.isfinite(row.get(tag, 0.0))):
+                    row[tag] = value
+
+    def _step_values(self, values: Dict[str, float]) -> Dict[str, float]:
+        """`step/loss` from the loss this callback was told to read, else from
+        `compute_loss`, else from the train step's `loss` (see `loss_source`)."""
+        named = _tags.step_scalar(self.loss) if self.loss else None
+        if named is not None and named in values:
+            values[LOSS_TAG] = values[named]
+            source = f"the train step's {self.loss!r}"
+        elif LOSS_TAG in values:
+            source = "compute_loss" if _engine.engine_for(self.model).loss_captured \
+                else "the train step's 'loss'"
+        else:
+            source = None
+        if not self._loss_checked:
+            self._loss_checked = True
+            self.loss_source = source
+            self._check_loss(values)
+        return values
+
+    def _check_loss(self, values: Dict[str, float]) -> None:
+        """Says once when a rule reads the loss and there is none to read."""
+        readers = [r for r in self._runner.rules
+                   if ("step", "loss") in tuple(r.requires) and r not in self._silent]
+        if LOSS_TAG in values or not readers:
+            return
+        returned = sorted(t.split("/", 1)[1] for t in values
+                          if t not in (LOSS_TAG, "step/frozen", "step/fault"))
+        if self.loss:
+            why = (f"the train step returns no scalar {self.loss!r} (`loss`); it returns: "
+                   f"{', '.join(returned) or 'none'}")
+        else:
+            why = ("the train step neither calls `compute_loss` nor returns a `loss`; name "
+                   "the scalar to read with StopOnRule(loss=...), one of: "
+                   f"{', '.join(returned) or 'none (it returns no scalar)'}")
+        self._silent.extend(readers)
+        message = (f"{type(self).__name__}: {', '.join(r.name for r in readers)} "
+                   f"read{'s' if len(readers) == 1 else ''} step/loss, which this model does "
+                   f"not give: {why}. They will not fire.")
+        if self.strict:
+            raise ValueError(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=6)
 
     def _take_tap(self, tap, rows) -> None:
         for row, _ in rows:
@@ -348,6 +422,7 @@ class StopOnRule(keras.callbacks.Callback):
         self._finish()
 
     def _finish(self) -> None:
+        _engine.cancel_fit_end(self.model, self)
         engine = _engine.engine_for(self.model)
         for request in self._requests:
             engine.detach(request)
@@ -399,22 +474,29 @@ class StopOnRule(keras.callbacks.Callback):
     def _nan_source_verdict(self, step: int, record) -> List[Verdict]:
         if self._located or not self.locate_nan or not record.get("step/fault"):
             return []
-        source = _engine.engine_for(self.model).nan_source()
+        engine = _engine.engine_for(self.model)
+        source = engine.nan_source()
         if source is None or source["step"] != step:
             return []
         self._located = True
         layer, variables = source["layer"], source["variables"]
         if layer is not None:
             where = f"the first layer whose output held NaN/Inf is '{layer}'"
-        elif _replay.is_graph_model(self.model):
+        elif _replay.is_graph_model(self.model) and engine.loss_captured:
             where = "every layer output was finite (the loss or its gradient was not)"
+        elif _replay.is_graph_model(self.model):
+            where = ("every layer output of the model's forward pass was finite; the train "
+                     "step computes more than it (its own loss or sub-models)")
         else:
             where = (f"the layers of the subclassed model '{self.model.name}' are not "
                      "visible; insert TapLayers in its call() to see them")
         grads = ", ".join(variables[:8]) + (f" and {len(variables) - 8} more"
                                              if len(variables) > 8 else "")
         tensors = ((layer,) if layer else ()) + tuple(variables)
-        return [make_verdict("NaNSource", step, f"{where}; non-finite gradients: "
+        by = ""
+        if engine.several_optimizers and source.get("optimizer"):
+            by = f" (applied by {source['optimizer']})"
+        return [make_verdict("NaNSource", step, f"{where}; non-finite gradients{by}: "
                              f"{grads or 'none'}", {t: 1.0 for t in tensors})]
 
     def _write(self, step: int, record) -> None:
@@ -435,6 +517,10 @@ class StopOnRule(keras.callbacks.Callback):
         if self.verbose:
             for verdict in verdicts:
                 print(f"kerasdbg: {verdict.reason}", file=sys.stdout, flush=True)
+        # Information (zero by construction) is recorded and printed, never acted on.
+        verdicts = [v for v in verdicts if v.severity == "fault"]
+        if not verdicts:
+            return
         engine = _engine.engine_for(self.model)
         if self.action == "warn":
             for verdict in verdicts:

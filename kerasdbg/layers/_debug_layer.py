@@ -205,7 +205,9 @@ class DebugLayer(keras.layers.Layer):
         call_id = internals.read(self.calls)
         optimizer = getattr(context.model, "optimizer", None) if context.model else None
         if context.mode == "fit" and optimizer is not None:
-            step = internals.read(optimizer.iterations) + 1
+            # Counts batches also with gradient accumulation (where
+            # `optimizer.iterations` counts updates), as the statistics do.
+            step = internals.read(internals.raw_iterations(optimizer)) + 1
         else:
             step = internals.read(self.mode_calls)[mode]
         return mode, call_id, step

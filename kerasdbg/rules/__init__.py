@@ -4,6 +4,7 @@ from kerasdbg.rules.all_zero import AllZero
 from kerasdbg.rules.class_imbalance import ClassImbalance
 from kerasdbg.rules.dead_relu import DeadReLU
 from kerasdbg.rules.dead_relu import SaturatedActivation
+from kerasdbg.rules.defaults import default_rules
 from kerasdbg.rules.exploding_tensor import ExplodingTensor
 from kerasdbg.rules.loss_rules import LossNotDecreasing
 from kerasdbg.rules.loss_rules import NonFiniteLoss
@@ -38,4 +39,5 @@ __all__ = (
     "VanishingGradient",
     "Verdict",
     "WeightUpdateRatio",
+    "default_rules",
 )

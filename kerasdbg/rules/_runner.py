@@ -57,7 +57,8 @@ class RuleRunner:
             rule.reset()
 
     def check(self, step: int, record: Mapping[str, float]) -> List[Verdict]:
-        """The verdicts on one record, in the order of the rules."""
+        """The verdicts on one record, in the order of the rules; a rule's
+        "info" verdicts (notes) come before its fault."""
         verdicts = []
         if not record:
             return verdicts
@@ -65,6 +66,7 @@ class RuleRunner:
             if self.first_only and index in self.fired:
                 continue
             verdict = rule.check(int(step), record)
+            verdicts += rule.take_notes()
             if verdict is not None:
                 self.fired.add(index)
                 verdicts.append(verdict)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 COLLECTIONS = ("gradients", "weights", "activations")
 """Collections of per-tensor tags: `<collection>/<tensor>/<statistic>`."""
@@ -20,6 +20,11 @@ Record = Mapping[str, float]
 class Verdict(NamedTuple):
     """A rule that fired: where, when, and the values that made it fire.
 
+    `severity` is "fault", or "info" for what a rule reports once and does
+    not act on: tensors that are zero by construction in a healthy network
+    (see `VanishingGradient`). `StopOnRule` prints and records both, and
+    acts on faults only.
+
     Example:
 
     >>> from kerasdbg.rules import AllZero
@@ -33,9 +38,11 @@ class Verdict(NamedTuple):
     reason: str
     tensors: Tuple[str, ...]
     values: Dict[str, float]
+    severity: str = "fault"
 
 
-def make_verdict(rule: str, step: int, reason: str, values: Mapping[str, float]) -> Verdict:
+def make_verdict(rule: str, step: int, reason: str, values: Mapping[str, float],
+                 severity: str = "fault") -> Verdict:
     """A `Verdict` whose reason reads `<rule> at step <step>: <reason>` and
     whose tensors are the keys of `values`.
 
@@ -48,6 +55,7 @@ def make_verdict(rule: str, step: int, reason: str, values: Mapping[str, float])
     return Verdict(
         rule=rule, step=int(step), reason=f"{rule} at step {int(step)}: {reason}",
         tensors=tuple(values), values={k: float(v) for k, v in values.items()},
+        severity=severity,
     )
 
 
@@ -152,6 +160,19 @@ class Rule:
     def verdict(self, step: int, reason: str, values: Dict[str, float]) -> Verdict:
         """A `Verdict` of this rule; `reason` is prefixed with the rule and step."""
         return make_verdict(self.name, step, reason, values)
+
+    def note(self, step: int, what: str, values: Dict[str, float]) -> None:
+        """Keeps an "info" verdict for `take_notes` (nothing when `values`
+        is empty): something worth saying once that is not a fault."""
+        if values:
+            notes = self.__dict__.setdefault("_notes", [])
+            notes.append(make_verdict(self.name, step, f"{what}: {listing(values)}", values,
+                                      severity="info"))
+
+    def take_notes(self) -> List[Verdict]:
+        """The "info" verdicts kept since the last call (the runner asks
+        after each `check`)."""
+        return self.__dict__.pop("_notes", [])
 
     def __repr__(self) -> str:
         arguments = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())

@@ -8,6 +8,7 @@ from typing import Sequence
 import numpy as np
 
 from kerasdbg import _validation as check
+from kerasdbg.rules._construction import Construction
 from kerasdbg.rules.rule import COLLECTIONS, Rule, tag_parts
 
 # Statistics compared between steps, where recorded.
@@ -61,6 +62,8 @@ class UnchangedTensor(Rule):
 
     def reset(self):
         self._windows = collections.defaultdict(lambda: collections.deque(maxlen=self.num_steps))
+        self._checked = set()  # tensors whose window was full once
+        self._construction = Construction()
 
     def check(self, step, record):
         current = collections.defaultdict(dict)
@@ -68,12 +71,16 @@ class UnchangedTensor(Rule):
             parts = tag_parts(tag)
             if parts and parts[0] in self.collections and parts[2] in COMPARED:
                 current[parts[:2]][parts[2]] = float(value)
-        fired = {}
+        fired, evaluated, first_chance = {}, collections.defaultdict(list), set()
         for key, stats in current.items():
             window = self._windows[key]
             window.append(stats)
             if len(window) < self.num_steps or any(w.keys() != stats.keys() for w in window):
                 continue
+            evaluated[key[0]].append(key[1])
+            if key not in self._checked:
+                self._checked.add(key)
+                first_chance.add(key)
             names = sorted(stats)
             table = np.array([[w[n] for n in names] for w in window])
             if np.all(np.isfinite(table)) and np.allclose(
@@ -81,6 +88,15 @@ class UnchangedTensor(Rule):
             ):
                 first = stats.get("l2_norm", stats[names[0]])
                 fired[key] = first
+        for collection in ("gradients", "weights"):
+            failing = {t: v for (c, t), v in fired.items() if c == collection}
+            faults, exempt = self._construction.split(
+                collection, failing, evaluated[collection],
+                first_chance={t for c, t in first_chance if c == collection}, step=step)
+            for tensor in set(failing) - set(faults):
+                del fired[(collection, tensor)]
+            self.note(step, f"constant by construction, not a fault (statistics unchanged in "
+                      f"{collection} from the first steps while its layer changes)", exempt)
         if not fired:
             return None
         collection = sorted(fired)[0][0]

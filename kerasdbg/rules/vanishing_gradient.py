@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from kerasdbg import _validation as check
+from kerasdbg.rules._construction import Construction
 from kerasdbg.rules.rule import Rule, values_of
 
 
@@ -12,8 +13,18 @@ class VanishingGradient(Rule):
     """Fires when the mean |gradient| of variables falls below `threshold`.
 
     Reads `gradients/<variable>/mean_abs` (record it with
-    `GradientStatistics(stats=[..., "mean_abs"])`, one of the defaults).
-    NaN values are left to `ExplodingTensor`.
+    `GradientStatistics(stats=[..., "mean_abs"])`, one of the defaults) and,
+    when recorded, `zero_fraction`: the mean is then taken over the non-zero
+    elements, so the rows of an embedding that the batch did not touch do
+    not count as vanishing. NaN values are left to `ExplodingTensor`.
+
+    Gradients that are zero by construction in a healthy network are not a
+    fault: below the threshold from the first step the rule sees them while
+    another variable of their layer learns (by a factor of 1000 at least:
+    the bias of a layer followed by a normalization, the key bias of
+    `MultiHeadAttention`), or exactly zero from then on while most
+    variables learn (an output head the loss does not use). Each is
+    reported once, as an "info" verdict, and watched again once it learns.
 
     Args:
         threshold: the mean |gradient| below which a variable's gradient has
@@ -25,9 +36,18 @@ class VanishingGradient(Rule):
 
     >>> from kerasdbg.rules import VanishingGradient
     >>> rule = VanishingGradient(threshold=1e-7)
-    >>> rule.check(3, {"gradients/m/d/kernel/mean_abs": 2e-9,
-    ...                "gradients/m/d/bias/mean_abs": 0.1}).reason
-    'VanishingGradient at step 3: mean |gradient| below 1e-07 for 1 of 2 variables: m/d/kernel=2e-09'
+    >>> rule.check(1, {"gradients/m/d1/kernel/mean_abs": 0.2,
+    ...                "gradients/m/d2/kernel/mean_abs": 0.1}) is None
+    True
+    >>> rule.check(2, {"gradients/m/d1/kernel/mean_abs": 2e-9,
+    ...                "gradients/m/d2/kernel/mean_abs": 0.1}).reason
+    'VanishingGradient at step 2: mean |gradient| below 1e-07 for 1 of 2 variables: m/d1/kernel=2e-09'
+    >>> rule = VanishingGradient()  # a bias followed by BatchNormalization:
+    >>> rule.check(1, {"gradients/m/conv/kernel/mean_abs": 0.01,
+    ...                "gradients/m/conv/bias/mean_abs": 3e-11}) is None
+    True
+    >>> print(rule.take_notes()[0].reason)
+    VanishingGradient at step 1: zero by construction, not a fault (mean |gradient| below 1e-07 from the first step while its layer learns): m/conv/bias=3e-11
     """
 
     requires = (("gradients", "mean_abs"),)
@@ -36,10 +56,23 @@ class VanishingGradient(Rule):
         owner = type(self).__name__
         self.threshold = check.number(owner, "threshold", threshold, minimum=0.0)
         self.require = check.one_of(owner, "require", require, ("any", "all"))
+        self.reset()
+
+    def reset(self):
+        self._construction = Construction()
 
     def check(self, step, record):
         values = {k: v for k, v in values_of(record, "gradients", "mean_abs") if not math.isnan(v)}
-        low = {k: v for k, v in values.items() if v < self.threshold}
+        zeros = dict(values_of(record, "gradients", "zero_fraction"))
+        # Over the non-zero elements: untouched embedding rows are no gradient at all.
+        magnitudes = {k: v / (1.0 - zeros[k]) if 0.0 < zeros.get(k, 0.0) < 1.0 else v
+                      for k, v in values.items()}
+        low = {k: values[k] for k, v in magnitudes.items() if v < self.threshold}
+        low, exempt = self._construction.split(
+            "gradients", low, values, magnitudes=magnitudes,
+            exact={k for k in low if values[k] == 0.0}, step=step)
+        self.note(step, f"zero by construction, not a fault (mean |gradient| below "
+                  f"{self.threshold:g} from the first step while its layer learns)", exempt)
         if self.require == "all" and len(low) < len(values):
             return None
         return self.verdict_on(

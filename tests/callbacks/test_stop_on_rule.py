@@ -305,10 +305,16 @@ def test_bad_arguments_are_refused_with_the_received_value():
 
 def test_a_rule_on_activations_needs_taps():
     model = _model()
-    with pytest.raises(ValueError, match=r"DeadReLU reads activations/<name>/dead_fraction, "
-                                         r"which cannot be recorded for model 'm'.*insert_taps"):
-        _fit(model, X, [StopOnRule(DeadReLU())])
-    _fit(model, X, [], steps=1)  # nothing left behind
+    message = (r"StopOnRule: DeadReLU reads activations/<name>/dead_fraction, which cannot be "
+               r"recorded for model 'm', so it has nothing to read and will not fire.*insert_taps")
+    stop = StopOnRule(DeadReLU())
+    with pytest.warns(RuntimeWarning, match=message):
+        _fit(model, X, [stop])
+    assert stop.verdicts == []
+    with pytest.raises(ValueError, match=message):
+        _fit(model, X, [StopOnRule(DeadReLU(), strict=True)])
+    assert "train_step" not in vars(model)  # nothing left behind
+    _fit(model, X, [], steps=1)
 
 
 def test_start_step_leaves_out_the_earlier_steps():

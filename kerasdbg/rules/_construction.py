@@ -1,0 +1,95 @@
+"""Tensors that look broken in a healthy network, by construction.
+
+Healthy standard layers have gradients that are zero, or zero up to
+rounding, by construction: the bias of a convolution or dense layer followed
+by a normalization (the normalization removes any shift; measured 1e-8 to
+1e-12), the key bias of `MultiHeadAttention` (the softmax is shift-invariant;
+exactly 0 or 1e-10 to 1e-12), an output head the loss does not use. Their
+weights then never move. A rule on magnitudes alone stops such runs at step 1.
+
+What tells them apart from a fault is when and where:
+
+- when: they are that way from the first step the rule sees them; a
+  gradient that vanished, a layer that died or weights that stopped moving
+  were fine before (a network broken from its first step is told apart by
+  the next point);
+- where: the rest of their layer is healthy (a sibling variable of the same
+  layer, e.g. the kernel beside the bias, learns, by a margin of `RATIO` for
+  magnitudes), or, for a tensor exactly zero, most tensors of the step are
+  healthy (an unused head), which is not the case of a dead network.
+
+Such tensors are reported once, as information, and left out of the rule
+until they look healthy; if they fail again after that, it is a fault.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, Mapping, Optional, Set, Tuple
+
+RATIO = 1e3
+"""How much larger than a tensor's magnitude a healthy sibling's must be."""
+
+
+def layer_of(tensor: str) -> str:
+    """The layer path of a variable path (`model/dense/bias` -> `model/dense`)."""
+    return tensor.rpartition("/")[0]
+
+
+class Construction:
+    """One rule's memory of the tensors it saw, and of those it exempts."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.seen: Set[Tuple[str, str]] = set()
+        self.exempt: Dict[Tuple[str, str], int] = {}
+
+    def split(
+        self,
+        collection: str,
+        failing: Mapping[str, float],
+        tensors: Iterable[str],
+        first_chance: Optional[Set[str]] = None,
+        magnitudes: Optional[Mapping[str, float]] = None,
+        exact: Optional[Set[str]] = None,
+        step: int = 0,
+    ) -> Tuple[Dict[str, float], Dict[str, float]]:
+        """`(faults, new)`: the failing tensors that are faults, and those
+        exempted from now on as zero by construction (report them once).
+
+        Args:
+            collection: "gradients" or "weights".
+            failing: tensor -> value, those that meet the rule's condition.
+            tensors: every tensor of the collection in this record.
+            first_chance: the tensors the rule evaluates for the first time
+                (default: those not seen before).
+            magnitudes: tensor -> magnitude, for the sibling margin; None
+                when a healthy sibling is enough.
+            exact: the failing tensors that are exactly zero (default: all).
+            step: the step, kept with each exemption.
+        """
+        tensors = list(tensors)
+        if first_chance is None:
+            first_chance = {t for t in tensors if (collection, t) not in self.seen}
+        self.seen.update((collection, t) for t in tensors)
+        for tensor in [t for c, t in list(self.exempt) if c == collection]:
+            if tensor in tensors and tensor not in failing:
+                del self.exempt[(collection, tensor)]  # healthy now: a fault if it fails again
+        exact = set(failing) if exact is None else set(exact)
+        healthy = [t for t in tensors if t not in failing]
+        minority = 2 * len(failing) < len(tensors)
+        new = {}
+        for tensor, value in failing.items():
+            if (collection, tensor) in self.exempt or tensor not in first_chance:
+                continue
+            layer = layer_of(tensor)
+            siblings = [t for t in healthy if t != tensor and layer and layer_of(t) == layer]
+            if magnitudes is not None:
+                siblings = [t for t in siblings if magnitudes.get(t, 0.0) >= RATIO * abs(
+                    magnitudes.get(tensor, 0.0))]
+            if siblings or (tensor in exact and minority):
+                self.exempt[(collection, tensor)] = step
+                new[tensor] = value
+        faults = {t: v for t, v in failing.items() if (collection, t) not in self.exempt}
+        return faults, new
