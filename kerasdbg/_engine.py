@@ -310,9 +310,6 @@ class Slot:
         self.values = self.ids = None
         self.applied_values = self.applied_ids = None
         self.hist_counts = self.hist_ranges = self.hist_ids = None
-        self.previous: List[tf.Variable] = []
-        self.initial: List[tf.Variable] = []
-        self.started: Optional[tf.Variable] = None
 
     def build(self, steps_per_execution: int) -> None:
         request, n = self.request, steps_per_execution
@@ -336,16 +333,6 @@ class Slot:
                 tf.zeros([n, v, 2], tf.float64), f"kerasdbg_{kind}_hist_ranges")
             self.hist_ids = _buffers.on_read_variable(tf.zeros([n], tf.int64),
                                                       f"kerasdbg_{kind}_hist_ids")
-        # Zeros, filled in the graph: a variable created in this trace has
-        # no value to read yet.
-        if kind == "weights" and "update_ratio" in request.stats:
-            self.previous = [_buffers.on_read_variable(_zeros_like(v), "kerasdbg_previous")
-                             for v in self.variables]
-        if kind == "weights" and "distance_from_start" in request.stats:
-            self.initial = [_buffers.on_read_variable(_zeros_like(v), "kerasdbg_initial")
-                            for v in self.variables]
-            # Whether `initial` holds the weights at the start of the fit.
-            self.started = _buffers.on_read_variable(tf.zeros([], tf.int64), "kerasdbg_started")
 
     def tags(self, several: bool) -> Tuple[Optional[str], ...]:
         """The tag of each value column; None for variables without a gradient."""
@@ -388,6 +375,11 @@ class Channel:
         self.meta: Optional[tf.Variable] = None
         self.slots: Dict[int, Slot] = {}
         self.number = -1  # its index in `Engine.channels`
+        # One copy of the weights before each update (update ratios) and one
+        # at the start of the fit (distances), shared by every request.
+        self.previous: List[tf.Variable] = []
+        self.initial: List[tf.Variable] = []
+        self.started: Optional[tf.Variable] = None
 
     def build(self, requests, steps_per_execution: int) -> None:
         if self.meta is None:
@@ -412,6 +404,18 @@ class Channel:
             slot = Slot(request, self, positions)
             slot.build(steps_per_execution)
             self.slots[id(request)] = slot
+            # Zeros, filled in the graph: a variable created in this trace has
+            # no value to read yet.
+            if request.kind == "weights" and "update_ratio" in request.stats and not self.previous:
+                self.previous = [_buffers.on_read_variable(_zeros_like(v), "kerasdbg_previous")
+                                 for v in self.variables]
+            if request.kind == "weights" and "distance_from_start" in request.stats \
+                    and not self.initial:
+                self.initial = [_buffers.on_read_variable(_zeros_like(v), "kerasdbg_initial")
+                                for v in self.variables]
+                # Whether `initial` holds the weights at the start of the fit.
+                self.started = _buffers.on_read_variable(tf.zeros([], tf.int64),
+                                                         "kerasdbg_started")
 
     def slots_of(self, kind: str) -> List[Slot]:
         return [s for s in self.slots.values() if s.request.kind == kind]
@@ -938,23 +942,24 @@ class Engine:
             self._localize(context, step, nonfinite, grads)
         if hook.separate:
             self._record_model_gradients(context, optimizer, grads)
-        for slot in channel.slots_of("weights"):
-            if slot.initial:
+        weight_slots = channel.slots_of("weights")
+        if channel.initial and weight_slots:
 
-                def start(slot=slot):
-                    for copy, variable in zip(slot.initial, slot.variables):
-                        copy.assign(internals.read(variable))
-                    slot.started.assign(tf.ones([], tf.int64))
+            def start():
+                for copy, variable in zip(channel.initial, channel.variables):
+                    copy.assign(internals.read(variable))
+                channel.started.assign(tf.ones([], tf.int64))
 
-                _buffers.run_if(tf.equal(slot.started.read_value(), 0), start)
-            if slot.previous:
+            _buffers.run_if(tf.equal(channel.started.read_value(), 0), start)
+        ratios = [s for s in weight_slots if "update_ratio" in s.request.stats]
+        if channel.previous and ratios:
 
-                def snapshot(slot=slot):
-                    for copy, variable in zip(slot.previous, slot.variables):
-                        copy.assign(internals.read(variable))
+            def snapshot():
+                for copy, variable in zip(channel.previous, channel.variables):
+                    copy.assign(internals.read(variable))
 
-                _buffers.run_if(_and(slot.request.records_at(step), hook.updates_at(step)),
-                                snapshot)
+            _buffers.run_if(_and(_any([s.request.records_at(step) for s in ratios]),
+                                 hook.updates_at(step)), snapshot)
         tensors = self._tensor_request(channel)
         if tensors is not None:
             context.step_slots = tensors.record_before(self._model(), optimizer, step, loss,
@@ -1064,9 +1069,11 @@ class Engine:
                     tf.logical_not(tf.reduce_all(tf.math.is_finite(_dense(g)))), tf.int64)
                 for g in list(grads)[:MAX_FLAGGED]
             ]
-            padding = [tf.constant(0, tf.int64)] * (MAX_FLAGGED - len(variable_flags))
-            row.assign(tf.stack([tf.cast(step, tf.int64), first, tf.constant(number, tf.int64)]
-                                + variable_flags + padding))
+            head = tf.stack([tf.cast(step, tf.int64), first, tf.constant(number, tf.int64)]
+                            + variable_flags)
+            # One zeros op, not thousands of stacked scalars (XLA compiles each).
+            padding = tf.zeros([MAX_FLAGGED - len(variable_flags)], tf.int64)
+            row.assign(tf.concat([head, padding], 0))
             return tf.constant(True)
 
         first_time = tf.logical_and(nonfinite, tf.equal(row.read_value()[0], 0))
@@ -1180,9 +1187,9 @@ class Engine:
         context.clipped = clipped
         context.applied = applied
         row, train_id = self._row(context.state.train_id), context.state.train_id
-        for slot in slots:
-            self._write_gradients(slot, grads, step, row, train_id, clipped, applied=False)
-            self._write_gradients(slot, applied, step, row, train_id, None, applied=True)
+        if slots:
+            self._write_gradients(slots, grads, step, row, train_id, clipped, applied=False)
+            self._write_gradients(slots, applied, step, row, train_id, None, applied=True)
 
     def _applied_gradients(self, context: _ApplyContext, optimizer, grads):
         """`(applied, clipped)`: what Keras applies for this replica's `grads`
@@ -1239,50 +1246,54 @@ class Engine:
             tensors.record_gradients(step, [grads[i] for i in tensors.positions])
         if channel.hook.separate:
             return
-        for slot in channel.slots_of("gradients"):
-            self._write_gradients(slot, grads, step, row, train_id, None, applied=False)
+        slots = channel.slots_of("gradients")
+        if slots:
+            self._write_gradients(slots, grads, step, row, train_id, None, applied=False)
 
-    def _write_gradients(self, slot: Slot, grads, step, row, train_id, clipped,
+    def _write_gradients(self, slots: List[Slot], grads, step, row, train_id, clipped,
                          applied: bool) -> None:
-        """Statistics of `grads` (the channel's, in its order) into the slot:
-        the model's gradient (`applied=False`), else the applied one."""
-        request = slot.request
-        mine = [grads[i] for i in slot.positions]
-        slot.present = [g is not None for g in mine]
-        others = [g for i, g in enumerate(grads) if g is not None and i not in set(slot.positions)]
-        present = [g for g in mine if g is not None]
-        buffer, ids = (slot.applied_values, slot.applied_ids) if applied else (
-            slot.values, slot.ids)
+        """Statistics of `grads` (the channel's, in its order) into the slots:
+        the model's gradient (`applied=False`), else the applied one. Slots
+        that record at the same steps share one computation."""
+        present = [i for i, g in enumerate(grads) if g is not None]
+        for slot in slots:
+            slot.present = [grads[i] is not None for i in slot.positions]
+        for members in _groups(slots):
+            request = members[0].request
+            stats = tuple(s for s in stats_lib.ALL_STATISTICS
+                          if any(s in m.request.base_stats for m in members))
+            wanted = sorted({i for m in members for i in m.positions if grads[i] is not None})
+            others = [i for i in present if i not in set(wanted)]
 
-        def record():
-            table = stats_lib.tensor_statistics(present, request.base_stats)
-            nan_row = tf.fill([len(request.base_stats)], tf.constant(np.nan, tf.float64))
-            rows, i = [], 0
-            for g in mine:
-                rows.append(nan_row if g is None else table[i])
-                i += g is not None
-            full = tf.stack(rows) if rows else tf.zeros([0, len(request.base_stats)], tf.float64)
-            l2 = table[:, request.base_stats.index("l2_norm")]
-            squares = tf.reduce_sum(tf.square(l2))
-            if others:
-                other_l2 = stats_lib.tensor_statistics(others, ["l2_norm"])[:, 0]
-                squares += tf.reduce_sum(tf.square(other_l2))
-            keep = [request.base_stats.index(s) for s in request.stats]
-            tail = [tf.sqrt(squares)]
-            if not applied:
-                tail.append(tf.constant(np.nan, tf.float64) if clipped is None
-                            else tf.cast(clipped, tf.float64))
-            values = tf.concat([tf.reshape(tf.gather(full, keep, axis=1), [-1]), tail], 0)
-            _buffers.write_row(buffer, row, values)
-            _buffers.write_row(ids, row, train_id)
+            def record(members=members, stats=stats, wanted=wanted, others=others):
+                table = stats_lib.tensor_statistics([grads[i] for i in wanted], stats)
+                squares = tf.reduce_sum(tf.square(table[:, stats.index("l2_norm")]))
+                if others:
+                    other_l2 = stats_lib.tensor_statistics([grads[i] for i in others],
+                                                           ["l2_norm"])[:, 0]
+                    squares += tf.reduce_sum(tf.square(other_l2))
+                tail = [tf.sqrt(squares)]
+                if not applied:
+                    tail.append(tf.constant(np.nan, tf.float64) if clipped is None
+                                else tf.cast(clipped, tf.float64))
+                for slot in members:
+                    values = _slot_rows(table, wanted, slot.positions, slot.present,
+                                        [stats.index(s) for s in slot.request.stats])
+                    buffer, ids = (slot.applied_values, slot.applied_ids) if applied else (
+                        slot.values, slot.ids)
+                    _buffers.write_row(buffer, row, tf.concat([values, tail], 0))
+                    _buffers.write_row(ids, row, train_id)
 
-        records = request.records_at(step)
-        if applied:
-            records = _and(records, slot.channel.hook.updates_at(step))
-        _buffers.run_if(records, record)
+            records = request.records_at(step)
+            if applied:
+                records = _and(records, members[0].channel.hook.updates_at(step))
+            _buffers.run_if(records, record)
         if not applied:
-            _buffers.run_if(request.histograms_at(step),
-                            lambda: self._record_histograms(slot, mine, row, train_id))
+            for slot in slots:
+                mine = [grads[i] for i in slot.positions]
+                _buffers.run_if(slot.request.histograms_at(step),
+                                lambda slot=slot, mine=mine: self._record_histograms(
+                                    slot, mine, row, train_id))
 
     def _after_apply(self, context: _ApplyContext, optimizer) -> None:
         channel, hook = context.channel, context.channel.hook
@@ -1296,11 +1307,12 @@ class Engine:
         updates = hook.updates_at(step)
         if context.frozen is not None:
             updates = _and(updates, tf.logical_not(context.frozen))
-        for slot in channel.slots_of("weights"):
+        for members in _groups(channel.slots_of("weights")):
             _buffers.run_if(
-                _and(slot.request.records_at(step), updates),
-                lambda slot=slot: self._record_weights(slot, row, train_id),
+                _and(members[0].request.records_at(step), updates),
+                lambda members=members: self._record_weights(members, row, train_id),
             )
+        for slot in channel.slots_of("weights"):
             _buffers.run_if(
                 _and(slot.request.histograms_at(step), updates),
                 lambda slot=slot: self._record_histograms(
@@ -1409,33 +1421,45 @@ class Engine:
             counts = replicas.all_reduce(tf.distribute.ReduceOp.SUM, counts)
         return tf.pad(counts, [[0, MAX_CLASSES - classes], [0, 0]])
 
-    def _record_weights(self, slot: Slot, row, train_id) -> None:
-        request = slot.request
-        weights = [internals.read(v) for v in slot.variables]
-        base = stats_lib.tensor_statistics(weights, request.base_stats)
-        columns = {s: base[:, i] for i, s in enumerate(request.base_stats)}
+    def _record_weights(self, slots: List[Slot], row, train_id) -> None:
+        """Statistics of the weights after the update, one computation for
+        `slots` (which record at the same steps)."""
+        channel = slots[0].channel
+        wanted = sorted({i for s in slots for i in s.positions})
+        stats = tuple(s for s in stats_lib.ALL_STATISTICS
+                      if any(s in m.request.base_stats for m in slots))
+        weights = [internals.read(channel.variables[i]) for i in wanted]
+        base = stats_lib.tensor_statistics(weights, stats)
+        columns = {s: base[:, i] for i, s in enumerate(stats)}
         # The norms of the update, of the weights before it and of the drift
         # from the start: one call, so one fault test and one finishing step.
+        ratio = any("update_ratio" in s.request.stats for s in slots)
+        distance = any("distance_from_start" in s.request.stats for s in slots)
         extras = []
-        if slot.previous:
-            previous = [p.read_value() for p in slot.previous]
+        if ratio:
+            previous = [channel.previous[i].read_value() for i in wanted]
             extras += [w - tf.cast(p, w.dtype) for w, p in zip(weights, previous)] + previous
-        if slot.initial:
-            extras += [w - tf.cast(i.read_value(), w.dtype) for w, i in zip(weights, slot.initial)]
+        if distance:
+            extras += [w - tf.cast(channel.initial[i].read_value(), w.dtype)
+                       for w, i in zip(weights, wanted)]
         norms = tf.unstack(
             tf.reshape(stats_lib.tensor_statistics(extras, ["l2_norm"]), [-1, len(weights)])
         ) if extras else []
-        if slot.previous:
+        if ratio:
             update, before = norms[0], norms[1]
             # 0/0 (a zero tensor that did not move) is no update at all.
             columns["update_ratio"] = tf.where(
                 tf.equal(update, 0), tf.zeros_like(update), update / before
             )
-        if slot.initial:
+        if distance:
             columns["distance_from_start"] = norms[-1]
-        table = tf.stack([columns[s] for s in request.stats], axis=1)
-        _buffers.write_row(slot.values, row, tf.reshape(table, [-1]))
-        _buffers.write_row(slot.ids, row, train_id)
+        names = tuple(columns)
+        table = tf.stack([columns[s] for s in names], axis=1)
+        for slot in slots:
+            values = _slot_rows(table, wanted, slot.positions, [True] * len(slot.positions),
+                                [names.index(s) for s in slot.request.stats])
+            _buffers.write_row(slot.values, row, values)
+            _buffers.write_row(slot.ids, row, train_id)
 
     def _record_histograms(self, slot: Slot, tensors, row, train_id) -> None:
         present = [t for t in tensors if t is not None]
@@ -1624,6 +1648,40 @@ class Engine:
             if request.strict:
                 raise ValueError(message)
             warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def _groups(slots: List[Slot]) -> List[List[Slot]]:
+    """The slots grouped by the steps they record at (`every_n_steps`,
+    `last_step`): each group's statistics are computed once."""
+    groups: Dict[tuple, List[Slot]] = {}
+    for slot in slots:
+        groups.setdefault((slot.request.every_n_steps, slot.request.last_step), []).append(slot)
+    return list(groups.values())
+
+
+def _any(predicates):
+    """The logical or of `records_at` predicates (Python bools or tensors)."""
+    if any(p is True for p in predicates):
+        return True
+    tensors = [p for p in predicates if p is not False]
+    if not tensors:
+        return False
+    return tensors[0] if len(tensors) == 1 else tf.reduce_any(tf.stack(tensors))
+
+
+def _slot_rows(table, wanted: List[int], positions: List[int], present: List[bool],
+               columns: List[int]) -> tf.Tensor:
+    """A slot's flat values from a group's `table` (one row per `wanted`
+    position): its positions, its columns, NaN for variables without one."""
+    if not wanted:
+        return tf.fill([len(positions) * len(columns)], tf.constant(np.nan, tf.float64))
+    index = {p: k for k, p in enumerate(wanted)}
+    rows = tf.gather(table, [index.get(p, 0) for p in positions])
+    rows = tf.gather(rows, columns, axis=1)
+    if not all(present):
+        mask = tf.constant(present)[:, None]
+        rows = tf.where(mask, rows, tf.constant(np.nan, tf.float64))
+    return tf.reshape(rows, [-1])
 
 
 def _wrapped(wrapper, step_function, row):

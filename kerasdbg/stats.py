@@ -234,6 +234,71 @@ def _masked(x: tf.Tensor, stats: Tuple[str, ...]) -> tf.Tensor:
     return tf.stack([quantiles[s] if s in quantiles else out[s]() for s in stats])
 
 
+def _masked_all(flats: Sequence[tf.Tensor], stats: Tuple[str, ...]) -> tf.Tensor:
+    """`_masked` of every tensor of `flats` (none empty), as `[k, len(stats)]`.
+
+    One concatenation and segment reductions: the graph does not grow with
+    the number of tensors. This branch runs only when some value is not
+    finite, but it is traced and, under XLA, compiled at every trace.
+    """
+    k = len(flats)
+    sizes = tf.stack([tf.size(x) for x in flats])
+    x = tf.concat([tf.cast(f, tf.float64) for f in flats], 0)
+    # One fill per tensor (`tf.repeat` gives XLA indices of the wrong length).
+    ids = tf.concat([tf.fill(tf.shape(f), i) for i, f in enumerate(flats)], 0)
+
+    def total(values):
+        return tf.math.unsorted_segment_sum(values, ids, k)
+
+    finite = tf.math.is_finite(x)
+    n_finite = total(tf.cast(finite, tf.float64))
+    xz = tf.where(finite, x, tf.constant(0.0, tf.float64))
+    nan = tf.constant(np.nan, tf.float64)
+    mean = total(xz) / n_finite if {"mean", "std"} & set(stats) else None
+
+    def nonfinite(name):
+        test = tf.math.is_nan if name == "nan" else tf.math.is_inf
+        return total(tf.cast(test(x), tf.float64))
+
+    def l2_norm():
+        norm = tf.sqrt(total(tf.square(xz)))
+        return tf.where(nonfinite("nan") > 0, nan,
+                        tf.where(nonfinite("inf") > 0, tf.constant(np.inf, tf.float64), norm))
+
+    def std():
+        dev = tf.where(finite, x - tf.gather(mean, ids), tf.constant(0.0, tf.float64))
+        return tf.sqrt(total(tf.square(dev)) / n_finite)
+
+    def extreme(reduce, fill):
+        value = reduce(tf.where(finite, x, tf.constant(fill, tf.float64)), ids, k)
+        return tf.where(tf.equal(n_finite, 0), nan, value)
+
+    out = {
+        "mean": lambda: mean,
+        "l2_norm": l2_norm,
+        "std": std,
+        "min": lambda: extreme(tf.math.unsorted_segment_min, np.inf),
+        "max": lambda: extreme(tf.math.unsorted_segment_max, -np.inf),
+        "mean_abs": lambda: total(tf.abs(xz)) / n_finite,
+        "zero_fraction": lambda: total(tf.cast(tf.equal(x, 0), tf.float64)) / tf.cast(
+            sizes, tf.float64),
+        "nan_count": lambda: nonfinite("nan"),
+        "inf_count": lambda: nonfinite("inf"),
+    }
+    columns = {s: out[s]() for s in stats if s in out}
+    wanted = [s for s in stats if s in QUANTILES]
+    if wanted:
+        rows = []
+        for f in flats:
+            f = tf.cast(f, tf.float64)
+            ok = tf.math.is_finite(f)
+            rows.append(_quantiles(tf.where(ok, f, tf.constant(np.inf, tf.float64)),
+                                   _count(ok), stats))
+        for name in wanted:
+            columns[name] = tf.stack([row[name] for row in rows])
+    return tf.stack([columns[s] for s in stats], axis=1)
+
+
 def _empty_row(stats: Tuple[str, ...]) -> tf.Tensor:
     zero_stats = ("l2_norm", "nan_count", "inf_count")  # the rest NaN
     return tf.constant([0.0 if s in zero_stats else np.nan for s in stats], tf.float64)
@@ -299,10 +364,12 @@ def tensor_statistics(
         all_finite = tf.reduce_all(tf.math.is_finite(raw))
 
         def masked():
-            return tf.stack(
-                [_empty_row(stats) if i not in present else _masked(x, stats)
-                 for i, x in enumerate(flats)]
-            )
+            table = _masked_all([flats[i] for i in present], stats)
+            if len(present) == len(flats):
+                return table
+            rows = iter(tf.unstack(table))
+            return tf.stack([next(rows) if i in present else _empty_row(stats)
+                             for i in range(len(flats))])
 
         return tf.cond(all_finite, lambda: fast, masked)
 
