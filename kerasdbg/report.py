@@ -79,8 +79,9 @@ def collect(log_dir: str, run_name: str = "train", progress=None) -> Dict[str, o
     under "loss", "global_norm", "gradient_norms", "nan_counts",
     "update_ratios", "activations", the `epoch_*` scalars of Keras's
     `TensorBoard` callback (this run and its "validation" sibling; steps are
-    epochs) in `Run.scalars`'s long form under "epochs", and the "verdicts"
-    texts.
+    epochs) in `Run.scalars`'s long form under "epochs", the "verdicts"
+    texts, and the "rollbacks" (`Run.rollbacks`: where a run was resumed
+    from a backup; the tables keep the latest values).
 
     Args:
         log_dir: a log directory written by kerasdbg's callbacks.
@@ -120,7 +121,7 @@ def collect(log_dir: str, run_name: str = "train", progress=None) -> Dict[str, o
         )
     parts = [
         ("loss", r"step/loss|epoch/loss|epoch/val_loss"),
-        ("global_norm", r"gradients/global_norm"),
+        ("global_norm", r"gradients/(.+/)?global_norm"),
         ("gradient_norms", r"gradients/.+/l2_norm"),
         ("nan_counts", r"gradients/.+/(nan|inf)_count"),
         ("update_ratios", r"weights/.+/update_ratio"),
@@ -143,6 +144,7 @@ def collect(log_dir: str, run_name: str = "train", progress=None) -> Dict[str, o
     if run.tags("rules/verdicts", kind="text", run=run_name):
         verdicts = run.texts("rules/verdicts", run=run_name)[["step", "text"]]
     data["verdicts"] = verdicts
+    data["rollbacks"] = run.rollbacks(run=run_name)
     if progress:
         progress(total, total, "read")
     return data
@@ -219,6 +221,14 @@ def summary(data: Dict[str, object], top: int = 3) -> str:
             f"{name} ({value:.3g})" for name, value in mean.iloc[:top].items()))
     verdicts: pd.DataFrame = data["verdicts"]
     lines.append(f"  rule verdicts: {_verdict_count(verdicts)}")
+    rollbacks = data.get("rollbacks")
+    if rollbacks is not None and len(rollbacks):
+        first = rollbacks.iloc[0]
+        dropped = first["dropped"]
+        lines.append(
+            f"  rolled back: training restarted at step {int(first['step'])} "
+            f"({len(rollbacks)} time{'s' if len(rollbacks) > 1 else ''}); steps "
+            f"{dropped[0]}-{dropped[-1]} of the abandoned run are left out")
     return "\n".join(lines)
 
 

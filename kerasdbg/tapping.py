@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import Callable, Optional, Sequence, Set, Tuple, Union
 
 import keras
+import tensorflow as tf
 
 from kerasdbg import _replay
 from kerasdbg.layers._debug_layer import DebugLayer
@@ -82,7 +85,11 @@ def insert_taps(
         raise TypeError(f"{owner}: `name` must be a string or None. Received: name={name!r}")
     selected = _replay.select_layers(owner, model, layers)
     replay = _TapReplay(selected, tap, _all_names(model))
-    return _replay.copy_compile(model, replay.model(model, name=name))
+    # The taps' variables belong with the model's: in its strategy's scope.
+    scope = model.distribute_strategy.scope() if not tf.distribute.has_strategy() \
+        else contextlib.nullcontext()
+    with scope:
+        return _replay.copy_compile(model, replay.model(model, name=name))
 
 
 def strip_debug_layers(model: keras.Model, name: Optional[str] = None) -> keras.Model:

@@ -12,11 +12,13 @@ What tells them apart from a fault is when and where:
 - when: they are that way from the first step the rule sees them; a
   gradient that vanished, a layer that died or weights that stopped moving
   were fine before (a network broken from its first step is told apart by
-  the next point);
+  the next point). For magnitudes, "that way" is relative, because rounding
+  noise wanders around any absolute threshold: at every step so far a
+  sibling was `RATIO` times larger;
 - where: the rest of their layer is healthy (a sibling variable of the same
-  layer, e.g. the kernel beside the bias, learns, by a margin of `RATIO` for
-  magnitudes), or, for a tensor exactly zero, most tensors of the step are
-  healthy (an unused head), which is not the case of a dead network.
+  layer, e.g. the kernel beside the bias, learns), or, for a tensor exactly
+  zero, most tensors of the step are healthy (an unused head), which is not
+  the case of a dead network.
 
 Such tensors are reported once, as information, and left out of the rule
 until they look healthy; if they fail again after that, it is a fault.
@@ -44,6 +46,9 @@ class Construction:
     def reset(self) -> None:
         self.seen: Set[Tuple[str, str]] = set()
         self.exempt: Dict[Tuple[str, str], int] = {}
+        self.reported: Set[Tuple[str, str]] = set()  # each is said once
+        # Whether a sibling was RATIO times larger at every step so far.
+        self.dwarfed: Dict[Tuple[str, str], bool] = {}
 
     def split(
         self,
@@ -73,6 +78,15 @@ class Construction:
         if first_chance is None:
             first_chance = {t for t in tensors if (collection, t) not in self.seen}
         self.seen.update((collection, t) for t in tensors)
+        if magnitudes is not None:
+            for tensor in tensors:
+                mine = abs(magnitudes.get(tensor, 0.0))
+                layer = layer_of(tensor)
+                larger = layer and any(
+                    t != tensor and layer_of(t) == layer and magnitudes.get(t, 0.0) > 0.0
+                    and magnitudes.get(t, 0.0) >= RATIO * mine for t in tensors)
+                key = (collection, tensor)
+                self.dwarfed[key] = self.dwarfed.get(key, True) and bool(larger)
         for tensor in [t for c, t in list(self.exempt) if c == collection]:
             if tensor in tensors and tensor not in failing:
                 del self.exempt[(collection, tensor)]  # healthy now: a fault if it fails again
@@ -81,15 +95,24 @@ class Construction:
         minority = 2 * len(failing) < len(tensors)
         new = {}
         for tensor, value in failing.items():
-            if (collection, tensor) in self.exempt or tensor not in first_chance:
+            if (collection, tensor) in self.exempt:
+                continue
+            if magnitudes is not None and self.dwarfed[(collection, tensor)]:
+                self.exempt[(collection, tensor)] = step
+                if (collection, tensor) not in self.reported:
+                    self.reported.add((collection, tensor))
+                    new[tensor] = value
+                continue
+            if tensor not in first_chance:
                 continue
             layer = layer_of(tensor)
             siblings = [t for t in healthy if t != tensor and layer and layer_of(t) == layer]
             if magnitudes is not None:
-                siblings = [t for t in siblings if magnitudes.get(t, 0.0) >= RATIO * abs(
-                    magnitudes.get(tensor, 0.0))]
+                siblings = []  # decided by `dwarfed` above
             if siblings or (tensor in exact and minority):
                 self.exempt[(collection, tensor)] = step
-                new[tensor] = value
+                if (collection, tensor) not in self.reported:
+                    self.reported.add((collection, tensor))
+                    new[tensor] = value
         faults = {t: v for t, v in failing.items() if (collection, t) not in self.exempt}
         return faults, new

@@ -19,12 +19,13 @@ class VanishingGradient(Rule):
     not count as vanishing. NaN values are left to `ExplodingTensor`.
 
     Gradients that are zero by construction in a healthy network are not a
-    fault: below the threshold from the first step the rule sees them while
-    another variable of their layer learns (by a factor of 1000 at least:
-    the bias of a layer followed by a normalization, the key bias of
-    `MultiHeadAttention`), or exactly zero from then on while most
-    variables learn (an output head the loss does not use). Each is
-    reported once, as an "info" verdict, and watched again once it learns.
+    fault: rounding noise, 1000 times below another variable of their layer
+    at every step the rule has seen (the bias of a layer followed by a
+    normalization, the key bias of `MultiHeadAttention`), or exactly zero
+    from the first step while most variables learn (an output head the loss
+    does not use). Each is reported once, as an "info" verdict, and watched
+    again once it learns. A gradient that was healthy and then vanished, or
+    a whole layer too small (a deep sigmoid stack), is a fault.
 
     Args:
         threshold: the mean |gradient| below which a variable's gradient has
@@ -47,7 +48,7 @@ class VanishingGradient(Rule):
     ...                "gradients/m/conv/bias/mean_abs": 3e-11}) is None
     True
     >>> print(rule.take_notes()[0].reason)
-    VanishingGradient at step 1: zero by construction, not a fault (mean |gradient| below 1e-07 from the first step while its layer learns): m/conv/bias=3e-11
+    VanishingGradient at step 1: zero by construction, not a fault (mean |gradient| below 1e-07, and at every step 1000 times below another variable of its layer or exactly 0 from the first): m/conv/bias=3e-11
     """
 
     requires = (("gradients", "mean_abs"),)
@@ -72,7 +73,8 @@ class VanishingGradient(Rule):
             "gradients", low, values, magnitudes=magnitudes,
             exact={k for k in low if values[k] == 0.0}, step=step)
         self.note(step, f"zero by construction, not a fault (mean |gradient| below "
-                  f"{self.threshold:g} from the first step while its layer learns)", exempt)
+                  f"{self.threshold:g}, and at every step 1000 times below another variable "
+                  "of its layer or exactly 0 from the first)", exempt)
         if self.require == "all" and len(low) < len(values):
             return None
         return self.verdict_on(

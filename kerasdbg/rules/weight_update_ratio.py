@@ -12,10 +12,15 @@ class WeightUpdateRatio(Rule):
     """Fires when ||update|| / ||weight|| of a variable leaves [small, large].
 
     Reads `weights/<variable>/update_ratio` (`WeightStatistics`, a default
-    statistic) and, when recorded, `weights/<variable>/l2_norm`: variables
-    whose norm is below `epsilon` are left out (their ratio says nothing), and
-    so are infinite ratios, those of variables that were zero before the step
+    statistic) and `weights/<variable>/l2_norm`: variables whose norm is
+    below `epsilon` are left out (their ratio says nothing), and so are
+    infinite ratios, those of variables that were zero before the step
     (biases at their initial zeros). Steps the optimizer skipped record no ratio.
+
+    An update is large against the largest the weights have been, not
+    against their norm of the moment: a healthy bias passing near zero has
+    a ratio of 20 for a step, and is not a fault (the update over the
+    largest norm recorded before, when the norms are recorded).
 
     Args:
         large_threshold: a ratio above this fires. Defaults to `10.0`.
@@ -29,7 +34,7 @@ class WeightUpdateRatio(Rule):
     'WeightUpdateRatio at step 2: update/weight ratio outside [1e-08, 10]: m/d/kernel=35'
     """
 
-    requires = (("weights", "update_ratio"),)
+    requires = (("weights", "update_ratio"), ("weights", "l2_norm"))
 
     def __init__(self, large_threshold: float = 10.0, small_threshold: float = 1e-8,
                  epsilon: float = 1e-9):
@@ -39,14 +44,28 @@ class WeightUpdateRatio(Rule):
         self.small_threshold = check.number(owner, "small_threshold", small_threshold,
                                             minimum=0.0, maximum=self.large_threshold)
         self.epsilon = check.number(owner, "epsilon", epsilon, minimum=0.0)
+        self.reset()
+
+    def reset(self):
+        self._last: dict = {}  # tensor -> its norm after the last recorded update
+        self._peak: dict = {}  # tensor -> the largest norm recorded before this step
 
     def check(self, step, record):
         norms = dict(values_of(record, "weights", "l2_norm"))
-        bad = {
-            name: ratio for name, ratio in values_of(record, "weights", "update_ratio")
-            if math.isfinite(ratio) and norms.get(name, math.inf) >= self.epsilon
-            and not self.small_threshold <= ratio <= self.large_threshold
-        }
+        bad = {}
+        for name, ratio in values_of(record, "weights", "update_ratio"):
+            if not math.isfinite(ratio) or norms.get(name, math.inf) < self.epsilon:
+                continue
+            if ratio > self.large_threshold and name in self._last:
+                # ||update|| / ||before||, made ||update|| / the largest norm so far.
+                before, peak = self._last[name], self._peak[name]
+                ratio = ratio * before / max(before, peak) if before > 0 else ratio
+            if not self.small_threshold <= ratio <= self.large_threshold:
+                bad[name] = ratio
+        for name, norm in norms.items():
+            if math.isfinite(norm):
+                self._peak[name] = max(self._peak.get(name, 0.0), norm)
+                self._last[name] = norm
         return self.verdict_on(
             step, f"update/weight ratio outside [{self.small_threshold:g}, "
             f"{self.large_threshold:g}]", bad)

@@ -195,7 +195,10 @@ def test_every_instrument_on_the_port(name, strategy_name, spe, jit):
             for path, norm in captured[call].items():
                 np.testing.assert_allclose(row[f"{path}/l2_norm"].iloc[0], norm, rtol=1e-5,
                                            atol=1e-7, err_msg=f"{attribute} step {call + 1} {path}")
-        if port.deterministic:
+        if port.deterministic and strategy_name == "default":
+            # (Under MirroredStrategy Keras sums the replicas' gradients: a loss
+            # written with plain ops, as subclassed_custom_step's, then gives twice
+            # the one-device gradient, which the capture shows and the replay does not.)
             # In the order of the model's trainable variables (the replay's model is
             # another instance, with other layer names).
             for call, norms in enumerate(_replay_norms(name)):

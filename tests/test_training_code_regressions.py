@@ -1,0 +1,539 @@
+"""The eleven ways real training code broke kerasdbg, one regression test (or a few) each.
+
+Numbered as in the issue that reported them: several optimizers (1), a train step that
+computes its own loss (2), lazily built models (3), rules on healthy layers (4), a `fit`
+that ends by an exception (5), an unusable log directory (6), nothing trainable (7),
+non-finite norms (8), a rolled-back run (9), gradient accumulation (10), clipping (11).
+Expected values come from GradientTape, NumPy or the test's own capture of what the
+optimizers' `apply` receives (`tests/examples/capture.py`).
+"""
+
+import os
+import re
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kerasdbg
+from kerasdbg import _events
+from kerasdbg import _keras_internals as internals
+from kerasdbg.callbacks import GradientStatistics, StepRecorder, StepTimer, StopOnRule
+from kerasdbg.callbacks import WeightStatistics
+from kerasdbg.rules import ExplodingTensor, NonFiniteLoss, VanishingGradient
+from tests.examples.capture import capture_applies
+
+RNG = np.random.default_rng(3)
+X = RNG.normal(size=(32, 4)).astype("float32")
+Y = RNG.normal(size=(32, 1)).astype("float32")
+
+
+def _plain_state(model):
+    """Nothing of kerasdbg left in the model, its optimizers or Keras's classes."""
+    assert "train_step" not in vars(model) and "compute_loss" not in vars(model)
+    for _, optimizer in internals.find_optimizers(model):
+        assert not {"apply", internals.REDUCE_METHOD} & set(vars(optimizer))
+    assert not internals.routes_active()
+
+
+# ------------------------------------------------ 1. several optimizers
+class TwoOptimizers(keras.Model):
+    """The issue's minimal case: two sub-models, each trained by its own optimizer."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="f")],
+                                      name="first")
+        self.second = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, name="s")],
+                                       name="second")
+
+    def compile(self, **kwargs):
+        super().compile(**kwargs)
+        self.a = keras.optimizers.SGD(0.1)
+        self.b = keras.optimizers.Adam(0.01)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape(persistent=True) as tape:
+            hidden = self.first(x)
+            loss_a = tf.reduce_mean(tf.square(hidden))
+            loss_b = tf.reduce_mean(tf.square(self.second(tf.stop_gradient(hidden)) - y))
+        self.a.apply(tape.gradient(loss_a, self.first.trainable_variables),
+                     self.first.trainable_variables)
+        self.b.apply(tape.gradient(loss_b, self.second.trainable_variables),
+                     self.second.trainable_variables)
+        return {"loss_a": loss_a, "loss_b": loss_b}
+
+
+def test_1_every_optimizer_the_train_step_applies_is_recorded(tmp_path):
+    keras.utils.set_random_seed(1)
+    model = TwoOptimizers()
+    model.compile(steps_per_execution=2)
+    grads, weights = GradientStatistics(str(tmp_path)), WeightStatistics(stats=["l2_norm"])
+    with capture_applies() as capture:
+        model.fit(X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[grads, weights])
+    history = grads.history
+    assert history[["step", "optimizer"]].values.tolist() == [
+        [s, name] for s in (1, 2, 3, 4) for name in ("a", "b")]
+    for name, optimizer in (("a", model.a), ("b", model.b)):
+        rows = history[history.optimizer == name]
+        for step, norms in enumerate(capture.norms(optimizer), start=1):
+            row = rows[rows.step == step].iloc[0]
+            for path, norm in norms.items():
+                np.testing.assert_allclose(row[f"{path}/l2_norm"], norm, rtol=1e-5)
+            np.testing.assert_allclose(row[f"{name}/global_norm"],
+                                       np.sqrt(sum(n ** 2 for n in norms.values())), rtol=1e-5)
+    assert sorted(weights.history.optimizer.unique()) == ["a", "b"]
+    # Each optimizer's global norm and step counter in TensorBoard.
+    run = kerasdbg.load_run(str(tmp_path))
+    assert run.tags(r"global_norm") == ["gradients/a/global_norm", "gradients/b/global_norm"]
+    assert run.scalars("gradients/b/global_norm").step.tolist() == [1, 2, 3, 4]
+    _plain_state(model)
+
+
+class ListedOptimizers(TwoOptimizers):
+    """Optimizers kept in a list, one of them behind a LossScaleOptimizer."""
+
+    def compile(self, **kwargs):
+        keras.Model.compile(self, **kwargs)
+        self.optimizers = [keras.optimizers.SGD(0.1),
+                           keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))]
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape(persistent=True) as tape:
+            hidden = self.first(x)
+            loss_a = tf.reduce_mean(tf.square(hidden))
+            loss_b = tf.reduce_mean(tf.square(self.second(tf.stop_gradient(hidden)) - y))
+            scaled_b = self.optimizers[1].scale_loss(loss_b)
+        self.optimizers[0].apply(tape.gradient(loss_a, self.first.trainable_variables),
+                                 self.first.trainable_variables)
+        self.optimizers[1].apply(tape.gradient(scaled_b, self.second.trainable_variables),
+                                 self.second.trainable_variables)
+        return {"loss_b": loss_b}
+
+
+def test_1_optimizers_in_lists_and_loss_scale_wrappers_are_named_by_their_place():
+    keras.utils.set_random_seed(1)
+    model = ListedOptimizers()
+    model.compile()
+    grads = GradientStatistics(stats=["l2_norm"])
+    with capture_applies() as capture:
+        model.fit(X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[grads])
+    history = grads.history
+    assert sorted(history.optimizer.unique()) == ["optimizers[0]", "optimizers[1]"]
+    # Under the loss scale, what the inner optimizer applies: unscaled.
+    rows = history[history.optimizer == "optimizers[1]"]
+    inner = model.optimizers[1].inner_optimizer
+    for step, norms in enumerate(capture.norms(inner), start=1):
+        for path, norm in norms.items():
+            np.testing.assert_allclose(rows[rows.step == step][f"{path}/l2_norm"].iloc[0], norm,
+                                       rtol=1e-5)
+
+
+def test_1_an_optimizer_kerasdbg_does_not_see_applied_is_said_once():
+    class Assigns(keras.Model):
+        """Updates its weights by hand: no Keras optimizer applies anything."""
+
+        def __init__(self):
+            super().__init__()
+            self.d = keras.layers.Dense(1)
+
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(self.d(x) - y))
+            for v, g in zip(self.trainable_variables, tape.gradient(loss, self.trainable_variables)):
+                v.assign_sub(0.1 * g)
+            return {"loss": loss}
+
+    model = Assigns()
+    model.compile(optimizer="sgd")
+    with pytest.warns(RuntimeWarning, match=re.escape(
+            "GradientStatistics records nothing this fit: no optimizer applied gradients in the "
+            "train step (kerasdbg sees every Keras optimizer's `apply`/`apply_gradients` called "
+            "inside `train_step`; the model holds: optimizer)")):
+        model.fit(X, Y, batch_size=8, epochs=2, verbose=0, callbacks=[GradientStatistics()])
+    _plain_state(model)
+
+
+# ------------------------------------------- 2. a train step's own loss
+class OwnLoss(keras.Model):
+    """Computes its loss itself (no `compute_loss`) and returns it, per step."""
+
+    def __init__(self, name_of_loss="loss"):
+        super().__init__()
+        self.d = keras.layers.Dense(1, name="d")
+        self.name_of_loss = name_of_loss
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(self.d(x) - y))
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables),
+                             self.trainable_variables)
+        return {self.name_of_loss: loss, "doubled": 2.0 * loss}
+
+
+@pytest.mark.parametrize("spe", [1, 4], ids=["spe1", "spe4"])
+def test_2_the_loss_a_custom_train_step_returns_is_the_step_loss(tmp_path, spe):
+    keras.utils.set_random_seed(2)
+    model = OwnLoss()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), steps_per_execution=spe)
+    weights = [w.numpy() for w in model.d.weights] if model.built else None
+    stop = StopOnRule(NonFiniteLoss(), log_dir=str(tmp_path))
+    model.fit(X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[stop])
+    assert stop.verdicts == [] and stop.loss_source == "the train step's 'loss'"
+    run = kerasdbg.load_run(str(tmp_path))
+    losses = run.scalars("step/loss")
+    assert losses.step.tolist() == [1, 2, 3, 4] and np.all(np.isfinite(losses.value))
+    # Per step, not Keras's running mean: twice the loss is recorded as returned.
+    np.testing.assert_allclose(run.scalars("step/doubled").value, 2 * losses.value, rtol=1e-6)
+    assert weights is None  # built inside fit
+
+
+def test_2_a_named_loss_and_a_missing_one(tmp_path):
+    keras.utils.set_random_seed(2)
+    model = OwnLoss("g_loss")
+    model.compile(optimizer=keras.optimizers.SGD(0.1))
+    x = X.copy()
+    x[17] = np.nan  # train step 3
+    named = StopOnRule(NonFiniteLoss(), loss="g_loss", verbose=False, freeze_on_fault=False)
+    model.fit(x, Y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[named])
+    assert [(v.rule, v.step) for v in named.verdicts] == [("NonFiniteLoss", 3), ("NaNSource", 3)]
+    # Not named: the rule has nothing to read, says so once and never fires; the loss
+    # that was not captured is absent from the records, not NaN.
+    keras.utils.set_random_seed(2)
+    model = OwnLoss("g_loss")
+    model.compile(optimizer=keras.optimizers.SGD(0.1))
+    silent = StopOnRule(NonFiniteLoss(), log_dir=str(tmp_path), freeze_on_fault=False,
+                        locate_nan=False)
+    with pytest.warns(RuntimeWarning, match=re.escape(
+            "StopOnRule: NonFiniteLoss reads step/loss, which this model does not give: the "
+            "train step neither calls `compute_loss` nor returns a `loss`; name the scalar to "
+            "read with StopOnRule(loss=...), one of: doubled, g_loss. They will not fire.")):
+        model.fit(X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[silent])
+    assert silent.verdicts == [] and silent.loss_source is None
+    assert "step/loss" not in kerasdbg.load_run(str(tmp_path)).tags()
+
+
+# ------------------------------------------------- 3. lazily built models
+class LazyMLP(keras.Model):
+    def __init__(self):
+        super().__init__(name="lazy")
+        self.d1 = keras.layers.Dense(5, activation="relu", name="d1",
+                                     kernel_initializer=keras.initializers.GlorotUniform(7))
+        self.d2 = keras.layers.Dense(1, name="d2",
+                                     kernel_initializer=keras.initializers.GlorotUniform(8))
+
+    def call(self, x):
+        return self.d2(self.d1(x))
+
+
+def _functional_mlp():
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(5, activation="relu", name="d1",
+                           kernel_initializer=keras.initializers.GlorotUniform(7))(inputs)
+    outputs = keras.layers.Dense(1, name="d2",
+                                 kernel_initializer=keras.initializers.GlorotUniform(8))(h)
+    return keras.Model(inputs, outputs, name="lazy")
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["nojit", "jit"])
+def test_3_a_model_built_inside_fit_records_as_its_functional_twin(tmp_path, jit):
+    histories = []
+    for model in (LazyMLP(), _functional_mlp()):
+        model.compile(keras.optimizers.SGD(0.1), "mse", steps_per_execution=2, jit_compile=jit)
+        callbacks = [GradientStatistics(), WeightStatistics(), StopOnRule(verbose=False),
+                     StepRecorder(str(tmp_path / f"{model.__class__.__name__}.npz"), steps=[0, 2])]
+        model.fit(X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+        histories.append(callbacks)
+        _plain_state(model)
+    (lazy_g, lazy_w, lazy_stop, _), (func_g, func_w, func_stop, _) = histories
+    for lazy, functional in ((lazy_g, func_g), (lazy_w, func_w)):
+        left, right = lazy.history, functional.history
+        # Keras names a subclassed model's variables under its name: lazy/d1/kernel.
+        assert [c.replace("lazy/", "") for c in left.columns] == list(right.columns)
+        assert len(left) == 4
+        np.testing.assert_allclose(left.drop(columns="skipped").to_numpy(float),
+                                   right.drop(columns="skipped").to_numpy(float), rtol=1e-6)
+    assert lazy_stop.verdicts == func_stop.verdicts == []
+    lazy_trace = kerasdbg.load_trace(str(tmp_path / "LazyMLP.npz"))
+    functional_trace = kerasdbg.load_trace(str(tmp_path / "Functional.npz"))
+    assert lazy_trace.steps == functional_trace.steps == [0, 2]
+    for name in functional_trace.names("weights"):
+        np.testing.assert_array_equal(lazy_trace.get(name.replace("weights/", "weights/lazy/"), 0),
+                                      functional_trace.get(name, 0))
+
+
+# --------------------------------------- 4. rules on healthy standard layers
+def test_4_zero_by_construction_is_information_not_a_stop():
+    keras.utils.set_random_seed(4)
+    inputs = keras.Input((6, 4))
+    attended = keras.layers.MultiHeadAttention(2, 4, name="mha")(inputs, inputs)
+    h = keras.layers.Conv1D(4, 3, name="conv")(attended)  # a bias BatchNormalization removes
+    h = keras.layers.BatchNormalization(name="bn")(h)
+    outputs = keras.layers.Dense(1, name="out")(keras.layers.Flatten()(h))
+    model = keras.Model(inputs, outputs, name="healthy")
+    model.compile(keras.optimizers.SGD(0.05), "mse")
+    stop = StopOnRule(VanishingGradient(), verbose=False)  # default action: stop
+    x = RNG.normal(size=(64, 6, 4)).astype("float32")
+    history = model.fit(x, RNG.normal(size=(64, 1)).astype("float32"), batch_size=8,
+                        epochs=1, verbose=0, callbacks=[stop])
+    assert model.optimizer.iterations.numpy() == 8, stop.verdicts
+    # Reported once each, as information; the key bias and the bias before the
+    # normalization from step 1.
+    assert {v.severity for v in stop.verdicts} == {"info"}
+    named = [t for v in stop.verdicts for t in v.tensors]
+    assert len(named) == len(set(named))
+    first = stop.verdicts[0]
+    assert first.step == 1 and {"mha/key/bias", "conv/bias"} <= set(first.tensors)
+    assert "zero by construction, not a fault" in first.reason
+
+
+# ------------------------------------- 5. a fit that ends by an exception
+def _mlp():
+    keras.utils.set_random_seed(5)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, name="d")], name="m")
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    return model
+
+
+def _trains(model):
+    """A later plain fit: the weights move and the loss falls, no freeze left."""
+    before = model.get_layer("d").kernel.numpy().copy()
+    losses = model.fit(X, Y, batch_size=8, epochs=3, shuffle=False, verbose=0).history["loss"]
+    assert not np.array_equal(model.get_layer("d").kernel.numpy(), before)
+    assert losses[0] > losses[1] > losses[2], losses
+
+
+class Interrupt(keras.callbacks.Callback):
+    def __init__(self, error):
+        super().__init__()
+        self.error = error
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 1:
+            raise self.error
+
+
+def _failing_dataset():
+    """Three good batches, then one of the wrong shape: the train function raises."""
+    def batches():
+        for i in range(3):
+            yield X[i * 8:(i + 1) * 8], Y[i * 8:(i + 1) * 8]
+        yield np.ones((8, 5), "float32"), Y[:8]
+
+    spec = (tf.TensorSpec((None, None), tf.float32), tf.TensorSpec((None, 1), tf.float32))
+    return tf.data.Dataset.from_generator(batches, output_signature=spec)
+
+
+@pytest.mark.parametrize("way", ["validation", "keyboard", "train_function", "rule_raises"])
+def test_5_whatever_way_fit_ends_the_model_is_as_kerasdbg_found_it(way):
+    model = _mlp()
+    callbacks = [StopOnRule([NonFiniteLoss()], verbose=False), GradientStatistics(),
+                 StepTimer()]
+    x, y, kwargs = X, Y, {}
+    if way == "validation":  # the issue's repro: validation data of the wrong shape
+        kwargs["validation_data"] = (np.ones((8, 7), "float32"), Y[:8])
+        error = ValueError
+    elif way == "keyboard":
+        callbacks.append(Interrupt(KeyboardInterrupt()))
+        error = KeyboardInterrupt
+    elif way == "train_function":
+        x, y = _failing_dataset(), None
+        error = Exception
+    else:
+        x = X.copy()
+        x[9] = np.nan
+        callbacks[0] = StopOnRule([NonFiniteLoss()], action="raise", verbose=False)
+        error = kerasdbg.rules.RuleFired
+    with pytest.raises(error):
+        model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=callbacks,
+                  **kwargs)
+    _plain_state(model)
+    # Later plain fits train, and a NaN batch reaches the weights as in plain Keras (the
+    # issue saw a freeze left behind: constant losses and an unchanged kernel).
+    _trains(model)
+    bad = X.copy()
+    bad[3] = np.nan
+    model.fit(bad[:16], Y[:16], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert not np.all(np.isfinite(model.get_layer("d").kernel.numpy()))
+
+
+def test_5_a_freeze_never_outlives_its_fit():
+    model = _mlp()
+    x = X.copy()
+    x[9] = np.nan  # train step 2
+    stop = StopOnRule([NonFiniteLoss()], verbose=False)
+    model.fit(x, Y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[stop])
+    assert [v.step for v in stop.verdicts if v.rule == "NonFiniteLoss"] == [2]
+    _plain_state(model)
+    _trains(model)
+
+
+# --------------------------------------------- 6. an unusable log directory
+@pytest.mark.parametrize("make", [
+    lambda d: GradientStatistics(d), lambda d: WeightStatistics(d),
+    lambda d: StopOnRule(NonFiniteLoss(), log_dir=d), lambda d: StepTimer(d),
+    lambda d: kerasdbg.callbacks.ActivationStatistics(d)],
+    ids=["gradients", "weights", "stop", "timer", "activations"])
+def test_6_a_log_dir_that_is_a_file_is_refused_at_construction(tmp_path, make):
+    path = tmp_path / "events"
+    path.write_text("not a directory")
+    with pytest.raises(ValueError, match=re.escape(
+            f"`log_dir` must be a directory (TensorBoard writes event files into it); "
+            f"{str(path)!r} is a file. Received: log_dir={str(path)!r}")):
+        make(str(path))
+
+
+@pytest.mark.parametrize("error", [
+    tf.errors.PermissionDeniedError(None, None, "no permission"),
+    tf.errors.ResourceExhaustedError(None, None, "no space left on device")],
+    ids=["permission", "full-disk"])
+def test_6_a_log_dir_that_fails_at_run_time_warns_once_and_training_goes_on(
+        tmp_path, monkeypatch, error):
+    def failing(path):
+        raise error
+
+    monkeypatch.setattr(_events, "writer_for", failing)
+    model = _mlp()
+    grads = GradientStatistics(str(tmp_path))
+    where = os.path.join(str(tmp_path), "train")
+    with pytest.warns(RuntimeWarning, match=re.escape(
+            f"GradientStatistics cannot write TensorBoard events to {where!r} (`log_dir`): "
+            f"{type(error).__name__}: {error.message}. It keeps its records in Python only; "
+            "training goes on.")) as caught:
+        history = model.fit(X, Y, batch_size=8, epochs=1, verbose=0, callbacks=[grads])
+    assert len([w for w in caught if "cannot write" in str(w.message)]) == 1
+    assert len(history.history["loss"]) == 1 and len(grads.history) == 4
+    with pytest.raises(type(error)):
+        model.fit(X, Y, batch_size=8, epochs=1, verbose=0,
+                  callbacks=[GradientStatistics(str(tmp_path), strict=True)])
+    _plain_state(model)
+
+
+# -------------------------------------------------- 7. nothing trainable
+def test_7_a_model_with_nothing_trainable_trains_with_a_warning(tmp_path):
+    model = _mlp()
+    model.trainable = False
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    for callback, name in ((GradientStatistics(), "GradientStatistics"),
+                           (WeightStatistics(), "WeightStatistics"),
+                           (StepRecorder(str(tmp_path / "t.npz"), steps=2), "StepRecorder")):
+        with pytest.warns(RuntimeWarning, match=re.escape(
+                f"{name} records nothing this fit: the model 'm' has no trainable variables, "
+                "so no optimizer applied gradients.")):
+            history = model.fit(X, Y, batch_size=8, epochs=1, verbose=0, callbacks=[callback])
+        assert len(history.history["loss"]) == 1
+        _plain_state(model)
+
+
+# --------------------------------------------------- 8. non-finite norms
+def test_8_a_norm_over_non_finite_values_is_nan_or_inf_not_zero():
+    model = _mlp()
+    x = X.copy()
+    x[8:16] = np.nan  # every element of train step 2's gradient is NaN
+    x[16, 0] = np.inf  # train step 3: one infinite input
+    grads = GradientStatistics(stats=["l2_norm", "nan_count", "inf_count"])
+    model.fit(x, Y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[grads])
+    history = grads.history.set_index("step")
+    assert np.isfinite(history.loc[1, "global_norm"])
+    assert np.isnan(history.loc[2, "m/d/kernel/l2_norm"]) and np.isnan(history.loc[2, "global_norm"])
+    assert history.loc[2, "m/d/kernel/nan_count"] == 4
+    step3 = history.loc[3]
+    assert np.isnan(step3["global_norm"]) or np.isinf(step3["global_norm"])
+    assert step3["m/d/kernel/nan_count"] + step3["m/d/kernel/inf_count"] > 0
+    assert not np.isfinite(step3["m/d/kernel/l2_norm"])
+
+
+# ---------------------------------------------------- 9. a rolled-back run
+def test_9_a_run_rolled_back_by_backup_and_restore_keeps_the_latest_writes(tmp_path):
+    log_dir, backup = str(tmp_path / "logs"), str(tmp_path / "backup")
+
+    class CrashInEpoch2(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if self.params and self.model.optimizer.iterations.numpy() == 6:
+                raise RuntimeError("crash")
+
+    model = _mlp()
+    with pytest.raises(RuntimeError, match="crash"):
+        model.fit(X, Y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=[
+            keras.callbacks.BackupAndRestore(backup), GradientStatistics(log_dir),
+            CrashInEpoch2()])
+    model = _mlp()  # a new process would start from scratch, then restore
+    model.fit(X, Y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=[
+        keras.callbacks.BackupAndRestore(backup), GradientStatistics(log_dir)])
+    run = kerasdbg.load_run(log_dir)
+    steps = run.scalars("gradients/global_norm").step.tolist()
+    assert steps == list(range(1, 13))  # one value per step
+    assert run.rollbacks().to_dict("records") == [{"run": "train", "step": 5, "dropped": [5, 6]}]
+    from kerasdbg import report
+    summary = report.summary(report.collect(log_dir))
+    assert "rolled back: training restarted at step 5 (1 time); steps 5-6 of the abandoned " \
+           "run are left out" in summary
+
+
+# ------------------------------------------------ 10. gradient accumulation
+def test_10_gradient_accumulation_records_every_batch_and_the_updates_applied():
+    keras.utils.set_random_seed(10)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, name="d")], name="m")
+    model.compile(keras.optimizers.SGD(0.1, gradient_accumulation_steps=4), "mse")
+    grads, weights = GradientStatistics(stats=["l2_norm"]), WeightStatistics(
+        stats=["l2_norm", "update_ratio"])
+    stop = StopOnRule(verbose=False)
+    with capture_applies() as capture:
+        model.fit(X, Y, batch_size=4, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[grads, weights, stop])
+    history = grads.history
+    # Steps count batches (optimizer.iterations counts updates: 2 after 8 batches).
+    assert history.step.tolist() == list(range(1, 9)) and model.optimizer.iterations.numpy() == 2
+    assert history.applied.tolist() == [False, False, False, True] * 2
+    for step, norms in enumerate(capture.norms(model.optimizer), start=1):
+        for path, norm in norms.items():
+            np.testing.assert_allclose(history.loc[step - 1, f"{path}/l2_norm"], norm, rtol=1e-5)
+    # What was applied at steps 4 and 8: the mean of the four batches' gradients.
+    batches = capture.gradients(model.optimizer)
+    for step in (4, 8):
+        mean = np.mean([batches[s - 1]["m/d/kernel"] for s in range(step - 3, step + 1)], axis=0)
+        row = history[history.step == step].iloc[0]
+        np.testing.assert_allclose(row["applied_gradients/m/d/kernel/l2_norm"],
+                                   np.linalg.norm(mean), rtol=1e-5)
+    # The weights are described where they changed; no rule fires between updates.
+    assert weights.history.step.tolist() == [4, 8]
+    assert (weights.history["m/d/kernel/update_ratio"] > 0).all()
+    assert [v for v in stop.verdicts if v.severity == "fault"] == []
+
+
+# --------------------------------------------------------- 11. clipping
+@pytest.mark.parametrize("kind", ["global_clipnorm", "clipnorm", "clipvalue"])
+def test_11_clipping_records_the_gradient_before_it_and_what_is_applied(kind):
+    keras.utils.set_random_seed(11)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, name="d")], name="m")
+    model.compile(keras.optimizers.SGD(0.01, **{kind: 0.05}), "mse")
+    y = Y * 100.0  # large errors: gradients far above the clipping value
+    grads = GradientStatistics(stats=["l2_norm", "max", "min"])
+    stop = StopOnRule(ExplodingTensor(threshold=1.0), action="warn", verbose=False,
+                      freeze_on_fault=False)
+    with capture_applies() as capture, pytest.warns(kerasdbg.rules.RuleWarning):
+        model.fit(X, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[grads, stop])
+    history = grads.history
+    captured = capture.gradients(model.optimizer)
+    for step, batch in enumerate(captured, start=1):
+        row = history[history.step == step].iloc[0]
+        unclipped = np.sqrt(sum(np.sum(g.astype(np.float64) ** 2) for g in batch.values()))
+        np.testing.assert_allclose(row["global_norm"], unclipped, rtol=1e-5)
+        applied = row["applied_gradients/global_norm"]
+        if kind == "global_clipnorm":
+            np.testing.assert_allclose(applied, 0.05, rtol=1e-5)
+        elif kind == "clipnorm":
+            assert row["applied_gradients/m/d/kernel/l2_norm"] <= 0.05 * (1 + 1e-5)
+        else:
+            assert row["applied_gradients/m/d/kernel/max"] <= np.float32(0.05)
+        assert row["clipped"] == 1.0
+    assert grads.clipped_steps == 4
+    # The rules read the gradient before clipping: the explosion is seen.
+    assert [v.rule for v in stop.verdicts] == ["ExplodingTensor"]
