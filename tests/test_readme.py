@@ -91,7 +91,22 @@ def _migration():
             "tvars": [v for _, v in grads_and_vars], "feed": feed}
 
 
-CONTEXTS = {"none": dict, "cnn": _cnn, "migration": _migration}
+def _gan():
+    """A generator and a discriminator, their images, and the callbacks' names."""
+    from kerasdbg.callbacks import GradientStatistics, StopOnRule
+
+    keras.utils.set_random_seed(0)
+    generator = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.Dense(4)], name="generator")
+    discriminator = keras.Sequential([keras.Input((4,)), keras.layers.Dense(16, activation="relu"),
+                                      keras.layers.Dense(1)], name="discriminator")
+    images = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+    return {"keras": keras, "tf": tf, "np": np, "generator": generator,
+            "discriminator": discriminator, "images": images,
+            "GradientStatistics": GradientStatistics, "StopOnRule": StopOnRule}
+
+
+CONTEXTS = {"none": dict, "cnn": _cnn, "migration": _migration, "gan": _gan}
 
 
 @pytest.fixture(scope="module")

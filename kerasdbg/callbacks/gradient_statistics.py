@@ -14,25 +14,56 @@ class GradientStatistics(StatisticsCallback):
     For each trainable float variable (filtered by `include` / `exclude`) and
     each recorded step: `l2_norm`, `mean`, `std`, `min`, `max`, `mean_abs`,
     `zero_fraction`, `nan_count`, `inf_count` (see `kerasdbg.stats`), plus the
-    global norm of all gradients. The gradient described is the one the
-    optimizer applies: after gradient clipping, after the cross-replica sum
-    under a `tf.distribute` strategy, and unscaled under mixed precision.
+    global norm of all the gradients the step applies. The gradient described
+    is the one the model produced for the optimizer, summed over replicas
+    under a `tf.distribute` strategy and unscaled under mixed precision.
 
-    Works with any `steps_per_execution` (one record per optimizer step, at
-    `step = optimizer.iterations` after the update), with `jit_compile` on or
-    off, and under `OneDeviceStrategy` and `MirroredStrategy`. The statistics
-    are computed in the compiled train step and written once per execution.
+    Every optimizer the train step applies is instrumented, wherever the
+    model keeps it: `model.optimizer` with Keras's own `train_step`, and in a
+    custom `train_step` the optimizers of a GAN (`self.d_optimizer`,
+    `self.g_optimizer`), in lists or dicts, behind a `LossScaleOptimizer`,
+    on sub-models. Each variable is described at each step of the optimizer
+    that applies it: `step` is that optimizer's `iterations` after the update
+    (an optimizer applied three times per train step, as a WGAN-GP critic,
+    has three steps per train step). With several optimizers, `history` has
+    an `optimizer` column (where the model keeps it: `d_optimizer`) and each
+    one has its own global norm, `gradients/<optimizer>/global_norm`.
+
+    With gradient clipping (`clipnorm`, `clipvalue`, `global_clipnorm`) the
+    gradient before clipping is under `gradients/...` (what the rules read),
+    what is applied under `applied_gradients/...`, and `gradients/clipped` is
+    1 at the steps where clipping changed the gradient (`clipped_steps`
+    counts them). With gradient accumulation (`gradient_accumulation_steps=N`)
+    every batch's gradient is recorded, at the step `iterations` counts in
+    batches (Keras's `optimizer.iterations` counts updates, step // N); the
+    update is applied at the steps divisible by N (`history`'s `applied`
+    column), where `applied_gradients/...` describe the averaged gradient.
+
+    Works with any `steps_per_execution` (one record per optimizer step),
+    with `jit_compile` on or off, under `OneDeviceStrategy` and
+    `MirroredStrategy`, and with models built inside `fit` (a subclassed
+    model without `Input`). The statistics are computed in the compiled
+    train step and written once per execution; callbacks that record the
+    same statistics at the same steps share one computation.
 
     TensorBoard tags (events under `<log_dir>/train`, shareable with
     `keras.callbacks.TensorBoard`): `gradients/<variable path>/<stat>`,
     `gradients/global_norm`, histograms `gradients/<variable path>`, and under
     a `LossScaleOptimizer` `gradients/skipped_updates` (updates skipped so far).
     Variables that get no gradient are left out. Steps the loss scaler skipped
-    are kept in `history` with `skipped=True`, not written to TensorBoard.
+    are kept in `history` with `skipped=True`, not written to TensorBoard. A
+    norm over a gradient holding NaN or Inf is NaN or Inf (the counts say
+    how many).
+
+    When it records nothing in a `fit` (no optimizer applied gradients, no
+    variable matches `include`, nothing is trainable), it says why in a
+    warning after the first execution; training goes on.
 
     Args:
         log_dir: TensorBoard log directory, or None to keep the records in
-            Python only. Defaults to `None`.
+            Python only; one that cannot be written at run time (permission,
+            full disk) warns once and records in Python only. Defaults to
+            `None`.
         every_n_steps: record the scalars at steps divisible by this; other
             steps skip the computation. Defaults to `1`.
         histogram_every_n_steps: record histograms at steps divisible by this,
@@ -42,7 +73,8 @@ class GradientStatistics(StatisticsCallback):
         exclude: regular expression; leaves out the paths it matches.
             Defaults to `None`.
         stats: which statistics to record, from `kerasdbg.stats.ALL_STATISTICS`.
-            Defaults to all of them.
+            Defaults to `kerasdbg.stats.STATISTICS` (all but the quantiles,
+            which sort each tensor).
         histogram_bins: number of histogram bins. Defaults to `30`.
         history_size: how many recorded steps `history` keeps. Defaults to
             `1000`.
@@ -50,8 +82,8 @@ class GradientStatistics(StatisticsCallback):
             fails during training. Defaults to `False`.
 
     Raises:
-        ValueError: for a bad argument value, and at the start of `fit` when no
-            variable matches `include` / `exclude`.
+        ValueError: for a bad argument value (a `log_dir` that is a file
+            included), and with `strict=True` when it records nothing.
         TypeError: for an argument of the wrong type.
 
     Example:

@@ -35,6 +35,12 @@ class StepRecorder(RecordingCallback):
     weights before training (when `fit` starts at step 0). The file is
     written once every requested step is recorded, and at the end of `fit`.
 
+    It records the first optimizer the train step applies to the selected
+    variables (`model.optimizer` with Keras's `train_step`; with several
+    optimizers, the first one applied), also for a model built inside `fit`.
+    A model with nothing trainable, or no variable selected, warns once and
+    records what does not need the variables.
+
     Memory: the recorded steps are kept in full until read, on every
     replica (steps x (2 x weights + layer outputs)). Layer outputs come from
     a replay of the forward pass at recorded steps only (Functional and

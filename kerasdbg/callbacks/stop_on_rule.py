@@ -41,15 +41,17 @@ class StopOnRule(keras.callbacks.Callback):
     """Evaluates rules at every optimizer step of `fit` and acts when one fires.
 
     The callback records what its rules read (their `requires`): gradient and
-    weight statistics in the compiled train step, the statistics of the
-    model's `TapLayer`s, the loss of each step (`step/loss`, summed over
-    replicas: per step, not per execution) and Keras's epoch logs
-    (`epoch/loss`, `epoch/val_loss`, ...), and for `ClassImbalance` the labels
-    seen and mispredicted per class. After each execution it evaluates
-    the rules on every step of it, in order; each rule fires at most once per
-    `fit`. When a rule fires, the verdict (rule, step, tensors, values) is
-    printed, written to TensorBoard as text (`rules/verdicts` under
-    `<log_dir>/train`), and then:
+    weight statistics in the compiled train step (of every optimizer the
+    train step applies, at each one's steps, as `GradientStatistics`), the
+    statistics of the model's `TapLayer`s, the loss of each train step
+    (`step/loss`), every scalar the train step returns (`step/<name>`, per
+    step, not per execution), Keras's epoch logs (`epoch/loss`,
+    `epoch/val_loss`, ...), and for `ClassImbalance` the labels seen and
+    mispredicted per class. After each execution it evaluates the rules on
+    every step of it, in order; each rule fires at most once per `fit`. When
+    a rule fires, the verdict (rule, step, tensors, values) is printed,
+    written to TensorBoard as text (`rules/verdicts` under `<log_dir>/train`),
+    and then:
 
     - "stop": training ends after this execution. The callbacks in `suspend`
       (by default `BackupAndRestore`, `ModelCheckpoint`, `EarlyStopping`)
@@ -63,6 +65,25 @@ class StopOnRule(keras.callbacks.Callback):
     - "warn": issues a `kerasdbg.rules.RuleWarning` and training goes on.
     - a callable: called as `action(verdicts, model)`.
 
+    Verdicts of severity "info" (tensors that are zero by construction in a
+    healthy network, e.g. the key bias of `MultiHeadAttention`; see
+    `VanishingGradient`) are printed and recorded once, never acted on.
+
+    The loss of a step (`step/loss`) is, in this order: the scalar named by
+    `loss` among those the train step returns; the loss `compute_loss`
+    returned (Keras's `train_step`, or a custom one that calls it), summed
+    over replicas; the `loss` the train step returns. A custom train step
+    often returns the running mean of a `keras.metrics.Mean` tracker (the
+    keras.io VAE, GAN examples): recorded per step, it is still a mean since
+    the epoch began, and a NaN stays in it once it came. `loss_source` says
+    which was read. When a rule reads the loss and the model gives none, the
+    rule says so once in a warning and never fires; a loss that was not
+    captured is absent from the records, never NaN.
+
+    With several optimizers, the loss and the other `step/` values of a
+    train step are at the step of the first optimizer it applies, and
+    freeze-on-fault and NaN localisation act on all of them: a fault in any
+    apply freezes every later one.
     With `freeze_on_fault`, steps at and after an in-graph fault (a
     non-finite loss or gradient, or a global gradient norm above
     `max_gradient_norm`) do not change the weights, the optimizer slots, the
@@ -85,7 +106,9 @@ class StopOnRule(keras.callbacks.Callback):
     statistics are pooled over the replicas of this process.
 
     Args:
-        rules: a `kerasdbg.rules.Rule` or a sequence of them.
+        rules: a `kerasdbg.rules.Rule` or a sequence of them; None for
+            `kerasdbg.rules.default_rules()` (the activation rules only when
+            the model has taps). Defaults to `None`.
         action: "stop", "raise", "warn", or a callable. Defaults to `"stop"`.
         start_step: evaluate the steps from this optimizer step on (steps are
             numbered from 1). Defaults to `0`.
@@ -105,12 +128,18 @@ class StopOnRule(keras.callbacks.Callback):
             `(BackupAndRestore, ModelCheckpoint, EarlyStopping)`.
         verbose: print each verdict. Defaults to `True`.
         strict: raise, instead of warning and going on, when kerasdbg itself
-            fails during training. Defaults to `False`.
+            fails during training, or when a rule has nothing to read.
+            Defaults to `False`.
+        loss: the name of a scalar the train step returns to read as the
+            loss of each step (e.g. "g_loss" of a GAN), or None. Defaults to
+            `None`.
 
     Raises:
-        TypeError, ValueError: for bad arguments; at the start of `fit` when a
-            rule reads something that cannot be recorded for this model (e.g.
-            activations without `TapLayer`s).
+        TypeError, ValueError: for bad arguments. A rule that reads what
+            cannot be recorded for this model (activations without
+            `TapLayer`s, a loss the train step does not give) is said in a
+            warning at the first execution and never fires (`strict=True`
+            raises a `ValueError`).
 
     Example:
 

@@ -26,9 +26,16 @@ class WeightStatistics(StatisticsCallback):
     - `distance_from_start`: ||w_after - w_start||, with `w_start` the
       weights when the current `fit()` began.
 
-    These two keep copies of the weights (one model's size each) in the
-    strategy's devices; the copy for `update_ratio` is taken only at the
-    recorded steps. Leave them out of `stats` to save that memory.
+    These two keep copies of the weights (one model's size each, shared by
+    every callback) in the strategy's devices; the copy for `update_ratio`
+    is taken only at the recorded steps. Leave them out of `stats` to save
+    that memory.
+
+    The weights are described after the updates that happened: with several
+    optimizers, each variable at the steps of the one that applies it
+    (`history`'s `optimizer` column); with gradient accumulation, at the
+    steps that apply the accumulated update; not at the steps a fault froze
+    (`StopOnRule`).
 
     Same execution support and TensorBoard layout as `GradientStatistics`,
     under the tags `weights/<variable path>/<stat>` and histograms
@@ -46,7 +53,7 @@ class WeightStatistics(StatisticsCallback):
         exclude: regular expression; leaves out the paths it matches.
             Defaults to `None`.
         stats: which statistics to record, from `ALLOWED_WEIGHT_STATISTICS`.
-            Defaults to all of them.
+            Defaults to `WEIGHT_STATISTICS` (all but the quantiles).
         histogram_bins: number of histogram bins. Defaults to `30`.
         history_size: how many recorded steps `history` keeps. Defaults to
             `1000`.
@@ -54,8 +61,8 @@ class WeightStatistics(StatisticsCallback):
             fails during training. Defaults to `False`.
 
     Raises:
-        ValueError: for a bad argument value, and at the start of `fit` when no
-            variable matches `include` / `exclude`.
+        ValueError: for a bad argument value (a `log_dir` that is a file
+            included), and with `strict=True` when it records nothing.
         TypeError: for an argument of the wrong type.
 
     Example:

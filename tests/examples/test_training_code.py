@@ -139,8 +139,13 @@ def _replay_norms(name):
 @pytest.mark.parametrize("name, strategy_name, spe, jit", _cases())
 def test_every_instrument_on_the_port(name, strategy_name, spe, jit):
     reference = _make(name, strategy_name, spe, jit)
-    reference.model.fit(_rows(reference.x, FAULT - 1), _rows(reference.y, FAULT - 1),
-                        batch_size=reference.batch_size, epochs=1, shuffle=False, verbose=0)
+    try:  # plain Keras: where it fails, kerasdbg is not involved
+        reference.model.fit(_rows(reference.x, FAULT - 1), _rows(reference.y, FAULT - 1),
+                            batch_size=reference.batch_size, epochs=1, shuffle=False, verbose=0)
+    except RuntimeError as error:
+        if name == "accumulation" and strategy_name == "mirrored" and "merge_call" in str(error):
+            raise
+        raise AssertionError(f"plain Keras failed: {error}") from error
     expected = [v.numpy() for v in _float_weights(reference.model)]
 
     port = _make(name, strategy_name, spe, jit)
