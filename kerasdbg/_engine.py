@@ -62,8 +62,9 @@ class Record(NamedTuple):
         step: the step: for gradients and weights, the applying optimizer's
             step (its `iterations` after the update, 1-based; with gradient
             accumulation, the batch it accumulated); for "step" requests the
-            train step. A step the loss scaler skipped carries the number
-            the update would have had.
+            step of the first optimizer apply in that train step (counted on
+            from the last fit when nothing is applied). A step the loss scaler
+            skipped carries the number the update would have had.
         skipped: whether the loss scaler skipped the update.
         values: the request's values for this step, or None if the step was
             not recorded (`every_n_steps`, or no update to describe).
@@ -187,7 +188,6 @@ class Request:
             self.base_stats += ("l2_norm",)
         self.totals: Optional[tf.Variable] = None
         self.present = [False] * MAX_CLASSES
-        self.values = self.ids = None
 
     @property
     def per_variable(self) -> bool:
@@ -284,6 +284,12 @@ class Hook:
         self.clipping = internals.clipping(optimizer)
         self.accumulation = internals.accumulation_steps(optimizer)
         self.scaled = self.inner is not optimizer
+        # One copy of each variable before each update (update ratios) and one
+        # at the start of the fit (distances), by variable key, shared by the
+        # channels and requests of this optimizer.
+        self.previous: Dict[int, tf.Variable] = {}
+        self.initial: Dict[int, tf.Variable] = {}
+        self.started: Optional[tf.Variable] = None
 
     @property
     def separate(self) -> bool:
@@ -374,12 +380,20 @@ class Channel:
         self.keys = [internals.variable_key(hook.optimizer, v) for v in self.variables]
         self.meta: Optional[tf.Variable] = None
         self.slots: Dict[int, Slot] = {}
+        self.considered: set = set()  # the requests `build` has given their slots
         self.number = -1  # its index in `Engine.channels`
-        # One copy of the weights before each update (update ratios) and one
-        # at the start of the fit (distances), shared by every request.
-        self.previous: List[tf.Variable] = []
-        self.initial: List[tf.Variable] = []
-        self.started: Optional[tf.Variable] = None
+
+    @property
+    def previous(self) -> List[tf.Variable]:
+        """The hook's copies of this channel's variables before the update."""
+        copies = self.hook.previous
+        return [copies[k] for k in self.keys] if all(k in copies for k in self.keys) else []
+
+    @property
+    def initial(self) -> List[tf.Variable]:
+        """The hook's copies of this channel's variables at the fit's start."""
+        copies = self.hook.initial
+        return [copies[k] for k in self.keys] if all(k in copies for k in self.keys) else []
 
     def build(self, requests, steps_per_execution: int) -> None:
         if self.meta is None:
@@ -387,8 +401,9 @@ class Channel:
             self.meta = _buffers.on_read_variable(
                 tf.zeros([steps_per_execution, 4], tf.int64), "kerasdbg_meta")
         for request in requests:
-            if id(request) in self.slots or not request.per_variable:
+            if id(request) in self.considered or not request.per_variable:
                 continue
+            self.considered.add(id(request))
             positions = [i for i, (v, p) in enumerate(zip(self.variables, self.paths))
                          if internals.is_float(v) and request.selects(p)]
             if request.kind == "tensors":
@@ -406,16 +421,21 @@ class Channel:
             self.slots[id(request)] = slot
             # Zeros, filled in the graph: a variable created in this trace has
             # no value to read yet.
-            if request.kind == "weights" and "update_ratio" in request.stats and not self.previous:
-                self.previous = [_buffers.on_read_variable(_zeros_like(v), "kerasdbg_previous")
-                                 for v in self.variables]
-            if request.kind == "weights" and "distance_from_start" in request.stats \
-                    and not self.initial:
-                self.initial = [_buffers.on_read_variable(_zeros_like(v), "kerasdbg_initial")
-                                for v in self.variables]
-                # Whether `initial` holds the weights at the start of the fit.
-                self.started = _buffers.on_read_variable(tf.zeros([], tf.int64),
-                                                         "kerasdbg_started")
+            hook = self.hook
+            if request.kind == "weights" and "update_ratio" in request.stats:
+                for key, v in zip(self.keys, self.variables):
+                    if key not in hook.previous:
+                        hook.previous[key] = _buffers.on_read_variable(
+                            _zeros_like(v), "kerasdbg_previous")
+            if request.kind == "weights" and "distance_from_start" in request.stats:
+                for key, v in zip(self.keys, self.variables):
+                    if key not in hook.initial:
+                        hook.initial[key] = _buffers.on_read_variable(
+                            _zeros_like(v), "kerasdbg_initial")
+                if hook.started is None:
+                    # Whether `initial` holds the weights at the start of the fit.
+                    hook.started = _buffers.on_read_variable(tf.zeros([], tf.int64),
+                                                             "kerasdbg_started")
 
     def slots_of(self, kind: str) -> List[Slot]:
         return [s for s in self.slots.values() if s.request.kind == kind]
@@ -451,6 +471,7 @@ class _ApplyContext:
         self.applied = None
 
 
+_ABSENT = object()
 _TLS = threading.local()
 # (replica id, id(inner optimizer)) -> the apply being traced: the reduction
 # may run in another thread than `apply` (a merge_call under Mirrored).
@@ -493,7 +514,6 @@ def engine_for(model) -> "Engine":
 def on_fit_end(model, key, cleanup: Callable[[], None]) -> None:
     """Runs `cleanup()` when the running `fit` of `model` ends, however it
     ends, unless `cancel_fit_end(model, key)` came first."""
-    internals.wrap_fit(_after_fit)
     _CLEANUPS.setdefault(model, {})[key] = cleanup
 
 
@@ -515,6 +535,11 @@ def _after_fit(model) -> None:
                           f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=3)
 
 
+# Before any callback of kerasdbg exists: the `fit` that first uses one has
+# resolved `Model.fit` before its callbacks run.
+internals.wrap_fit(_after_fit)
+
+
 class Engine:
     """The capture engine of one model. See the module docstring."""
 
@@ -532,6 +557,7 @@ class Engine:
         self._steps_per_execution = None
         self.hooks: Dict[int, Hook] = {}
         self.channels: List[Channel] = []
+        self._shadowed: Dict[str, object] = {}
         self._lock = threading.Lock()
         self._several: Optional[bool] = None
         # The "step" buffer: [row, train id, loss, loss captured, frozen,
@@ -543,11 +569,13 @@ class Engine:
         # Non-trainable state the forward pass updates (BatchNormalization's
         # moving statistics) and its copy after the last unfrozen step.
         self._state: List[tuple] = []
+        self._state_saved: Optional[tf.Variable] = None
         # NaN localisation: [step, first layer index, channel, one flag per variable].
         self._nan_row: Optional[tf.Variable] = None
         self.nan_layers: List[str] = []
         self._diagnosed = False
         self._saw_steps = False
+        self._steps_done = 0  # the last step collected, over the fits
         # Whether the traced train step called `compute_loss`.
         self.loss_captured = False
 
@@ -586,7 +614,7 @@ class Engine:
         with strategy.scope():
             if self._calls is None:
                 self._calls = _buffers.on_read_variable(tf.zeros([], tf.int64), "kerasdbg_calls")
-            if self._step_values is None and self._wants("step", "classes"):
+            if self._step_values is None and self._wants("step", "classes", "wrap"):
                 self._step_values = _buffers.on_read_variable(
                     tf.fill([n, _STEP_FIXED + MAX_STEP_SCALARS], tf.constant(np.nan, tf.float64)),
                     "kerasdbg_step")
@@ -605,14 +633,23 @@ class Engine:
                 if request.kind == "tensors":
                     request.jit = getattr(model, "jit_compile", False) is True
                     request.channel = None
-            # The optimizers that are built: their channel is known now.
-            for name, optimizer in found:
-                inner = internals.inner_optimizer(optimizer)
-                if inner.built and getattr(inner, "_trainable_variables", None):
-                    hook = self._hook(optimizer, name)
-                    self._channel_now(hook, 0, internals.optimizer_variables(inner))
+            # The optimizers that are built: their channel is known now. With
+            # several, which one applies first is known only in the trace.
+            built = [(name, o) for name, o in found
+                     if internals.inner_optimizer(o).built
+                     and getattr(internals.inner_optimizer(o), "_trainable_variables", None)]
+            for name, optimizer in built:
+                hook = self._hook(optimizer, name)
+                self._channel_now(hook, 0,
+                                  internals.optimizer_variables(internals.inner_optimizer(optimizer)),
+                                  bind_tensors=len(built) == 1)
+        for hook in self.hooks.values():
+            if hook.started is not None:  # distances count from this fit's start
+                hook.started.assign(tf.zeros([], tf.int64))
         iterations = [int(internals.read(internals.raw_iterations(o)).numpy()) for _, o in found]
-        self._step_base = min([i for i in iterations if i > 0], default=0)
+        # Without an optimizer that ever stepped (nothing trainable), the
+        # steps continue from the last fit's, not from 1 again.
+        self._step_base = min([i for i in iterations if i > 0], default=self._steps_done)
         self._last_call = self._first_call = int(self._calls.numpy())
         if self._frozen is not None:
             self.unfreeze()
@@ -620,6 +657,7 @@ class Engine:
             self._nan_row.assign(tf.zeros_like(self._nan_row))
         self._diagnosed = False
         self._saw_steps = False
+        self._step_warned = False
         self._prepared = True
 
     def _wants(self, *kinds) -> bool:
@@ -639,6 +677,7 @@ class Engine:
             def save():
                 for variable, copy in self._state:
                     copy.assign(internals.read(variable))
+                self._state_saved.assign(tf.ones([], tf.int64))
 
             strategy.run(tf.function(save))
 
@@ -655,9 +694,12 @@ class Engine:
         variables = self._state_variables(model)
         if not self._state_matches(variables):
             # Zeros: the first unfrozen step saves the values (a variable
-            # created in the trace has none to read yet).
+            # created in the trace has none to read yet); until then a frozen
+            # step restores nothing.
             self._state = [(v, _buffers.on_read_variable(_zeros_like(v), "kerasdbg_state"))
                            for v in variables]
+            self._state_saved = _buffers.on_read_variable(tf.zeros([], tf.int64),
+                                                          "kerasdbg_state_saved")
 
     def _freeze(self) -> Optional[Freeze]:
         """The faults that freeze the weights: the union over the requests."""
@@ -753,6 +795,7 @@ class Engine:
         self._failed = False
         for channel in self.channels:
             channel.slots = {}
+            channel.considered = set()
         if self.installed:
             self._uninstall(model)
 
@@ -775,8 +818,12 @@ class Engine:
                     state.x = x
             return loss
 
-        internals.patch(model, "train_step", train_step)
-        internals.patch(model, "compute_loss", compute_loss)
+        # What the instance itself held (a user's own `model.train_step = ...`)
+        # is wrapped here and put back afterwards.
+        self._shadowed = {name: vars(model).get(name, _ABSENT)
+                          for name in ("train_step", "compute_loss")}
+        object.__setattr__(model, "train_step", train_step)
+        object.__setattr__(model, "compute_loss", compute_loss)
         self.installed = True
         self._several = None
         on_fit_end(model, self, self._after_failed_fit)
@@ -787,8 +834,11 @@ class Engine:
         if model is None:
             return
         cancel_fit_end(model, self)
-        internals.unpatch(model, "train_step")
-        internals.unpatch(model, "compute_loss")
+        for name, value in self._shadowed.items():
+            if value is _ABSENT:
+                internals.unpatch(model, name)
+            else:
+                object.__setattr__(model, name, value)
         model.make_train_function(force=True)
 
     # ------------------------------------------------------- in the graph
@@ -840,14 +890,16 @@ class Engine:
         return _StepState(self, self._calls.read_value() + 1, x)
 
     def _hook(self, optimizer, name: Optional[str] = None) -> Hook:
-        hook = self.hooks.get(id(optimizer))
-        if hook is None:
-            if name is None:
-                names = dict((id(o), n) for n, o in internals.find_optimizers(self._model()))
-                name = names.get(id(optimizer), optimizer.name)
-            hook = Hook(name, optimizer, len(self.hooks))
-            self.hooks[id(optimizer)] = hook
-        return hook
+        # Under a lock: the replicas of a MirroredStrategy trace at once.
+        with self._lock:
+            hook = self.hooks.get(id(optimizer))
+            if hook is None:
+                if name is None:
+                    names = dict((id(o), n) for n, o in internals.find_optimizers(self._model()))
+                    name = names.get(id(optimizer), optimizer.name)
+                hook = Hook(name, optimizer, len(self.hooks))
+                self.hooks[id(optimizer)] = hook
+            return hook
 
     def _paths(self, variables) -> List[str]:
         """Display paths: unique over the model's variables, stable across channels."""
@@ -857,18 +909,20 @@ class Engine:
         return [known.get(id(internals.read_handle(v))) or getattr(v, "path", None) or v.name
                 for v in variables]
 
-    def _channel_now(self, hook: Hook, index: int, variables) -> Channel:
+    def _channel_now(self, hook: Hook, index: int, variables, bind_tensors: bool = True) -> Channel:
         """The channel of the `index`-th apply of `hook` on `variables`,
-        created now (eagerly, or in a cross-replica context) if needed."""
+        created now (eagerly, or in a cross-replica context) if needed;
+        `bind_tensors=False` leaves a `StepRecorder` to the first apply."""
         keys = [internals.variable_key(hook.optimizer, v) for v in variables]
+        requests = [r for r in self.requests if bind_tensors or r.kind != "tensors"]
         with self._lock:
             for channel in hook.channels:
                 if channel.index == index and channel.keys == keys:
-                    channel.build(self.requests, self._steps_per_execution)
+                    channel.build(requests, self._steps_per_execution)
                     return channel
             hook.channels = [c for c in hook.channels if c.index != index]
             channel = Channel(hook, index, variables, self._paths(variables))
-            channel.build(self.requests, self._steps_per_execution)
+            channel.build(requests, self._steps_per_execution)
             channel.number = len(self.channels)
             self.channels.append(channel)
             hook.channels.append(channel)
@@ -877,20 +931,29 @@ class Engine:
     def _channel(self, hook: Hook, index: int, variables) -> Channel:
         """`_channel_now` from the trace: buffers are created outside it."""
         keys = [internals.variable_key(hook.optimizer, v) for v in variables]
-        for channel in hook.channels:
-            if channel.index == index and channel.keys == keys and all(
-                    id(r) in channel.slots or not r.per_variable or r.kind == "tensors"
-                    for r in self.requests):
-                return channel
+
+        def ready():
+            for channel in hook.channels:
+                if channel.index == index and channel.keys == keys and all(
+                        id(r) in channel.considered for r in self.requests if r.per_variable):
+                    return channel
+            return None
+
+        channel = ready()
+        if channel is not None:
+            return channel
         model = self._model()
-        found = []
 
         def create():
             with tf.init_scope(), model.distribute_strategy.scope():
-                found.append(self._channel_now(hook, index, variables))
+                self._channel_now(hook, index, variables)
 
+        # Every replica calls this (merge_call runs `create` once, for all).
         internals.merge_call(create)
-        return found[0] if found else self._channel_now(hook, index, variables)
+        channel = ready()
+        if channel is None:
+            raise RuntimeError(f"kerasdbg: no channel for apply {index} of {hook.name}")
+        return channel
 
     def _apply(self, state: _StepState, optimizer, original, grads, trainable_variables):
         inner = internals.inner_optimizer(optimizer)
@@ -948,9 +1011,9 @@ class Engine:
             def start():
                 for copy, variable in zip(channel.initial, channel.variables):
                     copy.assign(internals.read(variable))
-                channel.started.assign(tf.ones([], tf.int64))
+                hook.started.assign(tf.ones([], tf.int64))
 
-            _buffers.run_if(tf.equal(channel.started.read_value(), 0), start)
+            _buffers.run_if(tf.equal(hook.started.read_value(), 0), start)
         ratios = [s for s in weight_slots if "update_ratio" in s.request.stats]
         if channel.previous and ratios:
 
@@ -1024,9 +1087,13 @@ class Engine:
             norms = stats_lib.tensor_statistics(present, ["l2_norm"])[:, 0] if present else \
                 tf.zeros([0], tf.float64)
             squares = tf.reduce_sum(tf.square(norms))
+            norm = tf.sqrt(squares)
+            over = norm > watched.max_gradient_norm
             if scaled:
-                squares = squares / tf.square(tf.cast(optimizer.dynamic_scale, tf.float64))
-            fault = tf.logical_or(fault, tf.sqrt(squares) > watched.max_gradient_norm)
+                norm = norm / tf.cast(optimizer.dynamic_scale, tf.float64)
+                # An overflow of the scaled gradients is the loss scaler's to skip.
+                over = tf.logical_and(tf.math.is_finite(norm), norm > watched.max_gradient_norm)
+            fault = tf.logical_or(fault, over)
         if freeze is None:
             return loss, nonfinite, fault, None
         frozen = tf.logical_or(self._frozen.read_value() > 0, fault)
@@ -1096,9 +1163,12 @@ class Engine:
         def save():
             for variable, copy in self._state:
                 copy.assign(tf.cast(internals.read(variable), copy.dtype))
+            self._state_saved.assign(tf.ones([], tf.int64))
             return tf.constant(False)
 
-        tf.cond(frozen, restore, save)
+        saved = self._state_saved.read_value() > 0
+        _buffers.run_if(tf.logical_and(frozen, saved), restore)
+        _buffers.run_if(tf.logical_not(frozen), save)
 
     def _apply_unless_frozen(self, original_apply, optimizer, grads, trainable_variables, frozen):
         """Applies the update unless `frozen`; a frozen step only counts itself.
@@ -1437,10 +1507,12 @@ class Engine:
         distance = any("distance_from_start" in s.request.stats for s in slots)
         extras = []
         if ratio:
-            previous = [channel.previous[i].read_value() for i in wanted]
+            copies = channel.previous
+            previous = [copies[i].read_value() for i in wanted]
             extras += [w - tf.cast(p, w.dtype) for w, p in zip(weights, previous)] + previous
         if distance:
-            extras += [w - tf.cast(channel.initial[i].read_value(), w.dtype)
+            initial = channel.initial
+            extras += [w - tf.cast(initial[i].read_value(), w.dtype)
                        for w, i in zip(weights, wanted)]
         norms = tf.unstack(
             tf.reshape(stats_lib.tensor_statistics(extras, ["l2_norm"]), [-1, len(weights)])
@@ -1476,14 +1548,24 @@ class Engine:
         _buffers.write_row(slot.hist_ids, row, train_id)
 
     # ----------------------------------------------------------- on host
+    def step_of(self, train_id: int) -> int:
+        """The step of a train step that ran (host read of the step buffer)."""
+        if self._step_values is None:
+            return self.fit_step(train_id)
+        row = _buffers.read(self._step_values)[(train_id - 1) % self._steps_per_execution]
+        return self.fit_step(train_id, row[1] if int(row[0]) == train_id else np.nan)
+
     def fit_step(self, train_id: int, step: float = np.nan) -> int:
         """The step of a train step: that of the first optimizer apply in it
         (so that a model trained by one optimizer numbers its train steps as
         the optimizer does, and a fault found by that apply and the train
         step's loss share a step), else counted from `_step_base`."""
         if not np.isnan(step):
-            return int(step)
-        return self._step_base + train_id - self._first_call
+            number = int(step)
+        else:
+            number = self._step_base + train_id - self._first_call
+        self._steps_done = max(self._steps_done, number)
+        return number
 
     def train_steps(self) -> int:
         """The train-step id of the last train step run (host read)."""
@@ -1493,6 +1575,10 @@ class Engine:
         """Reads the rows written since the last call and hands them out."""
         if not self._prepared:
             return
+        if self._failed and self.installed:
+            # Instrumenting the trace failed part-way (a warning said so): the
+            # rest of this fit runs the plain train step, no half-armed freeze.
+            self._uninstall(self._model())
         for request in self.requests:
             if request.kind == "tensors" and request.channel is not None:
                 request.collect()

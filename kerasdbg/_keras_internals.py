@@ -139,6 +139,17 @@ def raw_iterations(optimizer):
     return inner_optimizer(optimizer)._iterations
 
 
+def step_counters(model) -> list:
+    """The variables whose largest value + 1 numbers the train step a
+    forward pass belongs to (taps): `model.optimizer`'s with Keras's own
+    `train_step`; with a custom one, every optimizer's the model holds (a
+    GAN applies `d_optimizer` and `g_optimizer`, never `model.optimizer`)."""
+    optimizer = getattr(model, "optimizer", None)
+    if uses_standard_train_step(model):
+        return [raw_iterations(optimizer)] if optimizer is not None else []
+    return [raw_iterations(o) for _, o in find_optimizers(model)]
+
+
 def accumulation_steps(optimizer) -> Optional[int]:
     """The optimizer's `gradient_accumulation_steps`, or None."""
     return getattr(inner_optimizer(optimizer), "gradient_accumulation_steps", None) or None
@@ -179,6 +190,9 @@ def find_optimizers(model) -> List[Tuple[str, object]]:
         if isinstance(value, BaseOptimizer) and id(value) not in seen:
             seen.add(id(value))
             found.append((name, value))
+            # A MultiOptimizer applies its sub-optimizers, each for its variables.
+            for i, inner in enumerate(getattr(value, "_inner_optimizers", None) or ()):
+                add(f"{name}.optimizers[{i}]", inner)
 
     add("optimizer", getattr(model, "optimizer", None))
     try:
@@ -266,11 +280,11 @@ def optimizer_routes(apply_route, reduce_route):
         with _ROUTES_LOCK:
             _ROUTES_DEPTH -= 1
             if _ROUTES_DEPTH == 0:
-                restore_optimizer_methods()
+                _restore_optimizer_methods()
 
 
-def restore_optimizer_methods() -> None:
-    """Puts back every class method `optimizer_routes` replaced (idempotent)."""
+def _restore_optimizer_methods() -> None:
+    """Puts back every class method `optimizer_routes` replaced (under the lock)."""
     for (cls, name), original in list(_ROUTES_ORIGINALS.items()):
         type.__setattr__(cls, name, original)
     _ROUTES_ORIGINALS.clear()
@@ -321,15 +335,6 @@ def wrap_fit(after_fit: Callable[[object], None]) -> None:
 
     setattr(wrapped, _FIT_WRAPPED, after_fit)
     type.__setattr__(TensorFlowTrainer, "fit", wrapped)
-
-
-def unwrap_fit() -> None:
-    """Removes what `wrap_fit` did (for tests)."""
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
-    fit = TensorFlowTrainer.__dict__["fit"]
-    if getattr(fit, _FIT_WRAPPED, None) is not None:
-        type.__setattr__(TensorFlowTrainer, "fit", fit.__wrapped__)
 
 
 def read_handle(variable):

@@ -114,13 +114,14 @@ class LayerSink:
 
 
 def current_fit_step(model):
-    """`(iterations, value)` of the model's optimizer, or None."""
-    optimizer = getattr(model, "optimizer", None)
-    iterations = internals.raw_iterations(optimizer) if optimizer is not None else None
-    if iterations is None:
-        return None
+    """`(key, step)` of the model's train-step counters after a train call
+    (`internals.step_counters`), or None."""
     try:
-        return iterations, int(internals.read(iterations).numpy())
+        counters = internals.step_counters(model)
+        if not counters:
+            return None
+        return tuple(id(v) for v in counters), max(
+            int(internals.read(v).numpy()) for v in counters)
     except Exception:  # noqa: BLE001 - then every layer reads in full
         return None
 

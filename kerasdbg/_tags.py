@@ -23,9 +23,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-GRADIENTS = "gradients"
 APPLIED_GRADIENTS = "applied_gradients"
-WEIGHTS = "weights"
 STEP = "step"
 
 

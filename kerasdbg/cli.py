@@ -223,11 +223,12 @@ def _check(args) -> int:
         print(f"kerasdbg check: {message}", file=sys.stderr)
         return 2
     for verdict in verdicts:
-        print(verdict.reason)
-    fired = sorted({v.rule for v in verdicts})
+        print(verdict.reason if verdict.severity == "fault" else f"(info) {verdict.reason}")
+    # Information (zero by construction) is printed, and is not a rule firing.
+    fired = sorted({v.rule for v in verdicts if v.severity == "fault"})
     print(f"kerasdbg check: {len(fired)} of {len(chosen)} rules fired"
           + (f" ({', '.join(fired)})" if fired else ""), file=sys.stderr)
-    return 1 if verdicts else 0
+    return 1 if fired else 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -269,6 +269,30 @@ def test_3_a_model_built_inside_fit_records_as_its_functional_twin(tmp_path, jit
                                       functional_trace.get(name, 0))
 
 
+def test_3_taps_inside_a_model_built_inside_fit_record():
+    from kerasdbg.callbacks import ActivationStatistics
+    from kerasdbg.layers import TapLayer
+
+    class Tapped(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.d1 = keras.layers.Dense(5, activation="relu", name="d1")
+            self.tap = TapLayer(stats=["mean"], activation="relu", name="d1_tap")
+            self.d2 = keras.layers.Dense(1, name="d2")
+
+        def call(self, x):
+            return self.d2(self.tap(self.d1(x)))
+
+    keras.utils.set_random_seed(3)
+    model = Tapped()
+    model.compile(keras.optimizers.SGD(0.1), "mse", steps_per_execution=2)
+    activations = ActivationStatistics()
+    model.fit(X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[activations])
+    history = activations.history
+    assert history.step.tolist() == [1, 2, 3, 4]
+    assert list(history.columns) == ["step", "d1_tap/mean", "d1_tap/dead_fraction"]
+
+
 # --------------------------------------- 4. rules on healthy standard layers
 def test_4_zero_by_construction_is_information_not_a_stop():
     keras.utils.set_random_seed(4)
@@ -537,3 +561,129 @@ def test_11_clipping_records_the_gradient_before_it_and_what_is_applied(kind):
     assert grads.clipped_steps == 4
     # The rules read the gradient before clipping: the explosion is seen.
     assert [v.rule for v in stop.verdicts] == ["ExplodingTensor"]
+
+
+# ------------------------------------------------- found in review
+def test_5_the_first_fit_of_a_process_that_raises_is_cleaned_up_too(tmp_path):
+    """`Model.fit` is wrapped when kerasdbg is imported, before the first fit resolves it."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "first_fit.py"
+    script.write_text(
+        "import numpy as np, keras\n"
+        "from kerasdbg.callbacks import GradientStatistics\n"
+        "from kerasdbg import _keras_internals as internals\n"
+        "class Stop(keras.callbacks.Callback):\n"
+        "    def on_train_batch_end(self, batch, logs=None):\n"
+        "        raise KeyboardInterrupt\n"
+        "m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])\n"
+        "m.compile('sgd', 'mse')\n"
+        "try:\n"
+        "    m.fit(np.ones((8, 2)), np.ones((8, 1)), verbose=0,\n"
+        "          callbacks=[GradientStatistics(), Stop()])\n"
+        "except KeyboardInterrupt:\n"
+        "    pass\n"
+        "print('clean' if 'train_step' not in vars(m) and not internals.routes_active() "
+        "else 'patched')\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, cwd=root,
+                          env=dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="3"))
+    assert done.stdout.strip().splitlines()[-1] == "clean", done.stderr[-2000:]
+
+
+def test_a_loss_scale_overflow_is_not_a_fault_of_max_gradient_norm(mixed_precision):
+    keras.utils.set_random_seed(12)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, name="d")], name="m")
+    # In float16, gradients times the initial scale (32768) overflow: the scaler
+    # skips those steps and comes down; the unscaled norms stay far below 1e6.
+    model.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01)), "mse")
+    stop = StopOnRule(ExplodingTensor(), max_gradient_norm=1e6, verbose=False)
+    before = model.get_layer("d").kernel.numpy().copy()
+    model.fit(X * 10, Y * 100, batch_size=8, epochs=3, shuffle=False, verbose=0,
+              callbacks=[stop])
+    assert stop.verdicts == []
+    assert float(model.optimizer.dynamic_scale.numpy()) < 32768.0
+    assert not np.array_equal(model.get_layer("d").kernel.numpy(), before)
+
+
+class SecondOptimizer(keras.Model):
+    """A custom train step that applies its own optimizer, never `model.optimizer`."""
+
+    def __init__(self):
+        super().__init__()
+        from kerasdbg.layers import TapLayer
+
+        self.d1 = keras.layers.Dense(5, activation="relu", name="d1")
+        self.tap = TapLayer(stats=["mean"], activation="relu", name="d1_tap")
+        self.d2 = keras.layers.Dense(1, name="d2")
+        self.own = keras.optimizers.SGD(0.1)
+
+    def call(self, x):
+        return self.d2(self.tap(self.d1(x)))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(self(x) - y))
+        self.own.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        return {"loss": loss}
+
+
+def test_taps_count_the_steps_of_the_optimizer_a_custom_train_step_applies():
+    from kerasdbg.callbacks import ActivationStatistics
+
+    keras.utils.set_random_seed(3)
+    model = SecondOptimizer()
+    model.compile(optimizer="rmsprop", steps_per_execution=2)  # never applied
+    activations = ActivationStatistics()
+    model.fit(X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[activations])
+    assert activations.history.step.tolist() == [1, 2, 3, 4]
+
+
+def test_distances_count_from_the_start_of_each_fit_and_spe_may_change():
+    model = _mlp()
+    weights = WeightStatistics(stats=["distance_from_start"])
+    model.fit(X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[weights])
+    start = model.get_layer("d").kernel.numpy().copy()
+    model.compile(keras.optimizers.SGD(0.1), "mse", steps_per_execution=2)
+    model.fit(X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[weights])
+    history = weights.history
+    kernel = model.get_layer("d").kernel.numpy()
+    assert history.step.tolist() == [1, 2, 3, 4]  # a recompiled optimizer counts again
+    np.testing.assert_allclose(history["m/d/kernel/distance_from_start"].iloc[-1],
+                               np.linalg.norm(kernel - start), rtol=1e-5)
+
+
+def test_check_prints_information_and_exits_0_when_no_rule_fires(tmp_path, capsys):
+    from kerasdbg import cli
+
+    log_dir = str(tmp_path)
+    keras.utils.set_random_seed(4)
+    inputs = keras.Input((6, 4))
+    attended = keras.layers.MultiHeadAttention(2, 4, name="mha")(inputs, inputs)
+    model = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.Flatten()(attended)))
+    model.compile(keras.optimizers.SGD(0.05), "mse")
+    model.fit(RNG.normal(size=(32, 6, 4)).astype("float32"), Y, batch_size=8, verbose=0,
+              callbacks=[GradientStatistics(log_dir)])
+    assert cli.main(["check", log_dir, "--rule", "VanishingGradient"]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("(info) VanishingGradient at step 1: zero by construction")
+    assert "mha/key/bias" in out.out
+    assert out.err.strip() == "kerasdbg check: 0 of 1 rules fired"
+
+
+def test_the_sub_optimizers_of_a_multi_optimizer_are_named_by_their_place():
+    keras.utils.set_random_seed(6)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(3, name="first")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(1, name="second")(hidden), name="m")
+    optimizer = keras.optimizers.MultiOptimizer(
+        lambda v: model.first_optimizer if "first" in v.path else model.second_optimizer)
+    model.first_optimizer, model.second_optimizer = keras.optimizers.SGD(0.1), \
+        keras.optimizers.Adam(0.01)
+    model.compile(optimizer, "mse")
+    grads = GradientStatistics(stats=["l2_norm"])
+    model.fit(X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[grads])
+    assert len(grads.history) == 8 and len(set(grads.history.optimizer)) == 2

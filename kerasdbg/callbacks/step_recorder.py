@@ -146,7 +146,10 @@ class StepRecorder(RecordingCallback):
                     f"StepRecorder records no layer outputs: {type(model).__name__} is not a "
                     "Functional or Sequential model, whose forward pass it can replay.",
                     RuntimeWarning, stacklevel=2)
-        start = int(internals.read(internals.raw_iterations(model.optimizer)).numpy())
+        # The optimizer it records is known in the trace; the one that stepped
+        # most (a GAN's second fit: not `model.optimizer`) tells where steps are.
+        start = max(int(internals.read(internals.raw_iterations(o)).numpy())
+                    for _, o in internals.find_optimizers(model))
         initial = 0 in self._steps and start == 0 and "weights" in self.record
         steps = [s for s in self._steps if s > start]
         self._request = None

@@ -161,7 +161,7 @@ class StepTimer(RecordingCallback):
         self._last = last
         if steps <= 0:
             return
-        step = engine.fit_step(last)
+        step = engine.step_of(last)
         wall = end - self._begin
         row = {"step": step, "steps": steps, "execution_seconds": wall,
                "step_seconds": wall / steps, "input_seconds": np.nan, "compute_seconds": np.nan,

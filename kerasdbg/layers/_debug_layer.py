@@ -203,11 +203,13 @@ class DebugLayer(keras.layers.Layer):
         self.calls.assign_add(1)
         self.mode_calls.assign_add(tf.constant(np.eye(len(MODES), dtype=np.int64)[mode]))
         call_id = internals.read(self.calls)
-        optimizer = getattr(context.model, "optimizer", None) if context.model else None
-        if context.mode == "fit" and optimizer is not None:
+        counters = internals.step_counters(context.model) if context.model else []
+        if context.mode == "fit" and counters:
             # Counts batches also with gradient accumulation (where
-            # `optimizer.iterations` counts updates), as the statistics do.
-            step = internals.read(internals.raw_iterations(optimizer)) + 1
+            # `optimizer.iterations` counts updates), as the statistics do,
+            # and follows the optimizers a custom train step applies.
+            values = [internals.read(v) for v in counters]
+            step = (values[0] if len(values) == 1 else tf.reduce_max(tf.stack(values))) + 1
         else:
             step = internals.read(self.mode_calls)[mode]
         return mode, call_id, step
@@ -229,14 +231,13 @@ class DebugLayer(keras.layers.Layer):
         return tf.equal(tf.math.floormod(step, self.every_n_steps), 0)
 
     # ------------------------------------------------------------ on host
-    def _nothing_selected_since(self, iterations, step: int) -> bool:
+    def _nothing_selected_since(self, key, step: int) -> bool:
         """After a train call: whether no step since the last one can have a record.
 
         Records of `fit` are at steps `iterations + 1` of the forward pass, so
         those of the calls since the last check lie in (last, step]. The first
         check for an optimizer answers False (read in full).
         """
-        key = id(iterations)
         last = self._host.fit_checked.get(key)
         self._host.fit_checked[key] = step
         if last is None or step < last:
@@ -245,7 +246,7 @@ class DebugLayer(keras.layers.Layer):
         return step // every == last // every
 
     def _flush_unless_idle(self, fit_step=None) -> None:
-        """`flush()`, unless `fit_step` (`(iterations variable, value)` after
+        """`flush()`, unless `fit_step` (`(counters key, value)` after
         a train call, or None) shows no step since the last check can have a
         record: the layer sink and `ActivationStatistics` both check first."""
         if fit_step is None or not self._nothing_selected_since(*fit_step):

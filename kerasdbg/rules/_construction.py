@@ -20,8 +20,10 @@ What tells them apart from a fault is when and where:
   zero, most tensors of the step are healthy (an unused head), which is not
   the case of a dead network.
 
-Such tensors are reported once, as information, and left out of the rule
-until they look healthy; if they fail again after that, it is a fault.
+Such tensors are reported once, as information. A tensor judged by its
+magnitude stays left out as long as a sibling dwarfs it at every step; one
+judged at its first step is left out until it looks healthy, and a fault if
+it fails again after that.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ class WeightUpdateRatio(Rule):
         self.reset()
 
     def reset(self):
-        self._last: dict = {}  # tensor -> its norm after the last recorded update
+        self._last: dict = {}  # tensor -> (step, its norm after that recorded update)
         self._peak: dict = {}  # tensor -> the largest norm recorded before this step
 
     def check(self, step, record):
@@ -56,16 +56,18 @@ class WeightUpdateRatio(Rule):
         for name, ratio in values_of(record, "weights", "update_ratio"):
             if not math.isfinite(ratio) or norms.get(name, math.inf) < self.epsilon:
                 continue
-            if ratio > self.large_threshold and name in self._last:
-                # ||update|| / ||before||, made ||update|| / the largest norm so far.
-                before, peak = self._last[name], self._peak[name]
+            last = self._last.get(name)
+            if ratio > self.large_threshold and last is not None and last[0] == step - 1:
+                # ||update|| / ||before||, made ||update|| / the largest norm so far
+                # (the norm before the update is the last step's, when recorded).
+                before, peak = last[1], self._peak[name]
                 ratio = ratio * before / max(before, peak) if before > 0 else ratio
             if not self.small_threshold <= ratio <= self.large_threshold:
                 bad[name] = ratio
         for name, norm in norms.items():
             if math.isfinite(norm):
                 self._peak[name] = max(self._peak.get(name, 0.0), norm)
-                self._last[name] = norm
+                self._last[name] = (int(step), norm)
         return self.verdict_on(
             step, f"update/weight ratio outside [{self.small_threshold:g}, "
             f"{self.large_threshold:g}]", bad)
