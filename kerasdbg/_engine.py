@@ -49,6 +49,7 @@ import numpy as np
 import tensorflow as tf
 
 from kerasdbg import _buffers
+from kerasdbg import _events
 from kerasdbg import _replay
 from kerasdbg import _tags
 from kerasdbg import _keras_internals as internals
@@ -103,7 +104,7 @@ step returns; absent when neither exists), whether the weights were frozen
 at that step, and whether the step had an in-graph fault (absent when no
 fault is watched). Then `step/<name>` for every other scalar the train step
 returns, averaged over replicas as Keras does."""
-_STEP_FIXED = 6  # train id, step, loss, loss captured, frozen, fault
+_STEP_FIXED = 7  # train id, step, loss, loss captured, frozen, fault, faulty apply
 
 
 class Freeze(NamedTuple):
@@ -148,6 +149,7 @@ class Request:
             reads at the start of training only), or None.
         owner: the callback, for messages.
         wrapper: for a "wrap" request.
+        for_rules: what it records is what rules read (messages say so).
     """
 
     def __init__(
@@ -166,6 +168,7 @@ class Request:
         last_step: Optional[int] = None,
         owner: str = "kerasdbg",
         wrapper: Optional[Callable] = None,
+        for_rules: bool = False,
     ):
         self.kind = kind
         self.stats = tuple(stats)
@@ -181,6 +184,7 @@ class Request:
         self.last_step = last_step
         self.owner = owner
         self.wrapper = wrapper
+        self.for_rules = for_rules
         # Statistics computed by `tensor_statistics` (the rest are derived).
         self.base_stats = tuple(s for s in self.stats if s in stats_lib.ALL_STATISTICS)
         if kind == "gradients" and "l2_norm" not in self.base_stats:
@@ -188,6 +192,9 @@ class Request:
             self.base_stats += ("l2_norm",)
         self.totals: Optional[tf.Variable] = None
         self.present = [False] * MAX_CLASSES
+        # For a "classes" request: whether the traced train step gave labels and
+        # class predictions (None until it was traced).
+        self.labelled: Optional[bool] = None
 
     @property
     def per_variable(self) -> bool:
@@ -455,6 +462,10 @@ class _StepState:
         self.y = self.y_pred = None
         self.fault = None
         self.first_step = None  # the step of the first optimizer apply
+        # The applies traced so far, in order, and the index among them of the
+        # first whose own fault test failed (-1: none), in-graph.
+        self.order: List["Channel"] = []
+        self.first_fault = None
 
 
 class _ApplyContext:
@@ -564,6 +575,10 @@ class Engine:
         # fault, MAX_STEP_SCALARS returned scalars].
         self._step_values: Optional[tf.Variable] = None
         self._step_names: List[str] = []
+        # The optimizers of the train step's applies, in order (from the trace),
+        # and, by step, those a fault found after the first apply had reached.
+        self._apply_order: List[str] = []
+        self._late_faults: Dict[int, List[str]] = {}
         self._step_warned = False
         self._frozen: Optional[tf.Variable] = None
         # Non-trainable state the forward pass updates (BatchNormalization's
@@ -658,6 +673,7 @@ class Engine:
         self._diagnosed = False
         self._saw_steps = False
         self._step_warned = False
+        self._late_faults = {}
         self._prepared = True
 
     def _wants(self, *kinds) -> bool:
@@ -743,6 +759,17 @@ class Engine:
         return {"step": int(hits[0][0]), "layer": layer, "variables": variables,
                 "optimizer": channel.hook.name if channel is not None else None}
 
+    def applied_before_fault(self, step: int) -> Optional[Tuple[List[str], str]]:
+        """`(earlier, faulty)` when the fault of the train step at `step` was
+        found by an apply that was not its first: the optimizers that had
+        applied their update of that train step before it (a freeze cannot
+        undo those), and the one that found the fault. None otherwise."""
+        applies = self._late_faults.get(step)
+        if not applies:
+            return None
+        earlier = list(dict.fromkeys(name for name in applies[:-1]))
+        return earlier, applies[-1]
+
     def unfreeze(self) -> None:
         """Lets the weights change again after a fault froze them (host side)."""
         if self._frozen is not None:
@@ -783,6 +810,9 @@ class Engine:
         propagates (a consumer failing again here is left alone)."""
         try:
             self.collect()
+            # What the callbacks wrote of the failed fit is on disk for a look
+            # at it (no on_train_end flushes their writers).
+            _events.flush_all()
         except Exception:  # noqa: BLE001 - the fit already raised
             pass
         finally:
@@ -999,8 +1029,12 @@ class Engine:
             state.first_step = step
         loss, nonfinite, fault, frozen = self._step_loss_and_fault(context, optimizer, grads)
         context.loss, context.frozen = loss, frozen
+        position = tf.constant(len(state.order), tf.int64)
+        state.order.append(channel)
         if fault is not None:
             state.fault = fault if state.fault is None else tf.logical_or(state.fault, fault)
+            earlier = tf.constant(-1, tf.int64) if state.first_fault is None else state.first_fault
+            state.first_fault = tf.where(tf.logical_and(fault, earlier < 0), position, earlier)
         if nonfinite is not None and self._localizes():
             self._localize(context, step, nonfinite, grads)
         if hook.separate:
@@ -1414,6 +1448,8 @@ class Engine:
         classes = [r for r in self.requests if r.kind == "classes"]
         if classes:
             counts = self._class_counts(state, classes)
+            for request in classes:
+                request.labelled = counts is not None
             if counts is not None:
                 for request in classes:
                     totals = request.totals.read_value() + counts
@@ -1446,6 +1482,7 @@ class Engine:
                           RuntimeWarning, stacklevel=3)
         names, scalars = names[:MAX_STEP_SCALARS], scalars[:MAX_STEP_SCALARS]
         self._step_names = names
+        self._apply_order = [channel.hook.name for channel in state.order]
         nan = tf.constant(np.nan, tf.float64)
         fault = nan if state.fault is None else tf.cast(state.fault, tf.float64)
         fixed = [tf.cast(state.train_id, tf.float64),
@@ -1453,7 +1490,8 @@ class Engine:
                  nan if loss is None else loss,
                  tf.constant(0.0 if loss is None else 1.0, tf.float64),
                  nan if frozen is None else tf.cast(frozen, tf.float64),
-                 fault]
+                 fault,
+                 nan if state.first_fault is None else tf.cast(state.first_fault, tf.float64)]
         padding = [nan] * (MAX_STEP_SCALARS - len(scalars))
         _buffers.write_row(self._step_values, row, tf.stack(fixed + scalars + padding))
 
@@ -1630,6 +1668,8 @@ class Engine:
             if int(row[0]) != train_id:
                 continue
             step = self.fit_step(train_id, row[1])
+            if row[6] > 0:  # a fault found after other applies of this train step
+                self._late_faults[step] = self._apply_order[:int(row[6]) + 1]
             scalars = np.mean([r[(train_id - 1) % n][_STEP_FIXED:_STEP_FIXED + len(names)]
                                for r in replicas], axis=0) if names else np.zeros(0)
             for request in requests:
@@ -1704,6 +1744,7 @@ class Engine:
         model = self._model()
         applied = [h for h in self.hooks.values() if h.channels]
         found = [name for name, _ in internals.find_optimizers(model)]
+        silent: Dict[tuple, List[Request]] = {}
         for request in self.requests:
             if not request.per_variable:
                 continue
@@ -1730,8 +1771,16 @@ class Engine:
                 why = (f"none of the variables that {names} applied matches "
                        f"include={request.include!r}, exclude={request.exclude!r}: "
                        f"{listing}")
-            message = f"{request.owner} records nothing this fit: {why}."
-            if request.strict:
+            silent.setdefault((request.owner, why), []).append(request)
+        # One message per callback and cause, whatever its number of requests.
+        for (owner, why), requests in silent.items():
+            if any(r.for_rules for r in requests):
+                kinds = " or ".join(dict.fromkeys(r.kind for r in requests))
+                message = (f"{owner} records no {kinds} this fit: {why}; the rules that read "
+                           "them have nothing to read and will not fire.")
+            else:
+                message = f"{owner} records nothing this fit: {why}."
+            if any(r.strict for r in requests):
                 raise ValueError(message)
             warnings.warn(message, RuntimeWarning, stacklevel=4)
 

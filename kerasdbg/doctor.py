@@ -19,8 +19,8 @@ HEAVY_OPS = ("Decode", "Resize", "Crop", "PyFunc", "EagerPyFunc", "ImageProjecti
              "Conv", "MatMul", "ReadFile", "ParseExample", "ParseSingleExample")
 HEAVY_OP_COUNT = 40
 
-# The errors Keras 3 itself raises on these strategy combinations (DESIGN.md, section 4;
-# reproduced by tests/test_keras_limitations.py).
+# The errors Keras 3 itself raises on these strategy combinations (reproduced by
+# tests/test_keras_limitations.py).
 MIRRORED_SPE_ERROR = (
     "INVALID_ARGUMENT: You must feed a value for placeholder tensor "
     "'.../while/cond/Placeholder_1' with dtype int32 (keras-team/keras#19246)"

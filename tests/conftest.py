@@ -1,6 +1,7 @@
 """Shared test set-up: two logical CPUs, the execution matrix, NumPy references."""
 
 import contextlib
+import gc
 import os
 import re
 
@@ -22,7 +23,7 @@ import keras  # noqa: E402
 MIRRORED_JIT_ERROR = (
     "Trying to access resource .../replica_1/... located in device CPU:1 from device "
     "CPU:0 (Keras/TF: MirroredStrategy with jit_compile=True fails with plain Keras fit "
-    "too: tests/test_keras_limitations.py; DESIGN.md section 4)"
+    "too: tests/test_keras_limitations.py)"
 )
 
 
@@ -149,3 +150,28 @@ def mixed_precision():
     keras.mixed_precision.set_dtype_policy("mixed_float16")
     yield
     keras.mixed_precision.set_dtype_policy(previous)
+
+
+_TESTS_SINCE_FULL_COLLECTION = [0]
+FULL_COLLECTION_EVERY = 25
+
+
+@pytest.fixture(autouse=True)
+def _fresh_keras_state():
+    """Frees each test's models, graphs and strategies before the next one, cheaply.
+
+    In one long process TensorFlow keeps some graphs of every `fit` alive (plain Keras
+    too: about 18 per fit of a small MLP), and each garbage collection walks all of them:
+    without this, later tests slow down many times over. After each test the survivors
+    are frozen (`gc.freeze()`: out of the collector's way; reference counting still frees
+    them); every `FULL_COLLECTION_EVERY` tests they are unfrozen and collected, so that
+    cycles that died since (a model, its graphs) do not pile up.
+    """
+    yield
+    keras.backend.clear_session()
+    _TESTS_SINCE_FULL_COLLECTION[0] += 1
+    if _TESTS_SINCE_FULL_COLLECTION[0] >= FULL_COLLECTION_EVERY:
+        _TESTS_SINCE_FULL_COLLECTION[0] = 0
+        gc.unfreeze()
+    gc.collect()
+    gc.freeze()

@@ -95,8 +95,9 @@ def test_save_and_load_keeps_weights_optimizer_and_intermediates(tmp_path, strat
         np.testing.assert_array_equal(a, b)
     want_out, want_inter = wrapped.predict(X, verbose=0)
     got_out, got_inter = loaded.predict(X, verbose=0)
-    np.testing.assert_allclose(got_out, want_out, rtol=1e-6)
-    np.testing.assert_allclose(got_inter["hidden"], want_inter["hidden"], rtol=1e-6)
+    # (Under MirroredStrategy each replica predicts half the batch: other matmul blocking.)
+    np.testing.assert_allclose(got_out, want_out, rtol=1e-5)
+    np.testing.assert_allclose(got_inter["hidden"], want_inter["hidden"], rtol=1e-5)
     # Training goes on from the saved optimizer state.
     loaded.fit(X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     assert int(loaded.optimizer.iterations.numpy()) == 2 * (len(X) // BATCH)

@@ -1,15 +1,17 @@
-"""The README's Python snippets, run as written.
+"""The Python snippets of README.md and of the guides in docs/, run as written.
 
-Each ```python block of README.md runs in a fresh namespace, in a directory
-that holds the demo's runs (`runs/demo/...`, as after `./run.sh demo`). A block
-that continues the reader's own code (their `model`, `x`, `y`, or a TF1
-session) says so with a marker on the line before it,
-`<!-- readme-test: context=NAME -->`, and gets the names of that context from
-`CONTEXTS` below. Comment lines right after a `print(...)` are the output the
-README promises; they must appear in that order ("..." stands for anything).
+Each ```python block of README.md and of every docs/*.md file runs in a fresh
+namespace, in a directory that holds the demo's runs (`runs/demo/...`, as
+after `./run.sh demo`). A block that continues the reader's own code (their
+`model`, `x`, `y`, or a TF1 session) says so with a marker on the line before
+it, `<!-- readme-test: context=NAME -->`, and gets the names of that context
+from `CONTEXTS` below. Comment lines right after a `print(...)` are the output
+the document promises; they must appear in that order ("..." stands for
+anything). Other blocks (```bash) are not run.
 """
 
 import contextlib
+import glob
 import io
 import os
 import re
@@ -19,15 +21,26 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+# The module-scoped fixture runs once: every test of this module on one xdist worker.
+pytestmark = pytest.mark.xdist_group("test_readme")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(ROOT, "README.md")
+DOCUMENTS = [README] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
 FENCE = re.compile(r"(?:<!-- readme-test: context=(\w+) -->\n)?```python\n(.*?)```", re.S)
 
 
-def _blocks():
-    text = open(README, encoding="utf-8").read()
-    return [pytest.param(match.group(1) or "none", match.group(2),
-                         id=f"line{text[:match.start(2)].count(chr(10)) + 1}")
-            for match in FENCE.finditer(text)]
+def _blocks(paths=DOCUMENTS):
+    """`(context, code, path)` of every ```python block, with ids like
+    `README-line41` or `rules-line12`."""
+    params = []
+    for path in paths:
+        text = open(path, encoding="utf-8").read()
+        name = os.path.splitext(os.path.basename(path))[0]
+        params += [pytest.param(match.group(1) or "none", match.group(2), path,
+                                id=f"{name}-line{text[:match.start(2)].count(chr(10)) + 1}")
+                   for match in FENCE.finditer(text)]
+    return params
 
 
 def _promised_output(code):
@@ -120,20 +133,22 @@ def demo_dir(tmp_path_factory):
 
 
 def test_every_block_is_found_and_every_context_is_known():
+    assert len(_blocks([README])) >= 7
+    assert len(DOCUMENTS) > 1, "no guides found in docs/"
     blocks = _blocks()
-    assert len(blocks) >= 7
     assert {param.values[0] for param in blocks} <= set(CONTEXTS)
 
 
-@pytest.mark.parametrize("context, code", _blocks())
-def test_readme_block_runs_as_written(context, code, demo_dir, monkeypatch):
+@pytest.mark.parametrize("context, code, path", _blocks())
+def test_readme_block_runs_as_written(context, code, path, demo_dir, monkeypatch):
     monkeypatch.chdir(demo_dir)
     namespace = CONTEXTS[context]()
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        exec(compile(code, README, "exec"), namespace)  # noqa: S102 - the README's own code
+        exec(compile(code, path, "exec"), namespace)  # noqa: S102 - the document's own code
     lines = iter(printed.getvalue().splitlines())
     for promised in _promised_output(code):
         pattern = re.compile(".*".join(re.escape(part) for part in promised.split("...")))
         assert any(pattern.fullmatch(line) for line in lines), (
-            f"the README promises the output {promised!r}; printed:\n{printed.getvalue()}")
+            f"{os.path.basename(path)} promises the output {promised!r}; printed:\n"
+            f"{printed.getvalue()}")

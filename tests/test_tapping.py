@@ -248,7 +248,8 @@ def test_mobilenet_v2_insert_then_strip():
     first = tapped.get_layer("Conv1_relu_tap").latest_by_mode["predict"]
     conv = keras.Model(model.input, model.get_layer("Conv1_relu").output)(x).numpy()
     np.testing.assert_allclose(first["mean"], conv.mean(), rtol=1e-5)
-    assert first["dead_fraction"] == pytest.approx(np.mean(np.all(conv == 0, axis=0)))
+    # Units zero on every example: 4 examples are not the 100 that make a unit dead.
+    assert np.any(np.all(conv == 0, axis=0)) and first["dead_fraction"] == 0.0
     stripped = kerasdbg.strip_debug_layers(tapped)
     assert _names(stripped) == _names(model)
     np.testing.assert_allclose(stripped.predict(x, verbose=0), model.predict(x, verbose=0),

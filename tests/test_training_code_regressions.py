@@ -94,6 +94,35 @@ def test_1_every_optimizer_the_train_step_applies_is_recorded(tmp_path):
     _plain_state(model)
 
 
+def test_1_each_optimizer_s_weights_are_described_at_its_steps():
+    class Weights(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.after = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.after.append({v.path: np.linalg.norm(v.numpy().astype(np.float64))
+                               for v in self.model.trainable_variables})
+
+    keras.utils.set_random_seed(1)
+    model = TwoOptimizers()
+    model.compile()
+    weights, seen = WeightStatistics(stats=["l2_norm"]), Weights()
+    model.fit(X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[weights, seen])
+    history = weights.history
+    assert history[["step", "optimizer"]].values.tolist() == [
+        [s, name] for s in (1, 2, 3, 4) for name in ("a", "b")]
+    for name, sub_model in (("a", model.first), ("b", model.second)):
+        rows = history[history.optimizer == name].set_index("step")
+        for step in (1, 2, 3, 4):
+            for variable in sub_model.trainable_variables:
+                np.testing.assert_allclose(rows.loc[step, f"{variable.path}/l2_norm"],
+                                           seen.after[step - 1][variable.path], rtol=1e-6)
+        # Only its own variables: the other optimizer's are NaN in its rows.
+        others = [v.path for v in model.trainable_variables
+                  if v.path not in {w.path for w in sub_model.trainable_variables}]
+        assert rows[[f"{p}/l2_norm" for p in others]].isna().all().all()
+
+
 class ListedOptimizers(TwoOptimizers):
     """Optimizers kept in a list, one of them behind a LossScaleOptimizer."""
 
@@ -134,33 +163,134 @@ def test_1_optimizers_in_lists_and_loss_scale_wrappers_are_named_by_their_place(
                                        rtol=1e-5)
 
 
-def test_1_an_optimizer_kerasdbg_does_not_see_applied_is_said_once():
-    class Assigns(keras.Model):
-        """Updates its weights by hand: no Keras optimizer applies anything."""
+class KeptEverywhere(keras.Model):
+    """Optimizers in a dict and a sub-model compiled with its own."""
 
-        def __init__(self):
-            super().__init__()
-            self.d = keras.layers.Dense(1)
+    def __init__(self):
+        super().__init__()
+        self.first = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="f")],
+                                      name="first")
+        self.second = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, name="s")],
+                                       name="second")
+        self.second.compile(optimizer=keras.optimizers.Adam(0.01))
 
-        def train_step(self, data):
-            x, y = data
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(tf.square(self.d(x) - y))
-            for v, g in zip(self.trainable_variables, tape.gradient(loss, self.trainable_variables)):
-                v.assign_sub(0.1 * g)
-            return {"loss": loss}
+    def compile(self, **kwargs):
+        super().compile(**kwargs)
+        self.optimizers = {"hidden": keras.optimizers.SGD(0.1)}
 
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape(persistent=True) as tape:
+            hidden = self.first(x)
+            loss_a = tf.reduce_mean(tf.square(hidden))
+            loss_b = tf.reduce_mean(tf.square(self.second(tf.stop_gradient(hidden)) - y))
+        self.optimizers["hidden"].apply(tape.gradient(loss_a, self.first.trainable_variables),
+                                        self.first.trainable_variables)
+        self.second.optimizer.apply(tape.gradient(loss_b, self.second.trainable_variables),
+                                    self.second.trainable_variables)
+        return {"loss": loss_b}
+
+
+def test_1_optimizers_in_dicts_and_on_sub_models_are_named_by_their_place():
+    keras.utils.set_random_seed(1)
+    model = KeptEverywhere()
+    model.compile()
+    grads = GradientStatistics(stats=["l2_norm"])
+    with capture_applies() as capture:
+        model.fit(X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[grads])
+    history = grads.history
+    assert sorted(history.optimizer.unique()) == ["optimizers[hidden]", "second.optimizer"]
+    rows = history[history.optimizer == "second.optimizer"]
+    for step, norms in enumerate(capture.norms(model.second.optimizer), start=1):
+        for path, norm in norms.items():
+            np.testing.assert_allclose(rows[rows.step == step][f"{path}/l2_norm"].iloc[0], norm,
+                                       rtol=1e-5)
+    _plain_state(model)
+
+
+class Assigns(keras.Model):
+    """Updates its weights by hand: no Keras optimizer applies anything."""
+
+    def __init__(self):
+        super().__init__()
+        self.d = keras.layers.Dense(1)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(self.d(x) - y))
+        for v, g in zip(self.trainable_variables, tape.gradient(loss, self.trainable_variables)):
+            v.assign_sub(0.1 * g)
+        return {"loss": loss}
+
+
+NO_OPTIMIZER = ("no optimizer applied gradients in the train step (kerasdbg sees every Keras "
+                "optimizer's `apply`/`apply_gradients` called inside `train_step`; the model "
+                "holds: optimizer). If the train step updates the weights another way (assign, "
+                "a non-Keras optimizer), there is nothing to record")
+
+
+@pytest.mark.parametrize("name", ["GradientStatistics", "WeightStatistics", "StepRecorder",
+                                  "StopOnRule"])
+def test_1_an_optimizer_kerasdbg_does_not_see_applied_is_said_once(tmp_path, name):
+    callback = {"GradientStatistics": lambda: GradientStatistics(),
+                "WeightStatistics": lambda: WeightStatistics(),
+                "StepRecorder": lambda: StepRecorder(str(tmp_path / "t.npz"), record=["gradients"]),
+                "StopOnRule": lambda: StopOnRule(verbose=False)}[name]()
     model = Assigns()
     model.compile(optimizer="sgd")
-    with pytest.warns(RuntimeWarning, match=re.escape(
-            "GradientStatistics records nothing this fit: no optimizer applied gradients in the "
-            "train step (kerasdbg sees every Keras optimizer's `apply`/`apply_gradients` called "
-            "inside `train_step`; the model holds: optimizer)")):
-        model.fit(X, Y, batch_size=8, epochs=2, verbose=0, callbacks=[GradientStatistics()])
+    if name == "StopOnRule":  # one message for its gradient and weight requests
+        expected = (f"StopOnRule records no gradients or weights this fit: {NO_OPTIMIZER}; the "
+                    "rules that read them have nothing to read and will not fire.")
+    else:
+        expected = f"{name} records nothing this fit: {NO_OPTIMIZER}."
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(X, Y, batch_size=8, epochs=2, verbose=0, callbacks=[callback])
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert said == [expected]
+    _plain_state(model)
+
+
+def test_1_a_fault_the_second_optimizer_finds_freezes_from_it_on_and_says_what_it_kept():
+    """The NaN reaches only the second optimizer's loss: the first one had applied that
+    train step's update, which no freeze can undo, and the verdicts say so."""
+    def fresh():
+        keras.utils.set_random_seed(1)
+        model = TwoOptimizers()
+        model.compile(steps_per_execution=4)
+        return model
+
+    reference = fresh()  # clean data: `a` never reads y
+    reference.fit(X[:16], Y[:16], batch_size=8, shuffle=False, verbose=0)
+    b_after_2 = [w.numpy() for w in reference.second.weights]
+    reference.fit(X[16:24], Y[16:24], batch_size=8, shuffle=False, verbose=0)
+    a_after_3 = [w.numpy() for w in reference.first.weights]
+
+    model = fresh()
+    y = Y.copy()
+    y[16] = np.nan  # train step 3: loss_b only
+    stop = StopOnRule([NonFiniteLoss(), ExplodingTensor()], loss="loss_b", verbose=False)
+    model.fit(X, y, batch_size=8, shuffle=False, verbose=0, callbacks=[stop])
+    for got, want in zip(model.first.weights, a_after_3):
+        np.testing.assert_array_equal(got.numpy(), want)  # a's step 3 kept, 4 frozen
+    for got, want in zip(model.second.weights, b_after_2):
+        np.testing.assert_array_equal(got.numpy(), want)  # b frozen from step 3 on
+    by_rule = {v.rule: v for v in stop.verdicts}
+    assert {v.step for v in stop.verdicts} == {3}
+    assert sorted(by_rule) == ["ExplodingTensor", "FreezeOnFault", "NaNSource", "NonFiniteLoss"]
+    assert by_rule["NaNSource"].reason.endswith(
+        "non-finite gradients (applied by b): second/s/kernel, second/s/bias")
+    freeze = by_rule["FreezeOnFault"]
+    assert freeze.severity == "info" and freeze.reason == (
+        "FreezeOnFault at step 3: a had applied this train step's update before b's apply "
+        "found the fault; a freeze acts from the apply that finds the fault on and cannot "
+        "undo an earlier one, so a's weights include step 3's update")
     _plain_state(model)
 
 
 # ------------------------------------------- 2. a train step's own loss
+
 class OwnLoss(keras.Model):
     """Computes its loss itself (no `compute_loss`) and returns it, per step."""
 
@@ -183,16 +313,28 @@ def test_2_the_loss_a_custom_train_step_returns_is_the_step_loss(tmp_path, spe):
     keras.utils.set_random_seed(2)
     model = OwnLoss()
     model.compile(optimizer=keras.optimizers.SGD(0.1), steps_per_execution=spe)
-    weights = [w.numpy() for w in model.d.weights] if model.built else None
+    assert not model.built  # built inside fit
     stop = StopOnRule(NonFiniteLoss(), log_dir=str(tmp_path))
-    model.fit(X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[stop])
+    with capture_applies() as capture:
+        model.fit(X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[stop])
     assert stop.verdicts == [] and stop.loss_source == "the train step's 'loss'"
     run = kerasdbg.load_run(str(tmp_path))
     losses = run.scalars("step/loss")
-    assert losses.step.tolist() == [1, 2, 3, 4] and np.all(np.isfinite(losses.value))
+    assert losses.step.tolist() == [1, 2, 3, 4]
+    # Each step's loss from NumPy: the weights before each step, walked back from the
+    # final ones with the gradients SGD(0.1) applied (the test's own capture).
+    kernel, bias = (model.d.kernel.numpy().astype(np.float64),
+                    model.d.bias.numpy().astype(np.float64))
+    gradients = capture.gradients(model.optimizer)
+    expected = []
+    for step in reversed(range(4)):
+        kernel = kernel + 0.1 * gradients[step]["d/kernel"]
+        bias = bias + 0.1 * gradients[step]["d/bias"]
+        rows = slice(8 * step, 8 * (step + 1))
+        expected.insert(0, np.mean(np.square(X[rows] @ kernel + bias - Y[rows])))
+    np.testing.assert_allclose(losses.value, expected, rtol=1e-5)
     # Per step, not Keras's running mean: twice the loss is recorded as returned.
     np.testing.assert_allclose(run.scalars("step/doubled").value, 2 * losses.value, rtol=1e-6)
-    assert weights is None  # built inside fit
 
 
 def test_2_a_named_loss_and_a_missing_one(tmp_path):
@@ -293,6 +435,98 @@ def test_3_taps_inside_a_model_built_inside_fit_record():
     assert list(history.columns) == ["step", "d1_tap/mean", "d1_tap/dead_fraction"]
 
 
+# ------------------------------------------ never silent: the other reasons
+class TrainsHeadOnly(keras.Model):
+    """Holds a tapped probe model that its train step never calls."""
+
+    def __init__(self):
+        super().__init__()
+        from kerasdbg.layers import TapLayer
+
+        inputs = keras.Input((4,))
+        tapped = TapLayer(name="unused_tap")(keras.layers.Dense(3, name="p")(inputs))
+        self.probe = keras.Model(inputs, tapped, name="probe")
+        self.head = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, name="h")],
+                                     name="head")
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(self.head(x) - y))
+        variables = self.head.trainable_variables
+        self.optimizer.apply(tape.gradient(loss, variables), variables)
+        return {"loss": loss}
+
+
+def test_taps_the_train_step_never_calls_are_said_once():
+    from kerasdbg.callbacks import ActivationStatistics
+
+    model = TrainsHeadOnly()
+    model.compile(optimizer="sgd")
+    with pytest.warns(RuntimeWarning, match=re.escape(
+            "ActivationStatistics records nothing this fit: none of its taps (unused_tap) ran in "
+            "the train step of model 'trains_head_only'; the train step does not call the layers "
+            "they are in. Put the taps in the model or sub-model that `train_step` calls.")):
+        model.fit(X, Y, batch_size=8, epochs=1, verbose=0,
+                  callbacks=[ActivationStatistics()])
+
+
+class Classifier(keras.Model):
+    """A custom train step with its own cross-entropy: no `compute_loss`, no labels seen."""
+
+    def __init__(self):
+        super().__init__()
+        self.d = keras.layers.Dense(3, activation="softmax")
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, self.d(x)))
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables),
+                             self.trainable_variables)
+        return {"loss": loss}
+
+
+def test_class_counts_a_train_step_does_not_give_are_said_once():
+    from kerasdbg.rules import ClassImbalance
+
+    model = Classifier()
+    model.compile(optimizer="sgd")
+    labels = (np.arange(32) % 3).astype("int64")
+    stop = StopOnRule(ClassImbalance(), verbose=False)
+    with pytest.warns(RuntimeWarning, match=re.escape(
+            "StopOnRule: ClassImbalance reads classes/<k>/seen and classes/<k>/mispredicted, "
+            "which this model does not give: the train step does not call `compute_loss` with "
+            "labels and class predictions (at most 1000 classes), so there is nothing to count. "
+            "They will not fire.")):
+        model.fit(X, labels, batch_size=8, epochs=1, verbose=0, callbacks=[stop])
+    assert stop.verdicts == []
+
+
+def test_a_named_loss_the_train_step_does_not_return_is_said_once():
+    model = OwnLoss()
+    model.compile(optimizer=keras.optimizers.SGD(0.1))
+    stop = StopOnRule(NonFiniteLoss(), loss="g_loss", verbose=False)
+    with pytest.warns(RuntimeWarning, match=re.escape(
+            "StopOnRule: NonFiniteLoss reads step/loss, which this model does not give: the "
+            "train step returns no scalar 'g_loss' (`loss`); it returns: doubled, loss. They "
+            "will not fire.")):
+        model.fit(X, Y, batch_size=8, epochs=1, verbose=0, callbacks=[stop])
+    assert stop.loss_source is None
+
+
+def test_step_recorder_says_it_cannot_record_the_layers_of_a_subclassed_model(tmp_path):
+    model = LazyMLP()
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    recorder = StepRecorder(str(tmp_path / "t.npz"), steps=1)
+    with pytest.warns(RuntimeWarning, match=re.escape(
+            "StepRecorder records no layer outputs: LazyMLP is not a Functional or Sequential "
+            "model, whose forward pass it can replay.")):
+        model.fit(X, Y, batch_size=8, epochs=1, verbose=0, callbacks=[recorder])
+    trace = kerasdbg.load_trace(str(tmp_path / "t.npz"))
+    assert trace.names("layer_outputs") == [] and trace.names("gradients")
+
+
 # --------------------------------------- 4. rules on healthy standard layers
 def test_4_zero_by_construction_is_information_not_a_stop():
     keras.utils.set_random_seed(4)
@@ -316,6 +550,37 @@ def test_4_zero_by_construction_is_information_not_a_stop():
     first = stop.verdicts[0]
     assert first.step == 1 and {"mha/key/bias", "conv/bias"} <= set(first.tensors)
     assert "zero by construction, not a fault" in first.reason
+
+
+def test_4_an_unused_output_head_is_information_not_a_stop():
+    keras.utils.set_random_seed(4)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8, activation="relu", name="hidden")(inputs)
+    model = keras.Model(inputs, {"main": keras.layers.Dense(1, name="main")(hidden),
+                                 "aux": keras.layers.Dense(1, name="aux")(hidden)}, name="heads")
+    # The auxiliary head is switched off by its loss weight: its gradient is exactly 0.
+    model.compile(keras.optimizers.SGD(0.05), loss={"main": "mse", "aux": "mse"},
+                  loss_weights={"main": 1.0, "aux": 0.0})
+    stop = StopOnRule(VanishingGradient(), verbose=False)
+    model.fit(X, {"main": Y, "aux": Y}, batch_size=8, epochs=2, verbose=0, callbacks=[stop])
+    assert int(model.optimizer.iterations.numpy()) == 8, stop.verdicts
+    assert [(v.severity, v.step, sorted(v.tensors)) for v in stop.verdicts] == [
+        ("info", 1, ["aux/bias", "aux/kernel"])]
+
+
+def test_4_embedding_rows_a_batch_does_not_touch_are_not_vanishing():
+    keras.utils.set_random_seed(4)
+    inputs = keras.Input((6,), dtype="int32")
+    h = keras.layers.Embedding(100, 4, name="embedding")(inputs)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    model = keras.Model(inputs, keras.layers.Dense(1, name="out")(h), name="embedded")
+    model.compile(keras.optimizers.SGD(0.05), "mse")
+    tokens = RNG.integers(0, 10, size=(32, 6)).astype("int32")  # rows 10-99 never seen
+    stop = StopOnRule(VanishingGradient(), verbose=False)
+    grads = GradientStatistics(stats=["mean_abs", "zero_fraction"])
+    model.fit(tokens, Y, batch_size=8, epochs=2, verbose=0, callbacks=[stop, grads])
+    assert stop.verdicts == []
+    assert (grads.history["embedding/embeddings/zero_fraction"] >= 0.9).all()
 
 
 # ------------------------------------- 5. a fit that ends by an exception
@@ -418,25 +683,55 @@ def test_6_a_log_dir_that_is_a_file_is_refused_at_construction(tmp_path, make):
     tf.errors.PermissionDeniedError(None, None, "no permission"),
     tf.errors.ResourceExhaustedError(None, None, "no space left on device")],
     ids=["permission", "full-disk"])
+@pytest.mark.parametrize("name", ["GradientStatistics", "StopOnRule"])
 def test_6_a_log_dir_that_fails_at_run_time_warns_once_and_training_goes_on(
-        tmp_path, monkeypatch, error):
+        tmp_path, monkeypatch, error, name):
     def failing(path):
         raise error
 
+    def make(**kwargs):
+        if name == "StopOnRule":
+            return StopOnRule(NonFiniteLoss(), log_dir=str(tmp_path), verbose=False, **kwargs)
+        return GradientStatistics(str(tmp_path), **kwargs)
+
     monkeypatch.setattr(_events, "writer_for", failing)
     model = _mlp()
-    grads = GradientStatistics(str(tmp_path))
+    callback = make()
     where = os.path.join(str(tmp_path), "train")
     with pytest.warns(RuntimeWarning, match=re.escape(
-            f"GradientStatistics cannot write TensorBoard events to {where!r} (`log_dir`): "
+            f"{name} cannot write TensorBoard events to {where!r} (`log_dir`): "
             f"{type(error).__name__}: {error.message}. It keeps its records in Python only; "
             "training goes on.")) as caught:
-        history = model.fit(X, Y, batch_size=8, epochs=1, verbose=0, callbacks=[grads])
+        history = model.fit(X, Y, batch_size=8, epochs=1, verbose=0, callbacks=[callback])
     assert len([w for w in caught if "cannot write" in str(w.message)]) == 1
-    assert len(history.history["loss"]) == 1 and len(grads.history) == 4
+    assert len(history.history["loss"]) == 1
+    if name == "GradientStatistics":
+        assert len(callback.history) == 4
     with pytest.raises(type(error)):
-        model.fit(X, Y, batch_size=8, epochs=1, verbose=0,
-                  callbacks=[GradientStatistics(str(tmp_path), strict=True)])
+        model.fit(X, Y, batch_size=8, epochs=1, verbose=0, callbacks=[make(strict=True)])
+    _plain_state(model)
+
+
+def test_6_a_write_that_fails_part_way_warns_once_and_training_goes_on(tmp_path, monkeypatch):
+    original = _events.EventWriter.write
+    calls = []
+
+    def write(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) > 2:  # the disk fills up at the third step
+            raise OSError(28, "No space left on device")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(_events.EventWriter, "write", write)
+    model = _mlp()
+    grads = GradientStatistics(str(tmp_path))
+    with pytest.warns(RuntimeWarning, match=re.escape(
+            f"GradientStatistics could not record: it could not write its records to "
+            f"{str(tmp_path)}; training goes on. Cause: OSError: [Errno 28] No space left on "
+            "device")) as caught:
+        model.fit(X, Y, batch_size=8, epochs=2, verbose=0, callbacks=[grads])
+    assert len([w for w in caught if "could not record" in str(w.message)]) == 1
+    assert len(grads.history) == 8 and model.optimizer.iterations.numpy() == 8
     _plain_state(model)
 
 
@@ -488,12 +783,20 @@ def test_9_a_run_rolled_back_by_backup_and_restore_keeps_the_latest_writes(tmp_p
         model.fit(X, Y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=[
             keras.callbacks.BackupAndRestore(backup), GradientStatistics(log_dir),
             CrashInEpoch2()])
+    abandoned = kerasdbg.load_run(log_dir).scalars("gradients/global_norm")
     model = _mlp()  # a new process would start from scratch, then restore
-    model.fit(X, Y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=[
-        keras.callbacks.BackupAndRestore(backup), GradientStatistics(log_dir)])
+    # Other data after the restart: the resumed steps 5-6 differ from the abandoned ones.
+    resumed = GradientStatistics(log_dir)
+    model.fit(X, Y * 3.0, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=[
+        keras.callbacks.BackupAndRestore(backup), resumed])
     run = kerasdbg.load_run(log_dir)
-    steps = run.scalars("gradients/global_norm").step.tolist()
-    assert steps == list(range(1, 13))  # one value per step
+    norms = run.scalars("gradients/global_norm")
+    assert norms.step.tolist() == list(range(1, 13))  # one value per step
+    latest = resumed.history.set_index("step")["global_norm"]
+    for step in (5, 6):  # the latest write, not the abandoned one
+        value = norms[norms.step == step].value.iloc[0]
+        assert value == pytest.approx(latest[step], rel=1e-6)
+        assert value != pytest.approx(abandoned[abandoned.step == step].value.iloc[0], rel=1e-3)
     assert run.rollbacks().to_dict("records") == [{"run": "train", "step": 5, "dropped": [5, 6]}]
     from kerasdbg import report
     summary = report.summary(report.collect(log_dir))
@@ -509,9 +812,10 @@ def test_10_gradient_accumulation_records_every_batch_and_the_updates_applied():
     grads, weights = GradientStatistics(stats=["l2_norm"]), WeightStatistics(
         stats=["l2_norm", "update_ratio"])
     stop = StopOnRule(verbose=False)
+    seen = Kernels("d")
     with capture_applies() as capture:
         model.fit(X, Y, batch_size=4, epochs=1, shuffle=False, verbose=0,
-                  callbacks=[grads, weights, stop])
+                  callbacks=[grads, weights, stop, seen])
     history = grads.history
     # Steps count batches (optimizer.iterations counts updates: 2 after 8 batches).
     assert history.step.tolist() == list(range(1, 9)) and model.optimizer.iterations.numpy() == 2
@@ -526,41 +830,77 @@ def test_10_gradient_accumulation_records_every_batch_and_the_updates_applied():
         row = history[history.step == step].iloc[0]
         np.testing.assert_allclose(row["applied_gradients/m/d/kernel/l2_norm"],
                                    np.linalg.norm(mean), rtol=1e-5)
-    # The weights are described where they changed; no rule fires between updates.
+    # The weights are described where they changed, as they are after the update (read by
+    # the test after each batch); no rule fires between updates.
     assert weights.history.step.tolist() == [4, 8]
-    assert (weights.history["m/d/kernel/update_ratio"] > 0).all()
+    for step in (4, 8):
+        row = weights.history[weights.history.step == step].iloc[0]
+        after, before = seen.kernels[step], seen.kernels[step - 1]
+        np.testing.assert_allclose(row["m/d/kernel/l2_norm"], np.linalg.norm(after), rtol=1e-5)
+        np.testing.assert_allclose(row["m/d/kernel/update_ratio"],
+                                   np.linalg.norm(after - before) / np.linalg.norm(before),
+                                   rtol=1e-4)
     assert [v for v in stop.verdicts if v.severity == "fault"] == []
 
 
 # --------------------------------------------------------- 11. clipping
+class Kernels(keras.callbacks.Callback):
+    """The kernel of layer `name` after each batch (with steps_per_execution=1), and before
+    the first: `kernels[k]` is the kernel after train step k."""
+
+    def __init__(self, name):
+        super().__init__()
+        self.name = name
+        self.kernels = []
+
+    def on_train_begin(self, logs=None):
+        self.kernels = [self.model.get_layer(self.name).kernel.numpy().copy()]
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.kernels.append(self.model.get_layer(self.name).kernel.numpy().copy())
+
+
 @pytest.mark.parametrize("kind", ["global_clipnorm", "clipnorm", "clipvalue"])
 def test_11_clipping_records_the_gradient_before_it_and_what_is_applied(kind):
     keras.utils.set_random_seed(11)
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, name="d")], name="m")
-    model.compile(keras.optimizers.SGD(0.01, **{kind: 0.05}), "mse")
-    y = Y * 100.0  # large errors: gradients far above the clipping value
+    # No bias and a zero kernel: the first gradients are -2/n X^T y, so the size of y
+    # decides which steps clip.
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(
+        1, use_bias=False, kernel_initializer="zeros", name="d")], name="m")
+    lr = 0.01
+    model.compile(keras.optimizers.SGD(lr, **{kind: 1.0}), "mse")
+    y = Y.copy()
+    y[0:8] *= 100.0  # train steps 1 and 3: gradients far above 1; 2 and 4: far below
+    y[8:16] *= 0.01
+    y[16:24] *= 100.0
+    y[24:32] *= 0.01
     grads = GradientStatistics(stats=["l2_norm", "max", "min"])
-    stop = StopOnRule(ExplodingTensor(threshold=1.0), action="warn", verbose=False,
+    stop = StopOnRule(ExplodingTensor(threshold=10.0), action="warn", verbose=False,
                       freeze_on_fault=False)
+    seen = Kernels("d")
     with capture_applies() as capture, pytest.warns(kerasdbg.rules.RuleWarning):
-        model.fit(X, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[grads, stop])
+        model.fit(X, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[grads, stop, seen])
     history = grads.history
     captured = capture.gradients(model.optimizer)
     for step, batch in enumerate(captured, start=1):
         row = history[history.step == step].iloc[0]
-        unclipped = np.sqrt(sum(np.sum(g.astype(np.float64) ** 2) for g in batch.values()))
-        np.testing.assert_allclose(row["global_norm"], unclipped, rtol=1e-5)
-        applied = row["applied_gradients/global_norm"]
-        if kind == "global_clipnorm":
-            np.testing.assert_allclose(applied, 0.05, rtol=1e-5)
-        elif kind == "clipnorm":
-            assert row["applied_gradients/m/d/kernel/l2_norm"] <= 0.05 * (1 + 1e-5)
-        else:
-            assert row["applied_gradients/m/d/kernel/max"] <= np.float32(0.05)
-        assert row["clipped"] == 1.0
-    assert grads.clipped_steps == 4
+        unclipped = batch["m/d/kernel"].astype(np.float64)
+        np.testing.assert_allclose(row["global_norm"], np.linalg.norm(unclipped), rtol=1e-5)
+        # What SGD applied, from the weights: (before - after) / learning rate.
+        applied = (seen.kernels[step - 1].astype(np.float64) - seen.kernels[step]) / lr
+        np.testing.assert_allclose(row["applied_gradients/m/d/kernel/l2_norm"],
+                                   np.linalg.norm(applied), rtol=1e-4)
+        np.testing.assert_allclose(row["applied_gradients/m/d/kernel/max"], applied.max(),
+                                   rtol=1e-4, atol=1e-7)
+        np.testing.assert_allclose(row["applied_gradients/m/d/kernel/min"], applied.min(),
+                                   rtol=1e-4, atol=1e-7)
+        np.testing.assert_allclose(row["applied_gradients/global_norm"], np.linalg.norm(applied),
+                                   rtol=1e-4)
+        assert row["clipped"] == (1.0 if step in (1, 3) else 0.0), step
+    assert grads.clipped_steps == 2
     # The rules read the gradient before clipping: the explosion is seen.
-    assert [v.rule for v in stop.verdicts] == ["ExplodingTensor"]
+    assert [(v.rule, v.step) for v in stop.verdicts] == [("ExplodingTensor", 1)]
 
 
 # ------------------------------------------------- found in review

@@ -50,8 +50,9 @@ class ActivationStatistics(RecordingCallback):
         strict: raise, instead of warning and going on, when writing fails.
             Defaults to `False`.
 
-    A model with no matching tap trains on with a warning that says so
-    (`strict=True` raises a `ValueError` instead).
+    A model with no matching tap, or whose train step calls none of them (a
+    custom `train_step` that calls sub-models without taps), trains on with a
+    warning that says so (`strict=True` raises a `ValueError` instead).
 
     Example:
 
@@ -91,6 +92,7 @@ class ActivationStatistics(RecordingCallback):
         self._steps: "collections.OrderedDict[int, Dict[str, float]]" = collections.OrderedDict()
         self._writer: Optional[_events.EventWriter] = None
         self._failed = False
+        self._checked = False
 
     def get_config(self) -> dict:
         return {
@@ -104,6 +106,7 @@ class ActivationStatistics(RecordingCallback):
     # --------------------------------------------------------- callbacks
     def on_train_begin(self, logs=None):
         self._steps.clear()
+        self._checked = False
         taps = find_taps(self.model)
         self._taps = [t for t in taps if selected(t.name, self.include, self.exclude)]
         if not self._taps:
@@ -127,6 +130,24 @@ class ActivationStatistics(RecordingCallback):
         # catches what it could not, reading only taps whose every_n_steps
         # selected one of the steps since the last check.
         self._flush(_layer_sink.current_fit_step(self.model))
+        if not self._checked:
+            self._checked = True
+            self._check_taps_ran()
+
+    def _check_taps_ran(self) -> None:
+        """After the first execution: says once when none of the taps is in
+        the train step (a custom `train_step` that never calls the layers they
+        sit in), since they then record nothing in `fit`."""
+        if not self._taps or any("fit" in tap._host.traced_in for tap in self._taps):
+            return
+        message = (
+            f"{type(self).__name__} records nothing this fit: none of its taps "
+            f"({', '.join(t.name for t in self._taps)}) ran in the train step of model "
+            f"{self.model.name!r}; the train step does not call the layers they are in. Put "
+            "the taps in the model or sub-model that `train_step` calls.")
+        if self.strict:
+            raise ValueError(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     def on_epoch_end(self, epoch, logs=None):
         self._flush()

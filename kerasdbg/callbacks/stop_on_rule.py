@@ -270,7 +270,7 @@ class StopOnRule(keras.callbacks.Callback):
             stats = [s for s in allowed if s in wanted] or ["l2_norm"]
             requests.append(_engine.Request(
                 kind=kind, stats=stats, every_n_steps=1, last_step=last,
-                strict=self.strict, owner=type(self).__name__,
+                strict=self.strict, owner=type(self).__name__, for_rules=True,
             ))
         return requests
 
@@ -376,9 +376,15 @@ class StopOnRule(keras.callbacks.Callback):
         """`step/loss` from the loss this callback was told to read, else from
         `compute_loss`, else from the train step's `loss` (see `loss_source`)."""
         named = _tags.step_scalar(self.loss) if self.loss else None
+        returned = sorted(t.split("/", 1)[1] for t in values
+                          if t not in ("step/frozen", "step/fault"))
         if named is not None and named in values:
             values[LOSS_TAG] = values[named]
             source = f"the train step's {self.loss!r}"
+        elif named is not None:
+            # The scalar asked for is not there: no other loss stands in for it.
+            values.pop(LOSS_TAG, None)
+            source = None
         elif LOSS_TAG in values:
             source = "compute_loss" if _engine.engine_for(self.model).loss_captured \
                 else "the train step's 'loss'"
@@ -387,17 +393,37 @@ class StopOnRule(keras.callbacks.Callback):
         if not self._loss_checked:
             self._loss_checked = True
             self.loss_source = source
-            self._check_loss(values)
+            self._check_loss(values, returned)
+            self._check_classes()
         return values
 
-    def _check_loss(self, values: Dict[str, float]) -> None:
-        """Says once when a rule reads the loss and there is none to read."""
+    def _check_classes(self) -> None:
+        """Says once when a rule reads class counts and the train step gives
+        no labels and class predictions to count."""
+        request = next((r for r in self._requests if r.kind == "classes"), None)
+        if request is None or request.labelled is not False:
+            return
+        readers = [r for r in self._runner.rules
+                   if any(c == CLASSES for c, _ in r.requires) and r not in self._silent]
+        if not readers:
+            return
+        self._silent.extend(readers)
+        message = (f"{type(self).__name__}: {', '.join(r.name for r in readers)} "
+                   f"read{'s' if len(readers) == 1 else ''} classes/<k>/seen and "
+                   "classes/<k>/mispredicted, which this model does not give: the train "
+                   "step does not call `compute_loss` with labels and class predictions "
+                   "(at most 1000 classes), so there is nothing to count. They will not fire.")
+        if self.strict:
+            raise ValueError(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=6)
+
+    def _check_loss(self, values: Dict[str, float], returned: List[str]) -> None:
+        """Says once when a rule reads the loss and there is none to read
+        (`returned`: the names of the scalars the train step gives)."""
         readers = [r for r in self._runner.rules
                    if ("step", "loss") in tuple(r.requires) and r not in self._silent]
         if LOSS_TAG in values or not readers:
             return
-        returned = sorted(t.split("/", 1)[1] for t in values
-                          if t not in (LOSS_TAG, "step/frozen", "step/fault"))
         if self.loss:
             why = (f"the train step returns no scalar {self.loss!r} (`loss`); it returns: "
                    f"{', '.join(returned) or 'none'}")
@@ -487,18 +513,33 @@ class StopOnRule(keras.callbacks.Callback):
             self._evaluate(step, verdicts)
 
     def _freeze_verdict(self, step: int, record, verdicts) -> List[Verdict]:
+        """The freeze, as a verdict when no rule fired at its step; and, with
+        several optimizers, what a freeze could not undo, as information."""
         # The engine's step record is shared: another StopOnRule may have frozen.
         if not self.freeze_on_fault or self._freeze_reported or not record.get("step/frozen"):
             return []
         self._freeze_reported = True
+        late = _engine.engine_for(self.model).applied_before_fault(step)
+        kept = ""
+        if late is not None:
+            earlier, faulty = late
+            kept = (f"{', '.join(earlier)} had applied this train step's update before "
+                    f"{faulty}'s apply found the fault; a freeze acts from the apply that "
+                    "finds the fault on and cannot undo an earlier one, so "
+                    f"{', '.join(earlier)}'s weights include step {step}'s update")
+        loss = record.get("step/loss")  # absent when the model gives none
         if verdicts:
-            return []
-        loss = record.get("step/loss", math.nan)
+            if not kept:
+                return []
+            return [make_verdict("FreezeOnFault", step, kept, {name: 1.0 for name in earlier},
+                                 severity="info")]
         norm = "" if self.max_gradient_norm is None else \
             f", or a global gradient norm above {self.max_gradient_norm:g}"
         return [make_verdict(
             "FreezeOnFault", step, f"the weights were frozen from this step on (in-graph "
-            f"fault: a non-finite loss or gradient{norm}); loss={loss:.4g}", {"step/loss": loss})]
+            f"fault: a non-finite loss or gradient{norm})"
+            + ("" if loss is None else f"; loss={loss:.4g}") + (f"; {kept}" if kept else ""),
+            {} if loss is None else {"step/loss": loss})]
 
     def _nan_source_verdict(self, step: int, record) -> List[Verdict]:
         if self._located or not self.locate_nan or not record.get("step/fault"):

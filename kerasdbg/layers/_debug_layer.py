@@ -8,15 +8,18 @@ order, to `_consume`.
 
 Step numbers:
 
-- in `fit`: `optimizer.iterations + 1`, the number the optimizer step of this
-  forward pass gets, the same as in `GradientStatistics` (it continues across
-  `fit` calls);
+- in `fit`: the number the optimizer step of this forward pass gets, the
+  same as in `GradientStatistics` (it continues across `fit` calls):
+  `model.optimizer`'s count of steps + 1 with Keras's `train_step`; with a
+  custom one, the largest count of the optimizers the model holds + 1 (a
+  GAN applies its own, never `model.optimizer`); batches, not updates,
+  under gradient accumulation;
 - in `evaluate`, `predict` and other calls: the layer's own count of calls in
   that mode (1-based, over the layer's lifetime, saved with the model).
 
 Counters are `ON_READ` / `ONLY_FIRST_REPLICA` variables: each replica counts
-for itself, so a step is never counted once per replica (DESIGN.md: the
-`aggregation="sum"` trap).
+for itself, so a step is never counted once per replica (a counter with
+`aggregation="sum"` counts each step once per replica).
 """
 
 from __future__ import annotations
@@ -96,6 +99,8 @@ class DebugLayer(keras.layers.Layer):
         self._host = _HostState()
         self._host.last_id = []
         self._host.fit_checked = {}
+        # The loops ("fit", "evaluate", ...) whose step function traced this layer.
+        self._host.traced_in = set()
         self._failed = False
         self._warned_slots = False
 
@@ -156,6 +161,10 @@ class DebugLayer(keras.layers.Layer):
         """The fields of one record, in-graph."""
         raise NotImplementedError
 
+    def _update_state(self, inputs) -> None:
+        """In-graph, at every call (recorded or not): what a subclass tracks across
+        calls. Runs before `_values`."""
+
     def _consume(self, records: List[LayerRecord]) -> None:
         """Host side: what to do with new records, in call order."""
         raise NotImplementedError
@@ -168,6 +177,7 @@ class DebugLayer(keras.layers.Layer):
     def _record(self, inputs, context: internals.StepContext) -> None:
         if self._failed:
             return
+        self._host.traced_in.add(context.mode)
         _layer_sink.register(self, context)
         if context.model is not None and not self._warned_slots:
             spe = int(getattr(context.model, "steps_per_execution", 1) or 1)
@@ -182,6 +192,7 @@ class DebugLayer(keras.layers.Layer):
                     stacklevel=3,
                 )
         mode, call_id, step = self._count(context)
+        self._update_state(inputs)
         replica, static_replica = self._replica()
         if static_replica is not None and not self._record_replica(static_replica):
             return  # known at trace time: this replica records nothing

@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 import tensorflow as tf
 
+from kerasdbg import _keras_internals as internals
 from kerasdbg import _validation as check
 from kerasdbg import stats as stats_lib
 from kerasdbg.layers._debug_layer import DebugLayer, LayerRecord
@@ -36,11 +37,15 @@ class TapLayer(DebugLayer):
     activation, the activation's health:
 
     - after a ReLU-family activation: `dead_fraction`, the fraction of units
-      (every non-batch position) that are zero for at least
-      `100 - inactivity_threshold` percent of the batch (with the default 1%,
-      a unit is dead when no example of a batch under 100 activates it);
+      (every non-batch position) that are dead: zero for at least
+      `100 - inactivity_threshold` percent of each batch, in the consecutive
+      batches of the last `min_examples` examples or more. With the
+      defaults (1%, 100 examples) a batch of 100 or more decides alone; with
+      batches of 8, a unit is dead when no example of 13 batches in a row
+      activated it: one small batch that happens not to activate a healthy
+      unit is no evidence that it died;
     - after tanh or sigmoid: `saturated_fraction`, the fraction of units
-      saturated for that share of the batch. Saturation is measured on the
+      saturated in the same sense. Saturation is measured on the
       activation's output, against the images of SageMaker Debugger's input
       bounds: |tanh(x)| >= tanh(9.4999), sigmoid(x) <= sigmoid(-23) or
       >= sigmoid(16.99999), compared in the tensor's precision (in float32
@@ -72,6 +77,12 @@ class TapLayer(DebugLayer):
             Defaults to `None`.
         inactivity_threshold: percent of the batch, see above. Defaults to
             `1.0`.
+        min_examples: the examples a unit must have been inactive (or
+            saturated) for, in consecutive batches, to count (under a
+            strategy, the examples of the replica's share). Units are
+            tracked across calls of every kind (`fit`, `evaluate`, ...) where
+            the shape after the batch dimension is static; elsewhere each
+            batch decides alone. Defaults to `100`.
         replicas: "first" or "all". Defaults to `"first"`.
         history_size: records of `fit` kept in `history`. Defaults to `1000`.
         buffer_steps: records kept between two host reads; at least
@@ -102,6 +113,7 @@ class TapLayer(DebugLayer):
         every_n_steps: int = 1,
         activation: Optional[str] = None,
         inactivity_threshold: float = 1.0,
+        min_examples: int = 100,
         replicas: str = "first",
         history_size: int = 1000,
         buffer_steps: int = 64,
@@ -128,6 +140,9 @@ class TapLayer(DebugLayer):
                 f"[0, 100). Received: inactivity_threshold={inactivity_threshold!r}"
             )
         self.inactivity_threshold = float(inactivity_threshold)
+        self.min_examples = check.positive_int(owner, "min_examples", min_examples)
+        self.flagged_examples = None
+        self._health_now = None
         self.history_size = check.non_negative_int(owner, "history_size", history_size)
         self._host.history = collections.deque(maxlen=history_size)
         self._host.latest = {}  # mode -> row
@@ -145,6 +160,7 @@ class TapLayer(DebugLayer):
             sample_rows=self.sample_rows,
             activation=self.activation,
             inactivity_threshold=self.inactivity_threshold,
+            min_examples=self.min_examples,
             history_size=self.history_size,
         )
         return config
@@ -158,7 +174,40 @@ class TapLayer(DebugLayer):
             return ("saturated_fraction",)
         return ()
 
+    def build(self, input_shape):
+        super().build(input_shape)
+        units = tuple(input_shape[1:])
+        if self.health and units and all(d is not None for d in units):
+            # Per unit: the examples of the consecutive batches, up to the latest,
+            # in which the unit was flagged (dead or saturated); per replica.
+            self.flagged_examples = keras.Variable(
+                np.zeros(units, np.int64), dtype="int64", trainable=False,
+                name="flagged_examples", synchronization="on_read",
+                aggregation="only_first_replica",
+            )
+
     # ------------------------------------------------------------ records
+    def _update_state(self, inputs):
+        self._health_now = None
+        if not self.health:
+            return
+        x = tf.convert_to_tensor(inputs)
+        y = x if x.dtype.is_floating else tf.cast(x, tf.float32)
+        flagged = tf.equal(y, 0) if self.activation == "relu" else self._saturated(y)
+        # Share of the batch each unit is flagged for; rank 1 means units are the batch.
+        if y.shape.rank and y.shape.rank > 1:
+            share = tf.reduce_mean(tf.cast(flagged, tf.float64), axis=0)
+        else:
+            share = tf.cast(flagged, tf.float64)
+        bad = share >= 1.0 - self.inactivity_threshold / 100.0
+        if self.flagged_examples is not None:
+            batch = tf.cast(tf.shape(y)[0], tf.int64)
+            streak = tf.where(bad, internals.read(self.flagged_examples) + batch,
+                              tf.zeros_like(bad, tf.int64))
+            self.flagged_examples.assign(streak)
+            bad = streak >= self.min_examples
+        self._health_now = tf.reduce_mean(tf.cast(bad, tf.float64))[None]
+
     def _fields(self, input_shape):
         fields = {
             "stats": ((len(self.stats),), tf.float64),
@@ -194,16 +243,8 @@ class TapLayer(DebugLayer):
             "stats": stats_lib.tensor_statistics([x], self.stats)[0],
             "size": tf.cast(tf.size(x), tf.float64),
         }
-        if self.health:
-            y = x if x.dtype.is_floating else tf.cast(x, tf.float32)
-            flagged = tf.equal(y, 0) if self.activation == "relu" else self._saturated(y)
-            # Share of the batch each unit is flagged for; rank 1 means units are the batch.
-            if y.shape.rank and y.shape.rank > 1:
-                share = tf.reduce_mean(tf.cast(flagged, tf.float64), axis=0)
-            else:
-                share = tf.cast(flagged, tf.float64)
-            bad = share >= 1.0 - self.inactivity_threshold / 100.0
-            values["health"] = tf.reduce_mean(tf.cast(bad, tf.float64))[None]
+        if self._health_now is not None:
+            values["health"] = self._health_now
         if self.histogram:
             counts, ranges = stats_lib.histograms([x], self.histogram_bins)
             values["hist_counts"], values["hist_range"] = counts[0], ranges[0]

@@ -25,6 +25,13 @@ class UnchangedTensor(Rule):
     0, a frozen layer behind dead units), gradients stuck at one value, or
     activations that no longer depend on the batch show up this way.
 
+    Tensors constant by construction in a healthy network are not a fault:
+    unchanged from the first steps while their layer changes, or weights
+    that a sibling of their layer (the kernel beside a bias) outweighs a
+    thousand times at every step, such as the key bias of
+    `MultiHeadAttention`, whose gradient is zero up to rounding. Each is
+    reported once, as an "info" verdict.
+
     Args:
         num_steps: recorded steps that must agree. Defaults to `3`.
         rtol: relative tolerance. Defaults to `1e-5`.
@@ -90,9 +97,15 @@ class UnchangedTensor(Rule):
                 fired[key] = first
         for collection in ("gradients", "weights"):
             failing = {t: v for (c, t), v in fired.items() if c == collection}
+            # Weights judged by their size too: a tensor that a sibling of its layer dwarfs
+            # (RATIO times larger) at every step is near zero by construction (the key bias
+            # of an attention layer, whose gradient is 0 up to rounding) and barely moves.
+            norms = {t: s["l2_norm"] for (c, t), s in current.items()
+                     if c == collection and "l2_norm" in s} if collection == "weights" else {}
             faults, exempt = self._construction.split(
                 collection, failing, evaluated[collection],
-                first_chance={t for c, t in first_chance if c == collection}, step=step)
+                first_chance={t for c, t in first_chance if c == collection},
+                magnitudes=norms or None, step=step)
             for tensor in set(failing) - set(faults):
                 del fired[(collection, tensor)]
             self.note(step, f"constant by construction, not a fault (statistics unchanged in "

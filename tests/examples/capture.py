@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 
-MAX_CALLS = 64
+MAX_CALLS = 128
 
 
 class _Buffers:

@@ -9,7 +9,9 @@ One case per port and execution configuration, two fits each (shared by every ch
   (`capture.py`) to see independently what it receives.
 
 Checks: the recorded gradient norms equal the captured ones (and, for the deterministic
-ports, those of a GradientTape replay); no rule fires before the fault, only information
+ports, those of a GradientTape replay); every scalar the train step returns is recorded
+once per train step as `step/<name>` (and `step/loss` is the replay's loss where there is
+one); no rule fires before the fault, only information
 on tensors that are zero by construction; the NaN is caught at its step; the weights at
 the end are bitwise those of the plain reference (the faulty step never reached them);
 nothing of kerasdbg is left in the model.
@@ -32,7 +34,7 @@ from tests.conftest import make_strategy
 from tests.examples import ports
 from tests.examples.capture import capture_applies
 
-STEPS, FAULT = 6, 5
+STEPS, FAULT = 26, 25
 CONFIGS = [("default", 1, False), ("default", 4, False), ("default", 1, True),
            ("default", 4, True), ("mirrored", 1, False)]
 ACCUMULATION_MIRRORED = (
@@ -111,14 +113,15 @@ def _fault_step(name):
 
 
 @functools.lru_cache(maxsize=None)
-def _replay_norms(name):
-    """Per-variable gradient norms of train steps 1..FAULT-1 of the deterministic ports,
-    from a GradientTape replay written here: the model's forward pass, its loss (Keras's
-    `compute_loss`, or the port's own), and an optimizer of the same configuration."""
+def _replay(name):
+    """`(norms, losses)` of train steps 1..FAULT-1 of the deterministic ports, from a
+    GradientTape replay written here: the model's forward pass, its loss (Keras's
+    `compute_loss`, or the port's own), and an optimizer of the same configuration.
+    `norms` holds the per-variable gradient norms of each step."""
     port = ports.make(name, steps=STEPS)
     model = port.model
     optimizer = model.optimizer.__class__.from_config(model.optimizer.get_config())
-    norms = []
+    norms, losses = [], []
     x, y = port.x, port.y
     for step in range(FAULT - 1):
         rows = slice(step * port.batch_size, (step + 1) * port.batch_size)
@@ -132,16 +135,20 @@ def _replay_norms(name):
         variables = model.trainable_variables
         grads = tape.gradient(loss, variables)
         norms.append([float(np.linalg.norm(g.numpy().astype(np.float64))) for g in grads])
+        losses.append(float(loss))
         optimizer.apply(grads, variables)
-    return norms
+    return norms, losses
 
 
 @pytest.mark.parametrize("name, strategy_name, spe, jit", _cases())
-def test_every_instrument_on_the_port(name, strategy_name, spe, jit):
+def test_every_instrument_on_the_port(name, strategy_name, spe, jit, tmp_path):
     reference = _make(name, strategy_name, spe, jit)
+    # The same arrays (the sample weights too: they change the graph, and so the kernels
+    # and their rounding), up to the batch before the faulty one.
+    clean = [_rows(data, FAULT - 1) for data in _with_nan(reference)]
     try:  # plain Keras: where it fails, kerasdbg is not involved
-        reference.model.fit(_rows(reference.x, FAULT - 1), _rows(reference.y, FAULT - 1),
-                            batch_size=reference.batch_size, epochs=1, shuffle=False, verbose=0)
+        reference.model.fit(*clean[:2], sample_weight=clean[2], batch_size=reference.batch_size,
+                            epochs=1, shuffle=False, verbose=0)
     except RuntimeError as error:
         if name == "accumulation" and strategy_name == "mirrored" and "merge_call" in str(error):
             raise
@@ -153,7 +160,7 @@ def test_every_instrument_on_the_port(name, strategy_name, spe, jit):
     x, y, sample_weight = _with_nan(port)
     trained = kerasdbg.insert_taps(model) if port.functional else model
     grads_cb, weights_cb = GradientStatistics(), WeightStatistics()
-    stop = StopOnRule(verbose=False)
+    stop = StopOnRule(verbose=False, log_dir=str(tmp_path))
     callbacks = [grads_cb, weights_cb, stop] + ([ActivationStatistics()] if port.functional else [])
     with capture_applies() as capture, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -206,7 +213,7 @@ def test_every_instrument_on_the_port(name, strategy_name, spe, jit):
             # the one-device gradient, which the capture shows and the replay does not.)
             # In the order of the model's trainable variables (the replay's model is
             # another instance, with other layer names).
-            for call, norms in enumerate(_replay_norms(name)):
+            for call, norms in enumerate(_replay(name)[0]):
                 np.testing.assert_allclose(list(captured[call].values()), norms, rtol=1e-4,
                                            atol=1e-7, err_msg=f"replay step {call + 1}")
         # The faulty step's gradient norm is NaN, not a small number.
@@ -214,6 +221,7 @@ def test_every_instrument_on_the_port(name, strategy_name, spe, jit):
         if attribute == next(iter(port.optimizers)) and len(faulty):
             norm_column = "global_norm" if not several else f"{attribute}/global_norm"
             assert np.isnan(faulty[norm_column].iloc[0])
+    _check_step_values(name, strategy_name, port, tmp_path)
     weights = weights_cb.history
     assert len(weights) and weights.step.max() <= STEPS * (3 if name == "wgan_gp" else 1)
     if port.functional:
@@ -240,3 +248,19 @@ def _check_information(name, verdicts):
         assert any(re.search(r"separable_conv2d(_\d+)?/bias$", t) for t in info), info
     for tensor in info:
         assert tensor.endswith("bias"), (name, tensor)
+
+
+def _check_step_values(name, strategy_name, port, log_dir):
+    """`step/<name>` holds every scalar the train step returns, once per train step (at
+    the step of its first apply), finite before the fault; for the deterministic ports,
+    `step/loss` is the replay's loss of each step."""
+    run = kerasdbg.load_run(str(log_dir))
+    first_applies = [3 * t + 1 if name == "wgan_gp" else t + 1 for t in range(FAULT - 1)]
+    for returned in _returned(name) if name in NO_LOSS else ("loss",):
+        values = run.scalars(f"step/{returned}")
+        healthy = values[values.step < _fault_step(name)]
+        assert healthy.step.tolist() == first_applies, (returned, values.step.tolist())
+        assert np.all(np.isfinite(healthy.value)), (returned, healthy.value.tolist())
+        if returned == "loss" and port.deterministic and strategy_name == "default":
+            np.testing.assert_allclose(healthy.value, _replay(name)[1], rtol=1e-4,
+                                       err_msg="step/loss against the replay's loss")

@@ -47,7 +47,8 @@ def test_sample_rows_of_a_short_batch_are_not_padded():
 @pytest.mark.parametrize(
     "activation, values, expected",
     [
-        # Units are columns; a unit is flagged when flagged for the whole batch (< 100 rows).
+        # Units are columns; a unit is flagged when flagged for the whole batch (< 100
+        # rows); with min_examples=2, one batch of two decides.
         ("relu", [[0.0, 1.0, 0.0], [0.0, 0.0, 2.0]], 1 / 3),
         ("tanh", [[1.0, -1.0, 0.5], [1.0, -1.0, 0.99]], 2 / 3),
         ("sigmoid", [[1.0, 1e-11, 0.5], [1.0, 1e-12, 1e-9]], 2 / 3),
@@ -55,14 +56,34 @@ def test_sample_rows_of_a_short_batch_are_not_padded():
     ids=["relu-dead", "tanh-saturated", "sigmoid-saturated"],
 )
 def test_activation_health(activation, values, expected):
-    tap = TapLayer(stats=["mean"], activation=activation, name="t")
+    tap = TapLayer(stats=["mean"], activation=activation, min_examples=2, name="t")
     tap(np.array(values, "float32"))
     assert tap.latest[tap.health[0]] == pytest.approx(expected)
 
 
+def test_a_unit_is_dead_after_min_examples_in_a_row_not_after_one_small_batch():
+    rng = np.random.default_rng(5)
+    tap = TapLayer(stats=["mean"], activation="relu", name="t")  # min_examples=100
+    streak = np.zeros(4, np.int64)  # the reference, per unit
+    for call in range(80):
+        batch = rng.integers(1, 9)
+        values = np.abs(rng.normal(size=(batch, 4))).astype("float32")
+        values[:, 0] = 0.0                          # never active: dead after 100 examples
+        values[:, 1] *= rng.random(batch) < 0.2     # often a whole batch at 0, never dead
+        if call >= 40:
+            values[:, 2] = 0.0                      # dies at call 40
+        tap(values)
+        inactive = np.all(values == 0, axis=0)
+        streak = np.where(inactive, streak + batch, 0)
+        assert tap.latest["dead_fraction"] == pytest.approx(np.mean(streak >= 100)), call
+    assert tap.latest["dead_fraction"] == pytest.approx(0.5)  # units 0 and 2
+    with pytest.raises(ValueError, match="min_examples.*Received: min_examples=0"):
+        TapLayer(activation="relu", min_examples=0)
+
+
 def test_saturation_is_measured_on_real_activations():
     preactivation = np.array([[10.0, 9.0, -12.0, 0.1]] * 4, "float32")
-    tap = TapLayer(stats=["max"], activation="tanh", name="t")
+    tap = TapLayer(stats=["max"], activation="tanh", min_examples=4, name="t")
     tap(np.tanh(preactivation))
     # float32 tanh is exactly 1 beyond ~9.01: 10 and -12 count, 9 and 0.1 do not.
     assert tap.latest["saturated_fraction"] == pytest.approx(0.5)
