@@ -809,12 +809,16 @@ class Engine:
         handed out if they can be, and the fit's own exception is what
         propagates (a consumer failing again here is left alone)."""
         try:
-            self.collect()
+            try:
+                self.collect()
+            except Exception:  # noqa: BLE001 - the fit already raised
+                pass
             # What the callbacks wrote of the failed fit is on disk for a look
             # at it (no on_train_end flushes their writers).
-            _events.flush_all()
-        except Exception:  # noqa: BLE001 - the fit already raised
-            pass
+            try:
+                _events.flush_all()
+            except Exception:  # noqa: BLE001 - the fit already raised
+                pass
         finally:
             self._reset()
 

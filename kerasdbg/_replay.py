@@ -201,6 +201,9 @@ def call_layer_by_layer(model, inputs, training, on_output, path: Path = ()):
         if is_graph_model(layer):
             outputs = call_layer_by_layer(layer, args[0], training, on_output,
                                           path + (layer.name,))
+        elif isinstance(layer, DebugLayer):
+            # An identity: a replay neither records nor counts the batch again.
+            outputs = args[0]
         else:
             if internals.takes_training(layer):
                 kwargs = dict(kwargs, training=training)

@@ -523,8 +523,10 @@ class StopOnRule(keras.callbacks.Callback):
         kept = ""
         if late is not None:
             earlier, faulty = late
+            finder = (f"a later apply of {faulty}" if faulty in earlier
+                      else f"{faulty}'s apply")
             kept = (f"{', '.join(earlier)} had applied this train step's update before "
-                    f"{faulty}'s apply found the fault; a freeze acts from the apply that "
+                    f"{finder} found the fault; a freeze acts from the apply that "
                     "finds the fault on and cannot undo an earlier one, so "
                     f"{', '.join(earlier)}'s weights include step {step}'s update")
         loss = record.get("step/loss")  # absent when the model gives none

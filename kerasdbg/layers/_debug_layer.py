@@ -157,13 +157,15 @@ class DebugLayer(keras.layers.Layer):
         """Field name -> (shape, dtype) of what one record holds."""
         raise NotImplementedError
 
-    def _values(self, inputs) -> Dict[str, tf.Tensor]:
-        """The fields of one record, in-graph."""
+    def _values(self, inputs, state=None) -> Dict[str, tf.Tensor]:
+        """The fields of one record, in-graph; `state` is what `_update_state`
+        returned for this call."""
         raise NotImplementedError
 
-    def _update_state(self, inputs) -> None:
+    def _update_state(self, inputs, context: internals.StepContext):
         """In-graph, at every call (recorded or not): what a subclass tracks across
-        calls. Runs before `_values`."""
+        calls. What it returns is passed to `_values`."""
+        return None
 
     def _consume(self, records: List[LayerRecord]) -> None:
         """Host side: what to do with new records, in call order."""
@@ -192,7 +194,7 @@ class DebugLayer(keras.layers.Layer):
                     stacklevel=3,
                 )
         mode, call_id, step = self._count(context)
-        self._update_state(inputs)
+        state = self._update_state(inputs, context)
         replica, static_replica = self._replica()
         if static_replica is not None and not self._record_replica(static_replica):
             return  # known at trace time: this replica records nothing
@@ -200,7 +202,7 @@ class DebugLayer(keras.layers.Layer):
         def write():
             buffers = self._buffers
             row = tf.math.floormod(call_id - 1, buffers.slots)
-            for key, value in self._values(inputs).items():
+            for key, value in self._values(inputs, state).items():
                 if buffers.fields[key].shape.num_elements():  # nothing to keep in []
                     _buffers.write_row(buffers.fields[key], row, value)
             _buffers.write_row(buffers.meta, row, tf.stack([tf.constant(mode, tf.int64), step]))

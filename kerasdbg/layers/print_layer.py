@@ -188,7 +188,7 @@ class PrintLayer(DebugLayer):
             "tail": ((k,), tf.float64),
         }
 
-    def _values(self, inputs):
+    def _values(self, inputs, state=None):
         x = tf.convert_to_tensor(inputs)
         k = max(self.summarize, 1)
         flat = tf.reshape(x, [-1])

@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 import tensorflow as tf
 
+from kerasdbg import _buffers
 from kerasdbg import _keras_internals as internals
 from kerasdbg import _validation as check
 from kerasdbg import stats as stats_lib
@@ -79,10 +80,12 @@ class TapLayer(DebugLayer):
             `1.0`.
         min_examples: the examples a unit must have been inactive (or
             saturated) for, in consecutive batches, to count (under a
-            strategy, the examples of the replica's share). Units are
-            tracked across calls of every kind (`fit`, `evaluate`, ...) where
-            the shape after the batch dimension is static; elsewhere each
-            batch decides alone. Defaults to `100`.
+            strategy, the examples of the replica's share). `fit` and other
+            calls (a custom training loop) extend or end the runs;
+            `evaluate` and `predict` read them with their own batch added.
+            Dimensions of unknown size after the batch (a sequence of any
+            length) count as more of the batch, not as units. Defaults to
+            `100`.
         replicas: "first" or "all". Defaults to `"first"`.
         history_size: records of `fit` kept in `history`. Defaults to `1000`.
         buffer_steps: records kept between two host reads; at least
@@ -98,7 +101,8 @@ class TapLayer(DebugLayer):
 
     >>> import numpy as np
     >>> from kerasdbg.layers import TapLayer
-    >>> tap = TapLayer(stats=["mean", "max"], activation="relu", name="tap")
+    >>> tap = TapLayer(stats=["mean", "max"], activation="relu", min_examples=2,
+    ...                name="tap")
     >>> _ = tap(np.array([[0.0, 2.0], [0.0, 4.0]]))
     >>> tap.latest
     {'step': 1, 'mode': 'call', 'mean': 1.5, 'max': 4.0, 'dead_fraction': 0.5}
@@ -141,8 +145,6 @@ class TapLayer(DebugLayer):
             )
         self.inactivity_threshold = float(inactivity_threshold)
         self.min_examples = check.positive_int(owner, "min_examples", min_examples)
-        self.flagged_examples = None
-        self._health_now = None
         self.history_size = check.non_negative_int(owner, "history_size", history_size)
         self._host.history = collections.deque(maxlen=history_size)
         self._host.latest = {}  # mode -> row
@@ -176,37 +178,44 @@ class TapLayer(DebugLayer):
 
     def build(self, input_shape):
         super().build(input_shape)
-        units = tuple(input_shape[1:])
-        if self.health and units and all(d is not None for d in units):
-            # Per unit: the examples of the consecutive batches, up to the latest,
-            # in which the unit was flagged (dead or saturated); per replica.
-            self.flagged_examples = keras.Variable(
-                np.zeros(units, np.int64), dtype="int64", trainable=False,
-                name="flagged_examples", synchronization="on_read",
-                aggregation="only_first_replica",
-            )
+        # Per unit (each position after the batch dimension whose size is static):
+        # the examples of the run of batches, up to the latest, that flagged it, up to
+        # `min_examples`; per replica, not saved with the model (like the buffers).
+        self._host.flagged = None
+        units = [d for d in tuple(input_shape)[1:] if d is not None]
+        if self.health and len(input_shape) > 1:
+            self._host.flagged = _buffers.on_read_variable(
+                tf.zeros(units, tf.int32), f"{self.name}_flagged_examples")
 
     # ------------------------------------------------------------ records
-    def _update_state(self, inputs):
-        self._health_now = None
+    def _update_state(self, inputs, context):
+        """The health fraction of this call: units flagged in a run of batches of at
+        least `min_examples` examples. Training calls (`fit`, and calls outside
+        Keras's loops: a custom training loop) extend or end the runs; `evaluate`
+        and `predict` read them, with their own batch added."""
         if not self.health:
-            return
+            return None
         x = tf.convert_to_tensor(inputs)
         y = x if x.dtype.is_floating else tf.cast(x, tf.float32)
         flagged = tf.equal(y, 0) if self.activation == "relu" else self._saturated(y)
-        # Share of the batch each unit is flagged for; rank 1 means units are the batch.
-        if y.shape.rank and y.shape.rank > 1:
-            share = tf.reduce_mean(tf.cast(flagged, tf.float64), axis=0)
-        else:
-            share = tf.cast(flagged, tf.float64)
+        if not y.shape.rank or y.shape.rank < 2:  # rank 1: the units are the batch
+            bad = tf.cast(flagged, tf.float64) >= 1.0 - self.inactivity_threshold / 100.0
+            return tf.reduce_mean(tf.cast(bad, tf.float64))[None]
+        # Share of the batch each unit is flagged for; dimensions of unknown size (a
+        # sequence of any length) count as more examples of the batch.
+        # (As built: an eager call knows every size.)
+        axes = [0] + [i for i, d in enumerate(self._input_shape) if i and d is None]
+        share = tf.reduce_mean(tf.cast(flagged, tf.float64), axis=axes)
         bad = share >= 1.0 - self.inactivity_threshold / 100.0
-        if self.flagged_examples is not None:
-            batch = tf.cast(tf.shape(y)[0], tf.int64)
-            streak = tf.where(bad, internals.read(self.flagged_examples) + batch,
-                              tf.zeros_like(bad, tf.int64))
-            self.flagged_examples.assign(streak)
-            bad = streak >= self.min_examples
-        self._health_now = tf.reduce_mean(tf.cast(bad, tf.float64))[None]
+        flagged_examples = self._host.flagged
+        rows = tf.shape(y)[0]
+        runs = tf.minimum(internals.read(flagged_examples) + rows, self.min_examples)
+        runs = tf.where(bad, runs, tf.zeros_like(runs))
+        # An empty batch (a replica's share of the last one) changes nothing.
+        runs = tf.where(rows > 0, runs, internals.read(flagged_examples))
+        if context.mode not in ("evaluate", "predict"):
+            flagged_examples.assign(runs)
+        return tf.reduce_mean(tf.cast(runs >= self.min_examples, tf.float64))[None]
 
     def _fields(self, input_shape):
         fields = {
@@ -237,14 +246,14 @@ class TapLayer(DebugLayer):
         high = tf.cast(1.0 / (1.0 + np.exp(-SIGMOID_INPUT_BOUNDS[1])), x.dtype)
         return (x <= low) | (x >= high)
 
-    def _values(self, inputs):
+    def _values(self, inputs, state=None):
         x = tf.convert_to_tensor(inputs)
         values = {
             "stats": stats_lib.tensor_statistics([x], self.stats)[0],
             "size": tf.cast(tf.size(x), tf.float64),
         }
-        if self._health_now is not None:
-            values["health"] = self._health_now
+        if state is not None:
+            values["health"] = state
         if self.histogram:
             counts, ranges = stats_lib.histograms([x], self.histogram_bins)
             values["hist_counts"], values["hist_range"] = counts[0], ranges[0]
@@ -263,6 +272,8 @@ class TapLayer(DebugLayer):
         row = {"step": first.step, "mode": first.mode}
         stats = np.array([r.values["stats"] for r in records])
         sizes = np.array([float(r.values["size"]) for r in records])
+        if not sizes.sum():  # only empty batches: every record counts alike
+            sizes = None
         for i, name in enumerate(self.stats):
             column = stats[:, i]
             if len(records) == 1:

@@ -72,9 +72,9 @@ def test_batch_ends_read_only_taps_that_recorded_and_one_trace():
         reads.append(at_batch_end[0])
         return original_read()
 
-    def counting_values(inputs):
+    def counting_values(inputs, state=None):
         traces.append(1)
-        return original_values(inputs)
+        return original_values(inputs, state)
 
     class Mark(keras.callbacks.Callback):
         def __init__(self, value):

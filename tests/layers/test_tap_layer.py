@@ -5,6 +5,7 @@ import re
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from kerasdbg.layers import TapLayer
 from tests.conftest import make_strategy, reference_stats
@@ -77,6 +78,39 @@ def test_a_unit_is_dead_after_min_examples_in_a_row_not_after_one_small_batch():
         streak = np.where(inactive, streak + batch, 0)
         assert tap.latest["dead_fraction"] == pytest.approx(np.mean(streak >= 100)), call
     assert tap.latest["dead_fraction"] == pytest.approx(0.5)  # units 0 and 2
+    # An empty batch (a replica's share of the last one) changes nothing.
+    before = tap._host.flagged.numpy().copy()
+    tap(np.zeros((0, 4), "float32"))
+    np.testing.assert_array_equal(tap._host.flagged.numpy(), before)
+
+
+def test_a_sequence_of_any_length_counts_as_more_of_the_batch():
+    tap = TapLayer(stats=["mean"], activation="relu", min_examples=4, name="t")
+    inputs = keras.Input((None, 3))
+    model = keras.Model(inputs, tap(inputs))
+    x = np.ones((2, 5, 3), "float32")
+    x[:, :, 0] = 0.0                       # channel 0 never active
+    x[0, 4, 1] = 0.0                       # channel 1 active elsewhere
+    for calls in (1, 2):
+        model(x)
+        # Units are the 3 channels; 2 rows per call: 4 examples after the second.
+        assert tap.latest["dead_fraction"] == pytest.approx(0.0 if calls == 1 else 1 / 3)
+
+
+def test_evaluate_reads_the_runs_of_fit_and_a_replay_counts_nothing():
+    from kerasdbg import _replay
+
+    tap = TapLayer(stats=["mean"], activation="relu", min_examples=8, name="t")
+    model = _tapped(tap, activation="relu")
+    x = -np.abs(X)  # Dense after the relu of negative inputs: every unit zero
+    model.fit(x[:8], Y[:8], batch_size=4, epochs=1, verbose=0, shuffle=False)
+    assert tap.history.dead_fraction.tolist() == [0.0, 1.0]
+    runs, calls = tap._host.flagged.numpy().copy(), int(tap.calls.numpy())
+    model.evaluate(x[:4], Y[:4], batch_size=4, verbose=0)
+    assert tap.latest_by_mode["evaluate"]["dead_fraction"] == 1.0
+    _replay.call_layer_by_layer(model, tf.constant(x[:4]), True, lambda name, value: None)
+    np.testing.assert_array_equal(tap._host.flagged.numpy(), runs)
+    assert int(tap.calls.numpy()) == calls + 1  # evaluate's call; the replay's: none
     with pytest.raises(ValueError, match="min_examples.*Received: min_examples=0"):
         TapLayer(activation="relu", min_examples=0)
 
@@ -143,7 +177,7 @@ def test_saved_model_round_trips_config_and_counters(tmp_path):
 
 def test_a_failure_warns_once_and_the_model_runs_on(monkeypatch):
     tap = TapLayer(name="t")
-    monkeypatch.setattr(TapLayer, "_values", lambda self, x: 1 / 0)
+    monkeypatch.setattr(TapLayer, "_values", lambda self, x, state=None: 1 / 0)
     model = _tapped(tap)
     with pytest.warns(RuntimeWarning, match="TapLayer 't' stopped recording; the model runs on "
                                             "unchanged. Cause: ZeroDivisionError"):
@@ -153,7 +187,7 @@ def test_a_failure_warns_once_and_the_model_runs_on(monkeypatch):
 
 def test_strict_raises():
     tap = TapLayer(name="t", strict=True)
-    tap._values = lambda x: 1 / 0
+    tap._values = lambda x, state=None: 1 / 0
     with pytest.raises(ZeroDivisionError):
         tap(X)
 

@@ -14,7 +14,7 @@ from kerasdbg.rules import (
     AllZero, DeadReLU, ExplodingTensor, Rule, SaturatedActivation, TensorVariance,
     UnchangedTensor, VanishingGradient, WeightUpdateRatio,
 )
-from tests.conftest import make_strategy
+from tests.conftest import make_strategy, matrix, only_upstream_failure
 
 RULES = [VanishingGradient(), ExplodingTensor(), DeadReLU(), SaturatedActivation(),
          WeightUpdateRatio(), AllZero(), UnchangedTensor(),
@@ -34,7 +34,7 @@ def _batch(x, step, value):
 
 
 def _train(tmp_path, x, activation="relu", strategy_name="default", spe=1,
-           min_examples=BATCH // 2):
+           min_examples=BATCH // 2, jit=False):
     """A tapped MLP trained for STEPS steps with every recorder; returns the log dir.
 
     The taps judge a unit dead (or saturated) on one batch (`min_examples=BATCH // 2`,
@@ -50,12 +50,15 @@ def _train(tmp_path, x, activation="relu", strategy_name="default", spe=1,
                                .RandomUniform(0.0, 0.2), name="hidden"),
             keras.layers.Dense(1, name="out"),
         ], name="mlp")
-        model.compile(keras.optimizers.SGD(0.01), "mse", steps_per_execution=spe)
+        model.compile(keras.optimizers.SGD(0.01), "mse", steps_per_execution=spe,
+                      jit_compile=jit)
         tapped = kerasdbg.insert_taps(model, layers=["hidden"],
                                       tap=TapLayer(min_examples=min_examples))
     callbacks = [GradientStatistics(log_dir), WeightStatistics(log_dir),
                  ActivationStatistics(log_dir)]
-    tapped.fit(x, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+    with only_upstream_failure(strategy_name, jit):
+        tapped.fit(x, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                   callbacks=callbacks)
     return log_dir
 
 
@@ -109,14 +112,19 @@ def test_one_small_bad_batch_is_not_dead_units(tmp_path):
     log_dir = _train(tmp_path, _batch(X, 4, -100.0), min_examples=100)
     assert kerasdbg.check_run(log_dir, [DeadReLU()]) == []
     assert kerasdbg.check_run(log_dir, [VanishingGradient()])[0].step == 4
-    # Seven bad batches in a row (steps 4 to 10, 56 examples) are not either; with
-    # min_examples=56 the layer is dead at step 10.
+
+
+@pytest.mark.parametrize("strategy_name, spe, jit", matrix())
+def test_units_are_dead_after_min_examples_in_a_row(tmp_path, strategy_name, spe, jit):
+    # Bad batches from step 4 to 10 (7 batches). Each replica counts its own share.
     x = X.copy()
     x[3 * BATCH:] = -100.0
-    assert kerasdbg.check_run(_train(tmp_path / "seven", x, min_examples=100),
-                              [DeadReLU()]) == []
-    verdict = kerasdbg.check_run(_train(tmp_path / "after", x, min_examples=7 * BATCH),
-                                 [DeadReLU()])[0]
+    per_replica = BATCH // (2 if strategy_name == "mirrored" else 1)
+    kwargs = dict(strategy_name=strategy_name, spe=spe, jit=jit)
+    assert kerasdbg.check_run(_train(tmp_path / "short", x, min_examples=7 * per_replica + 1,
+                                     **kwargs), [DeadReLU()]) == []
+    verdict = kerasdbg.check_run(_train(tmp_path / "enough", x, min_examples=7 * per_replica,
+                                        **kwargs), [DeadReLU()])[0]
     assert (verdict.step, verdict.values) == (4 + 7 - 1, {"hidden_tap": 100.0})
 
 
