@@ -1,44 +1,62 @@
-"""kerasdbg: debugging instruments for Keras 3 training (TensorFlow backend)."""
+"""kerasdbg: debugging instruments for Keras 3 training (TensorFlow backend).
 
-try:
-    import tensorflow as _tf  # noqa: F401
-except ImportError as _error:  # pragma: no cover - depends on the install
-    raise ImportError(
-        "kerasdbg needs TensorFlow >= 2.16. Install it with "
-        "`pip install kerasdbg[cpu]` (CPU build) or `pip install kerasdbg[and-cuda]`, "
-        "or keep the TensorFlow build you already have."
-    ) from _error
+The names below are imported on first use. `kerasdbg.rules` (the rules and
+their verdicts) needs neither TensorFlow nor Keras: a recorded run can be
+judged where neither is installed. The instruments, the reader and the
+tools need TensorFlow; asking for one without it raises an `ImportError`
+that says how to install it.
+"""
 
-from kerasdbg import callbacks
-from kerasdbg import layers
-from kerasdbg import rules
-from kerasdbg import stats
-from kerasdbg.determinism import deterministic
-from kerasdbg.doctor import doctor
-from kerasdbg.multi_output_model import MultiOutputModel
-from kerasdbg.reader import load_run
-from kerasdbg.rules.offline import check_run
-from kerasdbg.tapping import insert_taps
-from kerasdbg.tapping import strip_debug_layers
-from kerasdbg.trace import TraceWriter
-from kerasdbg.trace import compare_traces
-from kerasdbg.trace import load_trace
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = (
-    "MultiOutputModel",
-    "TraceWriter",
-    "callbacks",
-    "check_run",
-    "compare_traces",
-    "deterministic",
-    "doctor",
-    "insert_taps",
-    "layers",
-    "load_run",
-    "load_trace",
-    "rules",
-    "stats",
-    "strip_debug_layers",
-)
+# name -> (module, attribute or None for the module itself, needs TensorFlow)
+_EXPORTS = {
+    "MultiOutputModel": ("kerasdbg.multi_output_model", "MultiOutputModel", True),
+    "TraceWriter": ("kerasdbg.trace", "TraceWriter", True),
+    "callbacks": ("kerasdbg.callbacks", None, True),
+    "check_run": ("kerasdbg.rules.offline", "check_run", True),
+    "compare_traces": ("kerasdbg.trace", "compare_traces", True),
+    "deterministic": ("kerasdbg.determinism", "deterministic", True),
+    "doctor": ("kerasdbg.doctor", "doctor", True),
+    "insert_taps": ("kerasdbg.tapping", "insert_taps", True),
+    "layers": ("kerasdbg.layers", None, True),
+    "load_run": ("kerasdbg.reader", "load_run", True),
+    "load_trace": ("kerasdbg.trace", "load_trace", True),
+    "rules": ("kerasdbg.rules", None, False),
+    "stats": ("kerasdbg.stats", None, True),
+    "strip_debug_layers": ("kerasdbg.tapping", "strip_debug_layers", True),
+}
+
+__all__ = tuple(sorted(_EXPORTS))
+
+
+def _require_tensorflow(name: str) -> None:
+    try:
+        import tensorflow  # noqa: F401
+    except ImportError as error:  # depends on the install
+        raise ImportError(
+            f"kerasdbg.{name} needs TensorFlow >= 2.16. Install it with "
+            "`pip install kerasdbg[cpu]` (CPU build) or `pip install kerasdbg[and-cuda]`, "
+            "or keep the TensorFlow build you already have."
+        ) from error
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'kerasdbg' has no attribute {name!r}")
+    module_name, attribute, needs_tensorflow = _EXPORTS[name]
+    if needs_tensorflow:
+        _require_tensorflow(name)
+    module = importlib.import_module(module_name)
+    value = module if attribute is None else getattr(module, attribute)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
