@@ -10,6 +10,8 @@ that says how to install it.
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import Any
 
 __version__ = "0.1.0"
@@ -60,3 +62,17 @@ def __getattr__(name: str) -> Any:
 
 def __dir__():
     return sorted(set(globals()) | set(_EXPORTS))
+
+
+class _Package(types.ModuleType):
+    """Keeps an exported function ahead of the sub-module of the same name
+    (`kerasdbg.doctor`): importing a sub-module sets it on its package."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        export = _EXPORTS.get(name)
+        if export and export[1] is not None and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -62,3 +62,15 @@ def test_an_instrument_without_tensorflow_says_how_to_install_it():
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("kerasdbg.callbacks needs TensorFlow >= 2.16. Install it "
                                     "with `pip install kerasdbg[cpu]`"), result.stdout
+
+
+def test_exported_names_win_over_sub_modules_of_the_same_name():
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import kerasdbg.doctor, kerasdbg.cli  # sub-modules first, as a script may
+        import kerasdbg
+        assert callable(kerasdbg.doctor) and kerasdbg.doctor.__name__ == "doctor"
+        assert kerasdbg.check_run.__module__ == "kerasdbg.rules.offline"
+        assert sorted(kerasdbg.__all__) == sorted(n for n in dir(kerasdbg) if n in kerasdbg.__all__)
+        print("ok")
+    """)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]

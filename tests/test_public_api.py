@@ -2,6 +2,7 @@
 
 import doctest
 import importlib
+import types
 
 import pytest
 
@@ -19,7 +20,7 @@ def _public():
         assert isinstance(module.__all__, tuple)
         for name in module.__all__:
             obj = getattr(module, name)
-            if not isinstance(obj, type(module)):  # sub-modules are listed by their own __all__
+            if not isinstance(obj, types.ModuleType):  # sub-modules: by their own __all__
                 names.append(f"{module_name}.{name}")
     return sorted(set(names + EXTRA))
 
