@@ -163,8 +163,9 @@ class DebugLayer(keras.layers.Layer):
         raise NotImplementedError
 
     def _update_state(self, inputs, context: internals.StepContext):
-        """In-graph, at every call (recorded or not): what a subclass tracks across
-        calls. What it returns is passed to `_values`."""
+        """In-graph, at each recorded call (`every_n_steps`), before `_values`:
+        what a subclass tracks across calls. What it returns is passed to
+        `_values`."""
         return None
 
     def _consume(self, records: List[LayerRecord]) -> None:
@@ -194,7 +195,6 @@ class DebugLayer(keras.layers.Layer):
                     stacklevel=3,
                 )
         mode, call_id, step = self._count(context)
-        state = self._update_state(inputs, context)
         replica, static_replica = self._replica()
         if static_replica is not None and not self._record_replica(static_replica):
             return  # known at trace time: this replica records nothing
@@ -202,6 +202,7 @@ class DebugLayer(keras.layers.Layer):
         def write():
             buffers = self._buffers
             row = tf.math.floormod(call_id - 1, buffers.slots)
+            state = self._update_state(inputs, context)
             for key, value in self._values(inputs, state).items():
                 if buffers.fields[key].shape.num_elements():  # nothing to keep in []
                     _buffers.write_row(buffers.fields[key], row, value)

@@ -40,11 +40,11 @@ class TapLayer(DebugLayer):
     - after a ReLU-family activation: `dead_fraction`, the fraction of units
       (every non-batch position) that are dead: zero for at least
       `100 - inactivity_threshold` percent of each batch, in the consecutive
-      batches of the last `min_examples` examples or more. With the
-      defaults (1%, 100 examples) a batch of 100 or more decides alone; with
-      batches of 8, a unit is dead when no example of 13 batches in a row
-      activated it: one small batch that happens not to activate a healthy
-      unit is no evidence that it died;
+      recorded batches (`every_n_steps`) of the last `min_examples` examples
+      or more. With the defaults (1%, 100 examples, every step) a batch of
+      100 or more decides alone; with batches of 8, a unit is dead when no
+      example of 13 batches in a row activated it: one small batch that
+      happens not to activate a healthy unit is no evidence that it died;
     - after tanh or sigmoid: `saturated_fraction`, the fraction of units
       saturated in the same sense. Saturation is measured on the
       activation's output, against the images of SageMaker Debugger's input
@@ -79,7 +79,7 @@ class TapLayer(DebugLayer):
         inactivity_threshold: percent of the batch, see above. Defaults to
             `1.0`.
         min_examples: the examples a unit must have been inactive (or
-            saturated) for, in consecutive batches, to count (under a
+            saturated) for, in consecutive recorded batches, to count (under a
             strategy, the examples of the replica's share). `fit` and other
             calls (a custom training loop) extend or end the runs;
             `evaluate` and `predict` read them with their own batch added.
@@ -189,8 +189,8 @@ class TapLayer(DebugLayer):
 
     # ------------------------------------------------------------ records
     def _update_state(self, inputs, context):
-        """The health fraction of this call: units flagged in a run of batches of at
-        least `min_examples` examples. Training calls (`fit`, and calls outside
+        """The health fraction of this call: units flagged in a run of recorded
+        batches of at least `min_examples` examples. Training calls (`fit`, and calls outside
         Keras's loops: a custom training loop) extend or end the runs; `evaluate`
         and `predict` read them, with their own batch added."""
         if not self.health:

@@ -42,7 +42,8 @@ class DeadReLU(_ActivationHealth):
     Reads `activations/<tap>/dead_fraction` of `TapLayer(activation="relu")`
     taps (`kerasdbg.insert_taps` sets the activation). A unit is dead when it
     is zero for at least `100 - inactivity_threshold` percent of each batch,
-    in a row of batches of at least the taps' `min_examples` examples (100):
+    in a row of recorded batches of at least the taps' `min_examples`
+    examples (100):
     one small batch that happens to activate a healthy unit nowhere does not
     make it dead. The taps' `inactivity_threshold` decides that, and
     `threshold_inactivity` here is the value to give them (SageMaker

@@ -255,3 +255,15 @@ def test_first_execution_is_flushed_right_after_it():
     # Probe runs before the flushing callback Keras's loop gained while tracing,
     # so it sees step 1 only at the second batch end; never later than that.
     assert seen[-1] == [1, 2]
+
+
+def test_only_recorded_batches_count_towards_min_examples():
+    # every_n_steps=2: steps 2 and 4 are recorded; the count costs nothing in between.
+    tap = TapLayer(stats=["mean"], activation="relu", every_n_steps=2, min_examples=8, name="t")
+    model = _tapped(tap, activation="relu")
+    model.fit(-np.abs(X), Y, batch_size=2, epochs=1, verbose=0, shuffle=False)
+    assert tap.history.step.tolist() == [2, 4]
+    assert tap.history.dead_fraction.tolist() == [0.0, 0.0]  # 2 + 2 examples counted
+    model.fit(-np.abs(X), Y, batch_size=4, epochs=2, verbose=0, shuffle=False)  # steps 5-8
+    assert tap.history.step.tolist() == [2, 4, 6, 8]
+    assert tap.history.dead_fraction.tolist() == [0.0, 0.0, 1.0, 1.0]  # 2 + 2 + 4 at step 6
