@@ -66,7 +66,7 @@ def train(log_dir: str, learning_rate: float, epochs: int, optimizer: str = "ada
     images, labels = make_data()
     # A tap after each ReLU layer: activation statistics, dead units, histograms.
     model = insert_taps(make_model(), layers=r"^conv\d$|^dense$",
-                        tap=TapLayer(histogram=True, every_n_steps=2))
+                        tap=TapLayer(histogram=True))
     model.compile(
         optimizer=keras.optimizers.get({"class_name": optimizer,
                                         "config": {"learning_rate": float(learning_rate)}}),
