@@ -38,6 +38,15 @@ def _plain_state(model):
     assert not internals.routes_active()
 
 
+def _norms_match_capture(rows, captured):
+    """Each step's recorded `<path>/l2_norm` equals the capture's (one dict per apply)."""
+    for step, norms in enumerate(captured, start=1):
+        row = rows[rows.step == step].iloc[0]
+        for path, norm in norms.items():
+            np.testing.assert_allclose(row[f"{path}/l2_norm"], norm, rtol=1e-5,
+                                       err_msg=f"step {step} {path}")
+
+
 # ------------------------------------------------ 1. several optimizers
 class TwoOptimizers(keras.Model):
     """The issue's minimal case: two sub-models, each trained by its own optimizer."""
@@ -80,10 +89,9 @@ def test_1_every_optimizer_the_train_step_applies_is_recorded(tmp_path):
         [s, name] for s in (1, 2, 3, 4) for name in ("a", "b")]
     for name, optimizer in (("a", model.a), ("b", model.b)):
         rows = history[history.optimizer == name]
+        _norms_match_capture(rows, capture.norms(optimizer))
         for step, norms in enumerate(capture.norms(optimizer), start=1):
             row = rows[rows.step == step].iloc[0]
-            for path, norm in norms.items():
-                np.testing.assert_allclose(row[f"{path}/l2_norm"], norm, rtol=1e-5)
             np.testing.assert_allclose(row[f"{name}/global_norm"],
                                        np.sqrt(sum(n ** 2 for n in norms.values())), rtol=1e-5)
     assert sorted(weights.history.optimizer.unique()) == ["a", "b"]
@@ -157,10 +165,7 @@ def test_1_optimizers_in_lists_and_loss_scale_wrappers_are_named_by_their_place(
     # Under the loss scale, what the inner optimizer applies: unscaled.
     rows = history[history.optimizer == "optimizers[1]"]
     inner = model.optimizers[1].inner_optimizer
-    for step, norms in enumerate(capture.norms(inner), start=1):
-        for path, norm in norms.items():
-            np.testing.assert_allclose(rows[rows.step == step][f"{path}/l2_norm"].iloc[0], norm,
-                                       rtol=1e-5)
+    _norms_match_capture(rows, capture.norms(inner))
 
 
 class KeptEverywhere(keras.Model):
@@ -201,10 +206,7 @@ def test_1_optimizers_in_dicts_and_on_sub_models_are_named_by_their_place():
     history = grads.history
     assert sorted(history.optimizer.unique()) == ["optimizers[hidden]", "second.optimizer"]
     rows = history[history.optimizer == "second.optimizer"]
-    for step, norms in enumerate(capture.norms(model.second.optimizer), start=1):
-        for path, norm in norms.items():
-            np.testing.assert_allclose(rows[rows.step == step][f"{path}/l2_norm"].iloc[0], norm,
-                                       rtol=1e-5)
+    _norms_match_capture(rows, capture.norms(model.second.optimizer))
     _plain_state(model)
 
 
