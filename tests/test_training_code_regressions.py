@@ -153,21 +153,6 @@ class ListedOptimizers(TwoOptimizers):
         return {"loss_b": loss_b}
 
 
-def test_1_optimizers_in_lists_and_loss_scale_wrappers_are_named_by_their_place():
-    keras.utils.set_random_seed(1)
-    model = ListedOptimizers()
-    model.compile()
-    grads = GradientStatistics(stats=["l2_norm"])
-    with capture_applies() as capture:
-        model.fit(X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[grads])
-    history = grads.history
-    assert sorted(history.optimizer.unique()) == ["optimizers[0]", "optimizers[1]"]
-    # Under the loss scale, what the inner optimizer applies: unscaled.
-    rows = history[history.optimizer == "optimizers[1]"]
-    inner = model.optimizers[1].inner_optimizer
-    _norms_match_capture(rows, capture.norms(inner))
-
-
 class KeptEverywhere(keras.Model):
     """Optimizers in a dict and a sub-model compiled with its own."""
 
@@ -196,17 +181,23 @@ class KeptEverywhere(keras.Model):
         return {"loss": loss_b}
 
 
-def test_1_optimizers_in_dicts_and_on_sub_models_are_named_by_their_place():
+@pytest.mark.parametrize("make, names, place, applied", [
+    # Under the loss scale, what the inner optimizer applies: unscaled.
+    (ListedOptimizers, ["optimizers[0]", "optimizers[1]"], "optimizers[1]",
+     lambda model: model.optimizers[1].inner_optimizer),
+    (KeptEverywhere, ["optimizers[hidden]", "second.optimizer"], "second.optimizer",
+     lambda model: model.second.optimizer),
+], ids=["lists-and-loss-scale", "dicts-and-sub-models"])
+def test_1_optimizers_are_named_by_their_place(make, names, place, applied):
     keras.utils.set_random_seed(1)
-    model = KeptEverywhere()
+    model = make()
     model.compile()
     grads = GradientStatistics(stats=["l2_norm"])
     with capture_applies() as capture:
         model.fit(X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[grads])
     history = grads.history
-    assert sorted(history.optimizer.unique()) == ["optimizers[hidden]", "second.optimizer"]
-    rows = history[history.optimizer == "second.optimizer"]
-    _norms_match_capture(rows, capture.norms(model.second.optimizer))
+    assert sorted(history.optimizer.unique()) == names
+    _norms_match_capture(history[history.optimizer == place], capture.norms(applied(model)))
     _plain_state(model)
 
 
