@@ -21,7 +21,7 @@ _EXPORTS = {
     "MultiOutputModel": ("kerasdbg.multi_output_model", "MultiOutputModel", True),
     "TraceWriter": ("kerasdbg.trace", "TraceWriter", True),
     "callbacks": ("kerasdbg.callbacks", None, True),
-    "check_run": ("kerasdbg.rules.offline", "check_run", True),
+    "check_run": ("kerasdbg.offline", "check_run", True),
     "compare_traces": ("kerasdbg.trace", "compare_traces", True),
     "deterministic": ("kerasdbg.determinism", "deterministic", True),
     "doctor": ("kerasdbg.doctor", "doctor", True),

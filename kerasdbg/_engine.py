@@ -54,6 +54,7 @@ from kerasdbg import _replay
 from kerasdbg import _tags
 from kerasdbg import _keras_internals as internals
 from kerasdbg import stats as stats_lib
+from kerasdbg.schedule import Schedule
 
 
 class Record(NamedTuple):
@@ -134,7 +135,8 @@ class Request:
             `StepTimer`: `wrapper(step_function, data, row)`).
         stats: statistic names (`stats.ALL_STATISTICS`, plus for weights
             `WEIGHT_EXTRA_STATISTICS`).
-        every_n_steps: record scalars at steps divisible by this.
+        every_n_steps: record scalars at steps divisible by this (when no
+            `schedule` is given).
         histogram_every_n_steps: record histograms at steps divisible by
             this, or None for no histograms.
         consumer: called as `consumer(records)` with a list of `Record`.
@@ -146,7 +148,13 @@ class Request:
             gradient the first layer whose output was non-finite and the
             variables whose gradient was (see `Engine.nan_source`).
         last_step: record scalars only up to this step (for what a rule
-            reads at the start of training only), or None.
+            reads at the start of training only), or None (when no
+            `schedule` is given).
+        schedule: the steps at which `stats` are recorded (a
+            `kerasdbg.schedule.Schedule`); overrides `every_n_steps` and
+            `last_step`.
+        frequent: those of `stats` recorded at every step (up to the
+            schedule's `last_step`) besides the scheduled ones.
         owner: the callback, for messages.
         wrapper: for a "wrap" request.
         for_rules: what it records is what rules read (messages say so).
@@ -169,9 +177,13 @@ class Request:
         owner: str = "kerasdbg",
         wrapper: Optional[Callable] = None,
         for_rules: bool = False,
+        schedule: Optional[Schedule] = None,
+        frequent: Sequence[str] = (),
     ):
         self.kind = kind
         self.stats = tuple(stats)
+        self.schedule = schedule or Schedule(every_n_steps=every_n_steps, last_step=last_step)
+        every_n_steps, last_step = self.schedule.every_n_steps, self.schedule.last_step
         self.every_n_steps = every_n_steps
         self.histogram_every_n_steps = histogram_every_n_steps
         self.consumer = consumer
@@ -185,11 +197,19 @@ class Request:
         self.owner = owner
         self.wrapper = wrapper
         self.for_rules = for_rules
-        # Statistics computed by `tensor_statistics` (the rest are derived).
-        self.base_stats = tuple(s for s in self.stats if s in stats_lib.ALL_STATISTICS)
-        if kind == "gradients" and "l2_norm" not in self.base_stats:
+        self.frequent = () if self.schedule.every_step else tuple(
+            s for s in self.stats if s in frequent)
+        # The columns of the statistics table: `tensor_statistics`'s, then the
+        # weights' derived ones (update ratio, distance from start).
+        self.base_stats = tuple(s for s in self.stats
+                                if s in stats_lib.ALL_STATISTICS + WEIGHT_EXTRA_STATISTICS)
+        self.base_frequent = tuple(s for s in self.base_stats if s in self.frequent)
+        if kind == "gradients":
             # The global norm is derived from the per-variable norms.
-            self.base_stats += ("l2_norm",)
+            if "l2_norm" not in self.base_stats:
+                self.base_stats += ("l2_norm",)
+            if self.frequent and "l2_norm" not in self.base_frequent:
+                self.base_frequent += ("l2_norm",)
         self.totals: Optional[tf.Variable] = None
         self.present = [False] * MAX_CLASSES
         # For a "classes" request: whether the traced train step gave labels and
@@ -205,10 +225,35 @@ class Request:
             self.exclude is None or re.search(self.exclude, path) is None)
 
     def records_at(self, step) -> object:
-        every = _every(step, self.every_n_steps)
-        if self.last_step is None:
-            return every
-        return _and(every, tf.less_equal(step, tf.cast(self.last_step, step.dtype)))
+        """In the graph: whether `stats` are recorded at `step` (the schedule)."""
+        return _scheduled(self.schedule, step)
+
+    def frequent_at(self, step) -> object:
+        """In the graph: whether the `frequent` statistics are recorded at `step`."""
+        if not self.frequent:
+            return False
+        if self.schedule.last_step is None:
+            return True
+        return tf.less_equal(step, tf.cast(self.schedule.last_step, step.dtype))
+
+    def writes_at(self, step) -> object:
+        """In the graph: whether the request writes values at `step`."""
+        return _or(self.records_at(step), self.frequent_at(step))
+
+    def needs_at(self, statistic: str, step) -> object:
+        """In the graph: whether `statistic` is recorded at `step`."""
+        if statistic in self.frequent:
+            return self.frequent_at(step)
+        return self.records_at(step) if statistic in self.stats else False
+
+    def columns_at(self, step: int) -> Optional[Tuple[str, ...]]:
+        """On the host: the statistics recorded at `step`, or None."""
+        if self.schedule.at(step):
+            return self.stats
+        if self.frequent and (self.schedule.last_step is None
+                              or step <= self.schedule.last_step):
+            return self.frequent
+        return None
 
     def histograms_at(self, step) -> object:
         if not self.histogram_every_n_steps:
@@ -219,10 +264,7 @@ class Request:
         """On the host: whether any of these steps wrote values, histograms
         (as `records_at` and `histograms_at` decided in the graph), so that
         `collect` reads only the buffers that hold something new."""
-        values = any(
-            step % self.every_n_steps == 0 and (self.last_step is None or step <= self.last_step)
-            for step in steps
-        )
+        values = any(self.columns_at(step) is not None for step in steps)
         histograms = bool(self.histogram_every_n_steps) and any(
             step % self.histogram_every_n_steps == 0 for step in steps
         )
@@ -237,6 +279,27 @@ def _every(step, n: int):
     if n == 1:
         return True
     return tf.equal(tf.math.floormod(step, n), 0)
+
+
+def _scheduled(schedule: Schedule, step):
+    """In the graph: `schedule.at(step)` (a Python bool when it is constant)."""
+    every = _every(step, schedule.every_n_steps)
+    if schedule.first_steps and every is not True:
+        every = tf.logical_or(every, tf.less_equal(
+            step, tf.cast(schedule.first_steps, step.dtype)))
+    if schedule.last_step is None:
+        return every
+    return _and(every, tf.less_equal(step, tf.cast(schedule.last_step, step.dtype)))
+
+
+def _or(a, b):
+    if a is True or b is True:
+        return True
+    if a is False:
+        return b
+    if b is False:
+        return a
+    return tf.logical_or(a, b)
 
 
 def _and(a, b):
@@ -269,6 +332,23 @@ def _dense(gradient) -> tf.Tensor:
     if isinstance(gradient, tf.IndexedSlices):
         return tf.convert_to_tensor(gradient)
     return gradient
+
+
+def _all_finite(tensors) -> tf.Tensor:
+    """Whether every element of `tensors` is finite, in one read of each.
+
+    The sum of a tensor is finite when its elements are (one reduction, no
+    tensor-sized temporary); only when a sum is not (a NaN/Inf, or a sum of
+    finite values that overflowed) is each element tested, in a `tf.cond`
+    taken then.
+    """
+    if not tensors:
+        return tf.constant(True)
+    dense = [_dense(t) for t in tensors]
+    sums = tf.stack([tf.cast(tf.reduce_sum(t), tf.float32) for t in dense])
+    return tf.cond(
+        tf.reduce_all(tf.math.is_finite(sums)), lambda: tf.constant(True),
+        lambda: tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(t)) for t in dense])))
 
 
 def _several_replicas():
@@ -347,26 +427,32 @@ class Slot:
             self.hist_ids = _buffers.on_read_variable(tf.zeros([n], tf.int64),
                                                       f"kerasdbg_{kind}_hist_ids")
 
-    def tags(self, several: bool) -> Tuple[Optional[str], ...]:
-        """The tag of each value column; None for variables without a gradient."""
+    def tags(self, several: bool, columns: Optional[Sequence[str]] = None
+             ) -> Tuple[Optional[str], ...]:
+        """The tag of each value column; None for variables without a
+        gradient and for statistics not in `columns` (None: all)."""
         request, kind = self.request, self.request.kind
         optimizer = self.channel.hook.name if several else None
+        wanted = [columns is None or s in columns for s in request.stats]
         tags = []
         for path, present in zip(self.paths, self.present):
-            tags += [_tags.statistic(kind, path, s) if present else None for s in request.stats]
+            tags += [_tags.statistic(kind, path, s) if present and w else None
+                     for s, w in zip(request.stats, wanted)]
         if kind == "gradients":
             tags.append(_tags.per_optimizer(kind, "global_norm", optimizer))
             tags.append(_tags.per_optimizer(kind, "clipped", optimizer)
                         if self.channel.hook.clipping else None)
         return tuple(tags)
 
-    def applied_tags(self, several: bool) -> Tuple[Optional[str], ...]:
+    def applied_tags(self, several: bool, columns: Optional[Sequence[str]] = None
+                     ) -> Tuple[Optional[str], ...]:
         optimizer = self.channel.hook.name if several else None
         kind = _tags.APPLIED_GRADIENTS
+        wanted = [columns is None or s in columns for s in self.request.stats]
         tags = []
         for path, present in zip(self.paths, self.present):
-            tags += [_tags.statistic(kind, path, s) if present else None
-                     for s in self.request.stats]
+            tags += [_tags.statistic(kind, path, s) if present and w else None
+                     for s, w in zip(self.request.stats, wanted)]
         tags.append(_tags.per_optimizer(kind, "global_norm", optimizer))
         return tuple(tags)
 
@@ -1059,7 +1145,7 @@ class Engine:
                 for copy, variable in zip(channel.previous, channel.variables):
                     copy.assign(internals.read(variable))
 
-            _buffers.run_if(_and(_any([s.request.records_at(step) for s in ratios]),
+            _buffers.run_if(_and(_any([s.request.needs_at("update_ratio", step) for s in ratios]),
                                  hook.updates_at(step)), snapshot)
         tensors = self._tensor_request(channel)
         if tensors is not None:
@@ -1099,11 +1185,7 @@ class Engine:
         scaled = context.channel.hook.scaled
         check_grads = watched.nonfinite_gradients and not scaled
         if check_grads:
-            # One pass per gradient (a sum of squares could overflow float32
-            # for finite gradients with a norm above 1.8e19).
-            finite = tf.reduce_all(tf.stack(
-                [tf.constant(True)] + [tf.reduce_all(tf.math.is_finite(_dense(g))) for g in present]))
-            parts.append(tf.cast(tf.logical_not(finite), tf.float64))
+            parts.append(tf.cast(tf.logical_not(_all_finite(present)), tf.float64))
         vector = tf.stack(parts)
         replicas = _several_replicas()
         if replicas is not None:
@@ -1361,41 +1443,43 @@ class Engine:
     def _write_gradients(self, slots: List[Slot], grads, step, row, train_id, clipped,
                          applied: bool) -> None:
         """Statistics of `grads` (the channel's, in its order) into the slots:
-        the model's gradient (`applied=False`), else the applied one. Slots
-        that record at the same steps share one computation."""
+        the model's gradient (`applied=False`), else the applied one. Each
+        statistic of each gradient is computed once per step, whatever the
+        number of slots asking for it (`_scheduled_table`)."""
         present = [i for i, g in enumerate(grads) if g is not None]
         for slot in slots:
             slot.present = [grads[i] is not None for i in slot.positions]
-        for members in _groups(slots):
-            request = members[0].request
-            stats = tuple(s for s in stats_lib.ALL_STATISTICS
-                          if any(s in m.request.base_stats for m in members))
-            wanted = sorted({i for m in members for i in m.positions if grads[i] is not None})
-            others = [i for i in present if i not in set(wanted)]
+        wanted = sorted({i for m in slots for i in m.positions if grads[i] is not None})
+        others = [i for i in present if i not in set(wanted)]
+        gate = slots[0].channel.hook.updates_at(step) if applied else True
 
-            def record(members=members, stats=stats, wanted=wanted, others=others):
-                table = stats_lib.tensor_statistics([grads[i] for i in wanted], stats)
-                squares = tf.reduce_sum(tf.square(table[:, stats.index("l2_norm")]))
-                if others:
-                    other_l2 = stats_lib.tensor_statistics([grads[i] for i in others],
-                                                           ["l2_norm"])[:, 0]
-                    squares += tf.reduce_sum(tf.square(other_l2))
-                tail = [tf.sqrt(squares)]
-                if not applied:
-                    tail.append(tf.constant(np.nan, tf.float64) if clipped is None
-                                else tf.cast(clipped, tf.float64))
-                for slot in members:
+        def compute(stats):
+            table = stats_lib.tensor_statistics([grads[i] for i in wanted], stats) \
+                if wanted else tf.zeros([0, len(stats)], tf.float64)
+            squares = tf.reduce_sum(tf.square(table[:, stats.index("l2_norm")]))
+            if others:
+                other_l2 = stats_lib.tensor_statistics([grads[i] for i in others],
+                                                       ["l2_norm"])[:, 0]
+                squares += tf.reduce_sum(tf.square(other_l2))
+            return table, tf.sqrt(squares)
+
+        plan = _scheduled_table(slots, step, gate, compute, len(wanted))
+        if plan is not None:
+            table, columns, global_norm = plan
+            tail = [global_norm]
+            if not applied:
+                tail.append(tf.constant(np.nan, tf.float64) if clipped is None
+                            else tf.cast(clipped, tf.float64))
+            for slot in slots:
+                def write(slot=slot):
                     values = _slot_rows(table, wanted, slot.positions, slot.present,
-                                        [stats.index(s) for s in slot.request.stats])
+                                        [columns.index(s) for s in slot.request.stats])
                     buffer, ids = (slot.applied_values, slot.applied_ids) if applied else (
                         slot.values, slot.ids)
                     _buffers.write_row(buffer, row, tf.concat([values, tail], 0))
                     _buffers.write_row(ids, row, train_id)
 
-            records = request.records_at(step)
-            if applied:
-                records = _and(records, members[0].channel.hook.updates_at(step))
-            _buffers.run_if(records, record)
+                _buffers.run_if(_and(gate, slot.request.writes_at(step)), write)
         if not applied:
             for slot in slots:
                 mine = [grads[i] for i in slot.positions]
@@ -1415,11 +1499,9 @@ class Engine:
         updates = hook.updates_at(step)
         if context.frozen is not None:
             updates = _and(updates, tf.logical_not(context.frozen))
-        for members in _groups(channel.slots_of("weights")):
-            _buffers.run_if(
-                _and(members[0].request.records_at(step), updates),
-                lambda members=members: self._record_weights(members, row, train_id),
-            )
+        weight_slots = channel.slots_of("weights")
+        if weight_slots:
+            self._record_weights(weight_slots, step, updates, row, train_id)
         for slot in channel.slots_of("weights"):
             _buffers.run_if(
                 _and(slot.request.histograms_at(step), updates),
@@ -1533,47 +1615,55 @@ class Engine:
             counts = replicas.all_reduce(tf.distribute.ReduceOp.SUM, counts)
         return tf.pad(counts, [[0, MAX_CLASSES - classes], [0, 0]])
 
-    def _record_weights(self, slots: List[Slot], row, train_id) -> None:
-        """Statistics of the weights after the update, one computation for
-        `slots` (which record at the same steps)."""
+    def _record_weights(self, slots: List[Slot], step, updates, row, train_id) -> None:
+        """Statistics of the weights after the update, each computed once per
+        step for all `slots` (`_scheduled_table`)."""
         channel = slots[0].channel
         wanted = sorted({i for s in slots for i in s.positions})
-        stats = tuple(s for s in stats_lib.ALL_STATISTICS
-                      if any(s in m.request.base_stats for m in slots))
-        weights = [internals.read(channel.variables[i]) for i in wanted]
-        base = stats_lib.tensor_statistics(weights, stats)
-        columns = {s: base[:, i] for i, s in enumerate(stats)}
-        # The norms of the update, of the weights before it and of the drift
-        # from the start: one call, so one fault test and one finishing step.
-        ratio = any("update_ratio" in s.request.stats for s in slots)
-        distance = any("distance_from_start" in s.request.stats for s in slots)
-        extras = []
-        if ratio:
-            copies = channel.previous
-            previous = [copies[i].read_value() for i in wanted]
-            extras += [w - tf.cast(p, w.dtype) for w, p in zip(weights, previous)] + previous
-        if distance:
-            initial = channel.initial
-            extras += [w - tf.cast(initial[i].read_value(), w.dtype)
-                       for w, i in zip(weights, wanted)]
-        norms = tf.unstack(
-            tf.reshape(stats_lib.tensor_statistics(extras, ["l2_norm"]), [-1, len(weights)])
-        ) if extras else []
-        if ratio:
-            update, before = norms[0], norms[1]
-            # 0/0 (a zero tensor that did not move) is no update at all.
-            columns["update_ratio"] = tf.where(
-                tf.equal(update, 0), tf.zeros_like(update), update / before
-            )
-        if distance:
-            columns["distance_from_start"] = norms[-1]
-        names = tuple(columns)
-        table = tf.stack([columns[s] for s in names], axis=1)
+
+        def compute(stats):
+            weights = [internals.read(channel.variables[i]) for i in wanted]
+            base_names = tuple(s for s in stats if s in stats_lib.ALL_STATISTICS)
+            base = stats_lib.tensor_statistics(weights, base_names)
+            columns = {s: base[:, i] for i, s in enumerate(base_names)}
+            # The norms of the update, of the weights before it and of the drift
+            # from the start: one call, so one fault test and one finishing step.
+            ratio = "update_ratio" in stats
+            distance = "distance_from_start" in stats
+            extras = []
+            if ratio:
+                copies = channel.previous
+                previous = [copies[i].read_value() for i in wanted]
+                extras += [w - tf.cast(p, w.dtype) for w, p in zip(weights, previous)] + previous
+            if distance:
+                initial = channel.initial
+                extras += [w - tf.cast(initial[i].read_value(), w.dtype)
+                           for w, i in zip(weights, wanted)]
+            norms = tf.unstack(
+                tf.reshape(stats_lib.tensor_statistics(extras, ["l2_norm"]), [-1, len(weights)])
+            ) if extras else []
+            if ratio:
+                update, before = norms[0], norms[1]
+                # 0/0 (a zero tensor that did not move) is no update at all.
+                columns["update_ratio"] = tf.where(
+                    tf.equal(update, 0), tf.zeros_like(update), update / before
+                )
+            if distance:
+                columns["distance_from_start"] = norms[-1]
+            return tf.stack([columns[s] for s in stats], axis=1), tf.constant(0.0, tf.float64)
+
+        plan = _scheduled_table(slots, step, updates, compute, len(wanted))
+        if plan is None:
+            return
+        table, columns, _ = plan
         for slot in slots:
-            values = _slot_rows(table, wanted, slot.positions, [True] * len(slot.positions),
-                                [names.index(s) for s in slot.request.stats])
-            _buffers.write_row(slot.values, row, values)
-            _buffers.write_row(slot.ids, row, train_id)
+            def write(slot=slot):
+                values = _slot_rows(table, wanted, slot.positions, [True] * len(slot.positions),
+                                    [columns.index(s) for s in slot.request.stats])
+                _buffers.write_row(slot.values, row, values)
+                _buffers.write_row(slot.ids, row, train_id)
+
+            _buffers.run_if(_and(updates, slot.request.writes_at(step)), write)
 
     def _record_histograms(self, slot: Slot, tensors, row, train_id) -> None:
         present = [t for t in tensors if t is not None]
@@ -1689,6 +1779,9 @@ class Engine:
                         continue  # compute_loss's loss of the step comes first
                     tags.append(_tags.step_scalar(name))
                     values.append(value)
+                for tag, value in self._fault_scalars(step, row).items():
+                    tags.append(tag)
+                    values.append(value)
                 records[id(request)].append(Record(
                     step=step, skipped=False, values=np.asarray(values, np.float64),
                     histograms=None, tags=tuple(tags)))
@@ -1702,6 +1795,43 @@ class Engine:
                     records[id(request)].append(Record(
                         step=self.fit_step(int(last[-1][0]), last[-1][1]), skipped=False,
                         values=totals.reshape(-1), histograms=None, tags=tags))
+
+    def _fault_scalars(self, step: int, row) -> Dict[str, float]:
+        """The `faults/...` scalars of a train step's row (see `_tags`): where
+        the first non-finite value of the fit came from, at its step, and
+        which optimizers had applied their update before the apply that found
+        a fault."""
+        scalars: Dict[str, float] = {}
+        if not row[5] > 0:  # no fault (or none watched) at this step
+            return scalars
+        freeze = self._freeze()
+        if freeze is not None and freeze.max_gradient_norm is not None:
+            scalars[_tags.fault("freeze", "max_gradient_norm")] = float(freeze.max_gradient_norm)
+        late = self.applied_before_fault(step)
+        if late is not None:
+            earlier, faulty = late
+            for name in earlier:
+                scalars[_tags.fault("freeze", "applied_before", name)] = 1.0
+            scalars[_tags.fault("freeze", "found_by", faulty)] = 1.0
+        source = self.nan_source() if self._localizes() else None
+        if source is None or source["step"] != step:
+            return scalars
+        model = self._model()
+        layer = source["layer"]
+        if layer is not None:
+            located = _tags.NAN_SOURCE_LAYER
+            scalars[_tags.fault("nan_source", "layer", layer)] = 1.0
+        elif _replay.is_graph_model(model):
+            located = _tags.NAN_SOURCE_LOSS if self.loss_captured else _tags.NAN_SOURCE_TRAIN_STEP
+        else:
+            located = _tags.NAN_SOURCE_HIDDEN
+            scalars[_tags.fault("nan_source", "model", model.name)] = 1.0
+        scalars[_tags.fault("nan_source", "located")] = float(located)
+        for path in source["variables"]:
+            scalars[_tags.fault("nan_source", "gradient", path)] = 1.0
+        if self.several_optimizers and source.get("optimizer"):
+            scalars[_tags.fault("nan_source", "optimizer", source["optimizer"])] = 1.0
+        return scalars
 
     def _collect_channel(self, channel: Channel, ids, records, several: bool) -> None:
         n = self._steps_per_execution
@@ -1724,19 +1854,18 @@ class Engine:
             if has_histograms:
                 hist = [_buffers.read(b) for b in (slot.hist_ids, slot.hist_counts,
                                                    slot.hist_ranges)]
-            tags = slot.tags(several)
-            applied_tags = slot.applied_tags(several) if applied is not None else ()
             histogram_tags = slot.histogram_tags()
             for (row, train_id), step in zip(rows, steps):
                 histograms = None
                 if hist is not None and hist[0][row] == train_id:
                     histograms = (hist[1][row], hist[2][row])
-                row_values, row_tags = None, tags
+                columns = request.columns_at(step)
+                row_values, row_tags = None, slot.tags(several, columns)
                 if values is not None and ids_[row] == train_id:
                     row_values = values[row].copy()
                     if applied is not None and applied_ids[row] == train_id:
                         row_values = np.concatenate([row_values, applied[row]])
-                        row_tags = tags + applied_tags
+                        row_tags = row_tags + slot.applied_tags(several, columns)
                 records[id(request)].append((train_id, channel.number, Record(
                     step=step, skipped=bool(meta[row, 2]), values=row_values,
                     histograms=histograms, tags=row_tags, histogram_tags=histogram_tags,
@@ -1789,13 +1918,71 @@ class Engine:
             warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
-def _groups(slots: List[Slot]) -> List[List[Slot]]:
-    """The slots grouped by the steps they record at (`every_n_steps`,
-    `last_step`): each group's statistics are computed once."""
-    groups: Dict[tuple, List[Slot]] = {}
+def _scheduled_table(slots: List[Slot], step, gate, compute, rows: int):
+    """The statistics the slots record at `step`, each computed once.
+
+    Slots are grouped by schedule. In the graph, the first group (largest
+    set of statistics first) whose schedule holds at `step` computes its
+    statistics and those of every later group and every slot's `frequent`
+    ones; when none holds, only the `frequent` ones are computed. So each
+    (tensor, statistic) is computed at most once per step, whatever the
+    number of slots (consumers) asking for it, and nothing when none does.
+
+    `compute(stats)` returns `(table [rows, len(stats)], scalar)`. Returns
+    `(table [rows, len(columns)], columns, scalar)`, NaN where a statistic
+    was not computed at this step, or None when no slot ever records.
+    """
+    groups: Dict[Schedule, List[Slot]] = {}
     for slot in slots:
-        groups.setdefault((slot.request.every_n_steps, slot.request.last_step), []).append(slot)
-    return list(groups.values())
+        groups.setdefault(slot.request.schedule, []).append(slot)
+
+    def ordered(names):
+        names = set(names)
+        return tuple(s for s in stats_lib.ALL_STATISTICS + WEIGHT_EXTRA_STATISTICS if s in names)
+
+    full = [ordered(s for m in members for s in m.request.base_stats) for members in groups.values()]
+    frequent = ordered(s for m in slots for s in m.request.base_frequent)
+    predicates = [_and(gate, _scheduled(schedule, step)) for schedule in groups]
+    if frequent:
+        last = [m.request.schedule.last_step for m in slots if m.request.frequent]
+        frequent_gate = gate if None in last else _and(
+            gate, tf.less_equal(step, tf.cast(max(last), step.dtype)))
+    else:
+        frequent_gate = False
+    chain = sorted(range(len(full)), key=lambda k: -len(full[k]))
+    columns = ordered(s for names in full for s in names)
+    if not columns:
+        return None
+    nan = tf.constant(np.nan, tf.float64)
+
+    def widened(stats):
+        table, scalar = compute(stats)
+        parts = tf.unstack(table, num=len(stats), axis=1) if stats else []
+        by_name = dict(zip(stats, parts))
+        fill = tf.fill([rows], nan)
+        return tf.stack([by_name.get(s, fill) for s in columns], axis=1), tf.cast(
+            scalar, tf.float64)
+
+    def idle():
+        return tf.fill([rows, len(columns)], nan), nan
+
+    def branch(k):
+        if k == len(chain):
+            if frequent_gate is False:
+                return idle()
+            if frequent_gate is True:
+                return widened(frequent)
+            return tf.cond(frequent_gate, lambda: widened(frequent), idle)
+        stats = ordered([s for j in chain[k:] for s in full[j]] + list(frequent))
+        predicate = predicates[chain[k]]
+        if predicate is True:
+            return widened(stats)
+        if predicate is False:
+            return branch(k + 1)
+        return tf.cond(predicate, lambda: widened(stats), lambda: branch(k + 1))
+
+    table, scalar = branch(0)
+    return table, columns, scalar
 
 
 def _any(predicates):

@@ -1,4 +1,5 @@
-"""TensorBoard tags of kerasdbg's records, built here (and parsed in `rules.rule`).
+"""TensorBoard tags of kerasdbg's records: built and parsed here, and the
+record of one step that rules read (`StepRecord`). Plain Python.
 
 - `gradients/<variable path>/<stat>`: the gradient the model produced for a
   variable (before clipping; with gradient accumulation, each batch's);
@@ -21,7 +22,8 @@ shorter tags.
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import Dict, Iterator, List, Mapping, Optional, Tuple
 
 APPLIED_GRADIENTS = "applied_gradients"
 STEP = "step"
@@ -48,3 +50,121 @@ def column(tag: str, kind: str) -> str:
     without its `<kind>/` prefix (other tags keep theirs)."""
     prefix = f"{kind}/"
     return tag[len(prefix):] if tag.startswith(prefix) else tag
+
+
+# --------------------------------------------------------------- faults
+# What the capture found at an in-graph fault, as scalars of the fault's
+# step (1 unless said), so that the rules that report it (`FreezeOnFault`,
+# `NaNSource`) read it online and offline alike:
+#
+# - `faults/nan_source/layer/<layer>`: the first layer whose output held
+#   NaN/Inf in the replayed forward pass;
+# - `faults/nan_source/gradient/<variable path>`: a variable whose gradient did;
+# - `faults/nan_source/optimizer/<name>`: the optimizer applying them (with
+#   several optimizers);
+# - `faults/nan_source/located`: how the replay went (`NAN_SOURCE_*`);
+# - `faults/nan_source/model/<name>`: the subclassed model whose layers the
+#   replay cannot see;
+# - `faults/freeze/applied_before/<optimizer>`: an optimizer that had applied
+#   this train step's update before the apply that found the fault;
+# - `faults/freeze/found_by/<optimizer>`: the optimizer whose apply found it;
+# - `faults/freeze/max_gradient_norm`: the gradient-norm limit that was armed.
+FAULTS = "faults"
+NAN_SOURCE = f"{FAULTS}/nan_source"
+FREEZE = f"{FAULTS}/freeze"
+NAN_SOURCE_LAYER = 1
+"""`faults/nan_source/located`: a layer output held NaN/Inf."""
+NAN_SOURCE_LOSS = 2
+"""Every layer output was finite and the train step's loss is `compute_loss`'s."""
+NAN_SOURCE_TRAIN_STEP = 3
+"""Every layer output of the forward pass was finite; the train step computes more."""
+NAN_SOURCE_HIDDEN = 4
+"""The model is subclassed: its layers are not visible to the replay."""
+
+
+def fault(group: str, kind: str, name: Optional[str] = None) -> str:
+    """`faults/<group>/<kind>` or `faults/<group>/<kind>/<name>`."""
+    return f"{FAULTS}/{group}/{kind}" if name is None else f"{FAULTS}/{group}/{kind}/{name}"
+
+
+def names_under(record, prefix: str) -> list:
+    """The `<name>`s of the tags `<prefix>/<name>` in `record` whose value is
+    non-zero, in the record's order."""
+    start = prefix + "/"
+    return [tag[len(start):] for tag, value in record.items()
+            if tag.startswith(start) and value]
+
+
+# ------------------------------------------------------------- parsing
+COLLECTIONS = ("gradients", "weights", "activations")
+"""Collections of per-tensor tags: `<collection>/<tensor>/<statistic>`."""
+SCALAR_COLLECTIONS = ("step", "epoch")
+"""Collections of two-part tags: `step/loss`, `step/frozen` (each optimizer
+step, from `StopOnRule`), `epoch/<log>` (Keras's epoch logs: `epoch/loss`,
+`epoch/val_loss`, ...)."""
+CLASSES = "classes"
+"""Tags `classes/<k>/seen` and `classes/<k>/mispredicted`: labels of class `k`
+seen in training so far and how many of them were predicted wrong (from
+`StopOnRule` when a rule reads them)."""
+
+Record = Mapping[str, float]
+"""The scalars of one step, by TensorBoard tag: `gradients/<variable>/<stat>`,
+`weights/<variable>/<stat>`, `activations/<tap>/<stat>`, `gradients/global_norm`,
+`step/loss`, `step/frozen`; or of one epoch: `epoch/loss`, `epoch/val_loss`, ..."""
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def tag_parts(tag: str) -> Optional[Tuple[str, str, str]]:
+    """`(collection, tensor, statistic)` of a per-tensor (or per-class) tag,
+    else None. Each tag is parsed once (the answer is kept)."""
+    collection, _, rest = tag.partition("/")
+    tensor, _, statistic = rest.rpartition("/")
+    if collection not in COLLECTIONS + (CLASSES,) or not tensor:
+        return None
+    return collection, tensor, statistic
+
+
+def tag_pattern(collection: str, statistic: str) -> str:
+    """How the tags of a `requires` pair look, for messages."""
+    if collection in SCALAR_COLLECTIONS or statistic == "global_norm":
+        return f"{collection}/{statistic}"
+    return f"{collection}/<name>/{statistic}"
+
+
+class StepRecord(dict):
+    """The scalars of one step, by tag (a `dict`), indexed once by
+    `(collection, statistic)` for the rules: `values_of` then reads the
+    values of one statistic without looking at the other tags.
+
+    Example:
+
+    >>> from kerasdbg._tags import StepRecord, values_of
+    >>> record = StepRecord({"gradients/d/kernel/l2_norm": 2.0, "step/loss": 0.5})
+    >>> list(values_of(record, "gradients", "l2_norm"))
+    [('d/kernel', 2.0)]
+    """
+
+    __slots__ = ("_index",)
+
+    def by_statistic(self, collection: str, statistic: str) -> List[Tuple[str, float]]:
+        """`(tensor, value)` of every tag `<collection>/<tensor>/<statistic>`."""
+        index = getattr(self, "_index", None)
+        if index is None:
+            index = {}
+            for tag, value in self.items():
+                parts = tag_parts(tag)
+                if parts:
+                    index.setdefault((parts[0], parts[2]), []).append((parts[1], float(value)))
+            self._index = index
+        return index.get((collection, statistic), [])
+
+
+def values_of(record: Record, collection: str, statistic: str) -> Iterator[Tuple[str, float]]:
+    """`(tensor, value)` for each finite or non-finite value of one statistic."""
+    if isinstance(record, StepRecord):
+        yield from record.by_statistic(collection, statistic)
+        return
+    for tag, value in record.items():
+        parts = tag_parts(tag)
+        if parts and parts[0] == collection and parts[2] == statistic:
+            yield parts[1], float(value)

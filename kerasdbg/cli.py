@@ -205,7 +205,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _check(args) -> int:
     from kerasdbg import rules as rules_lib
     from kerasdbg.reader import load_run
-    from kerasdbg.rules.offline import can_check, check_run, recorded_pairs
+    from kerasdbg.offline import can_check, check_run, recorded_pairs
 
     try:
         if args.rule:

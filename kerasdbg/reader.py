@@ -277,7 +277,7 @@ class Run:
         >>> run.steps("step/loss")
         [1]
         """
-        from kerasdbg.rules.rule import COLLECTIONS, tag_parts  # (the rules import the reader)
+        from kerasdbg._tags import COLLECTIONS, tag_parts
 
         names = set()
         for tag in self.tags(run=run):

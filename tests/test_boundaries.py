@@ -69,7 +69,7 @@ def test_exported_names_win_over_sub_modules_of_the_same_name():
         import kerasdbg.doctor, kerasdbg.cli  # sub-modules first, as a script may
         import kerasdbg
         assert callable(kerasdbg.doctor) and kerasdbg.doctor.__name__ == "doctor"
-        assert kerasdbg.check_run.__module__ == "kerasdbg.rules.offline"
+        assert kerasdbg.check_run.__module__ == "kerasdbg.offline"
         assert sorted(kerasdbg.__all__) == sorted(n for n in dir(kerasdbg) if n in kerasdbg.__all__)
         print("ok")
     """)], cwd=ROOT, capture_output=True, text=True, timeout=300)

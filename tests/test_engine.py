@@ -56,8 +56,8 @@ def test_matrix_records_every_step_with_reference_values(strategy_name, spe, jit
         model = make_mlp()
         _compile(model, spe, jit)
     initial = [v.numpy() for v in model.trainable_variables]
-    grads_cb = GradientStatistics(histogram_every_n_steps=5, histogram_bins=6)
-    weights_cb = WeightStatistics()
+    grads_cb = GradientStatistics(every_n_steps=1, histogram_every_n_steps=5, histogram_bins=6)
+    weights_cb = WeightStatistics(every_n_steps=1)
     with only_upstream_failure(strategy_name, jit):
         model.fit(X, Y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
                   callbacks=[grads_cb, weights_cb])

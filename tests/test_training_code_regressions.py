@@ -22,7 +22,8 @@ from kerasdbg import _events
 from kerasdbg import _keras_internals as internals
 from kerasdbg.callbacks import GradientStatistics, StepRecorder, StepTimer, StopOnRule
 from kerasdbg.callbacks import WeightStatistics
-from kerasdbg.rules import ExplodingTensor, NonFiniteLoss, VanishingGradient
+from kerasdbg.rules import ExplodingTensor, FreezeOnFault, NaNSource, NonFiniteLoss
+from kerasdbg.rules import VanishingGradient
 from tests.examples.capture import capture_applies
 
 RNG = np.random.default_rng(3)
@@ -245,7 +246,8 @@ def test_1_an_optimizer_kerasdbg_does_not_see_applied_is_said_once(tmp_path, nam
     _plain_state(model)
 
 
-def test_1_a_fault_the_second_optimizer_finds_freezes_from_it_on_and_says_what_it_kept():
+def test_1_a_fault_the_second_optimizer_finds_freezes_from_it_on_and_says_what_it_kept(
+        tmp_path):
     """The NaN reaches only the second optimizer's loss: the first one had applied that
     train step's update, which no freeze can undo, and the verdicts say so."""
     def fresh():
@@ -263,8 +265,10 @@ def test_1_a_fault_the_second_optimizer_finds_freezes_from_it_on_and_says_what_i
     model = fresh()
     y = Y.copy()
     y[16] = np.nan  # train step 3: loss_b only
-    stop = StopOnRule([NonFiniteLoss(), ExplodingTensor()], loss="loss_b", verbose=False)
-    model.fit(X, y, batch_size=8, shuffle=False, verbose=0, callbacks=[stop])
+    stop = StopOnRule([NonFiniteLoss(), ExplodingTensor()], loss="loss_b", verbose=False,
+                      log_dir=str(tmp_path))
+    model.fit(X, y, batch_size=8, shuffle=False, verbose=0,
+              callbacks=[stop, GradientStatistics(str(tmp_path), stats=["nan_count", "inf_count"])])
     for got, want in zip(model.first.weights, a_after_3):
         np.testing.assert_array_equal(got.numpy(), want)  # a's step 3 kept, 4 frozen
     for got, want in zip(model.second.weights, b_after_2):
@@ -273,12 +277,17 @@ def test_1_a_fault_the_second_optimizer_finds_freezes_from_it_on_and_says_what_i
     assert {v.step for v in stop.verdicts} == {3}
     assert sorted(by_rule) == ["ExplodingTensor", "FreezeOnFault", "NaNSource", "NonFiniteLoss"]
     assert by_rule["NaNSource"].reason.endswith(
-        "non-finite gradients (applied by b): second/s/kernel, second/s/bias")
+        "non-finite gradients (applied by b): second/s/bias, second/s/kernel")
     freeze = by_rule["FreezeOnFault"]
     assert freeze.severity == "info" and freeze.reason == (
         "FreezeOnFault at step 3: a had applied this train step's update before b's apply "
         "found the fault; a freeze acts from the apply that finds the fault on and cannot "
         "undo an earlier one, so a's weights include step 3's update")
+    # The same verdicts offline, from what the run wrote.
+    offline = kerasdbg.check_run(str(tmp_path), [NonFiniteLoss(), ExplodingTensor(),
+                                                 FreezeOnFault(), NaNSource()])
+    assert [(v.rule, v.step, v.reason, v.severity) for v in offline] == [
+        (v.rule, v.step, v.reason, v.severity) for v in stop.verdicts]
     _plain_state(model)
 
 

@@ -16,6 +16,7 @@ from kerasdbg import _tags
 from kerasdbg import _keras_internals as internals
 from kerasdbg.callbacks._recording import RecordingCallback, selected
 from kerasdbg import _validation as check
+from kerasdbg import schedule as schedule_lib
 from kerasdbg import stats as stats_lib
 
 
@@ -45,7 +46,7 @@ class StatisticsCallback(RecordingCallback):
     def __init__(
         self,
         log_dir: Optional[str] = None,
-        every_n_steps: int = 1,
+        every_n_steps: Optional[int] = None,
         histogram_every_n_steps: Optional[int] = None,
         include: Optional[str] = None,
         exclude: Optional[str] = None,
@@ -53,11 +54,15 @@ class StatisticsCallback(RecordingCallback):
         histogram_bins: int = stats_lib.DEFAULT_HISTOGRAM_BINS,
         history_size: int = 1000,
         strict: bool = False,
+        first_steps: Optional[int] = None,
     ):
         super().__init__()
         owner = type(self).__name__
         self.log_dir = check.log_dir(owner, "log_dir", log_dir)
-        self.every_n_steps = check.positive_int(owner, "every_n_steps", every_n_steps)
+        self.schedule, self._default_schedule = schedule_lib.resolve(
+            owner, every_n_steps, first_steps)
+        self.every_n_steps = None if every_n_steps is None else self.schedule.every_n_steps
+        self.first_steps = None if first_steps is None else self.schedule.first_steps
         self.histogram_every_n_steps = check.optional_positive_int(
             owner, "histogram_every_n_steps", histogram_every_n_steps
         )
@@ -82,6 +87,7 @@ class StatisticsCallback(RecordingCallback):
         return {
             "log_dir": self.log_dir,
             "every_n_steps": self.every_n_steps,
+            "first_steps": self.first_steps,
             "histogram_every_n_steps": self.histogram_every_n_steps,
             "include": self.include,
             "exclude": self.exclude,
@@ -104,7 +110,8 @@ class StatisticsCallback(RecordingCallback):
         self._request = _engine.Request(
             kind=self.kind,
             stats=self.stats,
-            every_n_steps=self.every_n_steps,
+            schedule=self.schedule,
+            frequent=schedule_lib.EVERY_STEP_STATISTICS if self._default_schedule else (),
             histogram_every_n_steps=self.histogram_every_n_steps,
             consumer=self._consume,
             include=self.include,

@@ -64,8 +64,13 @@ class GradientStatistics(StatisticsCallback):
             Python only; one that cannot be written at run time (permission,
             full disk) warns once and records in Python only. Defaults to
             `None`.
-        every_n_steps: record the scalars at steps divisible by this; other
-            steps skip the computation. Defaults to `1`.
+        every_n_steps: record `stats` at steps divisible by this (and at
+            steps `1..first_steps`); other steps skip the computation. None
+            for the default schedule (`kerasdbg.schedule.DEFAULT`): `stats`
+            at steps 1-10 and every 50th step, and their l2 norms and
+            NaN/Inf counts (`EVERY_STEP_STATISTICS`) at every step.
+            `every_n_steps=1` records all of `stats` at every step. Defaults
+            to `None`.
         histogram_every_n_steps: record histograms at steps divisible by this,
             or None for none. Defaults to `None`.
         include: regular expression; only variable paths it matches (by
@@ -80,6 +85,8 @@ class GradientStatistics(StatisticsCallback):
             `1000`.
         strict: raise, instead of warning and going on, when kerasdbg itself
             fails during training. Defaults to `False`.
+        first_steps: also record `stats` at every step up to this one; None
+            for 10 with the default schedule, else 0. Defaults to `None`.
 
     Raises:
         ValueError: for a bad argument value (a `log_dir` that is a file
@@ -109,7 +116,7 @@ class GradientStatistics(StatisticsCallback):
     def __init__(
         self,
         log_dir: Optional[str] = None,
-        every_n_steps: int = 1,
+        every_n_steps: Optional[int] = None,
         histogram_every_n_steps: Optional[int] = None,
         include: Optional[str] = None,
         exclude: Optional[str] = None,
@@ -117,10 +124,12 @@ class GradientStatistics(StatisticsCallback):
         histogram_bins: int = stats_lib.DEFAULT_HISTOGRAM_BINS,
         history_size: int = 1000,
         strict: bool = False,
+        first_steps: Optional[int] = None,
     ):
         super().__init__(
             log_dir=log_dir,
             every_n_steps=every_n_steps,
+            first_steps=first_steps,
             histogram_every_n_steps=histogram_every_n_steps,
             include=include,
             exclude=exclude,

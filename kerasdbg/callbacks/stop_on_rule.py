@@ -13,16 +13,17 @@ import keras
 from kerasdbg import _engine
 from kerasdbg import _events
 from kerasdbg import _keras_internals as internals
-from kerasdbg import _replay
 from kerasdbg import _validation as check
+from kerasdbg import schedule as schedule_lib
 from kerasdbg import stats as stats_lib
 from kerasdbg import _tags
 from kerasdbg.callbacks._recording import open_writer
 from kerasdbg.callbacks.activation_statistics import find_taps
 from kerasdbg.rules._runner import RuleRunner, check_rules
 from kerasdbg.rules.defaults import default_rules
+from kerasdbg.rules.faults import FreezeOnFault, NaNSource
 from kerasdbg.rules.rule import CLASSES, SCALAR_COLLECTIONS, Rule, RuleFired, RuleWarning
-from kerasdbg.rules.rule import Verdict, make_verdict, tag_pattern
+from kerasdbg.rules.rule import Verdict, tag_pattern
 
 ACTIONS = ("stop", "raise", "warn")
 LOSS_TAG = _tags.step_scalar("loss")
@@ -34,7 +35,7 @@ DEFAULT_SUSPEND = (
 )
 _SUSPENDED_HOOKS = ("on_train_batch_end", "on_epoch_end", "on_train_end")
 # The tags StopOnRule writes itself (the statistics callbacks write the rest).
-_OWN_PREFIXES = tuple(f"{c}/" for c in SCALAR_COLLECTIONS + (CLASSES,))
+_OWN_PREFIXES = tuple(f"{c}/" for c in SCALAR_COLLECTIONS + (CLASSES, _tags.FAULTS))
 
 
 class StopOnRule(keras.callbacks.Callback):
@@ -93,8 +94,11 @@ class StopOnRule(keras.callbacks.Callback):
     faulty step. The fault is
     computed from values summed over replicas, so every replica takes the
     same decision. Frozen steps still count in `optimizer.iterations`. The
-    freeze is reported as a `FreezeOnFault` verdict when no rule fired at
-    that step; with "warn" the weights are unfrozen after the report (the
+    freeze is reported by the `FreezeOnFault` rule (added to the rules when
+    missing) when no other rule fired at that step, and the NaN source by
+    the `NaNSource` rule (likewise, with `locate_nan`): both read what the
+    capture recorded at the fault's step (`faults/...` scalars, written to
+    `log_dir`), so `kerasdbg.check_run` gives the same verdicts offline; with "warn" the weights are unfrozen after the report (the
     frozen steps are lost, as skipped batches). Several `StopOnRule`s can
     watch one model, e.g. one that stops on non-finite values and one that
     only warns of dead units: only those with `freeze_on_fault` report or
@@ -133,6 +137,15 @@ class StopOnRule(keras.callbacks.Callback):
         loss: the name of a scalar the train step returns to read as the
             loss of each step (e.g. "g_loss" of a GAN), or None. Defaults to
             `None`.
+        every_n_steps: record the gradient and weight statistics the rules
+            read at steps divisible by this (and at steps `1..first_steps`);
+            None for the default schedule (`kerasdbg.schedule.DEFAULT`):
+            steps 1-10 and every 50th step, and at every step what the rules
+            that watch NaN/Inf read (`Rule.every_step`). The loss, the fault
+            test and the taps' statistics are not scheduled by it. 1 records
+            everything the rules read at every step. Defaults to `None`.
+        first_steps: also record at every step up to this one; None for 10
+            with the default schedule, else 0. Defaults to `None`.
 
     Raises:
         TypeError, ValueError: for bad arguments. A rule that reads what
@@ -156,7 +169,7 @@ class StopOnRule(keras.callbacks.Callback):
     >>> for verdict in stop.verdicts:
     ...     print(verdict.reason)
     NonFiniteLoss at step 3: the loss is nan
-    NaNSource at step 3: the first layer whose output held NaN/Inf is 'x'; non-finite gradients: m/d/kernel, m/d/bias
+    NaNSource at step 3: the first layer whose output held NaN/Inf is 'x'; non-finite gradients: m/d/bias, m/d/kernel
     >>> bool(np.all(np.isfinite(model.get_layer("d").kernel.numpy())))
     True
     """
@@ -174,9 +187,15 @@ class StopOnRule(keras.callbacks.Callback):
         verbose: bool = True,
         strict: bool = False,
         loss: Optional[str] = None,
+        every_n_steps: Optional[int] = None,
+        first_steps: Optional[int] = None,
     ):
         super().__init__()
         owner = type(self).__name__
+        self.schedule, self._default_schedule = schedule_lib.resolve(
+            owner, every_n_steps, first_steps)
+        self.every_n_steps = None if every_n_steps is None else self.schedule.every_n_steps
+        self.first_steps = None if first_steps is None else self.schedule.first_steps
         self.default_rules = rules is None
         self.rules = default_rules() if rules is None else check_rules(owner, rules)
         if not callable(action):
@@ -221,8 +240,6 @@ class StopOnRule(keras.callbacks.Callback):
         self._writer: Optional[_events.EventWriter] = None
         self._last_step = 0
         self._done = False
-        self._freeze_reported = False
-        self._located = False
         self._silent: List[Rule] = []
         self._loss_checked = False
 
@@ -239,37 +256,67 @@ class StopOnRule(keras.callbacks.Callback):
             "verbose": self.verbose,
             "strict": self.strict,
             "loss": self.loss,
+            "every_n_steps": self.every_n_steps,
+            "first_steps": self.first_steps,
         }
 
     # ---------------------------------------------------------- set-up
-    def _needs(self, rules) -> Dict[str, Dict[str, Optional[int]]]:
-        """What the rules read, by collection: statistic -> the last step
-        a rule reads it at (None: every step)."""
-        needs: Dict[str, Dict[str, Optional[int]]] = {}
+    def _fault_rules(self, rules) -> List[Rule]:
+        """`rules` with the reports of what this callback arms: `FreezeOnFault`
+        (given this callback's `max_gradient_norm`) with `freeze_on_fault`,
+        `NaNSource` with `locate_nan`; without them, those rules are left
+        out (a freeze another `StopOnRule` made is its to report)."""
+        kept = []
+        for rule in rules:
+            if isinstance(rule, FreezeOnFault):
+                if not self.freeze_on_fault:
+                    continue
+                if rule.max_gradient_norm is None and self.max_gradient_norm is not None:
+                    rule = FreezeOnFault(self.max_gradient_norm)
+            if isinstance(rule, NaNSource) and not self.locate_nan:
+                continue
+            kept.append(rule)
+        if self.freeze_on_fault and not any(isinstance(r, FreezeOnFault) for r in kept):
+            kept.append(FreezeOnFault(self.max_gradient_norm))
+        if self.locate_nan and not any(isinstance(r, NaNSource) for r in kept):
+            kept.append(NaNSource())
+        return kept
+
+    def _needs(self, rules) -> Dict[str, Dict[str, tuple]]:
+        """What the rules read, by collection: statistic -> `(last, every)`,
+        the last step a rule reads it at (None: every step) and whether a
+        rule reads it at every step (`Rule.every_step`)."""
+        needs: Dict[str, Dict[str, tuple]] = {}
         for rule in rules:
             for collection, statistic in rule.requires:
                 wanted = needs.setdefault(collection, {})
-                last = wanted.get(statistic, rule.last_step)
-                wanted[statistic] = None if None in (last, rule.last_step) else max(
-                    last, rule.last_step)
+                last, every = wanted.get(statistic, (rule.last_step, False))
+                last = None if None in (last, rule.last_step) else max(last, rule.last_step)
+                wanted[statistic] = (last, every or rule.every_step)
         return needs
 
-    def _variable_requests(self, kind: str, statistics: Dict[str, Optional[int]]):
+    def _variable_requests(self, kind: str, statistics: Dict[str, tuple]):
         """One request per last step: what is read at the first steps only
-        (e.g. quantiles) is not computed after them."""
+        (e.g. quantiles) is not computed after them. On the schedule, what
+        a rule reads at every step is recorded at every step."""
         allowed = stats_lib.ALL_STATISTICS + (
             _engine.WEIGHT_EXTRA_STATISTICS if kind == "weights" else ())
         unknown = sorted(set(statistics) - set(allowed) - {"global_norm", "clipped"})
         if unknown:
             self._refuse(kind, unknown[0], f"statistics of {kind}: {', '.join(allowed)}")
         groups: Dict[Optional[int], List[str]] = {}
-        for statistic, last in statistics.items():
+        for statistic, (last, _) in statistics.items():
             groups.setdefault(last, []).append(statistic)
         requests = []
         for last, wanted in sorted(groups.items(), key=lambda item: item[0] or 0):
             stats = [s for s in allowed if s in wanted] or ["l2_norm"]
+            frequent = [s for s in stats if statistics.get(s, (None, False))[1]]
+            if "global_norm" in wanted and statistics["global_norm"][1]:
+                frequent.append("l2_norm")
             requests.append(_engine.Request(
-                kind=kind, stats=stats, every_n_steps=1, last_step=last,
+                kind=kind, stats=stats,
+                schedule=self.schedule._replace(last_step=last),
+                frequent=frequent if self._default_schedule else (),
                 strict=self.strict, owner=type(self).__name__, for_rules=True,
             ))
         return requests
@@ -294,8 +341,6 @@ class StopOnRule(keras.callbacks.Callback):
         self.verdicts = []
         self._pending = {}
         self._done = False
-        self._freeze_reported = False
-        self._located = False
         self._silent = []
         self._loss_checked = False
         self.loss_source = None
@@ -309,7 +354,7 @@ class StopOnRule(keras.callbacks.Callback):
             taps = find_taps(self.model)
             rules = [r for r in rules if taps or not any(
                 c == "activations" for c, _ in r.requires)]
-        self._runner = RuleRunner(rules)
+        self._runner = RuleRunner(self._fault_rules(rules))
         needs = self._needs(rules)
         requests = []
         for collection, statistics in needs.items():
@@ -508,68 +553,7 @@ class StopOnRule(keras.callbacks.Callback):
                 continue
             self._write(step, record)
             verdicts = self._runner.check(step, record)
-            verdicts += self._freeze_verdict(step, record, verdicts)
-            verdicts += self._nan_source_verdict(step, record)
             self._evaluate(step, verdicts)
-
-    def _freeze_verdict(self, step: int, record, verdicts) -> List[Verdict]:
-        """The freeze, as a verdict when no rule fired at its step; and, with
-        several optimizers, what a freeze could not undo, as information."""
-        # The engine's step record is shared: another StopOnRule may have frozen.
-        if not self.freeze_on_fault or self._freeze_reported or not record.get("step/frozen"):
-            return []
-        self._freeze_reported = True
-        late = _engine.engine_for(self.model).applied_before_fault(step)
-        kept = ""
-        if late is not None:
-            earlier, faulty = late
-            finder = (f"a later apply of {faulty}" if faulty in earlier
-                      else f"{faulty}'s apply")
-            kept = (f"{', '.join(earlier)} had applied this train step's update before "
-                    f"{finder} found the fault; a freeze acts from the apply that "
-                    "finds the fault on and cannot undo an earlier one, so "
-                    f"{', '.join(earlier)}'s weights include step {step}'s update")
-        loss = record.get("step/loss")  # absent when the model gives none
-        if verdicts:
-            if not kept:
-                return []
-            return [make_verdict("FreezeOnFault", step, kept, {name: 1.0 for name in earlier},
-                                 severity="info")]
-        norm = "" if self.max_gradient_norm is None else \
-            f", or a global gradient norm above {self.max_gradient_norm:g}"
-        return [make_verdict(
-            "FreezeOnFault", step, f"the weights were frozen from this step on (in-graph "
-            f"fault: a non-finite loss or gradient{norm})"
-            + ("" if loss is None else f"; loss={loss:.4g}") + (f"; {kept}" if kept else ""),
-            {} if loss is None else {"step/loss": loss})]
-
-    def _nan_source_verdict(self, step: int, record) -> List[Verdict]:
-        if self._located or not self.locate_nan or not record.get("step/fault"):
-            return []
-        engine = _engine.engine_for(self.model)
-        source = engine.nan_source()
-        if source is None or source["step"] != step:
-            return []
-        self._located = True
-        layer, variables = source["layer"], source["variables"]
-        if layer is not None:
-            where = f"the first layer whose output held NaN/Inf is '{layer}'"
-        elif _replay.is_graph_model(self.model) and engine.loss_captured:
-            where = "every layer output was finite (the loss or its gradient was not)"
-        elif _replay.is_graph_model(self.model):
-            where = ("every layer output of the model's forward pass was finite; the train "
-                     "step computes more than it (its own loss or sub-models)")
-        else:
-            where = (f"the layers of the subclassed model '{self.model.name}' are not "
-                     "visible; insert TapLayers in its call() to see them")
-        grads = ", ".join(variables[:8]) + (f" and {len(variables) - 8} more"
-                                             if len(variables) > 8 else "")
-        tensors = ((layer,) if layer else ()) + tuple(variables)
-        by = ""
-        if engine.several_optimizers and source.get("optimizer"):
-            by = f" (applied by {source['optimizer']})"
-        return [make_verdict("NaNSource", step, f"{where}; non-finite gradients{by}: "
-                             f"{grads or 'none'}", {t: 1.0 for t in tensors})]
 
     def _write(self, step: int, record) -> None:
         if self._writer is None:

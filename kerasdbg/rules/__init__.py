@@ -6,6 +6,8 @@ from kerasdbg.rules.dead_relu import DeadReLU
 from kerasdbg.rules.dead_relu import SaturatedActivation
 from kerasdbg.rules.defaults import default_rules
 from kerasdbg.rules.exploding_tensor import ExplodingTensor
+from kerasdbg.rules.faults import FreezeOnFault
+from kerasdbg.rules.faults import NaNSource
 from kerasdbg.rules.loss_rules import LossNotDecreasing
 from kerasdbg.rules.loss_rules import NonFiniteLoss
 from kerasdbg.rules.loss_rules import Overfit
@@ -25,7 +27,9 @@ __all__ = (
     "ClassImbalance",
     "DeadReLU",
     "ExplodingTensor",
+    "FreezeOnFault",
     "LossNotDecreasing",
+    "NaNSource",
     "NonFiniteLoss",
     "Overfit",
     "Overtraining",

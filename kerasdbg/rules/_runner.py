@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Mapping, Sequence, Tuple
 
+from kerasdbg._tags import StepRecord
 from kerasdbg.rules.rule import Rule, Verdict
 
 EPOCH_PREFIX = "epoch/"
@@ -62,10 +63,23 @@ class RuleRunner:
         verdicts = []
         if not record:
             return verdicts
-        for index, rule in enumerate(self.rules):
+        if not isinstance(record, StepRecord):
+            record = StepRecord(record)  # indexed once for all the rules
+        # Rules that follow the others see the verdicts of the others at this step.
+        leading = [i for i, r in enumerate(self.rules) if not r.follows]
+        following = [i for i, r in enumerate(self.rules) if r.follows]
+        others: tuple = ()
+        for index in leading + following:
+            rule = self.rules[index]
+            if index == (following or [None])[0]:
+                others = tuple(verdicts)
             if self.first_only and index in self.fired:
                 continue
-            verdict = rule.check(int(step), record)
+            rule.others = others if rule.follows else ()
+            try:
+                verdict = rule.check(int(step), record)
+            finally:
+                rule.others = ()
             verdicts += rule.take_notes()
             if verdict is not None:
                 self.fired.add(index)

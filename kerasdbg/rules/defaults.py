@@ -7,6 +7,7 @@ from typing import List
 from kerasdbg.rules.all_zero import AllZero
 from kerasdbg.rules.dead_relu import DeadReLU, SaturatedActivation
 from kerasdbg.rules.exploding_tensor import ExplodingTensor
+from kerasdbg.rules.faults import FreezeOnFault, NaNSource
 from kerasdbg.rules.loss_rules import NonFiniteLoss
 from kerasdbg.rules.rule import Rule
 from kerasdbg.rules.unchanged_tensor import UnchangedTensor
@@ -18,8 +19,9 @@ def default_rules() -> List[Rule]:
     """New instances of the rules meant for any model, with their defaults.
 
     `NonFiniteLoss`, `ExplodingTensor`, `VanishingGradient`, `AllZero`,
-    `UnchangedTensor`, `WeightUpdateRatio`, and, for models with
-    `TapLayer`s, `DeadReLU` and `SaturatedActivation`. None of them fires on
+    `UnchangedTensor`, `WeightUpdateRatio`, for models with `TapLayer`s
+    `DeadReLU` and `SaturatedActivation`, and the reports of an in-graph
+    fault, `FreezeOnFault` and `NaNSource`. None of them fires on
     a healthy run of the standard models kerasdbg is tested on (see the
     README); the rules with thresholds a model must choose (`TensorVariance`,
     `ClassImbalance`, the loss-trend rules) are left out.
@@ -28,7 +30,8 @@ def default_rules() -> List[Rule]:
 
     >>> from kerasdbg.rules import default_rules
     >>> [rule.name for rule in default_rules()]
-    ['NonFiniteLoss', 'ExplodingTensor', 'VanishingGradient', 'AllZero', 'UnchangedTensor', 'WeightUpdateRatio', 'DeadReLU', 'SaturatedActivation']
+    ['NonFiniteLoss', 'ExplodingTensor', 'VanishingGradient', 'AllZero', 'UnchangedTensor', 'WeightUpdateRatio', 'DeadReLU', 'SaturatedActivation', 'FreezeOnFault', 'NaNSource']
     """
     return [NonFiniteLoss(), ExplodingTensor(), VanishingGradient(), AllZero(),
-            UnchangedTensor(), WeightUpdateRatio(), DeadReLU(), SaturatedActivation()]
+            UnchangedTensor(), WeightUpdateRatio(), DeadReLU(), SaturatedActivation(),
+            FreezeOnFault(), NaNSource()]

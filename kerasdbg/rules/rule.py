@@ -4,17 +4,8 @@ from __future__ import annotations
 
 from typing import Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-COLLECTIONS = ("gradients", "weights", "activations")
-"""Collections of per-tensor tags: `<collection>/<tensor>/<statistic>`."""
-SCALAR_COLLECTIONS = ("step", "epoch")
-"""Collections of two-part tags: `step/loss`, `step/frozen` (each optimizer
-step, from `StopOnRule`), `epoch/<log>` (Keras's epoch logs: `epoch/loss`,
-`epoch/val_loss`, ...)."""
-
-Record = Mapping[str, float]
-"""The scalars of one step, by TensorBoard tag: `gradients/<variable>/<stat>`,
-`weights/<variable>/<stat>`, `activations/<tap>/<stat>`, `gradients/global_norm`,
-`step/loss`, `step/frozen`; or of one epoch: `epoch/loss`, `epoch/val_loss`, ..."""
+from kerasdbg._tags import CLASSES, COLLECTIONS, SCALAR_COLLECTIONS, Record, StepRecord  # noqa: F401
+from kerasdbg._tags import tag_parts, tag_pattern, values_of  # noqa: F401
 
 
 class Verdict(NamedTuple):
@@ -132,6 +123,21 @@ class Rule:
     """The last optimizer step the rule reads, or None for all; `StopOnRule`
     stops recording what only this rule needs after it."""
 
+    follows = False
+    """Whether the rule is checked after the others at each step, seeing the
+    verdicts of the rules that do not follow in `others` (`FreezeOnFault`
+    says nothing when another rule already said why the step is bad)."""
+    others: Sequence["Verdict"] = ()
+
+    @property
+    def every_step(self) -> bool:
+        """Whether the rule reads its gradient and weight statistics at every
+        step. On its default schedule `StopOnRule` records those of the
+        other rules at steps 1-10 and every 50th step only (a condition
+        such as vanishing gradients lasts); this is True for the rules that
+        watch NaN/Inf, and a custom rule can say True too."""
+        return bool(self.watches_nonfinite)
+
     @property
     def name(self) -> str:
         return type(self).__name__
@@ -177,36 +183,6 @@ class Rule:
     def __repr__(self) -> str:
         arguments = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
         return f"{self.name}({arguments})"
-
-
-CLASSES = "classes"
-"""Tags `classes/<k>/seen` and `classes/<k>/mispredicted`: labels of class `k`
-seen in training so far and how many of them were predicted wrong (from
-`StopOnRule` when a rule reads them)."""
-
-
-def tag_parts(tag: str) -> Optional[Tuple[str, str, str]]:
-    """`(collection, tensor, statistic)` of a per-tensor (or per-class) tag, else None."""
-    collection, _, rest = tag.partition("/")
-    tensor, _, statistic = rest.rpartition("/")
-    if collection not in COLLECTIONS + (CLASSES,) or not tensor:
-        return None
-    return collection, tensor, statistic
-
-
-def tag_pattern(collection: str, statistic: str) -> str:
-    """How the tags of a `requires` pair look, for messages."""
-    if collection in SCALAR_COLLECTIONS or statistic == "global_norm":
-        return f"{collection}/{statistic}"
-    return f"{collection}/<name>/{statistic}"
-
-
-def values_of(record: Record, collection: str, statistic: str) -> Iterator[Tuple[str, float]]:
-    """`(tensor, value)` for each finite or non-finite value of one statistic."""
-    for tag, value in record.items():
-        parts = tag_parts(tag)
-        if parts and parts[0] == collection and parts[2] == statistic:
-            yield parts[1], float(value)
 
 
 def listing(values: Mapping[str, float], limit: int = 5) -> str:

@@ -15,6 +15,7 @@ from kerasdbg.rules import (
     AllZero, DeadReLU, ExplodingTensor, LossNotDecreasing, NonFiniteLoss, RuleFired, RuleWarning,
     UnchangedTensor, VanishingGradient, WeightUpdateRatio,
 )
+from kerasdbg.rules import FreezeOnFault, NaNSource
 from tests.conftest import make_strategy, matrix, only_upstream_failure
 
 BATCH, STEPS, FAULT = 4, 10, 7
@@ -279,11 +280,59 @@ def test_online_and_offline_checks_of_a_run_agree(tmp_path, strategy_name, spe):
         warnings.simplefilter("ignore", RuleWarning)
         tapped.fit(x, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
                    callbacks=[stop, *recorders])
-    # NaNSource (where the first NaN came from) is only known online.
-    online = [(v.rule, v.step, v.reason) for v in stop.verdicts if v.rule != "NaNSource"]
-    offline = [(v.rule, v.step, v.reason) for v in kerasdbg.check_run(log_dir, rules())]
-    assert len(online) >= 3
+    online = [(v.rule, v.step, v.reason) for v in stop.verdicts]
+    offline = [(v.rule, v.step, v.reason)
+               for v in kerasdbg.check_run(log_dir, rules() + [NaNSource()])]
+    assert len(online) >= 3 and "NaNSource" in {rule for rule, _, _ in online}
     assert online == offline
+
+
+def _subclassed():
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__(name="sub")
+            self.dense = keras.layers.Dense(1, name="dense")
+
+        def call(self, x):
+            return self.dense(x)
+
+    model = Net()
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    return model
+
+
+@pytest.mark.parametrize("case, strategy_name, spe", [
+    ("nan_input", "default", 1), ("nan_input", "mirrored", 4), ("inf_input", "default", 4),
+    ("norm_limit", "default", 1), ("norm_limit", "mirrored", 4), ("nested", "default", 4),
+    ("subclassed", "default", 1)])
+def test_freeze_and_nan_source_verdicts_are_the_same_offline(tmp_path, capsys, case,
+                                                            strategy_name, spe):
+    """FreezeOnFault and NaNSource are rules: `check_run` on the run's log
+    directory gives what StopOnRule said online, step, text and tensors."""
+    log_dir = str(tmp_path)
+    limit = 1e3 if case == "norm_limit" else None
+    if case == "nested":
+        model, x = _nested_model(strategy_name, spe), X
+    elif case == "subclassed":
+        model, x = _subclassed(), _with_batch(3, np.nan)
+    else:
+        model = _model(strategy_name, spe)
+        x = _with_batch(FAULT, {"nan_input": np.nan, "inf_input": np.inf, "norm_limit": 1e5}[case])
+    stop = StopOnRule(NonFiniteLoss(), max_gradient_norm=limit, log_dir=log_dir, verbose=False)
+    _fit(model, x, [stop])
+    online = [(v.rule, v.step, v.reason, v.tensors, v.severity) for v in stop.verdicts]
+    assert {"FreezeOnFault", "NaNSource"} & {v[0] for v in online}
+    # FreezeOnFault() reads the limit the run froze on from the run.
+    offline = kerasdbg.check_run(log_dir, [NonFiniteLoss(), FreezeOnFault(), NaNSource()])
+    assert [(v.rule, v.step, v.reason, v.tensors, v.severity) for v in offline] == online
+    # The command line's default rules read the same run the same way.
+    from kerasdbg import cli
+
+    capsys.readouterr()
+    assert cli.main(["check", log_dir]) == 1
+    printed = capsys.readouterr().out.splitlines()
+    for rule, _, reason, _, severity in online:
+        assert (reason if severity == "fault" else f"(info) {reason}") in printed, printed
 
 
 # ------------------------------------------------------------------ errors
