@@ -30,7 +30,7 @@ _EXPORTS = {
     "load_run": ("kerasdbg.reader", "load_run", True),
     "load_trace": ("kerasdbg.trace", "load_trace", True),
     "rules": ("kerasdbg.rules", None, False),
-    "stats": ("kerasdbg.stats", None, True),
+    "stats": ("kerasdbg.stats", None, False),
     "strip_debug_layers": ("kerasdbg.tapping", "strip_debug_layers", True),
 }
 

@@ -57,37 +57,8 @@ from kerasdbg import stats as stats_lib
 from kerasdbg.schedule import Schedule
 
 
-class Record(NamedTuple):
-    """What one step recorded for one request.
-
-    Attributes:
-        step: the step: for gradients and weights, the applying optimizer's
-            step (its `iterations` after the update, 1-based; with gradient
-            accumulation, the batch it accumulated); for "step" requests the
-            step of the first optimizer apply in that train step (counted on
-            from the last fit when nothing is applied). A step the loss scaler
-            skipped carries the number the update would have had.
-        skipped: whether the loss scaler skipped the update.
-        values: the request's values for this step, or None if the step was
-            not recorded (`every_n_steps`, or no update to describe).
-        histograms: `(counts [V, bins], ranges [V, 2])`, or None.
-        tags: the TensorBoard tag of each value; None for a value left out
-            (a variable without a gradient, a loss that was not captured).
-        histogram_tags: the tag of each histogram row, None likewise.
-        optimizer: the name of the optimizer that applied the step, or None
-            for a "step" request.
-        applied: whether the step updated the weights (False: a batch whose
-            gradient the optimizer only accumulated).
-    """
-
-    step: int
-    skipped: bool
-    values: Optional[np.ndarray]
-    histograms: Optional[tuple]
-    tags: Tuple[Optional[str], ...] = ()
-    histogram_tags: Tuple[Optional[str], ...] = ()
-    optimizer: Optional[str] = None
-    applied: bool = True
+Record = _tags.CaptureRecord
+"""What one step recorded for one request (see `_tags.CaptureRecord`)."""
 
 
 WEIGHT_EXTRA_STATISTICS = ("update_ratio", "distance_from_start")

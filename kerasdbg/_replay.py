@@ -16,7 +16,6 @@ from typing import Dict, List, Set, Tuple
 import keras
 
 from kerasdbg import _keras_internals as internals
-from kerasdbg.layers._debug_layer import DebugLayer
 
 Path = Tuple[str, ...]
 
@@ -201,7 +200,7 @@ def call_layer_by_layer(model, inputs, training, on_output, path: Path = ()):
         if is_graph_model(layer):
             outputs = call_layer_by_layer(layer, args[0], training, on_output,
                                           path + (layer.name,))
-        elif isinstance(layer, DebugLayer):
+        elif is_debug_layer(layer):
             # An identity: a replay neither records nor counts the batch again.
             outputs = args[0]
         else:
@@ -259,6 +258,13 @@ def check_graph_model(owner: str, model) -> None:
         )
 
 
+def is_debug_layer(layer) -> bool:
+    """Whether `layer` is one of kerasdbg's debug layers (`TapLayer`,
+    `PrintLayer`), by the class attribute they set (the capture does not
+    import the layers)."""
+    return bool(getattr(type(layer), "kerasdbg_debug_layer", False))
+
+
 def select_layers(owner: str, model, layers, argument: str = "layers") -> Set[Tuple[Path, int]]:
     """`(path, id(layer))` of the layers that `layers` selects (see `insert_taps`).
 
@@ -267,7 +273,7 @@ def select_layers(owner: str, model, layers, argument: str = "layers") -> Set[Tu
     entries = list(walk(model))
 
     def tappable(layer) -> bool:
-        return not isinstance(layer, DebugLayer)
+        return not is_debug_layer(layer)
 
     if layers is None:
         chosen = [

@@ -1,5 +1,9 @@
 """In-graph tensor statistics: pure `tensor -> tensor` functions, XLA-safe.
 
+Written against `kerasdbg._backend.ops` (reductions, elementwise ops,
+`cond`, segment sums), not against a framework: this module imports without
+TensorFlow, and the capture of any backend computes the same statistics.
+
 These run inside the train step, every recorded step, so they are written to
 touch memory as few times as possible: a fast path of plain reductions, and a
 masked float64 path that only runs when some value is NaN or infinite (or a
@@ -24,10 +28,11 @@ them.
 
 from __future__ import annotations
 
-from typing import Sequence, Tuple, Union
+from typing import Any, Sequence, Tuple
 
 import numpy as np
-import tensorflow as tf
+
+from kerasdbg._backend import ops as B
 
 STATISTICS = (
     "l2_norm",
@@ -48,16 +53,16 @@ ALL_STATISTICS = STATISTICS + tuple(QUANTILES)
 
 DEFAULT_HISTOGRAM_BINS = 30
 
-TensorLike = Union[tf.Tensor, tf.Variable, tf.IndexedSlices]
+TensorLike = Any
+"""A tensor of the backend (TensorFlow: a `tf.Tensor`, `tf.Variable` or `tf.IndexedSlices`)."""
+Tensor = Any
 
 
-def _flat(tensor: TensorLike) -> tf.Tensor:
-    if isinstance(tensor, tf.IndexedSlices):
-        tensor = tf.convert_to_tensor(tensor)
-    tensor = tf.stop_gradient(tf.convert_to_tensor(tensor))
-    if tensor.dtype not in (tf.float32, tf.float64):
-        tensor = tf.cast(tensor, tf.float32)
-    return tf.reshape(tensor, [-1])
+def _flat(tensor: TensorLike) -> Tensor:
+    tensor = B.stop_gradient(B.dense(tensor))
+    if not B.is_float(tensor):
+        tensor = B.cast(tensor, B.float32)
+    return B.reshape(tensor, [-1])
 
 
 LARGE = 1 << 16
@@ -70,33 +75,33 @@ EXACT_FLOAT32_COUNT = 1 << 24
 partial sum is an integer below 2**24, whatever the order of summation)."""
 
 
-def _count(mask: tf.Tensor) -> tf.Tensor:
-    size = mask.shape.num_elements()
+def _count(mask: Tensor) -> Tensor:
+    size = B.num_elements(mask)
     if size is not None and size < 2**31:
         # Exact in int32, and half the memory traffic of a float64 cast
         # (measured on 23.5 M elements: 15.5 ms against 23.6 ms).
-        return tf.cast(tf.reduce_sum(tf.cast(mask, tf.int32)), tf.float64)
-    return tf.reduce_sum(tf.cast(mask, tf.float64))
+        return B.cast(B.reduce_sum(B.cast(mask, B.int32)), B.float64)
+    return B.reduce_sum(B.cast(mask, B.float64))
 
 
-def _quantiles(x: tf.Tensor, n: tf.Tensor, stats: Tuple[str, ...]) -> dict:
+def _quantiles(x: Tensor, n: Tensor, stats: Tuple[str, ...]) -> dict:
     """The quantiles in `stats` of the `n` smallest elements of `x` (the
     finite ones, when non-finite elements were replaced by +inf), NaN when n is 0."""
     wanted = [s for s in stats if s in QUANTILES]
     if not wanted:
         return {}
-    ordered = tf.sort(x)
-    n = tf.cast(n, tf.float64)
-    last = tf.maximum(n - 1.0, 0.0)
+    ordered = B.sort(x)
+    n = B.cast(n, B.float64)
+    last = B.maximum(n - 1.0, 0.0)
     out = {}
     for name in wanted:
         position = QUANTILES[name] * last
-        low = tf.floor(position)
-        high = tf.minimum(low + 1.0, last)
-        below = tf.cast(tf.gather(ordered, tf.cast(low, tf.int32)), tf.float64)
-        above = tf.cast(tf.gather(ordered, tf.cast(high, tf.int32)), tf.float64)
+        low = B.floor(position)
+        high = B.minimum(low + 1.0, last)
+        below = B.cast(B.gather(ordered, B.cast(low, B.int32)), B.float64)
+        above = B.cast(B.gather(ordered, B.cast(high, B.int32)), B.float64)
         value = below + (position - low) * (above - below)
-        out[name] = tf.where(n > 0, value, tf.constant(np.nan, tf.float64))
+        out[name] = B.where(n > 0, value, B.constant(np.nan, B.float64))
     return out
 
 
@@ -105,136 +110,136 @@ def _quantiles(x: tf.Tensor, n: tf.Tensor, stats: Tuple[str, ...]) -> dict:
 _RAW = ("sum", "sumsq", "centered", "min", "max", "abs_sum", "zeros")
 
 
-def _raw(x: tf.Tensor, stats: Tuple[str, ...]) -> tf.Tensor:
+def _raw(x: Tensor, stats: Tuple[str, ...]) -> Tensor:
     """The `_RAW` reductions of `x` that `stats` need (0 for the others),
     as a float64 vector; plain reductions, valid when every element is finite.
 
     Only the reductions happen here, per tensor; the arithmetic that turns
     them into statistics runs once over all tensors' rows (`_finish`).
     """
-    size = x.shape.num_elements()
-    n = tf.constant(size, x.dtype) if size is not None else tf.cast(tf.size(x), x.dtype)
+    size = B.num_elements(x)
+    n = B.constant(size, x.dtype) if size is not None else B.cast(B.size(x), x.dtype)
     large = size is not None and size >= LARGE
     raw = {}
     if {"mean", "std"} & set(stats) or "l2_norm" not in stats:
-        raw["sum"] = tf.reduce_sum(x)  # also proves x finite, with nothing else asked
+        raw["sum"] = B.reduce_sum(x)  # also proves x finite, with nothing else asked
     if "std" in stats and large:
         # One pass, E[x^2] - E[x]^2, when the mean is no larger than the spread:
         # the cancellation then costs at most a factor 2 in rounding, and the
         # pass over x - mean (a tensor-sized temporary) is saved. Otherwise,
         # e.g. weights like a BatchNorm gamma (mean 1, std ~0), two passes.
-        sumsq = 2.0 * tf.nn.l2_loss(x)
+        sumsq = _sum_of_squares(x)
         mean = raw["sum"] / n
-        spread = sumsq / n - tf.square(mean)
+        spread = sumsq / n - B.square(mean)
         raw["sumsq"] = sumsq
-        raw["centered"] = tf.cond(tf.square(mean) <= spread, lambda: spread * n,
-                                  lambda: 2.0 * tf.nn.l2_loss(x - mean))
+        raw["centered"] = B.cond(B.square(mean) <= spread, lambda: spread * n,
+                                  lambda: _sum_of_squares(x - mean))
     elif "std" in stats:
         # Two passes: E[x^2] - E[x]^2 in float32 loses everything for
         # weights like a BatchNorm gamma (mean 1, std ~0). `_finish` takes
         # the sum of squares from the centered one.
-        raw["centered"] = 2.0 * tf.nn.l2_loss(x - raw["sum"] / n)
+        raw["centered"] = _sum_of_squares(x - raw["sum"] / n)
     elif "l2_norm" in stats:
-        raw["sumsq"] = 2.0 * tf.nn.l2_loss(x)
+        raw["sumsq"] = _sum_of_squares(x)
     if "min" in stats:
-        raw["min"] = tf.reduce_min(x)
+        raw["min"] = B.reduce_min(x)
     if "max" in stats:
-        raw["max"] = tf.reduce_max(x)
+        raw["max"] = B.reduce_max(x)
     if "mean_abs" in stats:
-        raw["abs_sum"] = tf.reduce_sum(tf.abs(x))
+        raw["abs_sum"] = B.reduce_sum(B.abs(x))
     counts = {}
     if "zero_fraction" in stats:
         if size is not None and size < EXACT_FLOAT32_COUNT:
-            raw["zeros"] = tf.reduce_sum(tf.cast(tf.equal(x, 0), x.dtype))
+            raw["zeros"] = B.reduce_sum(B.cast(B.equal(x, 0), x.dtype))
         else:
-            counts["zeros"] = _count(tf.equal(x, 0))
-    zero = tf.zeros([], x.dtype)
-    row = tf.cast(tf.stack([raw.get(r, zero) for r in _RAW]), tf.float64)
+            counts["zeros"] = _count(B.equal(x, 0))
+    zero = B.zeros([], x.dtype)
+    row = B.cast(B.stack([raw.get(r, zero) for r in _RAW]), B.float64)
     if counts:
-        row = tf.tensor_scatter_nd_update(
+        row = B.scatter_update(
             row, [[_RAW.index(r)] for r in counts], list(counts.values()))
     return row
 
 
-def _finish(raw: tf.Tensor, flats: Sequence[tf.Tensor], stats: Tuple[str, ...]) -> tf.Tensor:
+def _finish(raw: Tensor, flats: Sequence[Tensor], stats: Tuple[str, ...]) -> Tensor:
     """The `[k, len(stats)]` statistics of the k tensors `flats` from their
     `[k, 7]` `_RAW` rows (quantile columns 0)."""
-    column = dict(zip(_RAW, tf.unstack(raw, num=len(_RAW), axis=1)))
-    sizes = [x.shape.num_elements() for x in flats]
+    column = dict(zip(_RAW, B.unstack(raw, num=len(_RAW), axis=1)))
+    sizes = [B.num_elements(x) for x in flats]
     if None in sizes:
-        n = tf.cast(tf.stack([tf.size(x) for x in flats]), tf.float64)
+        n = B.cast(B.stack([B.size(x) for x in flats]), B.float64)
     else:
-        n = tf.constant(sizes, tf.float64)
+        n = B.constant(sizes, B.float64)
     mean = column["sum"] / n
 
     def l2_norm():
         # Two-pass rows (see `_raw`) have no sum of squares of their own.
         if "std" not in stats:
-            return tf.sqrt(column["sumsq"])
+            return B.sqrt(column["sumsq"])
         two_pass = [size is None or size < LARGE for size in sizes]
-        return tf.sqrt(tf.where(two_pass, column["centered"] + n * tf.square(mean), column["sumsq"]))
+        return B.sqrt(B.where(two_pass, column["centered"] + n * B.square(mean), column["sumsq"]))
 
     # Only the statistics asked for become graph ops (trace time grows with them).
     out = {
         "l2_norm": l2_norm,
         "mean": lambda: mean,
-        "std": lambda: tf.sqrt(column["centered"] / n),
+        "std": lambda: B.sqrt(column["centered"] / n),
         "min": lambda: column["min"],
         "max": lambda: column["max"],
         "mean_abs": lambda: column["abs_sum"] / n,
         "zero_fraction": lambda: column["zeros"] / n,
     }
-    zero = tf.zeros_like(mean)
-    return tf.stack([out[s]() if s in out else zero for s in stats], axis=1)
+    zero = B.zeros_like(mean)
+    return B.stack([out[s]() if s in out else zero for s in stats], axis=1)
 
 
-def _nonfinite_norm(x: tf.Tensor, norm: tf.Tensor) -> tf.Tensor:
+def _nonfinite_norm(x: Tensor, norm: Tensor) -> Tensor:
     """`norm` of `x`, made NaN when `x` holds a NaN, else inf when an inf."""
-    nan = tf.reduce_any(tf.math.is_nan(x))
-    inf = tf.reduce_any(tf.math.is_inf(x))
-    return tf.where(nan, tf.constant(np.nan, tf.float64),
-                    tf.where(inf, tf.constant(np.inf, tf.float64), norm))
+    nan = B.reduce_any(B.is_nan(x))
+    inf = B.reduce_any(B.is_inf(x))
+    return B.where(nan, B.constant(np.nan, B.float64),
+                    B.where(inf, B.constant(np.inf, B.float64), norm))
 
 
-def _masked(x: tf.Tensor, stats: Tuple[str, ...]) -> tf.Tensor:
+def _masked(x: Tensor, stats: Tuple[str, ...]) -> Tensor:
     """Float64 statistics over the finite elements; exact, but more passes."""
-    x = tf.cast(x, tf.float64)
-    finite = tf.math.is_finite(x)
+    x = B.cast(x, B.float64)
+    finite = B.is_finite(x)
     n_finite = _count(finite)
     # Scalars broadcast in `tf.where`: no tensor-sized fill in the graph.
-    xz = tf.where(finite, x, tf.constant(0.0, tf.float64))
-    nan = tf.constant(np.nan, tf.float64)
-    none_finite = tf.equal(n_finite, 0)
-    mean = tf.reduce_sum(xz) / n_finite if {"mean", "std"} & set(stats) else None
+    xz = B.where(finite, x, B.constant(0.0, B.float64))
+    nan = B.constant(np.nan, B.float64)
+    none_finite = B.equal(n_finite, 0)
+    mean = B.reduce_sum(xz) / n_finite if {"mean", "std"} & set(stats) else None
 
     def std():
-        dev = tf.where(finite, x - mean, tf.constant(0.0, tf.float64))
-        return tf.sqrt(tf.reduce_sum(tf.square(dev)) / n_finite)
+        dev = B.where(finite, x - mean, B.constant(0.0, B.float64))
+        return B.sqrt(B.reduce_sum(B.square(dev)) / n_finite)
 
     def extreme(reduce, fill):
-        value = reduce(tf.where(finite, x, tf.constant(fill, tf.float64)))
-        return tf.where(none_finite, nan, value)
+        value = reduce(B.where(finite, x, B.constant(fill, B.float64)))
+        return B.where(none_finite, nan, value)
 
     # Only the statistics asked for become graph ops (trace time grows with them).
     out = {
         "mean": lambda: mean,
-        "l2_norm": lambda: _nonfinite_norm(x, tf.sqrt(tf.reduce_sum(tf.square(xz)))),
+        "l2_norm": lambda: _nonfinite_norm(x, B.sqrt(B.reduce_sum(B.square(xz)))),
         "std": std,
-        "min": lambda: extreme(tf.reduce_min, np.inf),
-        "max": lambda: extreme(tf.reduce_max, -np.inf),
-        "mean_abs": lambda: tf.reduce_sum(tf.abs(xz)) / n_finite,
-        "zero_fraction": lambda: _count(tf.equal(x, 0)) / tf.cast(tf.size(x), tf.float64),
-        "nan_count": lambda: _count(tf.math.is_nan(x)),
-        "inf_count": lambda: _count(tf.math.is_inf(x)),
+        "min": lambda: extreme(B.reduce_min, np.inf),
+        "max": lambda: extreme(B.reduce_max, -np.inf),
+        "mean_abs": lambda: B.reduce_sum(B.abs(xz)) / n_finite,
+        "zero_fraction": lambda: _count(B.equal(x, 0)) / B.cast(B.size(x), B.float64),
+        "nan_count": lambda: _count(B.is_nan(x)),
+        "inf_count": lambda: _count(B.is_inf(x)),
     }
     quantiles = {}
     if any(s in QUANTILES for s in stats):
         quantiles = _quantiles(
-            tf.where(finite, x, tf.constant(np.inf, tf.float64)), n_finite, stats)
-    return tf.stack([quantiles[s] if s in quantiles else out[s]() for s in stats])
+            B.where(finite, x, B.constant(np.inf, B.float64)), n_finite, stats)
+    return B.stack([quantiles[s] if s in quantiles else out[s]() for s in stats])
 
 
-def _masked_all(flats: Sequence[tf.Tensor], stats: Tuple[str, ...]) -> tf.Tensor:
+def _masked_all(flats: Sequence[Tensor], stats: Tuple[str, ...]) -> Tensor:
     """`_masked` of every tensor of `flats` (none empty), as `[k, len(stats)]`.
 
     One concatenation and segment reductions: the graph does not grow with
@@ -242,46 +247,46 @@ def _masked_all(flats: Sequence[tf.Tensor], stats: Tuple[str, ...]) -> tf.Tensor
     finite, but it is traced and, under XLA, compiled at every trace.
     """
     k = len(flats)
-    sizes = tf.stack([tf.size(x) for x in flats])
-    x = tf.concat([tf.cast(f, tf.float64) for f in flats], 0)
+    sizes = B.stack([B.size(x) for x in flats])
+    x = B.concat([B.cast(f, B.float64) for f in flats], 0)
     # One fill per tensor (`tf.repeat` gives XLA indices of the wrong length).
-    ids = tf.concat([tf.fill(tf.shape(f), i) for i, f in enumerate(flats)], 0)
+    ids = B.concat([B.fill(B.shape(f), i) for i, f in enumerate(flats)], 0)
 
     def total(values):
-        return tf.math.unsorted_segment_sum(values, ids, k)
+        return B.segment_sum(values, ids, k)
 
-    finite = tf.math.is_finite(x)
-    n_finite = total(tf.cast(finite, tf.float64))
-    xz = tf.where(finite, x, tf.constant(0.0, tf.float64))
-    nan = tf.constant(np.nan, tf.float64)
+    finite = B.is_finite(x)
+    n_finite = total(B.cast(finite, B.float64))
+    xz = B.where(finite, x, B.constant(0.0, B.float64))
+    nan = B.constant(np.nan, B.float64)
     mean = total(xz) / n_finite if {"mean", "std"} & set(stats) else None
 
     def nonfinite(name):
-        test = tf.math.is_nan if name == "nan" else tf.math.is_inf
-        return total(tf.cast(test(x), tf.float64))
+        test = B.is_nan if name == "nan" else B.is_inf
+        return total(B.cast(test(x), B.float64))
 
     def l2_norm():
-        norm = tf.sqrt(total(tf.square(xz)))
-        return tf.where(nonfinite("nan") > 0, nan,
-                        tf.where(nonfinite("inf") > 0, tf.constant(np.inf, tf.float64), norm))
+        norm = B.sqrt(total(B.square(xz)))
+        return B.where(nonfinite("nan") > 0, nan,
+                        B.where(nonfinite("inf") > 0, B.constant(np.inf, B.float64), norm))
 
     def std():
-        dev = tf.where(finite, x - tf.gather(mean, ids), tf.constant(0.0, tf.float64))
-        return tf.sqrt(total(tf.square(dev)) / n_finite)
+        dev = B.where(finite, x - B.gather(mean, ids), B.constant(0.0, B.float64))
+        return B.sqrt(total(B.square(dev)) / n_finite)
 
     def extreme(reduce, fill):
-        value = reduce(tf.where(finite, x, tf.constant(fill, tf.float64)), ids, k)
-        return tf.where(tf.equal(n_finite, 0), nan, value)
+        value = reduce(B.where(finite, x, B.constant(fill, B.float64)), ids, k)
+        return B.where(B.equal(n_finite, 0), nan, value)
 
     out = {
         "mean": lambda: mean,
         "l2_norm": l2_norm,
         "std": std,
-        "min": lambda: extreme(tf.math.unsorted_segment_min, np.inf),
-        "max": lambda: extreme(tf.math.unsorted_segment_max, -np.inf),
-        "mean_abs": lambda: total(tf.abs(xz)) / n_finite,
-        "zero_fraction": lambda: total(tf.cast(tf.equal(x, 0), tf.float64)) / tf.cast(
-            sizes, tf.float64),
+        "min": lambda: extreme(B.segment_min, np.inf),
+        "max": lambda: extreme(B.segment_max, -np.inf),
+        "mean_abs": lambda: total(B.abs(xz)) / n_finite,
+        "zero_fraction": lambda: total(B.cast(B.equal(x, 0), B.float64)) / B.cast(
+            sizes, B.float64),
         "nan_count": lambda: nonfinite("nan"),
         "inf_count": lambda: nonfinite("inf"),
     }
@@ -290,23 +295,73 @@ def _masked_all(flats: Sequence[tf.Tensor], stats: Tuple[str, ...]) -> tf.Tensor
     if wanted:
         rows = []
         for f in flats:
-            f = tf.cast(f, tf.float64)
-            ok = tf.math.is_finite(f)
-            rows.append(_quantiles(tf.where(ok, f, tf.constant(np.inf, tf.float64)),
+            f = B.cast(f, B.float64)
+            ok = B.is_finite(f)
+            rows.append(_quantiles(B.where(ok, f, B.constant(np.inf, B.float64)),
                                    _count(ok), stats))
         for name in wanted:
-            columns[name] = tf.stack([row[name] for row in rows])
-    return tf.stack([columns[s] for s in stats], axis=1)
+            columns[name] = B.stack([row[name] for row in rows])
+    return B.stack([columns[s] for s in stats], axis=1)
 
 
-def _empty_row(stats: Tuple[str, ...]) -> tf.Tensor:
+NORM_STATISTICS = ("l2_norm", "nan_count", "inf_count")
+"""The statistics of the lean path: one reduction per tensor gives them all
+when it is finite (the counts are then 0)."""
+
+SQUARES_BY_L2_LOSS = 1 << 18
+"""From this many elements on, the sum of squares is taken by `L2Loss` (one
+pass, no temporary); below it, `Sum(Square(x))` is faster on CPU (measured:
+102,400 elements, 2.7 us against 16.6 us per tensor; 1 M, 69 us against 38 us)."""
+
+
+def _sum_of_squares(x: Tensor) -> Tensor:
+    size = B.num_elements(x)
+    if size is not None and size >= SQUARES_BY_L2_LOSS:
+        return 2.0 * B.l2_loss(x)
+    return B.reduce_sum(B.square(x))
+
+
+def _norms(tensors: Sequence[TensorLike], stats: Tuple[str, ...]) -> Tensor:
+    """`tensor_statistics` for `NORM_STATISTICS` only: one reduction per
+    tensor and a few ops for all, the masked path only when a sum of squares
+    is not finite (a NaN/Inf, or an overflow of finite values)."""
+    dense = []
+    for t in tensors:
+        t = B.dense(t)
+        if not B.is_float(t):
+            t = B.cast(t, B.float32)
+        dense.append(t)
+    squares = [_sum_of_squares(x) for x in dense]
+    if len({x.dtype for x in squares}) == 1:
+        squares = B.cast(B.stack(squares), B.float64)
+    else:
+        squares = B.stack([B.cast(x, B.float64) for x in squares])
+    zero = B.zeros_like(squares)
+    fast = B.stack([B.sqrt(squares) if s == "l2_norm" else zero for s in stats], axis=1)
+
+    def masked():
+        flats = [B.reshape(x, [-1]) for x in dense]
+        present = [i for i, x in enumerate(flats) if B.num_elements(x) != 0]
+        if not present:
+            return fast
+        table = _masked_all([flats[i] for i in present], stats)
+        if len(present) == len(flats):
+            return table
+        rows = iter(B.unstack(table))
+        return B.stack([next(rows) if i in present else _empty_row(stats)
+                         for i in range(len(flats))])
+
+    return B.cond(B.reduce_all(B.is_finite(squares)), lambda: fast, masked)
+
+
+def _empty_row(stats: Tuple[str, ...]) -> Tensor:
     zero_stats = ("l2_norm", "nan_count", "inf_count")  # the rest NaN
-    return tf.constant([0.0 if s in zero_stats else np.nan for s in stats], tf.float64)
+    return B.constant([0.0 if s in zero_stats else np.nan for s in stats], B.float64)
 
 
 def tensor_statistics(
     tensors: Sequence[TensorLike], stats: Sequence[str] = STATISTICS
-) -> tf.Tensor:
+) -> Tensor:
     """Computes statistics of each tensor, in-graph, in one fused step.
 
     Safe under XLA (`jit_compile=True`), inside `tf.function`, in a replica
@@ -337,46 +392,49 @@ def tensor_statistics(
             f"{', '.join(ALL_STATISTICS)}. Received: stats={list(stats)!r}"
         )
     if not tensors or not stats:
-        return tf.zeros([len(tensors), len(stats)], tf.float64)
-    with tf.name_scope("kerasdbg_statistics"):
+        return B.zeros([len(tensors), len(stats)], B.float64)
+    if set(stats) <= set(NORM_STATISTICS):
+        with B.name_scope("kerasdbg_norms"):
+            return _norms(tensors, stats)
+    with B.name_scope("kerasdbg_statistics"):
         flats = [_flat(t) for t in tensors]
-        present = [i for i, x in enumerate(flats) if x.shape.num_elements() != 0]
+        present = [i for i, x in enumerate(flats) if B.num_elements(x) != 0]
         if not present:
-            return tf.stack([_empty_row(stats)] * len(flats))
-        raw = tf.stack([_raw(flats[i], stats) for i in present])
+            return B.stack([_empty_row(stats)] * len(flats))
+        raw = B.stack([_raw(flats[i], stats) for i in present])
         fast = _finish(raw, [flats[i] for i in present], stats)
         wanted = [s for s in stats if s in QUANTILES]
         if wanted:
-            rows = [_quantiles(flats[i], tf.cast(tf.size(flats[i]), tf.float64), stats)
+            rows = [_quantiles(flats[i], B.cast(B.size(flats[i]), B.float64), stats)
                     for i in present]
-            fast = tf.tensor_scatter_nd_update(
-                tf.transpose(fast),
+            fast = B.scatter_update(
+                B.transpose(fast),
                 [[stats.index(s)] for s in wanted],
-                tf.stack([tf.stack([row[s] for row in rows]) for s in wanted]),
+                B.stack([B.stack([row[s] for row in rows]) for s in wanted]),
             )
-            fast = tf.transpose(fast)
+            fast = B.transpose(fast)
         if len(present) < len(flats):
-            rows = iter(tf.unstack(fast))
-            fast = tf.stack([next(rows) if i in present else _empty_row(stats)
+            rows = iter(B.unstack(fast))
+            fast = B.stack([next(rows) if i in present else _empty_row(stats)
                              for i in range(len(flats))])
         # Every reduction finite proves every element finite; otherwise (or
         # when a float32 sum overflowed) the masked float64 path.
-        all_finite = tf.reduce_all(tf.math.is_finite(raw))
+        all_finite = B.reduce_all(B.is_finite(raw))
 
         def masked():
             table = _masked_all([flats[i] for i in present], stats)
             if len(present) == len(flats):
                 return table
-            rows = iter(tf.unstack(table))
-            return tf.stack([next(rows) if i in present else _empty_row(stats)
+            rows = iter(B.unstack(table))
+            return B.stack([next(rows) if i in present else _empty_row(stats)
                              for i in range(len(flats))])
 
-        return tf.cond(all_finite, lambda: fast, masked)
+        return B.cond(all_finite, lambda: fast, masked)
 
 
 def histograms(
     tensors: Sequence[TensorLike], bins: int = DEFAULT_HISTOGRAM_BINS
-) -> Tuple[tf.Tensor, tf.Tensor]:
+) -> Tuple[Tensor, Tensor]:
     """Bins each tensor's finite values into equal-width bins, in-graph.
 
     The bins of a tensor span its finite minimum to maximum (a constant tensor
@@ -400,28 +458,28 @@ def histograms(
     (array([[1., 2., 0., 1.]]), array([[0., 4.]]))
     """
     all_counts, all_ranges = [], []
-    with tf.name_scope("kerasdbg_histograms"):
+    with B.name_scope("kerasdbg_histograms"):
         for tensor in tensors:
             x = _flat(tensor)
-            if x.shape.num_elements() == 0:
-                all_counts.append(tf.zeros([bins], tf.float64))
-                all_ranges.append(tf.constant([np.nan, np.nan], tf.float64))
+            if B.num_elements(x) == 0:
+                all_counts.append(B.zeros([bins], B.float64))
+                all_ranges.append(B.constant([np.nan, np.nan], B.float64))
                 continue
-            finite = tf.math.is_finite(x)
-            low = tf.reduce_min(tf.where(finite, x, tf.fill(tf.shape(x), tf.constant(np.inf, x.dtype))))
-            high = tf.reduce_max(tf.where(finite, x, tf.fill(tf.shape(x), tf.constant(-np.inf, x.dtype))))
+            finite = B.is_finite(x)
+            low = B.reduce_min(B.where(finite, x, B.fill(B.shape(x), B.constant(np.inf, x.dtype))))
+            high = B.reduce_max(B.where(finite, x, B.fill(B.shape(x), B.constant(-np.inf, x.dtype))))
             width = high - low
-            scaled = tf.where(
-                finite & (width > 0), (x - low) / width * bins, tf.zeros_like(x)
+            scaled = B.where(
+                finite & (width > 0), (x - low) / width * bins, B.zeros_like(x)
             )
-            index = tf.clip_by_value(tf.cast(tf.floor(scaled), tf.int32), 0, bins - 1)
-            index = tf.where(finite, index, bins)
-            counts = tf.math.unsorted_segment_sum(
-                tf.ones_like(x, tf.float64), index, bins + 1
+            index = B.clip_by_value(B.cast(B.floor(scaled), B.int32), 0, bins - 1)
+            index = B.where(finite, index, bins)
+            counts = B.segment_sum(
+                B.ones_like(x, B.float64), index, bins + 1
             )[:bins]
-            none_finite = tf.logical_not(tf.reduce_any(finite))
-            nan = tf.constant(np.nan, tf.float64)
-            bounds = tf.stack([tf.cast(low, tf.float64), tf.cast(high, tf.float64)])
+            none_finite = B.logical_not(B.reduce_any(finite))
+            nan = B.constant(np.nan, B.float64)
+            bounds = B.stack([B.cast(low, B.float64), B.cast(high, B.float64)])
             all_counts.append(counts)
-            all_ranges.append(tf.where(none_finite, tf.stack([nan, nan]), bounds))
-        return tf.stack(all_counts), tf.stack(all_ranges)
+            all_ranges.append(B.where(none_finite, B.stack([nan, nan]), bounds))
+        return B.stack(all_counts), B.stack(all_ranges)

@@ -51,6 +51,37 @@ def test_the_rules_need_no_tensorflow():
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
+def test_statistics_records_schedules_and_tags_need_no_tensorflow():
+    """What a second backend's capture would share: the statistics (written
+    against `kerasdbg._backend.ops`), the schedule, the tags and the records
+    import without TensorFlow; only computing a statistic needs a backend."""
+    result = _run("""
+        import sys
+        from kerasdbg import _tags, schedule, stats
+        from kerasdbg._backend import ops
+        from kerasdbg.rules import FreezeOnFault, NaNSource, default_rules
+        from kerasdbg.rules._runner import RuleRunner
+
+        assert stats.STATISTICS[0] == "l2_norm" and "p50" in stats.ALL_STATISTICS
+        assert schedule.DEFAULT.at(10) and not schedule.DEFAULT.at(11) and schedule.DEFAULT.at(50)
+        record = _tags.StepRecord({"gradients/d/kernel/nan_count": 1.0, "step/frozen": 1.0,
+                                   "step/fault": 1.0, "faults/nan_source/located": 1.0,
+                                   "faults/nan_source/layer/x": 1.0})
+        verdicts = RuleRunner(default_rules()).check(3, record)
+        assert [v.rule for v in verdicts] == ["ExplodingTensor", "NaNSource"], verdicts
+        captured = _tags.CaptureRecord(step=1, skipped=False, values=None, histograms=None)
+        assert captured.applied
+        loaded = {m.split(".")[0] for m in sys.modules}
+        assert not loaded & {"tensorflow", "keras", "tensorboard"}, loaded
+        try:
+            stats.tensor_statistics([[1.0]], ["l2_norm"])
+        except ImportError as error:
+            print("needs a backend:", error)
+    """)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("needs a backend: tensorflow"), result.stdout
+
+
 def test_an_instrument_without_tensorflow_says_how_to_install_it():
     result = _run("""
         import kerasdbg
@@ -74,3 +105,76 @@ def test_exported_names_win_over_sub_modules_of_the_same_name():
         print("ok")
     """)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+# The layers of kerasdbg, lowest first: a module imports only from its own
+# layer or lower ones (checked on the source, imports inside functions too).
+LAYERS = [
+    # what any backend shares: argument checks, tags and records, schedules,
+    # the statistics (against kerasdbg._backend.ops) and the rules
+    ("foundation", ["kerasdbg._validation", "kerasdbg._tags", "kerasdbg.schedule",
+                    "kerasdbg._backend", "kerasdbg.stats"]),
+    ("rules", ["kerasdbg.rules"]),
+    # TensorFlow's capture: Keras internals, buffers, the engine, event files
+    ("capture", ["kerasdbg._backend.tensorflow", "kerasdbg._keras_internals",
+                 "kerasdbg._buffers", "kerasdbg._events", "kerasdbg._replay",
+                 "kerasdbg._engine", "kerasdbg._step_tensors", "kerasdbg._layer_sink"]),
+    # what users hold: callbacks, layers and model tools
+    ("shells", ["kerasdbg.layers", "kerasdbg.callbacks", "kerasdbg.trace",
+                "kerasdbg.tapping", "kerasdbg.multi_output_model", "kerasdbg.determinism",
+                "kerasdbg.doctor"]),
+    # reading runs back
+    ("reader", ["kerasdbg.reader", "kerasdbg.offline", "kerasdbg.report", "kerasdbg.demo",
+                "kerasdbg.cli", "kerasdbg"]),
+]
+
+
+def _layer_of(module: str) -> int:
+    best = None
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if module == prefix or module.startswith(prefix + "."):
+                if best is None or len(prefix) > best[1]:
+                    best = (index, len(prefix))
+    assert best is not None, f"{module} is in no layer of LAYERS"
+    return best[0]
+
+
+def _imports(path: str, module: str):
+    import ast
+
+    tree = ast.parse(open(path).read())
+    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            if base == "kerasdbg":
+                for alias in node.names:
+                    yield f"kerasdbg.{alias.name}"
+            elif base.startswith("kerasdbg."):
+                yield base
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("kerasdbg."):
+                    yield alias.name
+
+
+def test_imports_run_from_higher_layers_to_lower_ones_only():
+    package = os.path.join(ROOT, "kerasdbg")
+    wrong = []
+    for directory, _, files in os.walk(package):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(directory, name)
+            module = os.path.relpath(path[:-3], ROOT).replace(os.sep, ".")
+            module = module[:-len(".__init__")] if module.endswith(".__init__") else module
+            own = _layer_of(module)
+            for imported in _imports(path, module):
+                if _layer_of(imported) > own:
+                    wrong.append(f"{module} ({LAYERS[own][0]}) imports {imported} "
+                                 f"({LAYERS[_layer_of(imported)][0]})")
+    assert not wrong, "\n".join(wrong)

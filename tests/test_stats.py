@@ -54,6 +54,39 @@ def test_statistics_match_numpy(mode):
 
 
 @pytest.mark.parametrize("mode", list(MODES), ids=list(MODES))
+@pytest.mark.parametrize("together", [True, False], ids=["together", "alone"])
+def test_the_norm_statistics_take_their_own_path_and_match_numpy(mode, together):
+    """l2 norm and NaN/Inf counts only (the every-step default): one sum of
+    squares per tensor (`Sum(Square)` or `L2Loss` by size), the masked path
+    when one is not finite; every case, with others and alone."""
+    names = list(CASES) + ["large_l2_loss", "indexed_slices"]
+    arrays = dict(CASES, large_l2_loss=RNG.normal(size=(stats_lib.SQUARES_BY_L2_LOSS,)).astype(
+        "float32"))
+    stats = ("inf_count", "l2_norm", "nan_count")
+    compute = MODES[mode](lambda *ts: stats_lib.tensor_statistics(list(ts), stats))
+    slices = tf.IndexedSlices(tf.constant([[1.0, 2.0], [3.0, 4.0]]), tf.constant([0, 0]),
+                              tf.constant([3, 2]))
+    dense = {"indexed_slices": np.array([[4.0, 6.0], [0, 0], [0, 0]], "float32")}
+
+    def tensor(name):
+        return slices if name == "indexed_slices" else tf.constant(arrays[name])
+
+    if together:
+        rows = compute(*[tensor(n) for n in names]).numpy()
+    else:
+        rows = [compute(tensor(n)).numpy()[0] for n in names]
+    for name, row in zip(names, rows):
+        array = dense.get(name, arrays.get(name))
+        expected = reference_stats(array)
+        if name == "empty":
+            expected = dict(expected, l2_norm=0.0)
+        got = dict(zip(stats, row))
+        for statistic in stats:
+            np.testing.assert_allclose(got[statistic], expected[statistic], rtol=1e-5,
+                                       err_msg=f"{name} {statistic}")
+
+
+@pytest.mark.parametrize("mode", list(MODES), ids=list(MODES))
 def test_each_finite_tensor_alone_takes_the_fast_path_and_matches_numpy(mode):
     """Above, one non-finite tensor sends the whole batch to the masked path;
     alone, a finite tensor is described by the fast path's plain reductions."""

@@ -76,6 +76,9 @@ class _HostState:
 class DebugLayer(keras.layers.Layer):
     """Base class of the identity layers that record in-graph."""
 
+    kerasdbg_debug_layer = True
+    """Marks kerasdbg's debug layers for the replays (`_replay.is_debug_layer`)."""
+
     def __init__(
         self,
         every_n_steps: int = 1,
