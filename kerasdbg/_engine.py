@@ -371,8 +371,8 @@ class Slot:
         self.variables = [channel.variables[i] for i in positions]
         self.paths = [channel.paths[i] for i in positions]
         self.present = [True] * len(positions)
-        self.values = self.ids = None
-        self.applied_values = self.applied_ids = None
+        self.values = None  # [row, (train id, values...)]
+        self.applied_values = None
         self.hist_counts = self.hist_ranges = self.hist_ids = None
 
     def build(self, steps_per_execution: int) -> None:
@@ -382,13 +382,12 @@ class Slot:
         if kind == "gradients":
             width += 2  # global norm, clipped
         nan = tf.constant(np.nan, tf.float64)
-        self.values = _buffers.on_read_variable(tf.fill([n, width], nan), f"kerasdbg_{kind}")
-        self.ids = _buffers.on_read_variable(tf.zeros([n], tf.int64), f"kerasdbg_{kind}_ids")
+        # Column 0: the train-step id that wrote the row (exact in float64),
+        # so that one write per step says both what and when.
+        self.values = _buffers.on_read_variable(tf.fill([n, 1 + width], nan), f"kerasdbg_{kind}")
         if kind == "gradients" and self.channel.hook.separate:
             self.applied_values = _buffers.on_read_variable(
-                tf.fill([n, width - 1], nan), "kerasdbg_applied_gradients")
-            self.applied_ids = _buffers.on_read_variable(
-                tf.zeros([n], tf.int64), "kerasdbg_applied_gradients_ids")
+                tf.fill([n, width], nan), "kerasdbg_applied_gradients")
         if request.histogram_every_n_steps:
             v = len(self.positions)
             self.hist_counts = _buffers.on_read_variable(
@@ -1441,14 +1440,14 @@ class Engine:
             if not applied:
                 tail.append(tf.constant(np.nan, tf.float64) if clipped is None
                             else tf.cast(clipped, tf.float64))
+            tail = [tf.stack(tail)]
             for slot in slots:
                 def write(slot=slot):
                     values = _slot_rows(table, wanted, slot.positions, slot.present,
                                         [columns.index(s) for s in slot.request.stats])
-                    buffer, ids = (slot.applied_values, slot.applied_ids) if applied else (
-                        slot.values, slot.ids)
-                    _buffers.write_row(buffer, row, tf.concat([values, tail], 0))
-                    _buffers.write_row(ids, row, train_id)
+                    buffer = slot.applied_values if applied else slot.values
+                    _buffers.write_row(buffer, row, tf.concat(
+                        [tf.cast(train_id, tf.float64)[None], values] + tail, 0))
 
                 _buffers.run_if(_and(gate, slot.request.writes_at(step)), write)
         if not applied:
@@ -1631,8 +1630,8 @@ class Engine:
             def write(slot=slot):
                 values = _slot_rows(table, wanted, slot.positions, [True] * len(slot.positions),
                                     [columns.index(s) for s in slot.request.stats])
-                _buffers.write_row(slot.values, row, values)
-                _buffers.write_row(slot.ids, row, train_id)
+                _buffers.write_row(slot.values, row, tf.concat(
+                    [tf.cast(train_id, tf.float64)[None], values], 0))
 
             _buffers.run_if(_and(updates, slot.request.writes_at(step)), write)
 
@@ -1818,10 +1817,11 @@ class Engine:
             has_values, has_histograms = request.written_at(steps)
             values = ids_ = applied = applied_ids = hist = None
             if has_values:
-                values, ids_ = _buffers.read(slot.values), _buffers.read(slot.ids)
+                table = _buffers.read(slot.values)
+                ids_, values = table[:, 0], table[:, 1:]
                 if slot.applied_values is not None:
-                    applied = _buffers.read(slot.applied_values)
-                    applied_ids = _buffers.read(slot.applied_ids)
+                    table = _buffers.read(slot.applied_values)
+                    applied_ids, applied = table[:, 0], table[:, 1:]
             if has_histograms:
                 hist = [_buffers.read(b) for b in (slot.hist_ids, slot.hist_counts,
                                                    slot.hist_ranges)]
