@@ -29,15 +29,24 @@ Configurations:
 Printed: median over rounds of each configuration's step time divided by that
 round's plain step time, and the extra trace seconds over plain.
 
+`--memory` measures instead the peak resident memory (RSS) of a process that
+builds the model and runs one `fit` per configuration given, each in a fresh
+process, and prints each one's peak minus plain's, in MB and in copies of the
+model's weights.
+
 Usage:
     python bench/bench_statistics.py                       # everything
     python bench/bench_statistics.py --models cnn --repeats 5
+    python bench/bench_statistics.py --models resnet50 --memory --configs all
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -144,7 +153,40 @@ def report(model_name, spe, results, configs):
               f" {np.median(extra):14.2f}")
 
 
+def peak_memory(model_name, config, steps):
+    """Runs one fit in this process; prints the peak RSS (MB) and the weights' size (MB)."""
+    keras.utils.set_random_seed(0)
+    model, shape, batch = _model(model_name)
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = np.random.default_rng(0).normal(size=(batch * steps, *shape)).astype("float32")
+    y = np.random.default_rng(1).integers(0, 10, batch * steps)
+    fitted = kerasdbg.insert_taps(model, tap=TapLayer(every_n_steps=TAP_EVERY)) if (
+        config == "taps+defaults") else model
+    with tempfile.TemporaryDirectory() as log_dir:
+        fitted.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
+                   callbacks=_callbacks(config, log_dir))
+    weights = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables) / 2**20
+    print(f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.1f} {weights:.1f}")
+
+
+def memory(model_name, configs, steps):
+    peaks = {}
+    for config in configs:
+        out = subprocess.run([sys.executable, __file__, "--peak-memory", model_name, config,
+                              str(steps)], capture_output=True, text=True, check=True)
+        peak, weights = map(float, out.stdout.split()[-2:])
+        peaks[config] = peak
+    print(f"\n{model_name}: peak RSS of one fit of {steps} steps; weights {weights:.1f} MB")
+    for config in configs:
+        extra = peaks[config] - peaks["plain"]
+        print(f"  {config:22s} {peaks[config]:9.1f} MB  extra {extra:8.1f} MB "
+              f"= {extra / weights:5.2f} weight copies")
+
+
 def main():
+    if len(sys.argv) == 5 and sys.argv[1] == "--peak-memory":
+        peak_memory(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["cnn", "resnet50"], choices=["cnn", "resnet50"])
     parser.add_argument("--spe", nargs="+", type=int, default=[1, 16])
@@ -152,8 +194,14 @@ def main():
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     parser.add_argument("--cnn-steps", type=int, default=320)
     parser.add_argument("--resnet-steps", type=int, default=48)
+    parser.add_argument("--memory", action="store_true",
+                        help="peak RSS of one fit per configuration, each in its own process")
     args = parser.parse_args()
     configs = ["plain"] + [c for c in args.configs if c != "plain"]
+    if args.memory:
+        for model_name in args.models:
+            memory(model_name, configs, args.cnn_steps if model_name == "cnn" else args.resnet_steps)
+        return
     for model_name in args.models:
         for spe in args.spe:
             steps = args.cnn_steps if model_name == "cnn" else args.resnet_steps
