@@ -371,6 +371,7 @@ class Slot:
         self.variables = [channel.variables[i] for i in positions]
         self.paths = [channel.paths[i] for i in positions]
         self.present = [True] * len(positions)
+        self._tags: Dict[tuple, Tuple[Optional[str], ...]] = {}  # built once per kind of row
         self.values = None  # [row, (train id, values...)]
         self.applied_values = None
         self.hist_counts = self.hist_ranges = self.hist_ids = None
@@ -401,6 +402,12 @@ class Slot:
              ) -> Tuple[Optional[str], ...]:
         """The tag of each value column; None for variables without a
         gradient and for statistics not in `columns` (None: all)."""
+        key = ("values", several, columns, tuple(self.present))
+        if key not in self._tags:
+            self._tags[key] = self._make_tags(several, columns)
+        return self._tags[key]
+
+    def _make_tags(self, several: bool, columns) -> Tuple[Optional[str], ...]:
         request, kind = self.request, self.request.kind
         optimizer = self.channel.hook.name if several else None
         wanted = [columns is None or s in columns for s in request.stats]
@@ -416,6 +423,12 @@ class Slot:
 
     def applied_tags(self, several: bool, columns: Optional[Sequence[str]] = None
                      ) -> Tuple[Optional[str], ...]:
+        key = ("applied", several, columns, tuple(self.present))
+        if key not in self._tags:
+            self._tags[key] = self._make_applied_tags(several, columns)
+        return self._tags[key]
+
+    def _make_applied_tags(self, several: bool, columns) -> Tuple[Optional[str], ...]:
         optimizer = self.channel.hook.name if several else None
         kind = _tags.APPLIED_GRADIENTS
         wanted = [columns is None or s in columns for s in self.request.stats]

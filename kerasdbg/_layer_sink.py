@@ -85,7 +85,7 @@ class LayerSink:
             if layer is None:
                 self._layers.remove(ref)
             else:
-                layer._flush_unless_idle(fit_step)
+                layer.flush_unless_idle(fit_step)
 
     def hook(self, context: internals.StepContext) -> None:
         model = context.model

@@ -120,7 +120,7 @@ class ActivationStatistics(RecordingCallback):
             warnings.warn(message, RuntimeWarning, stacklevel=2)
         self._writer = self._open_writer()
         for tap in self._taps:
-            tap._host.listeners.append(self._consume)
+            tap.add_listener(self._consume)
         # One trace of the train function, not two (the taps' graph is large).
         if internals.uses_standard_train_step(self.model):
             internals.build_optimizer_before_trace(self.model)
@@ -138,7 +138,7 @@ class ActivationStatistics(RecordingCallback):
         """After the first execution: says once when none of the taps is in
         the train step (a custom `train_step` that never calls the layers they
         sit in), since they then record nothing in `fit`."""
-        if not self._taps or any("fit" in tap._host.traced_in for tap in self._taps):
+        if not self._taps or any(tap.traced_in("fit") for tap in self._taps):
             return
         message = (
             f"{type(self).__name__} records nothing this fit: none of its taps "
@@ -157,14 +157,13 @@ class ActivationStatistics(RecordingCallback):
     def on_train_end(self, logs=None):
         self._flush()
         for tap in self._taps:
-            if self._consume in tap._host.listeners:
-                tap._host.listeners.remove(self._consume)
+            tap.remove_listener(self._consume)
         if self._writer is not None:
             self._writer.flush()
 
     def _flush(self, fit_step=None):
         for tap in self._taps:
-            tap._flush_unless_idle(fit_step)
+            tap.flush_unless_idle(fit_step)
 
     # ----------------------------------------------------------- records
     def _consume(self, tap: TapLayer, rows) -> None:

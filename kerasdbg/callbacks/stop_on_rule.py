@@ -394,7 +394,7 @@ class StopOnRule(keras.callbacks.Callback):
             engine.attach(request)
         self._requests = requests
         for tap in self._taps:
-            tap._host.listeners.append(self._take_tap)
+            tap.add_listener(self._take_tap)
         # Whatever way this fit ends, the taps forget this callback.
         _engine.on_fit_end(self.model, self, self._finish)
 
@@ -528,8 +528,7 @@ class StopOnRule(keras.callbacks.Callback):
             engine.detach(request)
         self._requests = []
         for tap in self._taps:
-            if self._take_tap in tap._host.listeners:
-                tap._host.listeners.remove(self._take_tap)
+            tap.remove_listener(self._take_tap)
         self._taps = []
         if self._writer is not None:
             self._writer.flush()

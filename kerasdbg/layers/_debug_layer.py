@@ -262,12 +262,17 @@ class DebugLayer(keras.layers.Layer):
         every = self.every_n_steps
         return step // every == last // every
 
-    def _flush_unless_idle(self, fit_step=None) -> None:
+    def flush_unless_idle(self, fit_step=None) -> None:
         """`flush()`, unless `fit_step` (`(counters key, value)` after
         a train call, or None) shows no step since the last check can have a
         record: the layer sink and `ActivationStatistics` both check first."""
         if fit_step is None or not self._nothing_selected_since(*fit_step):
             self.flush()
+
+    def traced_in(self, mode: str) -> bool:
+        """Whether a step of `mode` ("fit", "evaluate", "predict", "call")
+        traced this layer (its graph holds the recording)."""
+        return mode in self._host.traced_in
 
     def flush(self) -> None:
         """Hands the records written since the last flush to the layer.

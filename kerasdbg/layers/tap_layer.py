@@ -298,6 +298,17 @@ class TapLayer(DebugLayer):
             row[self.health[0]] = float(np.average(health, weights=sizes))
         return row
 
+    def add_listener(self, listener) -> None:
+        """Calls `listener(layer, rows)` with the rows of each later flush
+        (the host side of a callback that reads this layer)."""
+        if listener not in self._host.listeners:
+            self._host.listeners.append(listener)
+
+    def remove_listener(self, listener) -> None:
+        """Undoes `add_listener` (nothing when `listener` was not added)."""
+        if listener in self._host.listeners:
+            self._host.listeners.remove(listener)
+
     def _consume(self, records: List[LayerRecord]) -> None:
         rows, by_call = [], []
         for record in records:
