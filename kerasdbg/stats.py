@@ -247,6 +247,18 @@ def _masked_table(flats: Sequence[Tensor], stats: Tuple[str, ...]) -> Tensor:
     return _masked_all(flats, stats)
 
 
+def _masked_rows(flats: Sequence[Tensor], present: Sequence[int],
+                 stats: Tuple[str, ...]) -> Tensor:
+    """`[len(flats), len(stats)]` masked statistics of the non-empty tensors
+    `flats[i] for i in present`, with `_empty_row` for the empty ones."""
+    table = _masked_table([flats[i] for i in present], stats)
+    if len(present) == len(flats):
+        return table
+    rows = iter(B.unstack(table))
+    return B.stack([next(rows) if i in present else _empty_row(stats)
+                    for i in range(len(flats))])
+
+
 def _masked_all(flats: Sequence[Tensor], stats: Tuple[str, ...]) -> Tensor:
     """`_masked` of every tensor of `flats` (none empty), as `[k, len(stats)]`.
 
@@ -352,12 +364,7 @@ def _norms(tensors: Sequence[TensorLike], stats: Tuple[str, ...]) -> Tensor:
         present = [i for i, x in enumerate(flats) if B.num_elements(x) != 0]
         if not present:
             return fast
-        table = _masked_table([flats[i] for i in present], stats)
-        if len(present) == len(flats):
-            return table
-        rows = iter(B.unstack(table))
-        return B.stack([next(rows) if i in present else _empty_row(stats)
-                         for i in range(len(flats))])
+        return _masked_rows(flats, present, stats)
 
     return B.cond(B.reduce_all(B.is_finite(squares)), lambda: fast, masked)
 
@@ -429,15 +436,7 @@ def tensor_statistics(
         # when a float32 sum overflowed) the masked float64 path.
         all_finite = B.reduce_all(B.is_finite(raw))
 
-        def masked():
-            table = _masked_table([flats[i] for i in present], stats)
-            if len(present) == len(flats):
-                return table
-            rows = iter(B.unstack(table))
-            return B.stack([next(rows) if i in present else _empty_row(stats)
-                             for i in range(len(flats))])
-
-        return B.cond(all_finite, lambda: fast, masked)
+        return B.cond(all_finite, lambda: fast, lambda: _masked_rows(flats, present, stats))
 
 
 def histograms(

@@ -53,7 +53,7 @@ class _Counting:
         original_stats, original_write = stats_lib.tensor_statistics, _buffers.write_row
         for name in stats_lib.ALL_STATISTICS:
             self.computed[name]  # created eagerly, outside the trace
-        for name in ("gradients", "weights", "gradients_hist", "weights_hist", "previous"):
+        for name in ("gradients", "weights", "gradients_hist", "weights_hist"):
             self.written[name]
 
         def tensor_statistics(tensors, stats=stats_lib.STATISTICS):

@@ -424,16 +424,7 @@ def test_a_non_finite_input_is_reported_as_the_source():
 
 
 def test_a_subclassed_model_reports_the_gradients_and_says_why_not_the_layer():
-    class Net(keras.Model):
-        def __init__(self):
-            super().__init__(name="sub")
-            self.dense = keras.layers.Dense(1, name="dense")
-
-        def call(self, x):
-            return self.dense(x)
-
-    model = Net()
-    model.compile(keras.optimizers.SGD(0.01), "mse")
+    model = _subclassed()
     stop = StopOnRule(NonFiniteLoss(), verbose=False)
     _fit(model, _with_batch(3, np.nan), [stop])
     source = stop.verdicts[-1]
