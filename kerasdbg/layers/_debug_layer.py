@@ -32,6 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 from kerasdbg import _buffers
+from kerasdbg import _graph_functions as graph_functions
 from kerasdbg import _keras_internals as internals
 from kerasdbg import _layer_sink
 from kerasdbg import _validation as check
@@ -56,17 +57,24 @@ class LayerRecord(NamedTuple):
     values: Dict[str, np.ndarray]
 
 
+HEAD = ("id", "mode", "step")
+"""The first columns of a buffer row: the call id, the mode's index, the step."""
+
+
 class _Buffers:
-    """The untracked ring buffers of one layer (not saved with the model)."""
+    """The untracked ring buffer of one layer (not saved with the model):
+    one float64 row per recorded call, `HEAD` then every field flattened."""
 
     def __init__(self, slots: int, fields: Dict[str, Tuple[tuple, tf.DType]], name: str):
         self.slots = slots
-        self.ids = _buffers.on_read_variable(tf.zeros([slots], tf.int64), f"{name}_ids")
-        self.meta = _buffers.on_read_variable(tf.zeros([slots, 2], tf.int64), f"{name}_meta")
-        self.fields = {
-            key: _buffers.on_read_variable(tf.zeros([slots, *shape], dtype), f"{name}_{key}")
-            for key, (shape, dtype) in fields.items()
-        }
+        self.layout = []  # (key, shape, dtype, first column, end column)
+        width = len(HEAD)
+        for key, (shape, dtype) in fields.items():
+            size = int(np.prod(shape, dtype=np.int64))
+            self.layout.append((key, tuple(shape), tf.as_dtype(dtype), width, width + size))
+            width += size
+        self.layout = tuple(self.layout)
+        self.rows = _buffers.on_read_variable(tf.zeros([slots, width], tf.float64), f"{name}_rows")
 
 
 class _HostState:
@@ -160,15 +168,22 @@ class DebugLayer(keras.layers.Layer):
         """Field name -> (shape, dtype) of what one record holds."""
         raise NotImplementedError
 
-    def _values(self, inputs, state=None) -> Dict[str, tf.Tensor]:
-        """The fields of one record, in-graph; `state` is what `_update_state`
-        returned for this call."""
+    def _values_key(self) -> tuple:
+        """Every setting `_compute_values` reads (hashable): layers with equal
+        keys share one traced function."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _compute_values(key: tuple, inputs, state) -> Dict[str, tf.Tensor]:
+        """The fields of one record, in-graph, from `_values_key()`, the input
+        and what `_update_state` returned for this call (no variables: the
+        function is shared by every layer with the same key)."""
         raise NotImplementedError
 
     def _update_state(self, inputs, context: internals.StepContext):
-        """In-graph, at each recorded call (`every_n_steps`), before `_values`:
-        what a subclass tracks across calls. What it returns is passed to
-        `_values`."""
+        """In-graph, at each recorded call (`every_n_steps`), before
+        `_compute_values`: what a subclass tracks across calls (its variables).
+        What it returns is passed to `_compute_values`."""
         return None
 
     def _consume(self, records: List[LayerRecord]) -> None:
@@ -204,13 +219,11 @@ class DebugLayer(keras.layers.Layer):
 
         def write():
             buffers = self._buffers
-            row = tf.math.floormod(call_id - 1, buffers.slots)
             state = self._update_state(inputs, context)
-            for key, value in self._values(inputs, state).items():
-                if buffers.fields[key].shape.num_elements():  # nothing to keep in []
-                    _buffers.write_row(buffers.fields[key], row, value)
-            _buffers.write_row(buffers.meta, row, tf.stack([tf.constant(mode, tf.int64), step]))
-            _buffers.write_row(buffers.ids, row, call_id)
+            head = tf.stack([call_id, tf.constant(mode, tf.int64), tf.cast(step, tf.int64)])
+            row = graph_functions.layer_row(
+                self._compute_values, self._values_key(), buffers.layout, inputs, state, head)
+            _buffers.write_row(buffers.rows, tf.math.floormod(call_id - 1, buffers.slots), row)
 
         _buffers.run_if(self._selected(step), write)
 
@@ -292,21 +305,21 @@ class DebugLayer(keras.layers.Layer):
 
     def _read(self) -> List[LayerRecord]:
         buffers = self._buffers
-        replicas = _buffers.read_replicas(buffers.ids)
+        tables = _buffers.read_replicas(buffers.rows)
         if self.replicas == "first":
-            replicas = replicas[:1]
-        if len(self._host.last_id) < len(replicas):
-            self._host.last_id += [0] * (len(replicas) - len(self._host.last_id))
-        if not any((ids > last).any() for ids, last in zip(replicas, self._host.last_id)):
-            return []
-        metas = _buffers.read_replicas(buffers.meta)
-        fields = {key: _buffers.read_replicas(v) for key, v in buffers.fields.items()}
+            tables = tables[:1]
+        if len(self._host.last_id) < len(tables):
+            self._host.last_id += [0] * (len(tables) - len(self._host.last_id))
         keyed = []
-        for replica, ids in enumerate(replicas):
-            new = np.flatnonzero(ids > self._host.last_id[replica])
+        for replica, table in enumerate(tables):
+            ids = table[:, 0].astype(np.int64)
+            last = self._host.last_id[replica]
+            new = np.flatnonzero(ids > last)
+            if not len(new):
+                continue
             rows = new[np.argsort(ids[new])]
             full = len(rows) == buffers.slots and not self._warned_slots
-            if full and int(self.calls.numpy()) - self._host.last_id[replica] > buffers.slots:
+            if full and int(self.calls.numpy()) - last > buffers.slots:
                 self._warned_slots = True
                 warnings.warn(
                     f"{type(self).__name__} {self.name!r}: more than buffer_steps="
@@ -317,17 +330,17 @@ class DebugLayer(keras.layers.Layer):
                     stacklevel=3,
                 )
             for row in rows:
-                mode, step = metas[replica][row]
-                keyed.append((int(ids[row]), replica,
-                    LayerRecord(
-                        step=int(step),
-                        mode=MODES[int(mode)],
-                        replica=replica,
-                        values={k: v[replica][row] for k, v in fields.items()},
-                    ),
-                ))
-            if len(rows):
-                self._host.last_id[replica] = int(ids[rows[-1]])
+                values = {
+                    key: table[row, start:end].reshape(shape).astype(dtype.as_numpy_dtype)
+                    for key, shape, dtype, start, end in buffers.layout
+                }
+                keyed.append((int(ids[row]), replica, LayerRecord(
+                    step=int(table[row, 2]),
+                    mode=MODES[int(table[row, 1])],
+                    replica=replica,
+                    values=values,
+                )))
+            self._host.last_id[replica] = int(ids[rows[-1]])
         # In call order, replica 0 first within a call.
         keyed.sort(key=lambda item: item[:2])
         return [record for _, _, record in keyed]

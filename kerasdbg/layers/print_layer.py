@@ -13,6 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from kerasdbg import _buffers
+from kerasdbg import _graph_functions as graph_functions
 from kerasdbg import _validation as check
 from kerasdbg import stats as stats_lib
 from kerasdbg.layers._debug_layer import DebugLayer, LayerRecord
@@ -188,16 +189,20 @@ class PrintLayer(DebugLayer):
             "tail": ((k,), tf.float64),
         }
 
-    def _values(self, inputs, state=None):
+    def _values_key(self) -> tuple:
+        return (max(self.summarize, 1), tuple(self.stats))
+
+    @staticmethod
+    def _compute_values(key, inputs, state):
+        k, stats = key
         x = tf.convert_to_tensor(inputs)
-        k = max(self.summarize, 1)
         flat = tf.reshape(x, [-1])
         # Slice before casting and padding: only 2k elements are copied per step.
         head = tf.cast(flat[:k], tf.float64)
         tail = tf.cast(flat[-k:], tf.float64)  # the whole tensor when it has < k elements
         return {
             "shape": tf.shape(x, out_type=tf.int64),
-            "stats": stats_lib.tensor_statistics([x], self.stats)[0],
+            "stats": stats_lib.tensor_statistics([x], stats)[0],
             "head": tf.pad(head, [[0, k - tf.shape(head)[0]]]),
             "tail": tf.pad(tail, [[k - tf.shape(tail)[0], 0]]),
         }
@@ -256,7 +261,7 @@ class PrintLayer(DebugLayer):
         if static_replica is not None and not self._record_replica(static_replica):
             return
         x = tf.convert_to_tensor(inputs)
-        stats = stats_lib.tensor_statistics([x], self.stats)[0]
+        stats = graph_functions.tensor_statistics(x, self.stats)
         stream = self.output_stream
         target = {
             "stderr": sys.stderr,

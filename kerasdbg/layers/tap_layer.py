@@ -246,20 +246,25 @@ class TapLayer(DebugLayer):
         high = tf.cast(1.0 / (1.0 + np.exp(-SIGMOID_INPUT_BOUNDS[1])), x.dtype)
         return (x <= low) | (x >= high)
 
-    def _values(self, inputs, state=None):
+    def _values_key(self) -> tuple:
+        return (tuple(self.stats), self.histogram, self.histogram_bins, self.sample_rows)
+
+    @staticmethod
+    def _compute_values(key, inputs, state):
+        stats, histogram, bins, sample_rows = key
         x = tf.convert_to_tensor(inputs)
         values = {
-            "stats": stats_lib.tensor_statistics([x], self.stats)[0],
+            "stats": stats_lib.tensor_statistics([x], stats)[0],
             "size": tf.cast(tf.size(x), tf.float64),
         }
         if state is not None:
             values["health"] = state
-        if self.histogram:
-            counts, ranges = stats_lib.histograms([x], self.histogram_bins)
+        if histogram:
+            counts, ranges = stats_lib.histograms([x], bins)
             values["hist_counts"], values["hist_range"] = counts[0], ranges[0]
-        if self.sample_rows:
-            rows = tf.cast(x[: self.sample_rows], tf.float64)
-            missing = self.sample_rows - tf.shape(rows)[0]
+        if sample_rows:
+            rows = tf.cast(x[:sample_rows], tf.float64)
+            missing = sample_rows - tf.shape(rows)[0]
             pad = tf.zeros(tf.concat([[missing], tf.shape(rows)[1:]], 0), tf.float64)
             values["rows"] = tf.concat([rows, pad], 0)
             values["valid_rows"] = tf.cast(tf.shape(x)[0], tf.int64)

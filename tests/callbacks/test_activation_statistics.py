@@ -66,15 +66,15 @@ def test_batch_ends_read_only_taps_that_recorded_and_one_trace():
     model.compile("adam", "mse")  # Adam: built inside the first trace unless built before
     callback = ActivationStatistics()
     reads, traces, at_batch_end = [], [], [False]
-    original_read, original_values = counted._read, counted._values
+    original_read, original_values = counted._read, counted._compute_values
 
     def counting_read():
         reads.append(at_batch_end[0])
         return original_read()
 
-    def counting_values(inputs, state=None):
+    def counting_values(key, inputs, state):
         traces.append(1)
-        return original_values(inputs, state)
+        return original_values(key, inputs, state)
 
     class Mark(keras.callbacks.Callback):
         def __init__(self, value):
@@ -84,7 +84,7 @@ def test_batch_ends_read_only_taps_that_recorded_and_one_trace():
         def on_train_batch_end(self, batch, logs=None):
             at_batch_end[0] = self.value
 
-    counted._read, counted._values = counting_read, counting_values
+    counted._read, counted._compute_values = counting_read, counting_values
     # The reads between the two marks are the callback's own.
     model.fit(X, Y, batch_size=2, epochs=1, verbose=0, shuffle=False,
               callbacks=[Mark(True), callback, Mark(False)])
