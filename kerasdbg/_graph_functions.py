@@ -3,11 +3,13 @@
 A debug layer on every layer of a model computes the same statistics at each
 of its hundreds of call sites. Built inline, each site adds the whole graph of
 `kerasdbg.stats` (its `tf.cond`s included) to the train function, and Python
-graph building then costs tens of milliseconds per site and trace. Here the
-statistics of one flattened tensor are a `tf.function` traced once per
-(statistics, dtype, number of elements), and each site adds one call op. In
-graph mode Grappler inlines the call, and under XLA the cluster compiles it, so
-the step runs the same operations as with the inline graph.
+graph building then costs tens of milliseconds per site and trace, and the
+first execution's graph optimization grows with it. Here such work is a
+`tf.function` traced once per settings and input signature, and each site
+adds one call op. The functions are not inlined: the graph optimizer works on
+each body once, and a call costs the executor about as much as the ops it
+saves (measured: a model with 122 taps steps as fast either way). Under XLA
+the cluster compiles the calls with the rest of the step.
 
 Eager calls compute inline (a function per batch size would retrace).
 """
@@ -54,53 +56,32 @@ def tensor_statistics(tensor, stats: Sequence[str]) -> tf.Tensor:
     return function(x)
 
 
-def histogram(tensor, bins: int) -> Tuple[tf.Tensor, tf.Tensor]:
-    """`stats_lib.histograms([tensor], bins)` of one tensor: its `[bins]`
-    counts and `[2]` range, one call op in a graph."""
-    if tf.executing_eagerly():
-        counts, ranges = stats_lib.histograms([tensor], bins)
-        return counts[0], ranges[0]
-    x, size = _flat(tensor)
-
-    def compute(flat):
-        counts, ranges = stats_lib.histograms([flat], bins)
-        return counts[0], ranges[0]
-
-    function = _shared(("histogram", bins, x.dtype, size), compute,
-                       [tf.TensorSpec([size], x.dtype)])
-    return function(x)
-
-
 def _spec(tensor) -> tf.TensorSpec:
     return tf.TensorSpec(tensor.shape, tensor.dtype)
 
 
-def layer_row(compute: Callable, settings: Hashable, layout: tuple, inputs, state,
-              head) -> tf.Tensor:
-    """One buffer row of a debug layer: `head` (int64 `[3]`), then each field
-    of `compute(settings, inputs, state)` in `layout` order, as float64.
+def shared_step(step: Callable, key: Hashable) -> Callable:
+    """`call(x, counts, state)` running `step(x, counts, state)`: eagerly as
+    is, in a graph as one call of a function shared by every `step` with the
+    same `key` (everything `step` reads besides its arguments) and the same
+    signature of the arguments. `counts` is a list of tensors, `state` a
+    tensor or None; `x` and `state` are cut from the gradient."""
 
-    `settings` holds everything `compute` reads besides its arguments; the
-    layers with the same `compute`, settings, layout and input signature
-    share one traced function.
-    """
-    x = tf.stop_gradient(tf.convert_to_tensor(inputs))
-    if state is not None:
-        state = tf.stop_gradient(state)
+    def call(x, counts, state):
+        x = tf.stop_gradient(tf.convert_to_tensor(x))
+        if state is not None:
+            state = tf.stop_gradient(state)
+        if tf.executing_eagerly():
+            return step(x, list(counts), state)
+        signature = (_spec(x), tuple(_spec(c) for c in counts))
+        if state is None:
+            function = _shared(("step", key, signature),
+                               lambda x, counts: step(x, counts, None),
+                               [signature[0], list(signature[1])])
+            return function(x, list(counts))
+        signature += (_spec(state),)
+        function = _shared(("step", key, signature), step,
+                           [signature[0], list(signature[1]), signature[2]])
+        return function(x, list(counts), state)
 
-    def row(x, state, head):
-        values = compute(settings, x, state)
-        parts = [tf.cast(head, tf.float64)]
-        parts += [tf.reshape(tf.cast(values[name], tf.float64), [-1])
-                  for name, _, _, start, end in layout if end > start]
-        return tf.concat(parts, 0)
-
-    if tf.executing_eagerly():
-        return row(x, state, head)
-    signature = [_spec(x), None if state is None else _spec(state), tf.TensorSpec([3], tf.int64)]
-    if state is None:
-        function = _shared(("layer row", compute, settings, layout, signature[0]),
-                           lambda x, head: row(x, None, head), [signature[0], signature[2]])
-        return function(x, head)
-    function = _shared(("layer row", compute, settings, layout, signature[0], signature[1]), row, signature)
-    return function(x, state, head)
+    return call

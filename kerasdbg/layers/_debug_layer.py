@@ -74,7 +74,65 @@ class _Buffers:
             self.layout.append((key, tuple(shape), tf.as_dtype(dtype), width, width + size))
             width += size
         self.layout = tuple(self.layout)
-        self.rows = _buffers.on_read_variable(tf.zeros([slots, width], tf.float64), f"{name}_rows")
+        # Row `slots` takes the calls that record nothing (no condition in
+        # the graph); it is never read.
+        self.rows = _buffers.on_read_variable(
+            tf.zeros([slots + 1, width], tf.float64), f"{name}_rows")
+
+
+def _step_function(compute, key, layout, slots: int, mode: str, every_n_steps: int):
+    """The in-graph work of one call of a debug layer, as one function of
+    the values of its variables (shared by the layers with the same settings
+    and input signature; see `kerasdbg._graph_functions`).
+
+    Inputs: the layer's input, `[calls, mode_calls, *step counters]` and the
+    state variable's value (or None). Outputs: `calls` and `mode_calls`
+    counted, and when `compute` is given (this replica records): the buffer
+    `row` (`HEAD`, then the fields), its `slot` (the scratch row `slots` at
+    the steps `every_n_steps` skips) and the new `state`.
+    """
+    mode_index = MODES.index(mode)
+    one_hot = np.eye(len(MODES), dtype=np.int64)[mode_index]
+    width = layout[-1][4] if layout else len(HEAD)
+
+    def step(x, counts, state):
+        calls, mode_calls, counters = counts[0] + 1, counts[1] + one_hot, counts[2:]
+        out = {"calls": calls, "mode_calls": mode_calls}
+        if compute is None:
+            return out
+        if counters:
+            # Counts batches also with gradient accumulation (where
+            # `optimizer.iterations` counts updates), as the statistics do,
+            # and follows the optimizers a custom train step applies.
+            number = (counters[0] if len(counters) == 1 else tf.reduce_max(tf.stack(counters))) + 1
+        else:
+            number = mode_calls[mode_index]
+
+        def record():
+            values, new_state = compute(key, x, state, mode)
+            head = tf.cast(tf.stack([calls, tf.constant(mode_index, tf.int64), number]), tf.float64)
+            parts = [head] + [tf.reshape(tf.cast(values[name], tf.float64), [-1])
+                              for name, _, _, start, end in layout if end > start]
+            return tf.concat(parts, 0), state if new_state is None else new_state
+
+        slot = tf.math.floormod(calls - 1, slots)
+        if every_n_steps == 1:
+            row, new_state = record()
+        else:
+            selected = tf.equal(tf.math.floormod(number, every_n_steps), 0)
+            skipped = lambda: (tf.zeros([width], tf.float64), state)  # noqa: E731
+            if state is None:
+                row = tf.cond(selected, lambda: record()[0], lambda: skipped()[0])
+                new_state = None
+            else:
+                row, new_state = tf.cond(selected, record, skipped)
+            slot = tf.where(selected, slot, tf.constant(slots, tf.int64))
+        out.update(row=row, slot=slot)
+        if new_state is not None:
+            out["state"] = new_state
+        return out
+
+    return graph_functions.shared_step(step, (compute, key, layout, slots, mode, every_n_steps))
 
 
 class _HostState:
@@ -174,16 +232,18 @@ class DebugLayer(keras.layers.Layer):
         raise NotImplementedError
 
     @staticmethod
-    def _compute_values(key: tuple, inputs, state) -> Dict[str, tf.Tensor]:
-        """The fields of one record, in-graph, from `_values_key()`, the input
-        and what `_update_state` returned for this call (no variables: the
-        function is shared by every layer with the same key)."""
+    def _compute_values(key: tuple, inputs, state, mode: str):
+        """The fields of one record, in-graph, and the layer's new state.
+
+        `key` is `_values_key()`, `state` the value of `_state_variable()`
+        (None without one) before this call, `mode` the loop's mode. Returns
+        `(fields, new state)`; the new state is assigned to the state variable
+        (None: unchanged). No variables here: the function is shared by every
+        layer with the same key."""
         raise NotImplementedError
 
-    def _update_state(self, inputs, context: internals.StepContext):
-        """In-graph, at each recorded call (`every_n_steps`), before
-        `_compute_values`: what a subclass tracks across calls (its variables).
-        What it returns is passed to `_compute_values`."""
+    def _state_variable(self) -> Optional[tf.Variable]:
+        """A variable of what the layer tracks across recorded calls, or None."""
         return None
 
     def _consume(self, records: List[LayerRecord]) -> None:
@@ -212,20 +272,26 @@ class DebugLayer(keras.layers.Layer):
                     RuntimeWarning,
                     stacklevel=3,
                 )
-        mode, call_id, step = self._count(context)
         replica, static_replica = self._replica()
-        if static_replica is not None and not self._record_replica(static_replica):
-            return  # known at trace time: this replica records nothing
-
-        def write():
-            buffers = self._buffers
-            state = self._update_state(inputs, context)
-            head = tf.stack([call_id, tf.constant(mode, tf.int64), tf.cast(step, tf.int64)])
-            row = graph_functions.layer_row(
-                self._compute_values, self._values_key(), buffers.layout, inputs, state, head)
-            _buffers.write_row(buffers.rows, tf.math.floormod(call_id - 1, buffers.slots), row)
-
-        _buffers.run_if(self._selected(step), write)
+        records = static_replica is None or self._record_replica(static_replica)
+        counters = internals.step_counters(context.model) \
+            if context.model is not None and context.mode == "fit" else []
+        state_variable = self._state_variable() if records else None
+        calls, mode_calls = self.calls.value, self.mode_calls.value
+        call = _step_function(
+            self._compute_values if records else None, self._values_key() if records else None,
+            self._buffers.layout, self._buffers.slots, context.mode, self.every_n_steps)
+        outputs = call(
+            inputs,
+            [internals.read(v) for v in (calls, mode_calls, *counters)],
+            None if state_variable is None else internals.read(state_variable),
+        )
+        calls.assign(outputs["calls"], read_value=False)
+        mode_calls.assign(outputs["mode_calls"], read_value=False)
+        if records:
+            if state_variable is not None:
+                state_variable.assign(outputs["state"], read_value=False)
+            _buffers.write_row(self._buffers.rows, outputs["slot"], outputs["row"])
 
     def _count(self, context: internals.StepContext):
         """Counts this call in-graph; returns (mode index, call id, step)."""
@@ -312,7 +378,7 @@ class DebugLayer(keras.layers.Layer):
             self._host.last_id += [0] * (len(tables) - len(self._host.last_id))
         keyed = []
         for replica, table in enumerate(tables):
-            ids = table[:, 0].astype(np.int64)
+            ids = table[: buffers.slots, 0].astype(np.int64)
             last = self._host.last_id[replica]
             new = np.flatnonzero(ids > last)
             if not len(new):

@@ -193,7 +193,7 @@ class PrintLayer(DebugLayer):
         return (max(self.summarize, 1), tuple(self.stats))
 
     @staticmethod
-    def _compute_values(key, inputs, state):
+    def _compute_values(key, inputs, state, mode):
         k, stats = key
         x = tf.convert_to_tensor(inputs)
         flat = tf.reshape(x, [-1])
@@ -205,7 +205,7 @@ class PrintLayer(DebugLayer):
             "stats": stats_lib.tensor_statistics([x], stats)[0],
             "head": tf.pad(head, [[0, k - tf.shape(head)[0]]]),
             "tail": tf.pad(tail, [[k - tf.shape(tail)[0], 0]]),
-        }
+        }, None
 
     def _record(self, inputs, context):
         if self.mode == "deferred":

@@ -188,34 +188,36 @@ class TapLayer(DebugLayer):
                 tf.zeros(units, tf.int32), f"{self.name}_flagged_examples")
 
     # ------------------------------------------------------------ records
-    def _update_state(self, inputs, context):
-        """The health fraction of this call: units flagged in a run of recorded
-        batches of at least `min_examples` examples. Training calls (`fit`, and calls outside
-        Keras's loops: a custom training loop) extend or end the runs; `evaluate`
-        and `predict` read them, with their own batch added."""
-        if not self.health:
-            return None
-        x = tf.convert_to_tensor(inputs)
+    def _state_variable(self):
+        return self._host.flagged
+
+    @staticmethod
+    def _health(key, x, flagged_examples, mode):
+        """The health fraction of this call and the new runs: units flagged in
+        a run of recorded batches of at least `min_examples` examples. Training
+        calls (`fit`, and calls outside Keras's loops: a custom training loop)
+        extend or end the runs; `evaluate` and `predict` read them, with their
+        own batch added."""
+        activation, threshold, min_examples, axes = key
         y = x if x.dtype.is_floating else tf.cast(x, tf.float32)
-        flagged = tf.equal(y, 0) if self.activation == "relu" else self._saturated(y)
+        if activation == "relu":
+            flagged = tf.equal(y, 0)
+        else:
+            flagged = TapLayer._saturated(activation, y)
         if not y.shape.rank or y.shape.rank < 2:  # rank 1: the units are the batch
-            bad = tf.cast(flagged, tf.float64) >= 1.0 - self.inactivity_threshold / 100.0
-            return tf.reduce_mean(tf.cast(bad, tf.float64))[None]
+            bad = tf.cast(flagged, tf.float64) >= 1.0 - threshold / 100.0
+            return tf.reduce_mean(tf.cast(bad, tf.float64))[None], None
         # Share of the batch each unit is flagged for; dimensions of unknown size (a
         # sequence of any length) count as more examples of the batch.
-        # (As built: an eager call knows every size.)
-        axes = [0] + [i for i, d in enumerate(self._input_shape) if i and d is None]
-        share = tf.reduce_mean(tf.cast(flagged, tf.float64), axis=axes)
-        bad = share >= 1.0 - self.inactivity_threshold / 100.0
-        flagged_examples = self._host.flagged
+        share = tf.reduce_mean(tf.cast(flagged, tf.float64), axis=list(axes))
+        bad = share >= 1.0 - threshold / 100.0
         rows = tf.shape(y)[0]
-        runs = tf.minimum(internals.read(flagged_examples) + rows, self.min_examples)
+        runs = tf.minimum(flagged_examples + rows, min_examples)
         runs = tf.where(bad, runs, tf.zeros_like(runs))
         # An empty batch (a replica's share of the last one) changes nothing.
-        runs = tf.where(rows > 0, runs, internals.read(flagged_examples))
-        if context.mode not in ("evaluate", "predict"):
-            flagged_examples.assign(runs)
-        return tf.reduce_mean(tf.cast(runs >= self.min_examples, tf.float64))[None]
+        runs = tf.where(rows > 0, runs, flagged_examples)
+        health = tf.reduce_mean(tf.cast(runs >= min_examples, tf.float64))[None]
+        return health, (None if mode in ("evaluate", "predict") else runs)
 
     def _fields(self, input_shape):
         fields = {
@@ -238,8 +240,9 @@ class TapLayer(DebugLayer):
             fields["valid_rows"] = ((), tf.int64)
         return fields
 
-    def _saturated(self, x):
-        if self.activation == "tanh":
+    @staticmethod
+    def _saturated(activation: str, x):
+        if activation == "tanh":
             bound = tf.cast(np.tanh(TANH_INPUT_BOUND), x.dtype)
             return tf.abs(x) >= bound
         low = tf.cast(1.0 / (1.0 + np.exp(-SIGMOID_INPUT_BOUNDS[0])), x.dtype)
@@ -247,18 +250,24 @@ class TapLayer(DebugLayer):
         return (x <= low) | (x >= high)
 
     def _values_key(self) -> tuple:
-        return (tuple(self.stats), self.histogram, self.histogram_bins, self.sample_rows)
+        health = None
+        if self.health:
+            # (As built: an eager call knows every size.)
+            axes = (0,) + tuple(i for i, d in enumerate(self._input_shape) if i and d is None)
+            health = (self.activation, self.inactivity_threshold, self.min_examples, axes)
+        return (tuple(self.stats), self.histogram, self.histogram_bins, self.sample_rows, health)
 
     @staticmethod
-    def _compute_values(key, inputs, state):
-        stats, histogram, bins, sample_rows = key
+    def _compute_values(key, inputs, state, mode):
+        stats, histogram, bins, sample_rows, health = key
         x = tf.convert_to_tensor(inputs)
         values = {
             "stats": stats_lib.tensor_statistics([x], stats)[0],
             "size": tf.cast(tf.size(x), tf.float64),
         }
-        if state is not None:
-            values["health"] = state
+        new_state = None
+        if health is not None:
+            values["health"], new_state = TapLayer._health(health, x, state, mode)
         if histogram:
             counts, ranges = stats_lib.histograms([x], bins)
             values["hist_counts"], values["hist_range"] = counts[0], ranges[0]
@@ -268,7 +277,7 @@ class TapLayer(DebugLayer):
             pad = tf.zeros(tf.concat([[missing], tf.shape(rows)[1:]], 0), tf.float64)
             values["rows"] = tf.concat([rows, pad], 0)
             values["valid_rows"] = tf.cast(tf.shape(x)[0], tf.int64)
-        return values
+        return values, new_state
 
     # -------------------------------------------------------------- host
     def _row(self, records: List[LayerRecord]) -> dict:

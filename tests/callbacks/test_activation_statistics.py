@@ -72,9 +72,9 @@ def test_batch_ends_read_only_taps_that_recorded_and_one_trace():
         reads.append(at_batch_end[0])
         return original_read()
 
-    def counting_values(key, inputs, state):
+    def counting_values(key, inputs, state, mode):
         traces.append(1)
-        return original_values(key, inputs, state)
+        return original_values(key, inputs, state, mode)
 
     class Mark(keras.callbacks.Callback):
         def __init__(self, value):

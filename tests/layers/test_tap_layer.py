@@ -177,7 +177,7 @@ def test_saved_model_round_trips_config_and_counters(tmp_path):
 
 def test_a_failure_warns_once_and_the_model_runs_on(monkeypatch):
     tap = TapLayer(name="t")
-    monkeypatch.setattr(TapLayer, "_compute_values", staticmethod(lambda key, x, state: 1 / 0))
+    monkeypatch.setattr(TapLayer, "_compute_values", staticmethod(lambda key, x, state, mode: 1 / 0))
     model = _tapped(tap)
     with pytest.warns(RuntimeWarning, match="TapLayer 't' stopped recording; the model runs on "
                                             "unchanged. Cause: ZeroDivisionError"):
@@ -187,7 +187,7 @@ def test_a_failure_warns_once_and_the_model_runs_on(monkeypatch):
 
 def test_strict_raises():
     tap = TapLayer(name="t", strict=True)
-    tap._compute_values = lambda key, x, state: 1 / 0
+    tap._compute_values = lambda key, x, state, mode: 1 / 0
     with pytest.raises(ZeroDivisionError):
         tap(X)
 
