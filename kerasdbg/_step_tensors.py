@@ -33,7 +33,8 @@ import numpy as np
 import tensorflow as tf
 
 from kerasdbg import _buffers
-from kerasdbg import _engine
+from kerasdbg._capture import quantities
+from kerasdbg._capture.requests import Request
 from kerasdbg import _keras_internals as internals
 from kerasdbg import _replay
 
@@ -51,7 +52,7 @@ def recordable_layers(model) -> List[str]:
     ]
 
 
-class TensorRequest(_engine.Request):
+class TensorRequest(Request):
     """What a `StepRecorder` asks the engine for.
 
     The engine binds the request to the first optimizer apply of the train
@@ -240,7 +241,7 @@ class TensorRequest(_engine.Request):
         def write():
             for buffer, grad in zip(self.gradients, grads):
                 if grad is not None:
-                    _buffers.write_row(buffer, slot, _engine._dense(grad))
+                    _buffers.write_row(buffer, slot, quantities._dense(grad))
             return tf.constant(True)
 
         tf.cond(hit, write, lambda: tf.constant(False))

@@ -118,7 +118,7 @@ LAYERS = [
     # TensorFlow's capture: Keras internals, buffers, the engine, event files
     ("capture", ["kerasdbg._backend.tensorflow", "kerasdbg._keras_internals",
                  "kerasdbg._buffers", "kerasdbg._events", "kerasdbg._replay",
-                 "kerasdbg._engine", "kerasdbg._step_tensors", "kerasdbg._layer_sink",
+                 "kerasdbg._capture", "kerasdbg._step_tensors", "kerasdbg._layer_sink",
                  "kerasdbg._graph_functions"]),
     # what users hold: callbacks, layers and model tools
     ("shells", ["kerasdbg.layers", "kerasdbg.callbacks", "kerasdbg.trace",

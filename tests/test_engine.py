@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from kerasdbg import _engine, load_run
+from kerasdbg import _capture, load_run
 from kerasdbg import stats as stats_lib
 from kerasdbg.callbacks import GradientStatistics, WeightStatistics
 from tests.conftest import (
@@ -149,7 +149,7 @@ def test_steps_continue_across_fits_and_plain_fit_afterwards_is_uninstrumented()
     path = model.trainable_variables[2].path
     np.testing.assert_allclose(row[f"{path}/l2_norm"],
                                np.linalg.norm(reference[14]["grads"][2]), rtol=1e-5)
-    engine = _engine.engine_for(model)
+    engine = _capture.engine_for(model)
     traces = engine.trace_count
     model.fit(X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     assert engine.trace_count == traces
@@ -175,7 +175,7 @@ def test_several_callbacks_share_one_hook_and_one_retrace(monkeypatch):
     model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0, callbacks=callbacks)
     # Keras's own call, then one forced retrace to install and one to uninstall.
     assert calls.count(True) == 2
-    assert _engine.engine_for(model).trace_count == 1
+    assert _capture.engine_for(model).trace_count == 1
     assert all(len(cb.history) == 10 for cb in callbacks)
 
 
@@ -193,7 +193,7 @@ def test_fit_that_crashed_is_recovered_by_the_next_fit():
         model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[grads_cb, Boom()])
     model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[grads_cb])
     assert grads_cb.history.step.tolist() == list(range(4, 14))
-    assert not _engine.engine_for(model).installed
+    assert not _capture.engine_for(model).installed
 
 
 def test_every_n_steps_records_only_those_steps():

@@ -10,7 +10,8 @@ import pytest
 import tensorflow as tf
 
 from kerasdbg import _buffers
-from kerasdbg import _engine
+from kerasdbg import _capture
+from kerasdbg._capture import quantities
 from kerasdbg import schedule as schedule_lib
 from kerasdbg import stats as stats_lib
 from kerasdbg.callbacks import GradientStatistics, StopOnRule, WeightStatistics
@@ -70,8 +71,8 @@ class _Counting:
                     break
             return original_write(buffer, row, value)
 
-        monkeypatch.setattr(_engine.stats_lib, "tensor_statistics", tensor_statistics)
-        monkeypatch.setattr(_engine._buffers, "write_row", write_row)
+        monkeypatch.setattr(quantities.stats_lib, "tensor_statistics", tensor_statistics)
+        monkeypatch.setattr(quantities._buffers, "write_row", write_row)
 
     def counts(self):
         return ({k: int(v.numpy()) for k, v in self.computed.items()},
@@ -181,7 +182,7 @@ def test_two_update_ratio_consumers_keep_one_copy_of_the_weights():
 
     class Copies(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            engine = _engine.engine_for(self.model)
+            engine = _capture.engine_for(self.model)
             seen["previous"] = [len(h.previous) for h in engine.hooks.values()]
             seen["initial"] = [len(h.initial) for h in engine.hooks.values()]
 
@@ -226,7 +227,7 @@ def test_an_idle_histogram_step_writes_no_buffer(monkeypatch, spe):
     # One histogram row per histogram step (5, 10), one value row per step.
     assert written["gradients_hist"] == 2
     assert written["gradients"] == STEPS
-    channel = _engine.engine_for(grads.model).channels[0]
+    channel = _capture.engine_for(grads.model).channels[0]
     assert channel.slots == {}  # detached after the fit
 
 

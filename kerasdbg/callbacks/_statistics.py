@@ -9,8 +9,8 @@ import keras
 import numpy as np
 import pandas as pd
 
-from kerasdbg import _engine
-from kerasdbg._engine import unique_paths
+from kerasdbg import _capture
+from kerasdbg._capture import unique_paths
 from kerasdbg import _events
 from kerasdbg import _tags
 from kerasdbg import _keras_internals as internals
@@ -72,7 +72,7 @@ class StatisticsCallback(RecordingCallback):
         self.histogram_bins = check.positive_int(owner, "histogram_bins", histogram_bins)
         self.history_size = check.non_negative_int(owner, "history_size", history_size)
         self.strict = check.boolean(owner, "strict", strict)
-        self._request: Optional[_engine.Request] = None
+        self._request: Optional[_capture.Request] = None
         self._rows: collections.deque = collections.deque(maxlen=history_size)
         self._columns: Dict[str, None] = {}
         self._clipped = 0
@@ -107,7 +107,7 @@ class StatisticsCallback(RecordingCallback):
         self._clipped = 0
         self._several = False
         self._accumulating = False
-        self._request = _engine.Request(
+        self._request = _capture.Request(
             kind=self.kind,
             stats=self.stats,
             schedule=self.schedule,
@@ -121,31 +121,31 @@ class StatisticsCallback(RecordingCallback):
             owner=type(self).__name__,
         )
         self._writer = self._open_writer()
-        _engine.engine_for(self.model).attach(self._request)
+        _capture.engine_for(self.model).attach(self._request)
 
     def on_train_batch_begin(self, batch, logs=None):
-        _engine.engine_for(self.model).prepare()
+        _capture.engine_for(self.model).prepare()
 
     def on_train_batch_end(self, batch, logs=None):
-        _engine.engine_for(self.model).collect()
+        _capture.engine_for(self.model).collect()
 
     def on_epoch_end(self, epoch, logs=None):
-        _engine.engine_for(self.model).collect()
+        _capture.engine_for(self.model).collect()
         if self._writer is not None:
             self._writer.flush()
 
     def on_train_end(self, logs=None):
         if self._request is not None:
-            _engine.engine_for(self.model).detach(self._request)
+            _capture.engine_for(self.model).detach(self._request)
         if self._writer is not None:
             self._writer.flush()
 
     # -------------------------------------------------------- records
-    def _consume(self, records: List[_engine.Record]) -> None:
+    def _consume(self, records: List[_capture.Record]) -> None:
         self._guarded(self._write, records)
 
-    def _write(self, records: List[_engine.Record]) -> None:
-        several = _engine.engine_for(self.model).several_optimizers
+    def _write(self, records: List[_capture.Record]) -> None:
+        several = _capture.engine_for(self.model).several_optimizers
         self._several = self._several or several
         for record in records:
             if record.skipped:
@@ -184,7 +184,7 @@ class StatisticsCallback(RecordingCallback):
             self._writer.write(record.step, scalars, histograms)
 
     def _optimizer(self, name: Optional[str]):
-        engine = _engine.engine_for(self.model)
+        engine = _capture.engine_for(self.model)
         for hook in engine.hooks.values():
             if hook.name == name:
                 return hook.optimizer

@@ -6,7 +6,7 @@ import os
 import warnings
 from typing import Dict, Optional, Sequence, Union
 
-from kerasdbg import _engine
+from kerasdbg import _capture
 from kerasdbg import _keras_internals as internals
 from kerasdbg import _step_tensors
 from kerasdbg import _validation as check
@@ -165,19 +165,19 @@ class StepRecorder(RecordingCallback):
             if batch is not None:
                 replicas = model.distribute_strategy.num_replicas_in_sync
                 self._request.max_rows = -(-batch // replicas)
-            _engine.engine_for(model).attach(self._request)
+            _capture.engine_for(model).attach(self._request)
 
     def on_train_batch_begin(self, batch, logs=None):
         if self._request is not None:
-            _engine.engine_for(self.model).prepare()
+            _capture.engine_for(self.model).prepare()
 
     def on_train_batch_end(self, batch, logs=None):
         if self._request is not None and not self._request.complete:
-            _engine.engine_for(self.model).collect()
+            _capture.engine_for(self.model).collect()
 
     def on_train_end(self, logs=None):
         if self._request is not None:
-            _engine.engine_for(self.model).detach(self._request)
+            _capture.engine_for(self.model).detach(self._request)
         if not self._saved:
             self._save()
 

@@ -11,7 +11,7 @@ import pandas as pd
 import tensorflow as tf
 
 from kerasdbg import _buffers
-from kerasdbg import _engine
+from kerasdbg import _capture
 from kerasdbg import _keras_internals as internals
 from kerasdbg import _validation as check
 from kerasdbg.callbacks._recording import RecordingCallback
@@ -105,10 +105,10 @@ class StepTimer(RecordingCallback):
                 self._buffer = _buffers.on_read_variable(
                     tf.zeros([self._spe, 3], tf.float64), "kerasdbg_step_times")
         # Under XLA the engine only counts the train steps.
-        self._request = _engine.Request(
+        self._request = _capture.Request(
             "wrap", wrapper=self._timed_step if self._timed else None, strict=self.strict,
             owner="StepTimer")
-        engine = _engine.engine_for(model)
+        engine = _capture.engine_for(model)
         engine.attach(self._request)
         self._last = None
 
@@ -137,10 +137,10 @@ class StepTimer(RecordingCallback):
         return logs
 
     def on_train_batch_begin(self, batch, logs=None):
-        engine = _engine.engine_for(self.model)
+        engine = _capture.engine_for(self.model)
         engine.prepare()
         if self._last is None:
-            self._last = engine.train_steps()
+            self._last = engine.collector.train_steps()
         self._begin = time.time()
 
     def on_train_batch_end(self, batch, logs=None):
@@ -148,20 +148,20 @@ class StepTimer(RecordingCallback):
 
     def on_train_end(self, logs=None):
         if self._request is not None:
-            _engine.engine_for(self.model).detach(self._request)
+            _capture.engine_for(self.model).detach(self._request)
             self._request = None
         if self._writer is not None:
             self._writer.flush()
 
     # -------------------------------------------------------- records
     def _record(self, end: float) -> None:
-        engine = _engine.engine_for(self.model)
-        last = engine.train_steps()
+        engine = _capture.engine_for(self.model)
+        last = engine.collector.train_steps()
         steps = last - self._last
         self._last = last
         if steps <= 0:
             return
-        step = engine.step_of(last)
+        step = engine.collector.step_of(last)
         wall = end - self._begin
         row = {"step": step, "steps": steps, "execution_seconds": wall,
                "step_seconds": wall / steps, "input_seconds": np.nan, "compute_seconds": np.nan,

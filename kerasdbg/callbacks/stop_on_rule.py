@@ -10,7 +10,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import keras
 
-from kerasdbg import _engine
+from kerasdbg import _capture
 from kerasdbg import _events
 from kerasdbg import _keras_internals as internals
 from kerasdbg import _validation as check
@@ -233,7 +233,7 @@ class StopOnRule(keras.callbacks.Callback):
         self.loss = loss
         self.loss_source: Optional[str] = None
         self.verdicts: List[Verdict] = []
-        self._requests: List[_engine.Request] = []
+        self._requests: List[_capture.Request] = []
         self._taps = []
         self._pending: Dict[int, Dict[str, float]] = {}
         self._runner: Optional[RuleRunner] = None
@@ -300,7 +300,7 @@ class StopOnRule(keras.callbacks.Callback):
         (e.g. quantiles) is not computed after them. On the schedule, what
         a rule reads at every step is recorded at every step."""
         allowed = stats_lib.ALL_STATISTICS + (
-            _engine.WEIGHT_EXTRA_STATISTICS if kind == "weights" else ())
+            _capture.WEIGHT_EXTRA_STATISTICS if kind == "weights" else ())
         unknown = sorted(set(statistics) - set(allowed) - {"global_norm", "clipped"})
         if unknown:
             self._refuse(kind, unknown[0], f"statistics of {kind}: {', '.join(allowed)}")
@@ -313,7 +313,7 @@ class StopOnRule(keras.callbacks.Callback):
             frequent = [s for s in stats if statistics.get(s, (None, False))[1]]
             if "global_norm" in wanted and statistics["global_norm"][1]:
                 frequent.append("l2_norm")
-            requests.append(_engine.Request(
+            requests.append(_capture.Request(
                 kind=kind, stats=stats,
                 schedule=self.schedule._replace(last_step=last),
                 frequent=frequent if self._default_schedule else (),
@@ -361,11 +361,11 @@ class StopOnRule(keras.callbacks.Callback):
             if collection in ("gradients", "weights"):
                 requests.extend(self._variable_requests(collection, statistics))
             elif collection == "classes":
-                unknown = sorted(set(statistics) - set(_engine.CLASS_COLUMNS))
+                unknown = sorted(set(statistics) - set(_capture.CLASS_COLUMNS))
                 if unknown:
                     self._refuse(collection, unknown[0], "classes/<k>/seen, classes/<k>/mispredicted")
-                requests.append(_engine.Request(kind="classes", strict=self.strict,
-                                                owner=type(self).__name__))
+                requests.append(_capture.Request(kind="classes", strict=self.strict,
+                                                 owner=type(self).__name__))
             elif collection == "activations":
                 self._taps = find_taps(self.model)
                 if not self._taps:
@@ -380,15 +380,15 @@ class StopOnRule(keras.callbacks.Callback):
                                  "gradients/, weights/, activations/, step/, epoch/ tags")
         freeze = None
         if self.freeze_on_fault:
-            freeze = _engine.Freeze(max_gradient_norm=self.max_gradient_norm)
-        requests.append(_engine.Request(
+            freeze = _capture.Freeze(max_gradient_norm=self.max_gradient_norm)
+        requests.append(_capture.Request(
             kind="step", strict=self.strict, freeze=freeze, localize=self.locate_nan,
             owner=type(self).__name__,
         ))
         self._writer = None
         if self.log_dir is not None:
             self._writer = open_writer(type(self).__name__, self.log_dir, self.strict)
-        engine = _engine.engine_for(self.model)
+        engine = _capture.engine_for(self.model)
         for request in requests:
             request.consumer = lambda records, request=request: self._take(request, records)
             engine.attach(request)
@@ -396,10 +396,10 @@ class StopOnRule(keras.callbacks.Callback):
         for tap in self._taps:
             tap.add_listener(self._take_tap)
         # Whatever way this fit ends, the taps forget this callback.
-        _engine.on_fit_end(self.model, self, self._finish)
+        _capture.on_fit_end(self.model, self, self._finish)
 
     # --------------------------------------------------------- records
-    def _take(self, request: _engine.Request, records: List[_engine.Record]) -> None:
+    def _take(self, request: _capture.Request, records: List[_capture.Record]) -> None:
         kind = request.kind
         for record in records:
             # A step the loss scaler skipped shares its number with the next
@@ -431,7 +431,7 @@ class StopOnRule(keras.callbacks.Callback):
             values.pop(LOSS_TAG, None)
             source = None
         elif LOSS_TAG in values:
-            source = "compute_loss" if _engine.engine_for(self.model).loss_captured \
+            source = "compute_loss" if _capture.engine_for(self.model).loss_captured \
                 else "the train step's 'loss'"
         else:
             source = None
@@ -493,13 +493,13 @@ class StopOnRule(keras.callbacks.Callback):
             )
 
     def _gather(self) -> None:
-        _engine.engine_for(self.model).collect()
+        _capture.engine_for(self.model).collect()
         for tap in self._taps:
             tap.flush()
 
     # ------------------------------------------------------ evaluation
     def on_train_batch_begin(self, batch, logs=None):
-        _engine.engine_for(self.model).prepare()
+        _capture.engine_for(self.model).prepare()
 
     def on_train_batch_end(self, batch, logs=None):
         self._evaluate_pending()
@@ -522,8 +522,8 @@ class StopOnRule(keras.callbacks.Callback):
         self._finish()
 
     def _finish(self) -> None:
-        _engine.cancel_fit_end(self.model, self)
-        engine = _engine.engine_for(self.model)
+        _capture.cancel_fit_end(self.model, self)
+        engine = _capture.engine_for(self.model)
         for request in self._requests:
             engine.detach(request)
         self._requests = []
@@ -576,12 +576,12 @@ class StopOnRule(keras.callbacks.Callback):
         verdicts = [v for v in verdicts if v.severity == "fault"]
         if not verdicts:
             return
-        engine = _engine.engine_for(self.model)
+        engine = _capture.engine_for(self.model)
         if self.action == "warn":
             for verdict in verdicts:
                 warnings.warn(verdict.reason, RuleWarning, stacklevel=3)
-            if self.freeze_on_fault and engine.frozen:
-                engine.unfreeze()
+            if self.freeze_on_fault and engine.faults.frozen:
+                engine.faults.unfreeze()
             return
         if callable(self.action):
             self.action(list(verdicts), self.model)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from kerasdbg import _engine
+from kerasdbg import _capture
 from kerasdbg import stats as stats_lib
 from kerasdbg.callbacks._statistics import StatisticsCallback
 
-WEIGHT_STATISTICS = stats_lib.STATISTICS + _engine.WEIGHT_EXTRA_STATISTICS
+WEIGHT_STATISTICS = stats_lib.STATISTICS + _capture.WEIGHT_EXTRA_STATISTICS
 """Statistics `WeightStatistics` records by default, in order."""
 ALLOWED_WEIGHT_STATISTICS = WEIGHT_STATISTICS + tuple(stats_lib.QUANTILES)
 """Statistics `WeightStatistics` can record (the quantiles sort each tensor)."""

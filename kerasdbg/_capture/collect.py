@@ -1,0 +1,250 @@
+"""The host side of the capture: reads the buffers and hands out the records.
+
+After each execution of the train function the host reads the rows its
+train steps wrote (once: the callbacks that collect later at the same batch
+end find nothing new, and a buffer no step of these wrote is not read),
+turns them into `Record`s in the order the steps ran and hands them to each
+request's consumer. It also numbers the steps, and says once per fit why a
+request recorded nothing by construction.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import TYPE_CHECKING, Dict, List
+
+import numpy as np
+
+from kerasdbg import _buffers
+from kerasdbg import _tags
+from kerasdbg import _keras_internals as internals
+from kerasdbg._capture.channels import Channel
+from kerasdbg._capture.requests import CLASS_COLUMNS, MAX_CLASSES, Record, Request, _STEP_FIXED
+
+if TYPE_CHECKING:
+    from kerasdbg._capture.engine import Engine
+
+
+class Collector:
+    """What the host reads of one engine's buffers; owned by the `Engine`,
+    whose `collect` (at each batch end) calls it while the fit is prepared."""
+
+    def __init__(self, engine: "Engine"):
+        # A proxy: the engine owns this object, and no cycle delays freeing
+        # the engine (its buffers) once its model is gone.
+        self.engine = weakref.proxy(engine)
+        self._last_call = 0
+        self._first_call = 0
+        self._step_base = 0
+        self._diagnosed = False
+        self._saw_steps = False
+        self._steps_done = 0  # the last step collected, over the fits
+
+    def begin_fit(self, iterations: List[int], calls: int) -> None:
+        """At the start of a fit: `iterations` of the model's optimizers and
+        `calls`, the train steps run so far, number its steps."""
+        # Without an optimizer that ever stepped (nothing trainable), the
+        # steps continue from the last fit's, not from 1 again.
+        self._step_base = min([i for i in iterations if i > 0], default=self._steps_done)
+        self._last_call = self._first_call = calls
+        self._diagnosed = False
+        self._saw_steps = False
+
+    def step_of(self, train_id: int) -> int:
+        """The step of a train step that ran (host read of the step buffer)."""
+        engine = self.engine
+        if engine._step_values is None:
+            return self.fit_step(train_id)
+        row = _buffers.read(engine._step_values)[(train_id - 1) % engine._steps_per_execution]
+        return self.fit_step(train_id, row[1] if int(row[0]) == train_id else np.nan)
+
+    def fit_step(self, train_id: int, step: float = np.nan) -> int:
+        """The step of a train step: that of the first optimizer apply in it
+        (so that a model trained by one optimizer numbers its train steps as
+        the optimizer does, and a fault found by that apply and the train
+        step's loss share a step), else counted from `_step_base`."""
+        if not np.isnan(step):
+            number = int(step)
+        else:
+            number = self._step_base + train_id - self._first_call
+        self._steps_done = max(self._steps_done, number)
+        return number
+
+    def train_steps(self) -> int:
+        """The train-step id of the last train step run (host read)."""
+        return int(_buffers.read(self.engine._calls)) if self.engine._calls is not None else 0
+
+    def collect(self) -> None:
+        """Reads the rows written since the last call and hands them out."""
+        for request in self.engine.requests:
+            if request.kind == "tensors" and request.channel is not None:
+                request.collect()
+        # Each callback collects at each batch end; the first read tells the
+        # later ones there is nothing new (a read costs 10-30 us).
+        calls = int(_buffers.read(self.engine._calls))
+        if calls <= self._last_call:
+            return
+        n = self.engine._steps_per_execution
+        first = max(self._last_call + 1, calls - n + 1)
+        if first > self._last_call + 1 and self.engine._wants(
+                "gradients", "weights", "step", "classes"):
+            warnings.warn(
+                f"kerasdbg lost {first - self._last_call - 1} step records: the "
+                "train function ran more than steps_per_execution steps between "
+                "two callback events.",
+                RuntimeWarning,
+                stacklevel=3,  # the caller of `Engine.collect`
+            )
+        ids = list(range(first, calls + 1))
+        records: Dict[int, List[Record]] = {id(r): [] for r in self.engine.requests}
+        self._collect_steps(ids, records)
+        several = self.engine.several_optimizers
+        ordered: Dict[int, list] = {id(r): [] for r in self.engine.requests}
+        for channel in self.engine.channels:
+            if channel.slots:
+                self._collect_channel(channel, ids, ordered, several)
+        for key, entries in ordered.items():
+            # In the order the steps ran: train step, then apply in it.
+            records[key] += [record for _, _, record in sorted(entries, key=lambda e: e[:2])]
+        self._last_call = calls
+        self._saw_steps = True
+        for request in self.engine.requests:
+            if records[id(request)]:
+                request.consumer(records[id(request)])
+        if not self._diagnosed:
+            self._diagnosed = True
+            self._diagnose()
+
+    def _collect_steps(self, ids, records) -> None:
+        requests = [r for r in self.engine.requests if r.kind in ("step", "classes")]
+        if not requests or self.engine._step_values is None:
+            return
+        n = self.engine._steps_per_execution
+        replicas = _buffers.read_replicas(self.engine._step_values)
+        table = replicas[0]
+        names = self.engine._step_names
+        for train_id in ids:
+            row = table[(train_id - 1) % n]
+            if int(row[0]) != train_id:
+                continue
+            step = self.fit_step(train_id, row[1])
+            if row[6] > 0:  # a fault found after other applies of this train step
+                self.engine.faults.late_fault(step, int(row[6]))
+            scalars = np.mean([r[(train_id - 1) % n][_STEP_FIXED:_STEP_FIXED + len(names)]
+                               for r in replicas], axis=0) if names else np.zeros(0)
+            for request in requests:
+                if request.kind == "classes":
+                    continue
+                captured = row[3] > 0
+                tags = [_tags.step_scalar("loss") if captured else None,
+                        _tags.step_scalar("frozen") if not np.isnan(row[4]) else None,
+                        _tags.step_scalar("fault") if not np.isnan(row[5]) else None]
+                values = [row[2], row[4], row[5]]
+                for name, value in zip(names, scalars):
+                    if name == "loss" and captured:
+                        continue  # compute_loss's loss of the step comes first
+                    tags.append(_tags.step_scalar(name))
+                    values.append(value)
+                for tag, value in self.engine.faults.scalars(step, row).items():
+                    tags.append(tag)
+                    values.append(value)
+                records[id(request)].append(Record(
+                    step=step, skipped=False, values=np.asarray(values, np.float64),
+                    histograms=None, tags=tuple(tags)))
+        for request in requests:
+            if request.kind == "classes":
+                totals = _buffers.read(request.totals)
+                tags = tuple(f"classes/{k}/{c}" if request.present[k] else None
+                             for k in range(MAX_CLASSES) for c in CLASS_COLUMNS)
+                last = [table[(i - 1) % n] for i in ids if int(table[(i - 1) % n][0]) == i]
+                if last:
+                    records[id(request)].append(Record(
+                        step=self.fit_step(int(last[-1][0]), last[-1][1]), skipped=False,
+                        values=totals.reshape(-1), histograms=None, tags=tags))
+
+    def _collect_channel(self, channel: Channel, ids, records, several: bool) -> None:
+        n = self.engine._steps_per_execution
+        meta = _buffers.read(channel.meta)
+        rows = [((i - 1) % n, i) for i in ids if meta[(i - 1) % n, 0] == i]
+        if not rows:
+            return
+        steps = [int(meta[row, 1]) for row, _ in rows]
+        name = channel.hook.name
+        for slot in channel.slots.values():
+            request = slot.request
+            # A buffer no step of these wrote is not read (10-30 us each).
+            has_values, has_histograms = request.written_at(steps)
+            values = ids_ = applied = applied_ids = hist = None
+            if has_values:
+                table = _buffers.read(slot.values)
+                ids_, values = table[:, 0], table[:, 1:]
+                if slot.applied_values is not None:
+                    table = _buffers.read(slot.applied_values)
+                    applied_ids, applied = table[:, 0], table[:, 1:]
+            if has_histograms:
+                hist = [_buffers.read(b) for b in (slot.hist_ids, slot.hist_counts,
+                                                   slot.hist_ranges)]
+            histogram_tags = slot.histogram_tags()
+            for (row, train_id), step in zip(rows, steps):
+                histograms = None
+                if hist is not None and hist[0][row] == train_id:
+                    histograms = (hist[1][row], hist[2][row])
+                columns = request.columns_at(step)
+                row_values, row_tags = None, slot.tags(several, columns)
+                if values is not None and ids_[row] == train_id:
+                    row_values = values[row].copy()
+                    if applied is not None and applied_ids[row] == train_id:
+                        row_values = np.concatenate([row_values, applied[row]])
+                        row_tags = row_tags + slot.applied_tags(several, columns)
+                records[id(request)].append((train_id, channel.number, Record(
+                    step=step, skipped=bool(meta[row, 2]), values=row_values,
+                    histograms=histograms, tags=row_tags, histogram_tags=histogram_tags,
+                    optimizer=name, applied=bool(meta[row, 3]))))
+
+    def _diagnose(self) -> None:
+        """After the first execution with steps: says once, for each request
+        that recorded nothing by construction, why."""
+        model = self.engine._model()
+        applied = [h for h in self.engine.hooks.values() if h.channels]
+        found = [name for name, _ in internals.find_optimizers(model)]
+        silent: Dict[tuple, List[Request]] = {}
+        for request in self.engine.requests:
+            if not request.per_variable:
+                continue
+            if request.kind == "tensors" and request.channel is not None and (
+                    request.variables or not {"gradients", "weights"} & set(request.record)):
+                continue
+            if any(id(request) in c.slots for c in self.engine.channels):
+                continue
+            if not self.engine.channels:
+                if not model.trainable_variables:
+                    why = (f"the model {model.name!r} has no trainable variables, so no "
+                           "optimizer applied gradients")
+                else:
+                    why = ("no optimizer applied gradients in the train step (kerasdbg sees "
+                           "every Keras optimizer's `apply`/`apply_gradients` called inside "
+                           f"`train_step`; the model holds: {', '.join(found) or 'none'}). "
+                           "If the train step updates the weights another way (assign, a "
+                           "non-Keras optimizer), there is nothing to record")
+            else:
+                names = ", ".join(h.name for h in applied)
+                paths = sorted({p for c in self.engine.channels for p in c.paths})
+                listing = ", ".join(paths[:8]) + (f" and {len(paths) - 8} more"
+                                                  if len(paths) > 8 else "")
+                why = (f"none of the variables that {names} applied matches "
+                       f"include={request.include!r}, exclude={request.exclude!r}: "
+                       f"{listing}")
+            silent.setdefault((request.owner, why), []).append(request)
+        # One message per callback and cause, whatever its number of requests.
+        for (owner, why), requests in silent.items():
+            if any(r.for_rules for r in requests):
+                kinds = " or ".join(dict.fromkeys(r.kind for r in requests))
+                message = (f"{owner} records no {kinds} this fit: {why}; the rules that read "
+                           "them have nothing to read and will not fire.")
+            else:
+                message = f"{owner} records nothing this fit: {why}."
+            if any(r.strict for r in requests):
+                raise ValueError(message)
+            # The frame it named from `Engine` (one more between: `Engine.collect`).
+            warnings.warn(message, RuntimeWarning, stacklevel=5)

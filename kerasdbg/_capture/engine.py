@@ -1,0 +1,599 @@
+"""The core of the capture engine: one per model, the life cycle, the train step.
+
+`engine_for(model)` gives the model's `Engine`. It wraps the model's
+`train_step` for the duration of a `fit`, routes every optimizer apply of
+the traced train step through itself (`_route_apply`, `_route_reduce`),
+finds the apply's channel and has its `Quantities` and `Faults` do their
+work around the update; its `Collector` reads the buffers on the host. The
+package docstring (`kerasdbg._capture`) describes the life cycle.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+import weakref
+from typing import Callable, Dict, List, Optional, Tuple
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from kerasdbg import _buffers
+from kerasdbg import _events
+from kerasdbg import _keras_internals as internals
+from kerasdbg._capture.channels import Channel, Hook
+from kerasdbg._capture.collect import Collector
+from kerasdbg._capture.faults import Faults
+from kerasdbg._capture.quantities import Quantities, _several_replicas
+from kerasdbg._capture.requests import (
+    CLASS_COLUMNS, MAX_CLASSES, MAX_STEP_SCALARS, Request, _STEP_FIXED, _and, unique_paths,
+)
+
+
+class _StepState:
+    """What the engine keeps about the train step being traced (per replica)."""
+
+    def __init__(self, engine: "Engine", train_id, x):
+        self.engine = engine
+        self.train_id = train_id
+        self.x = x
+        self.applies: Dict[int, int] = {}
+        self.in_apply = False
+        self.loss = None  # compute_loss's, this replica's
+        self.loss_sum = None  # summed over replicas
+        self.y = self.y_pred = None
+        self.fault = None
+        self.first_step = None  # the step of the first optimizer apply
+        # The applies traced so far, in order, and the index among them of the
+        # first whose own fault test failed (-1: none), in-graph.
+        self.order: List["Channel"] = []
+        self.first_fault = None
+
+
+class _ApplyContext:
+    """One apply being traced: its channel and what `_before_apply` found."""
+
+    def __init__(self, state: _StepState, channel: Channel):
+        self.state = state
+        self.channel = channel
+        self.step = None
+        self.frozen = None
+        self.loss = None
+        self.step_slots = None
+        self.clipped = None
+        self.applied = None
+
+
+_ABSENT = object()
+_TLS = threading.local()
+# (replica id, id(inner optimizer)) -> the apply being traced: the reduction
+# may run in another thread than `apply` (a merge_call under Mirrored).
+_CONTEXTS: Dict[Tuple[Optional[int], int], _ApplyContext] = {}
+
+
+def _route_apply(optimizer, original, grads, trainable_variables=None):
+    state = getattr(_TLS, "state", None)
+    if state is None or state.in_apply:
+        return original(grads, trainable_variables)
+    state.in_apply = True
+    try:
+        return state.engine._apply(state, optimizer, original, grads, trainable_variables)
+    finally:
+        state.in_apply = False
+
+
+def _route_reduce(optimizer, original, grads_and_vars):
+    reduced = original(grads_and_vars)
+    context = _CONTEXTS.get((internals.replica_id(), id(optimizer)))
+    if context is not None:
+        engine = context.state.engine
+        engine._guard(lambda: engine.quantities.record_applied(context, reduced))
+    return reduced
+
+
+_ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_CLEANUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def engine_for(model) -> "Engine":
+    """The model's engine, created on first use (not stored on the model)."""
+    engine = _ENGINES.get(model)
+    if engine is None:
+        engine = Engine(model)
+        _ENGINES[model] = engine
+    return engine
+
+
+def on_fit_end(model, key, cleanup: Callable[[], None]) -> None:
+    """Runs `cleanup()` when the running `fit` of `model` ends, however it
+    ends, unless `cancel_fit_end(model, key)` came first."""
+    _CLEANUPS.setdefault(model, {})[key] = cleanup
+
+
+def cancel_fit_end(model, key) -> None:
+    cleanups = _CLEANUPS.get(model)
+    if cleanups is not None:
+        cleanups.pop(key, None)
+
+
+def _after_fit(model) -> None:
+    cleanups = _CLEANUPS.pop(model, None) if model in _CLEANUPS else None
+    if cleanups is None:
+        return
+    for key, cleanup in cleanups.items():
+        try:
+            cleanup()
+        except Exception as error:  # noqa: BLE001 - the fit's own outcome comes first
+            warnings.warn(f"kerasdbg could not restore the model after fit ({key}): "
+                          f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=3)
+
+
+# Before any callback of kerasdbg exists: the `fit` that first uses one has
+# resolved `Model.fit` before its callbacks run.
+internals.wrap_fit(_after_fit)
+
+
+class Engine:
+    """The capture engine of one model. See the package docstring."""
+
+    def __init__(self, model):
+        self._model = weakref.ref(model)
+        self.requests: List[Request] = []
+        self.trace_count = 0
+        self.installed = False
+        self._prepared = False
+        self._failed = False
+        self._calls: Optional[tf.Variable] = None
+        self._steps_per_execution = None
+        self.hooks: Dict[int, Hook] = {}
+        self.channels: List[Channel] = []
+        self._shadowed: Dict[str, object] = {}
+        self._lock = threading.Lock()
+        self._several: Optional[bool] = None
+        # The "step" buffer: [row, train id, loss, loss captured, frozen,
+        # fault, MAX_STEP_SCALARS returned scalars].
+        self._step_values: Optional[tf.Variable] = None
+        self._step_names: List[str] = []
+        self._step_warned = False
+        # Whether the traced train step called `compute_loss`.
+        self.loss_captured = False
+        # What the requests record, computed in the graph; the fault test,
+        # freeze and NaN localisation, with their variables; the host's reads.
+        self.quantities = Quantities(self)
+        self.faults = Faults(self)
+        self.collector = Collector(self)
+
+    # ----------------------------------------------------------- lifecycle
+    def attach(self, request: Request) -> None:
+        """Adds a request; the first one instruments the train step (retrace)."""
+        model = self._model()
+        if self._prepared:
+            # The last fit ended without on_train_end and without the fit
+            # wrapper (a Keras loop of its own): start over.
+            self._reset()
+        if getattr(model, "optimizer", None) is None:
+            raise ValueError(
+                "kerasdbg: the model has no optimizer; call `model.compile()` "
+                "before `fit`."
+            )
+        if not self.installed:
+            internals.check_supported(model.optimizer)
+            self._install(model)
+        self.requests.append(request)
+
+    def prepare(self) -> None:
+        """Creates the buffers it can before the first trace of this fit."""
+        if self._prepared or not self.requests:
+            return
+        model = self._model()
+        if internals.uses_standard_train_step(model):
+            internals.build_optimizer_before_trace(model)
+        n = int(model.steps_per_execution)
+        strategy = model.distribute_strategy
+        if self._steps_per_execution != n:
+            self.channels, self.hooks = [], {}
+            self._step_values = None
+        self._steps_per_execution = n
+        found = internals.find_optimizers(model)
+        with strategy.scope():
+            if self._calls is None:
+                self._calls = _buffers.on_read_variable(tf.zeros([], tf.int64), "kerasdbg_calls")
+            if self._step_values is None and self._wants("step", "classes", "wrap"):
+                self._step_values = _buffers.on_read_variable(
+                    tf.fill([n, _STEP_FIXED + MAX_STEP_SCALARS], tf.constant(np.nan, tf.float64)),
+                    "kerasdbg_step")
+            self.faults.prepare(model, strategy)
+            for request in self.requests:
+                if request.kind == "classes":
+                    request.totals = _buffers.on_read_variable(
+                        tf.zeros([MAX_CLASSES, len(CLASS_COLUMNS)], tf.float64),
+                        "kerasdbg_class_totals")
+                if request.kind == "tensors":
+                    request.jit = getattr(model, "jit_compile", False) is True
+                    request.channel = None
+            # The optimizers that are built: their channel is known now. With
+            # several, which one applies first is known only in the trace.
+            built = [(name, o) for name, o in found
+                     if internals.inner_optimizer(o).built
+                     and getattr(internals.inner_optimizer(o), "_trainable_variables", None)]
+            for name, optimizer in built:
+                hook = self._hook(optimizer, name)
+                self._channel_now(hook, 0,
+                                  internals.optimizer_variables(internals.inner_optimizer(optimizer)),
+                                  bind_tensors=len(built) == 1)
+        for hook in self.hooks.values():
+            if hook.started is not None:  # distances count from this fit's start
+                hook.started.assign(tf.zeros([], tf.int64))
+        iterations = [int(internals.read(internals.raw_iterations(o)).numpy()) for _, o in found]
+        self.collector.begin_fit(iterations, int(self._calls.numpy()))
+        self.faults.begin_fit()
+        self._step_warned = False
+        self._prepared = True
+
+    def _wants(self, *kinds) -> bool:
+        return any(r.kind in kinds for r in self.requests)
+
+    @property
+    def several_optimizers(self) -> bool:
+        """Whether more than one optimizer applied gradients in the train step."""
+        return bool(self._several)
+
+    def detach(self, request: Request) -> None:
+        """Removes a request; the last one restores the model (retrace)."""
+        self.collect()
+        if request in self.requests:
+            self.requests.remove(request)
+        if not self.requests:
+            self._reset()
+
+    def abort(self) -> None:
+        """Hands out what is recorded and restores the model, at once.
+
+        For a callback that ends `fit` with an exception, after which no
+        `on_train_end` runs.
+        """
+        try:
+            self.collect()
+        finally:
+            self._reset()
+
+    def _after_failed_fit(self) -> None:
+        """`abort` for a `fit` that ended by an exception: the records are
+        handed out if they can be, and the fit's own exception is what
+        propagates (a consumer failing again here is left alone)."""
+        try:
+            try:
+                self.collect()
+            except Exception:  # noqa: BLE001 - the fit already raised
+                pass
+            # What the callbacks wrote of the failed fit is on disk for a look
+            # at it (no on_train_end flushes their writers).
+            try:
+                _events.flush_all()
+            except Exception:  # noqa: BLE001 - the fit already raised
+                pass
+        finally:
+            self._reset()
+
+    def _reset(self) -> None:
+        model = self._model()
+        self.requests = []
+        self._prepared = False
+        self._failed = False
+        for channel in self.channels:
+            channel.slots = {}
+            channel.considered = set()
+        if self.installed:
+            self._uninstall(model)
+
+    def _install(self, model) -> None:
+        original_step = model.train_step
+        original_loss = model.compute_loss
+
+        def train_step(data):
+            return self._train_step(original_step, data)
+
+        def compute_loss(*args, **kwargs):
+            loss = original_loss(*args, **kwargs)
+            state = getattr(_TLS, "state", None)
+            if state is not None and state.engine is self:
+                state.loss = loss
+                state.y = args[1] if len(args) > 1 else kwargs.get("y")
+                state.y_pred = args[2] if len(args) > 2 else kwargs.get("y_pred")
+                x = args[0] if args else kwargs.get("x")
+                if x is not None:
+                    state.x = x
+            return loss
+
+        # What the instance itself held (a user's own `model.train_step = ...`)
+        # is wrapped here and put back afterwards.
+        self._shadowed = {name: vars(model).get(name, _ABSENT)
+                          for name in ("train_step", "compute_loss")}
+        object.__setattr__(model, "train_step", train_step)
+        object.__setattr__(model, "compute_loss", compute_loss)
+        self.installed = True
+        self._several = None
+        on_fit_end(model, self, self._after_failed_fit)
+        model.make_train_function(force=True)
+
+    def _uninstall(self, model) -> None:
+        self.installed = False
+        if model is None:
+            return
+        cancel_fit_end(model, self)
+        for name, value in self._shadowed.items():
+            if value is _ABSENT:
+                internals.unpatch(model, name)
+            else:
+                object.__setattr__(model, name, value)
+        model.make_train_function(force=True)
+
+    # ------------------------------------------------------- in the graph
+    def _guard(self, function: Callable[[], object]):
+        """Runs trace-time instrumentation; a failure warns unless strict."""
+        if self._failed or not self._prepared:
+            return None
+        try:
+            return function()
+        except Exception as error:  # noqa: BLE001 - any failure of ours
+            if any(r.strict for r in self.requests):
+                raise
+            self._failed = True
+            warnings.warn(
+                "kerasdbg could not instrument the train step and records "
+                f"nothing this fit; training goes on. Cause: {type(error).__name__}: "
+                f"{error}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return None
+
+    def _row(self, train_id):
+        return tf.math.floormod(train_id - 1, self._steps_per_execution)
+
+    def _train_step(self, original, data):
+        if not self._prepared or self._failed:
+            return original(data)
+        state = self._guard(lambda: self._begin_step(data))
+        if state is None:
+            return original(data)
+        step_function = original
+        for request in [r for r in self.requests if r.kind == "wrap" and r.wrapper]:
+            step_function = _wrapped(request.wrapper, step_function, self._row(state.train_id))
+        previous = getattr(_TLS, "state", None)
+        _TLS.state = state
+        try:
+            with internals.optimizer_routes(_route_apply, _route_reduce):
+                logs = step_function(data)
+        finally:
+            _TLS.state = previous
+        self._guard(lambda: self._end_step(state, logs))
+        return logs
+
+    def _begin_step(self, data) -> _StepState:
+        self.trace_count += 1
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data) if isinstance(
+            data, (tuple, list)) else (data, None, None)
+        return _StepState(self, self._calls.read_value() + 1, x)
+
+    def _hook(self, optimizer, name: Optional[str] = None) -> Hook:
+        # Under a lock: the replicas of a MirroredStrategy trace at once.
+        with self._lock:
+            hook = self.hooks.get(id(optimizer))
+            if hook is None:
+                if name is None:
+                    names = dict((id(o), n) for n, o in internals.find_optimizers(self._model()))
+                    name = names.get(id(optimizer), optimizer.name)
+                hook = Hook(name, optimizer, len(self.hooks))
+                self.hooks[id(optimizer)] = hook
+            return hook
+
+    def _paths(self, variables) -> List[str]:
+        """Display paths: unique over the model's variables, stable across channels."""
+        model = self._model()
+        every = list(model.variables) if model is not None else []
+        known = dict(zip((id(internals.read_handle(v)) for v in every), unique_paths(every)))
+        return [known.get(id(internals.read_handle(v))) or getattr(v, "path", None) or v.name
+                for v in variables]
+
+    def _channel_now(self, hook: Hook, index: int, variables, bind_tensors: bool = True) -> Channel:
+        """The channel of the `index`-th apply of `hook` on `variables`,
+        created now (eagerly, or in a cross-replica context) if needed;
+        `bind_tensors=False` leaves a `StepRecorder` to the first apply."""
+        keys = [internals.variable_key(hook.optimizer, v) for v in variables]
+        requests = [r for r in self.requests if bind_tensors or r.kind != "tensors"]
+        with self._lock:
+            for channel in hook.channels:
+                if channel.index == index and channel.keys == keys:
+                    channel.build(requests, self._steps_per_execution)
+                    return channel
+            hook.channels = [c for c in hook.channels if c.index != index]
+            channel = Channel(hook, index, variables, self._paths(variables))
+            channel.build(requests, self._steps_per_execution)
+            channel.number = len(self.channels)
+            self.channels.append(channel)
+            hook.channels.append(channel)
+            return channel
+
+    def _channel(self, hook: Hook, index: int, variables) -> Channel:
+        """`_channel_now` from the trace: buffers are created outside it."""
+        keys = [internals.variable_key(hook.optimizer, v) for v in variables]
+
+        def ready():
+            for channel in hook.channels:
+                if channel.index == index and channel.keys == keys and all(
+                        id(r) in channel.considered for r in self.requests if r.per_variable):
+                    return channel
+            return None
+
+        channel = ready()
+        if channel is not None:
+            return channel
+        model = self._model()
+
+        def create():
+            with tf.init_scope(), model.distribute_strategy.scope():
+                self._channel_now(hook, index, variables)
+
+        # Every replica calls this (merge_call runs `create` once, for all).
+        internals.merge_call(create)
+        channel = ready()
+        if channel is None:
+            raise RuntimeError(f"kerasdbg: no channel for apply {index} of {hook.name}")
+        return channel
+
+    def _apply(self, state: _StepState, optimizer, original, grads, trainable_variables):
+        inner = internals.inner_optimizer(optimizer)
+        grads = list(grads)
+        if trainable_variables is not None:
+            variables = list(trainable_variables)
+        elif inner.built:
+            variables = internals.optimizer_variables(inner)
+        else:
+            variables = None
+        if not grads or variables is None or len(variables) != len(grads):
+            return original(grads, trainable_variables)
+        hook = self._hook(optimizer)
+        index = state.applies.get(id(hook), 0)
+        state.applies[id(hook)] = index + 1
+        channel = self._guard(lambda: self._channel(hook, index, variables))
+        if channel is None:
+            return original(grads, trainable_variables)
+        context = _ApplyContext(state, channel)
+        before = self._guard(lambda: self._before_apply(context, optimizer, grads))
+        key = (internals.replica_id(), id(inner))
+        _CONTEXTS[key] = context
+        try:
+            applied = None
+            if before is not None and context.frozen is not None:
+                applied = self._guard(lambda: self.faults.apply_unless_frozen(
+                    original, optimizer, grads, trainable_variables, context.frozen))
+            result = None
+            if applied is None:
+                result = original(grads, trainable_variables)
+        finally:
+            _CONTEXTS.pop(key, None)
+        if before is not None:
+            self._guard(lambda: self._after_apply(context, optimizer))
+        return result
+
+    def _before_apply(self, context: _ApplyContext, optimizer, grads) -> bool:
+        channel, state = context.channel, context.state
+        hook = channel.hook
+        step = internals.read(internals.raw_iterations(optimizer)) + 1
+        context.step = step
+        if state.first_step is None:
+            state.first_step = step
+        self.faults.before_apply(context, optimizer, grads)
+        if hook.separate:
+            self.quantities.record_model_gradients(context, optimizer, grads)
+        self.quantities.copy_weights(context)
+        tensors = self._tensor_request(channel)
+        if tensors is not None:
+            context.step_slots = tensors.record_before(self._model(), optimizer, step,
+                                                       context.loss, state.x)
+        return True
+
+    def _tensor_request(self, channel: Channel):
+        for request in self.requests:
+            if request.kind == "tensors" and request.channel is channel:
+                return request
+        return None
+
+    def _after_apply(self, context: _ApplyContext, optimizer) -> None:
+        channel, hook = context.channel, context.channel.hook
+        step = context.step
+        after = internals.read(internals.raw_iterations(optimizer))
+        skipped = tf.equal(after, step - 1)
+        train_id = context.state.train_id
+        row = self._row(train_id)
+        # The weights describe updates that happened: not the batches gradient
+        # accumulation only adds up, not the steps a fault froze.
+        updates = hook.updates_at(step)
+        if context.frozen is not None:
+            updates = _and(updates, tf.logical_not(context.frozen))
+        weight_slots = channel.slots_of("weights")
+        if weight_slots:
+            self.quantities.record_weights(weight_slots, step, updates, row, train_id)
+        for slot in channel.slots_of("weights"):
+            _buffers.run_if(
+                _and(slot.request.histograms_at(step), updates),
+                lambda slot=slot: self.quantities.record_histograms(
+                    slot, [internals.read(v) for v in slot.variables], row, train_id),
+            )
+        tensors = self._tensor_request(channel)
+        if tensors is not None and context.step_slots is not None:
+            tensors.record_after(step, context.step_slots)
+        updated = tf.constant(1, tf.int64) if updates is True else tf.cast(updates, tf.int64)
+        meta = tf.stack([train_id, step, tf.cast(skipped, tf.int64), updated])
+        _buffers.write_row(channel.meta, row, meta)
+
+    def _end_step(self, state: _StepState, logs) -> None:
+        """The train step's own row (loss, frozen, returned scalars), the
+        class counts, the state kept for frozen steps; then counts the step."""
+        model = self._model()
+        if self._several is None and state.applies:
+            self._several = len(state.applies) > 1
+        frozen = self.faults.end_step(model)
+        row = self._row(state.train_id)
+        if self._step_values is not None:
+            self._write_step(state, logs, frozen, row)
+        classes = [r for r in self.requests if r.kind == "classes"]
+        if classes:
+            self.quantities.record_classes(state, classes)
+        self._calls.assign_add(1)
+
+    def _write_step(self, state: _StepState, logs, frozen, row) -> None:
+        self.loss_captured = state.loss is not None
+        loss = state.loss_sum
+        if loss is None and state.loss is not None:
+            local = tf.reduce_sum(tf.cast(state.loss, tf.float64))
+            replicas = _several_replicas()
+            loss = local if replicas is None else replicas.all_reduce(
+                tf.distribute.ReduceOp.SUM, local)
+        scalars, names = [], []
+        for name, value in (logs.items() if isinstance(logs, dict) else ()):
+            if tf.is_tensor(value) and value.shape.rank == 0 and (
+                    value.dtype.is_floating or value.dtype.is_integer):
+                names.append(str(name))
+                scalars.append(tf.cast(value, tf.float64))
+        if len(names) > MAX_STEP_SCALARS and not self._step_warned:
+            self._step_warned = True
+            warnings.warn(f"kerasdbg records the first {MAX_STEP_SCALARS} of the "
+                          f"{len(names)} scalars the train step returns, per step: "
+                          f"{', '.join(names[MAX_STEP_SCALARS:])} are left out.",
+                          RuntimeWarning, stacklevel=3)
+        names, scalars = names[:MAX_STEP_SCALARS], scalars[:MAX_STEP_SCALARS]
+        self._step_names = names
+        self.faults.apply_order = [channel.hook.name for channel in state.order]
+        nan = tf.constant(np.nan, tf.float64)
+        fault = nan if state.fault is None else tf.cast(state.fault, tf.float64)
+        fixed = [tf.cast(state.train_id, tf.float64),
+                 nan if state.first_step is None else tf.cast(state.first_step, tf.float64),
+                 nan if loss is None else loss,
+                 tf.constant(0.0 if loss is None else 1.0, tf.float64),
+                 nan if frozen is None else tf.cast(frozen, tf.float64),
+                 fault,
+                 nan if state.first_fault is None else tf.cast(state.first_fault, tf.float64)]
+        padding = [nan] * (MAX_STEP_SCALARS - len(scalars))
+        _buffers.write_row(self._step_values, row, tf.stack(fixed + scalars + padding))
+
+    # ----------------------------------------------------------- on host
+    def collect(self) -> None:
+        """Reads the rows written since the last call and hands them out
+        (`Collector.collect`)."""
+        if not self._prepared:
+            return
+        if self._failed and self.installed:
+            # Instrumenting the trace failed part-way (a warning said so): the
+            # rest of this fit runs the plain train step, no half-armed freeze.
+            self._uninstall(self._model())
+        self.collector.collect()
+
+
+def _wrapped(wrapper, step_function, row):
+    def step(data):
+        return wrapper(step_function, data, row)
+
+    return step

@@ -1,0 +1,447 @@
+"""Fault handling: the in-graph fault test, the freeze, and NaN localisation.
+
+At each optimizer apply the loss and the gradients are tested (one
+all-reduce of a small vector, so every replica takes the same decision); a
+fault a "step" request's `Freeze` names sets a sticky flag after which the
+updates are skipped and the forward pass's state variables (BatchNormalization's
+moving statistics) are put back as they were after the last unfrozen step.
+At the first non-finite loss or gradient of the fit, a request that
+localises replays the forward pass layer by layer to find where the
+non-finite values first appear. On the host, what was found becomes the
+`faults/...` scalars of the step's record.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from kerasdbg import _buffers
+from kerasdbg import _replay
+from kerasdbg import _tags
+from kerasdbg import _keras_internals as internals
+from kerasdbg import stats as stats_lib
+from kerasdbg._capture.channels import _zeros_like
+from kerasdbg._capture.quantities import _all_finite, _dense, _several_replicas
+from kerasdbg._capture.requests import Freeze
+
+if TYPE_CHECKING:
+    from kerasdbg._capture.engine import Engine, _ApplyContext
+
+
+MAX_FLAGGED = 4096
+"""Variables of one optimizer whose non-finite gradient NaN localisation can name."""
+
+
+class Faults:
+    """The fault handling of one engine: its variables (the frozen flag, the
+    copies of the state variables, the NaN source) and what it found; owned
+    by the `Engine`, which calls it before each optimizer apply, for the
+    update itself, at the end of each train step and when it collects."""
+
+    def __init__(self, engine: "Engine"):
+        # A proxy: the engine owns this object, and no cycle delays freeing
+        # the engine (its buffers) once its model is gone.
+        self.engine = weakref.proxy(engine)
+        self._frozen: Optional[tf.Variable] = None
+        # Non-trainable state the forward pass updates (BatchNormalization's
+        # moving statistics) and its copy after the last unfrozen step.
+        self._state: List[tuple] = []
+        self._state_saved: Optional[tf.Variable] = None
+        # NaN localisation: [step, first layer index, channel, one flag per variable].
+        self._nan_row: Optional[tf.Variable] = None
+        self.nan_layers: List[str] = []
+        # The optimizers of the train step's applies, in order (from the trace),
+        # and, by step, those a fault found after the first apply had reached.
+        self.apply_order: List[str] = []
+        self._late_faults: Dict[int, List[str]] = {}
+
+    # ----------------------------------------------------------- lifecycle
+    def prepare(self, model, strategy) -> None:
+        """Creates the variables the requests' faults need, before the trace
+        (in the strategy's scope)."""
+        if self._freeze() is not None and self._frozen is None:
+            self._frozen = _buffers.on_read_variable(tf.zeros([], tf.int64), "kerasdbg_frozen")
+        if self._freeze() is not None:
+            self._prepare_state(model, strategy)
+        if self._localizes() and self._nan_row is None:
+            self._nan_row = _buffers.on_read_variable(
+                tf.zeros([3 + MAX_FLAGGED], tf.int64), "kerasdbg_nan_source")
+
+    def begin_fit(self) -> None:
+        """At the start of a fit: the weights unfrozen, no NaN source, no late fault."""
+        if self._frozen is not None:
+            self.unfreeze()
+        if self._nan_row is not None:
+            self._nan_row.assign(tf.zeros_like(self._nan_row))
+        self._late_faults = {}
+
+    def _freeze(self) -> Optional[Freeze]:
+        """The faults that freeze the weights: the union over the requests."""
+        specs = [r.freeze for r in self.engine.requests if r.freeze is not None]
+        if not specs:
+            return None
+        norms = [s.max_gradient_norm for s in specs if s.max_gradient_norm is not None]
+        return Freeze(
+            nonfinite_loss=any(s.nonfinite_loss for s in specs),
+            nonfinite_gradients=any(s.nonfinite_gradients for s in specs),
+            max_gradient_norm=min(norms) if norms else None,
+        )
+
+    def _localizes(self) -> bool:
+        return any(r.localize for r in self.engine.requests)
+
+    def _prepare_state(self, model, strategy) -> None:
+        """Copies of the forward pass's state variables, for frozen steps.
+
+        The moving statistics of a BatchNormalization are updated by the
+        forward pass, before the update knows the step is faulty; a frozen
+        step puts back their values after the last unfrozen step. Under a
+        strategy each replica keeps its own (Keras updates them per replica).
+        Layers built only inside `fit` get theirs in the trace.
+        """
+        self._make_state(model)
+        if self._state:
+            def save():
+                for variable, copy in self._state:
+                    copy.assign(internals.read(variable))
+                self._state_saved.assign(tf.ones([], tf.int64))
+
+            strategy.run(tf.function(save))
+
+    @staticmethod
+    def _state_variables(model) -> list:
+        return [v for v in model.non_trainable_variables
+                if internals.is_float(v) and not internals.on_read(v)]
+
+    def _state_matches(self, variables) -> bool:
+        known = [s[0] for s in self._state]
+        return len(known) == len(variables) and all(a is b for a, b in zip(known, variables))
+
+    def _make_state(self, model) -> None:
+        variables = self._state_variables(model)
+        if not self._state_matches(variables):
+            # Zeros: the first unfrozen step saves the values (a variable
+            # created in the trace has none to read yet); until then a frozen
+            # step restores nothing.
+            self._state = [(v, _buffers.on_read_variable(_zeros_like(v), "kerasdbg_state"))
+                           for v in variables]
+            self._state_saved = _buffers.on_read_variable(tf.zeros([], tf.int64),
+                                                          "kerasdbg_state_saved")
+
+    def _make_state_now(self, model) -> None:
+        with tf.init_scope(), model.distribute_strategy.scope():
+            self._make_state(model)
+
+    # ------------------------------------------------------- in the graph
+    def before_apply(self, context: _ApplyContext, optimizer, grads) -> None:
+        """The fault test of an apply, before its update: `context.loss` and
+        `context.frozen` (`_step_loss_and_fault`), the train step's fault and
+        the position of the first apply that found one, and at the first
+        non-finite value of the fit its source (`_localize`)."""
+        channel, state = context.channel, context.state
+        step = context.step
+        loss, nonfinite, fault, frozen = self._step_loss_and_fault(context, optimizer, grads)
+        context.loss, context.frozen = loss, frozen
+        position = tf.constant(len(state.order), tf.int64)
+        state.order.append(channel)
+        if fault is not None:
+            state.fault = fault if state.fault is None else tf.logical_or(state.fault, fault)
+            earlier = tf.constant(-1, tf.int64) if state.first_fault is None else state.first_fault
+            state.first_fault = tf.where(tf.logical_and(fault, earlier < 0), position, earlier)
+        if nonfinite is not None and self._localizes():
+            self._localize(context, step, nonfinite, grads)
+
+    def _step_loss_and_fault(self, context: _ApplyContext, optimizer, grads):
+        """`(loss, nonfinite, fault, frozen)` of the apply, each None if unused.
+
+        `loss` is `compute_loss`'s, summed over replicas; `nonfinite` says
+        the loss or a gradient held NaN/Inf, `fault` adds a gradient norm
+        above the limit, `frozen` is the sticky flag that skips the update.
+        One all-reduce of a small vector gives every replica the same loss
+        and the same fault, hence the same decision.
+        """
+        state = context.state
+        freeze = self._freeze()
+        # The faults are tested to freeze, or only to localise a NaN.
+        watched = freeze or (Freeze() if self._localizes() else None)
+        wants_loss = self.engine._wants("step", "tensors")
+        local = None if state.loss is None else tf.reduce_sum(tf.cast(state.loss, tf.float64))
+        if watched is None:
+            if local is not None and wants_loss and state.loss_sum is None:
+                replicas = _several_replicas()
+                state.loss_sum = local if replicas is None else replicas.all_reduce(
+                    tf.distribute.ReduceOp.SUM, local)
+            return state.loss_sum, None, None, None
+        parts = [tf.constant(0.0, tf.float64) if local is None else local]
+        present = [g for g in grads if g is not None]
+        scaled = context.channel.hook.scaled
+        check_grads = watched.nonfinite_gradients and not scaled
+        if check_grads:
+            parts.append(tf.cast(tf.logical_not(_all_finite(present)), tf.float64))
+        vector = tf.stack(parts)
+        replicas = _several_replicas()
+        if replicas is not None:
+            vector = replicas.all_reduce(tf.distribute.ReduceOp.SUM, vector)
+        loss = None if local is None else vector[0]
+        if loss is not None:
+            state.loss_sum = loss
+        nonfinite = tf.constant(False)
+        if watched.nonfinite_loss and loss is not None:
+            nonfinite = tf.logical_or(nonfinite, tf.logical_not(tf.math.is_finite(loss)))
+        if check_grads:
+            nonfinite = tf.logical_or(nonfinite, vector[1] > 0)
+        fault = nonfinite
+        if watched.max_gradient_norm is not None:
+            if replicas is not None:
+                # The norm of the summed gradient, as the optimizer applies it.
+                present = replicas.all_reduce(
+                    tf.distribute.ReduceOp.SUM, [_dense(g) for g in present])
+            norms = stats_lib.tensor_statistics(present, ["l2_norm"])[:, 0] if present else \
+                tf.zeros([0], tf.float64)
+            squares = tf.reduce_sum(tf.square(norms))
+            norm = tf.sqrt(squares)
+            over = norm > watched.max_gradient_norm
+            if scaled:
+                norm = norm / tf.cast(optimizer.dynamic_scale, tf.float64)
+                # An overflow of the scaled gradients is the loss scaler's to skip.
+                over = tf.logical_and(tf.math.is_finite(norm), norm > watched.max_gradient_norm)
+            fault = tf.logical_or(fault, over)
+        if freeze is None:
+            return loss, nonfinite, fault, None
+        frozen = tf.logical_or(self._frozen.read_value() > 0, fault)
+        self._frozen.assign(tf.cast(frozen, tf.int64))
+        return loss, nonfinite, fault, frozen
+
+    def _localize(self, context: _ApplyContext, step, nonfinite, grads) -> None:
+        """On the first fault of the fit, replays the forward pass layer by
+        layer and records where non-finite values first appear.
+
+        Costs nothing on healthy steps but the fault test itself: the replay
+        sits in a `tf.cond` taken once.
+        """
+        model = self.engine._model()
+        row = self._nan_row
+        x = context.state.x
+        number = context.channel.number
+
+        def replay():
+            names, flags = [], []
+
+            def on_output(name, outputs):
+                for tensor in keras.tree.flatten(outputs):
+                    if tf.is_tensor(tensor) and tensor.dtype.is_floating:
+                        names.append(name)
+                        flags.append(tf.logical_not(tf.reduce_all(tf.math.is_finite(tensor))))
+
+            if x is not None and _replay.is_graph_model(model):
+                _replay.call_layer_by_layer(model, x, True, on_output)
+            self.nan_layers = names
+            if flags:
+                bad = tf.stack(flags)
+                first = tf.where(tf.reduce_any(bad),
+                                 tf.cast(tf.argmax(tf.cast(bad, tf.int32)), tf.int64),
+                                 tf.constant(-1, tf.int64))
+            else:
+                first = tf.constant(-1, tf.int64)
+            variable_flags = [
+                tf.constant(0, tf.int64) if g is None else tf.cast(
+                    tf.logical_not(tf.reduce_all(tf.math.is_finite(_dense(g)))), tf.int64)
+                for g in list(grads)[:MAX_FLAGGED]
+            ]
+            head = tf.stack([tf.cast(step, tf.int64), first, tf.constant(number, tf.int64)]
+                            + variable_flags)
+            # One zeros op, not thousands of stacked scalars (XLA compiles each).
+            padding = tf.zeros([MAX_FLAGGED - len(variable_flags)], tf.int64)
+            row.assign(tf.concat([head, padding], 0))
+            return tf.constant(True)
+
+        first_time = tf.logical_and(nonfinite, tf.equal(row.read_value()[0], 0))
+        tf.cond(first_time, replay, lambda: tf.constant(False))
+
+    def _keep_state_unless_frozen(self, frozen) -> None:
+        """A frozen step restores the state variables; any other saves them.
+
+        In replica context: each replica restores its own copy (no
+        communication), as the forward pass updated it.
+        """
+        if not self._state:
+            return
+
+        def restore():
+            for variable, copy in self._state:
+                variable.assign(tf.cast(copy.read_value(), variable.dtype))
+            return tf.constant(True)
+
+        def save():
+            for variable, copy in self._state:
+                copy.assign(tf.cast(internals.read(variable), copy.dtype))
+            self._state_saved.assign(tf.ones([], tf.int64))
+            return tf.constant(False)
+
+        saved = self._state_saved.read_value() > 0
+        _buffers.run_if(tf.logical_and(frozen, saved), restore)
+        _buffers.run_if(tf.logical_not(frozen), save)
+
+    def apply_unless_frozen(self, original_apply, optimizer, grads, trainable_variables, frozen):
+        """Applies the update unless `frozen`; a frozen step only counts itself.
+
+        Strategies that need `merge_call` (Mirrored, OneDevice) get the
+        `tf.cond` in cross-replica context, as `LossScaleOptimizer` does.
+        """
+
+        inner = internals.inner_optimizer(optimizer)
+        scaled = inner is not optimizer
+        # Built here, not inside a branch (a LossScaleOptimizer builds in apply).
+        internals.ensure_built(optimizer, trainable_variables)
+
+        def count_step(grads, trainable_variables):
+            # The gradient statistics of a frozen step are recorded too: the
+            # (routed) reduction records them, and nothing is applied.
+            if scaled:
+                scale = optimizer.dynamic_scale
+                grads = [g if g is None else g / tf.cast(scale, g.dtype) for g in grads]
+            if trainable_variables is None:
+                trainable_variables = internals.optimizer_variables(inner)
+            variables = [internals.read_handle(v) for v in trainable_variables]
+            getattr(inner, internals.REDUCE_METHOD)(list(zip(grads, variables)))
+            internals.raw_iterations(optimizer).assign_add(1)
+
+        def branch(function):
+            def run():
+                function()
+                return tf.constant(True)
+
+            return run
+
+        if tf.__internal__.distribute.strategy_supports_no_merge_call():
+            tf.cond(
+                frozen, branch(lambda: count_step(grads, trainable_variables)),
+                branch(lambda: original_apply(grads, trainable_variables)),
+            )
+            return True
+
+        def cross_replica(distribution, frozen, grads, trainable_variables):
+            flag = distribution.experimental_local_results(frozen)[0]
+            tf.cond(
+                flag,
+                branch(lambda: distribution.extended.call_for_each_replica(
+                    count_step, args=(grads, trainable_variables))),
+                branch(lambda: distribution.extended.call_for_each_replica(
+                    original_apply, args=(grads, trainable_variables))),
+            )
+
+        tf.distribute.get_replica_context().merge_call(
+            cross_replica, args=(frozen, grads, trainable_variables)
+        )
+        return True
+
+    def end_step(self, model):
+        """At the end of the train step: whether the weights are frozen (None
+        when no fault freezes them); a frozen step puts back the state
+        variables, any other saves them."""
+        freeze = self._freeze()
+        frozen = None
+        if freeze is not None:
+            frozen = self._frozen.read_value() > 0
+            if not self._state_matches(self._state_variables(model)):
+                internals.merge_call(lambda: self._make_state_now(model))
+            self._keep_state_unless_frozen(frozen)
+        return frozen
+
+    # ----------------------------------------------------------- on host
+    def unfreeze(self) -> None:
+        """Lets the weights change again after a fault froze them (host side)."""
+        if self._frozen is not None:
+            self._frozen.assign(tf.zeros([], tf.int64))
+
+    @property
+    def frozen(self) -> bool:
+        """Whether a fault has frozen the weights (replica 0's flag)."""
+        return self._frozen is not None and bool(_buffers.read(self._frozen))
+
+    def nan_source(self) -> Optional[dict]:
+        """Where the first non-finite loss or gradient of this fit came from.
+
+        Returns None until one occurred, else `{"step", "layer", "variables",
+        "optimizer"}`: the first layer (qualified name, in graph order, inputs
+        first) whose output held NaN/Inf on any replica, or None if none did
+        (or the model is subclassed), the paths of the variables whose
+        gradient did, and the optimizer that was applying them.
+        """
+        if self._nan_row is None:
+            return None
+        rows = _buffers.read_replicas(self._nan_row)
+        hits = [r for r in rows if r[0] > 0]
+        if not hits:
+            return None
+        indices = [int(r[1]) for r in hits if r[1] >= 0]
+        layer = None
+        if indices and min(indices) < len(self.nan_layers):
+            layer = self.nan_layers[min(indices)]
+        number = int(hits[0][2])
+        channels = self.engine.channels
+        channel = channels[number] if 0 <= number < len(channels) else None
+        flags = np.any([r[3:] for r in hits], axis=0)
+        paths = channel.paths if channel is not None else []
+        variables = [p for p, bad in zip(paths, flags) if bad]
+        return {"step": int(hits[0][0]), "layer": layer, "variables": variables,
+                "optimizer": channel.hook.name if channel is not None else None}
+
+    def applied_before_fault(self, step: int) -> Optional[Tuple[List[str], str]]:
+        """`(earlier, faulty)` when the fault of the train step at `step` was
+        found by an apply that was not its first: the optimizers that had
+        applied their update of that train step before it (a freeze cannot
+        undo those), and the one that found the fault. None otherwise."""
+        applies = self._late_faults.get(step)
+        if not applies:
+            return None
+        earlier = list(dict.fromkeys(name for name in applies[:-1]))
+        return earlier, applies[-1]
+
+    def late_fault(self, step: int, position: int) -> None:
+        """The fault of the train step at `step` was found by its apply at
+        `position` (from 0) in the order of `apply_order`."""
+        self._late_faults[step] = self.apply_order[:position + 1]
+
+    def scalars(self, step: int, row) -> Dict[str, float]:
+        """The `faults/...` scalars of a train step's row (see `_tags`): where
+        the first non-finite value of the fit came from, at its step, and
+        which optimizers had applied their update before the apply that found
+        a fault."""
+        scalars: Dict[str, float] = {}
+        if not row[5] > 0:  # no fault (or none watched) at this step
+            return scalars
+        freeze = self._freeze()
+        if freeze is not None and freeze.max_gradient_norm is not None:
+            scalars[_tags.fault("freeze", "max_gradient_norm")] = float(freeze.max_gradient_norm)
+        late = self.applied_before_fault(step)
+        if late is not None:
+            earlier, faulty = late
+            for name in earlier:
+                scalars[_tags.fault("freeze", "applied_before", name)] = 1.0
+            scalars[_tags.fault("freeze", "found_by", faulty)] = 1.0
+        source = self.nan_source() if self._localizes() else None
+        if source is None or source["step"] != step:
+            return scalars
+        model = self.engine._model()
+        layer = source["layer"]
+        if layer is not None:
+            located = _tags.NAN_SOURCE_LAYER
+            scalars[_tags.fault("nan_source", "layer", layer)] = 1.0
+        elif _replay.is_graph_model(model):
+            located = (_tags.NAN_SOURCE_LOSS if self.engine.loss_captured
+                       else _tags.NAN_SOURCE_TRAIN_STEP)
+        else:
+            located = _tags.NAN_SOURCE_HIDDEN
+            scalars[_tags.fault("nan_source", "model", model.name)] = 1.0
+        scalars[_tags.fault("nan_source", "located")] = float(located)
+        for path in source["variables"]:
+            scalars[_tags.fault("nan_source", "gradient", path)] = 1.0
+        if self.engine.several_optimizers and source.get("optimizer"):
+            scalars[_tags.fault("nan_source", "optimizer", source["optimizer"])] = 1.0
+        return scalars

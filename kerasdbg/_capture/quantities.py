@@ -1,0 +1,442 @@
+"""The requested quantities, computed in the graph and written to the buffers.
+
+At each optimizer apply the gradients (the model's and, where clipping or
+gradient accumulation make it differ, the applied one), the weights after
+the update (with their update ratio and distance from the start) and the
+histograms of both; at each train step the class counts. `_scheduled_table`
+groups the slots that ask for statistics by schedule and builds one
+`tf.cond` chain, so each (tensor, statistic) is computed at most once per
+step whatever the number of requests asking for it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Dict, List
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from kerasdbg import _buffers
+from kerasdbg import _keras_internals as internals
+from kerasdbg import stats as stats_lib
+from kerasdbg._capture.requests import MAX_CLASSES, WEIGHT_EXTRA_STATISTICS, _and, _scheduled
+from kerasdbg._capture.channels import Slot
+from kerasdbg.schedule import Schedule
+
+if TYPE_CHECKING:
+    from kerasdbg._capture.engine import Engine, _ApplyContext, _StepState
+
+
+def _dense(gradient) -> tf.Tensor:
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.convert_to_tensor(gradient)
+    return gradient
+
+
+def _all_finite(tensors) -> tf.Tensor:
+    """Whether every element of `tensors` is finite, in one read of each.
+
+    The sum of a tensor is finite when its elements are (one reduction, no
+    tensor-sized temporary); only when a sum is not (a NaN/Inf, or a sum of
+    finite values that overflowed) is each element tested, in a `tf.cond`
+    taken then.
+    """
+    if not tensors:
+        return tf.constant(True)
+    dense = [_dense(t) for t in tensors]
+    sums = tf.stack([tf.cast(tf.reduce_sum(t), tf.float32) for t in dense])
+    return tf.cond(
+        tf.reduce_all(tf.math.is_finite(sums)), lambda: tf.constant(True),
+        lambda: tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(t)) for t in dense])))
+
+
+def _several_replicas():
+    """The replica context when there are several replicas, else None."""
+    replicas = tf.distribute.get_replica_context()
+    if replicas is not None and replicas.num_replicas_in_sync > 1:
+        return replicas
+    return None
+
+
+class Quantities:
+    """Computes the quantities the requests ask for and writes them to their
+    slots' buffers, in the graph; owned by the `Engine`, which calls it
+    around each optimizer apply and at the end of each train step."""
+
+    def __init__(self, engine: "Engine"):
+        # A proxy: the engine owns this object, and no cycle delays freeing
+        # the engine (its buffers) once its model is gone.
+        self.engine = weakref.proxy(engine)
+
+    def copy_weights(self, context: _ApplyContext) -> None:
+        """Before the update: the weights at the fit's start (distances from
+        the start) and before this update (update ratios), into the hook's
+        copies, at the steps a weights slot reads them."""
+        channel, hook = context.channel, context.channel.hook
+        step = context.step
+        weight_slots = channel.slots_of("weights")
+        if channel.initial and weight_slots:
+
+            def start():
+                for copy, variable in zip(channel.initial, channel.variables):
+                    copy.assign(internals.read(variable))
+                hook.started.assign(tf.ones([], tf.int64))
+
+            _buffers.run_if(tf.equal(hook.started.read_value(), 0), start)
+        ratios = [s for s in weight_slots if "update_ratio" in s.request.stats]
+        if channel.previous and ratios:
+
+            def snapshot():
+                for copy, variable in zip(channel.previous, channel.variables):
+                    copy.assign(internals.read(variable))
+
+            _buffers.run_if(_and(_any([s.request.needs_at("update_ratio", step) for s in ratios]),
+                                 hook.updates_at(step)), snapshot)
+
+    def record_model_gradients(self, context: _ApplyContext, optimizer, grads) -> None:
+        """The gradients the model produced and, separately, the ones the
+        optimizer applies, when those differ by construction (clipping,
+        gradient accumulation): both from `apply`'s arguments, unscaled,
+        summed over replicas (one more all-reduce).
+
+        The applied gradient is computed here as Keras does (the averaged
+        sum of the accumulated gradients, clipped), not read from Keras's
+        own tensors: a second reader of those changes how TensorFlow's graph
+        optimizer rewrites the update, and so its last bit."""
+        channel, hook = context.channel, context.channel.hook
+        slots = channel.slots_of("gradients")
+        tensors = self.engine._tensor_request(channel)
+        if not slots and tensors is None:
+            return
+        step = context.step
+        if hook.scaled:
+            scale = tf.cast(optimizer.dynamic_scale, tf.float32)
+            grads = [g if g is None else _dense(g) / tf.cast(scale, g.dtype) for g in grads]
+        grads = [None if g is None else _dense(g) for g in grads]
+        applied, clipped = self._applied_gradients(context, optimizer, grads)
+        replicas = _several_replicas()
+        present = [i for i, g in enumerate(grads) if g is not None]
+        if replicas is not None and present:
+            parts = [grads[i] for i in present] + [applied[i] for i in present]
+            parts += [tf.cast(clipped, tf.float32)] if clipped is not None else []
+            reduced = replicas.all_reduce(tf.distribute.ReduceOp.SUM, parts)
+            for k, i in enumerate(present):
+                grads[i], applied[i] = reduced[k], reduced[len(present) + k]
+            if clipped is not None:
+                clipped = reduced[-1] > 0
+        context.clipped = clipped
+        context.applied = applied
+        row, train_id = self.engine._row(context.state.train_id), context.state.train_id
+        if slots:
+            self._write_gradients(slots, grads, step, row, train_id, clipped, applied=False)
+            self._write_gradients(slots, applied, step, row, train_id, None, applied=True)
+
+    def _applied_gradients(self, context: _ApplyContext, optimizer, grads):
+        """`(applied, clipped)`: what Keras applies for this replica's `grads`
+        (with gradient accumulation the sum of the accumulated batches over
+        their number, then clipped: `BaseOptimizer._backend_apply_gradients`),
+        and whether its clipping changed it, by Keras's own test (None
+        without clipping; with accumulation, False at the batches that do
+        not update)."""
+        hook = context.channel.hook
+        applied = list(grads)
+        if hook.accumulation:
+            variables = [v for v, g in zip(context.channel.variables, grads) if g is not None]
+            accumulated = iter(internals.accumulators(optimizer, variables))
+            applied = [None if g is None else
+                       (g + tf.cast(internals.read(next(accumulated)), g.dtype)) / hook.accumulation
+                       for g in applied]
+        if not hook.clipping:
+            return applied, None
+        kind, value = hook.clipping
+        present = [g for g in applied if g is not None]
+        if not present:
+            return applied, tf.constant(False)
+        if kind == "clipvalue":
+            clipped = tf.reduce_any(tf.stack([tf.reduce_max(tf.abs(g)) > value for g in present]))
+            applied = [None if g is None else tf.clip_by_value(g, -value, value) for g in applied]
+        elif kind == "clipnorm":
+            norms = [tf.norm(g) for g in present]
+            clipped = tf.reduce_any(tf.stack([n > value for n in norms]))
+            applied = [None if g is None else tf.clip_by_norm(g, value) for g in applied]
+        else:
+            norm = tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(g)) for g in present]))
+            clipped = norm > value
+            scale = value * tf.minimum(1.0 / norm, 1.0 / value)
+            applied = [None if g is None else g * tf.cast(scale, g.dtype) for g in applied]
+        if hook.accumulation:
+            clipped = tf.logical_and(clipped, hook.updates_at(context.step))
+        return applied, clipped
+
+    def record_applied(self, context: _ApplyContext, reduced) -> None:
+        """The gradient the optimizer applies (after clipping, summed over
+        replicas), from the routed reduction, when it is the model's; with
+        clipping or accumulation `record_model_gradients` did it all."""
+        channel = context.channel
+        inner = channel.hook.inner
+        if channel.hook.separate:
+            grads = context.applied
+        else:
+            by_key = {internals.variable_key(inner, v): g for g, v in reduced if g is not None}
+            grads = [by_key.get(k) for k in channel.keys]
+        step = context.step
+        row, train_id = self.engine._row(context.state.train_id), context.state.train_id
+        tensors = self.engine._tensor_request(channel)
+        if tensors is not None and grads is not None:
+            tensors.record_gradients(step, [grads[i] for i in tensors.positions])
+        if channel.hook.separate:
+            return
+        slots = channel.slots_of("gradients")
+        if slots:
+            self._write_gradients(slots, grads, step, row, train_id, None, applied=False)
+
+    def _write_gradients(self, slots: List[Slot], grads, step, row, train_id, clipped,
+                         applied: bool) -> None:
+        """Statistics of `grads` (the channel's, in its order) into the slots:
+        the model's gradient (`applied=False`), else the applied one. Each
+        statistic of each gradient is computed once per step, whatever the
+        number of slots asking for it (`_scheduled_table`)."""
+        present = [i for i, g in enumerate(grads) if g is not None]
+        for slot in slots:
+            slot.present = [grads[i] is not None for i in slot.positions]
+        wanted = sorted({i for m in slots for i in m.positions if grads[i] is not None})
+        others = [i for i in present if i not in set(wanted)]
+        gate = slots[0].channel.hook.updates_at(step) if applied else True
+
+        def compute(stats):
+            table = stats_lib.tensor_statistics([grads[i] for i in wanted], stats) \
+                if wanted else tf.zeros([0, len(stats)], tf.float64)
+            squares = tf.reduce_sum(tf.square(table[:, stats.index("l2_norm")]))
+            if others:
+                other_l2 = stats_lib.tensor_statistics([grads[i] for i in others],
+                                                       ["l2_norm"])[:, 0]
+                squares += tf.reduce_sum(tf.square(other_l2))
+            return table, tf.sqrt(squares)
+
+        plan = _scheduled_table(slots, step, gate, compute, len(wanted))
+        if plan is not None:
+            table, columns, global_norm = plan
+            tail = [global_norm]
+            if not applied:
+                tail.append(tf.constant(np.nan, tf.float64) if clipped is None
+                            else tf.cast(clipped, tf.float64))
+            tail = [tf.stack(tail)]
+            for slot in slots:
+                def write(slot=slot):
+                    values = _slot_rows(table, wanted, slot.positions, slot.present,
+                                        [columns.index(s) for s in slot.request.stats])
+                    buffer = slot.applied_values if applied else slot.values
+                    _buffers.write_row(buffer, row, tf.concat(
+                        [tf.cast(train_id, tf.float64)[None], values] + tail, 0))
+
+                _buffers.run_if(_and(gate, slot.request.writes_at(step)), write)
+        if not applied:
+            for slot in slots:
+                mine = [grads[i] for i in slot.positions]
+                _buffers.run_if(slot.request.histograms_at(step),
+                                lambda slot=slot, mine=mine: self.record_histograms(
+                                    slot, mine, row, train_id))
+
+    def record_classes(self, state: _StepState, classes) -> None:
+        """At the end of the train step: its class counts added to the totals
+        of the "classes" requests `classes`, which learn whether the traced
+        train step had labels."""
+        counts = self._class_counts(state, classes)
+        for request in classes:
+            request.labelled = counts is not None
+        if counts is not None:
+            for request in classes:
+                totals = request.totals.read_value() + counts
+                request.totals.assign(totals)
+
+    def _class_counts(self, state: _StepState, requests):
+        """`[MAX_CLASSES, 2]` labels seen and mispredicted in this step (all
+        replicas), from the first output; None when there are no labels."""
+        y, y_pred = state.y, state.y_pred
+        if y is None or y_pred is None:
+            return None
+        y, y_pred = keras.tree.flatten(y)[0], keras.tree.flatten(y_pred)[0]
+        classes = y_pred.shape[-1] if y_pred.shape.rank else None
+        if classes is None or classes > MAX_CLASSES:
+            return None
+        if classes == 1:  # one sigmoid unit: class 1 above 0.5
+            predicted = tf.cast(tf.reshape(y_pred, [-1]) > 0.5, tf.int64)
+            labels = tf.cast(tf.reshape(y, [-1]) > 0.5, tf.int64)
+            classes = 2
+        else:
+            predicted = tf.reshape(tf.argmax(y_pred, axis=-1), [-1])
+            if y.shape.rank == y_pred.shape.rank and y.shape[-1] == y_pred.shape[-1]:
+                labels = tf.reshape(tf.argmax(y, axis=-1), [-1])  # one-hot
+            else:
+                labels = tf.reshape(tf.cast(y, tf.int64), [-1])
+        for request in requests:
+            request.present = [k < classes for k in range(MAX_CLASSES)]
+        valid = tf.logical_and(labels >= 0, labels < classes)
+        ids = tf.where(valid, labels, classes)  # out-of-range labels are dropped
+        wrong = tf.cast(tf.not_equal(predicted, labels), tf.float64)
+        counts = tf.stack([
+            tf.math.unsorted_segment_sum(tf.ones_like(wrong), ids, classes + 1)[:classes],
+            tf.math.unsorted_segment_sum(wrong, ids, classes + 1)[:classes],
+        ], axis=1)
+        replicas = _several_replicas()
+        if replicas is not None:
+            counts = replicas.all_reduce(tf.distribute.ReduceOp.SUM, counts)
+        return tf.pad(counts, [[0, MAX_CLASSES - classes], [0, 0]])
+
+    def record_weights(self, slots: List[Slot], step, updates, row, train_id) -> None:
+        """Statistics of the weights after the update, each computed once per
+        step for all `slots` (`_scheduled_table`)."""
+        channel = slots[0].channel
+        wanted = sorted({i for s in slots for i in s.positions})
+
+        def compute(stats):
+            weights = [internals.read(channel.variables[i]) for i in wanted]
+            base_names = tuple(s for s in stats if s in stats_lib.ALL_STATISTICS)
+            base = stats_lib.tensor_statistics(weights, base_names)
+            columns = {s: base[:, i] for i, s in enumerate(base_names)}
+            # The norms of the update, of the weights before it and of the drift
+            # from the start: one call, so one fault test and one finishing step.
+            ratio = "update_ratio" in stats
+            distance = "distance_from_start" in stats
+            extras = []
+            if ratio:
+                copies = channel.previous
+                previous = [copies[i].read_value() for i in wanted]
+                extras += [w - tf.cast(p, w.dtype) for w, p in zip(weights, previous)] + previous
+            if distance:
+                initial = channel.initial
+                extras += [w - tf.cast(initial[i].read_value(), w.dtype)
+                           for w, i in zip(weights, wanted)]
+            norms = tf.unstack(
+                tf.reshape(stats_lib.tensor_statistics(extras, ["l2_norm"]), [-1, len(weights)])
+            ) if extras else []
+            if ratio:
+                update, before = norms[0], norms[1]
+                # 0/0 (a zero tensor that did not move) is no update at all.
+                columns["update_ratio"] = tf.where(
+                    tf.equal(update, 0), tf.zeros_like(update), update / before
+                )
+            if distance:
+                columns["distance_from_start"] = norms[-1]
+            return tf.stack([columns[s] for s in stats], axis=1), tf.constant(0.0, tf.float64)
+
+        plan = _scheduled_table(slots, step, updates, compute, len(wanted))
+        if plan is None:
+            return
+        table, columns, _ = plan
+        for slot in slots:
+            def write(slot=slot):
+                values = _slot_rows(table, wanted, slot.positions, [True] * len(slot.positions),
+                                    [columns.index(s) for s in slot.request.stats])
+                _buffers.write_row(slot.values, row, tf.concat(
+                    [tf.cast(train_id, tf.float64)[None], values], 0))
+
+            _buffers.run_if(_and(updates, slot.request.writes_at(step)), write)
+
+    def record_histograms(self, slot: Slot, tensors, row, train_id) -> None:
+        present = [t for t in tensors if t is not None]
+        counts, ranges = stats_lib.histograms(present, slot.request.bins)
+        empty_counts = tf.zeros([slot.request.bins], tf.float64)
+        empty_range = tf.constant([np.nan, np.nan], tf.float64)
+        all_counts, all_ranges, i = [], [], 0
+        for t in tensors:
+            all_counts.append(empty_counts if t is None else counts[i])
+            all_ranges.append(empty_range if t is None else ranges[i])
+            i += t is not None
+        _buffers.write_row(slot.hist_counts, row, tf.stack(all_counts))
+        _buffers.write_row(slot.hist_ranges, row, tf.stack(all_ranges))
+        _buffers.write_row(slot.hist_ids, row, train_id)
+
+
+def _scheduled_table(slots: List[Slot], step, gate, compute, rows: int):
+    """The statistics the slots record at `step`, each computed once.
+
+    Slots are grouped by schedule. In the graph, the first group (largest
+    set of statistics first) whose schedule holds at `step` computes its
+    statistics and those of every later group and every slot's `frequent`
+    ones; when none holds, only the `frequent` ones are computed. So each
+    (tensor, statistic) is computed at most once per step, whatever the
+    number of slots (consumers) asking for it, and nothing when none does.
+
+    `compute(stats)` returns `(table [rows, len(stats)], scalar)`. Returns
+    `(table [rows, len(columns)], columns, scalar)`, NaN where a statistic
+    was not computed at this step, or None when no slot ever records.
+    """
+    groups: Dict[Schedule, List[Slot]] = {}
+    for slot in slots:
+        groups.setdefault(slot.request.schedule, []).append(slot)
+
+    def ordered(names):
+        names = set(names)
+        return tuple(s for s in stats_lib.ALL_STATISTICS + WEIGHT_EXTRA_STATISTICS if s in names)
+
+    full = [ordered(s for m in members for s in m.request.base_stats) for members in groups.values()]
+    frequent = ordered(s for m in slots for s in m.request.base_frequent)
+    predicates = [_and(gate, _scheduled(schedule, step)) for schedule in groups]
+    if frequent:
+        last = [m.request.schedule.last_step for m in slots if m.request.frequent]
+        frequent_gate = gate if None in last else _and(
+            gate, tf.less_equal(step, tf.cast(max(last), step.dtype)))
+    else:
+        frequent_gate = False
+    chain = sorted(range(len(full)), key=lambda k: -len(full[k]))
+    columns = ordered(s for names in full for s in names)
+    if not columns:
+        return None
+    nan = tf.constant(np.nan, tf.float64)
+
+    def widened(stats):
+        table, scalar = compute(stats)
+        parts = tf.unstack(table, num=len(stats), axis=1) if stats else []
+        by_name = dict(zip(stats, parts))
+        fill = tf.fill([rows], nan)
+        return tf.stack([by_name.get(s, fill) for s in columns], axis=1), tf.cast(
+            scalar, tf.float64)
+
+    def idle():
+        return tf.fill([rows, len(columns)], nan), nan
+
+    def branch(k):
+        if k == len(chain):
+            if frequent_gate is False:
+                return idle()
+            if frequent_gate is True:
+                return widened(frequent)
+            return tf.cond(frequent_gate, lambda: widened(frequent), idle)
+        stats = ordered([s for j in chain[k:] for s in full[j]] + list(frequent))
+        predicate = predicates[chain[k]]
+        if predicate is True:
+            return widened(stats)
+        if predicate is False:
+            return branch(k + 1)
+        return tf.cond(predicate, lambda: widened(stats), lambda: branch(k + 1))
+
+    table, scalar = branch(0)
+    return table, columns, scalar
+
+
+def _any(predicates):
+    """The logical or of `records_at` predicates (Python bools or tensors)."""
+    if any(p is True for p in predicates):
+        return True
+    tensors = [p for p in predicates if p is not False]
+    if not tensors:
+        return False
+    return tensors[0] if len(tensors) == 1 else tf.reduce_any(tf.stack(tensors))
+
+
+def _slot_rows(table, wanted: List[int], positions: List[int], present: List[bool],
+               columns: List[int]) -> tf.Tensor:
+    """A slot's flat values from a group's `table` (one row per `wanted`
+    position): its positions, its columns, NaN for variables without one."""
+    if not wanted:
+        return tf.fill([len(positions) * len(columns)], tf.constant(np.nan, tf.float64))
+    index = {p: k for k, p in enumerate(wanted)}
+    rows = tf.gather(table, [index.get(p, 0) for p in positions])
+    rows = tf.gather(rows, columns, axis=1)
+    if not all(present):
+        mask = tf.constant(present)[:, None]
+        rows = tf.where(mask, rows, tf.constant(np.nan, tf.float64))
+    return tf.reshape(rows, [-1])

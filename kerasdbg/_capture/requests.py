@@ -1,0 +1,259 @@
+"""What the callbacks ask the capture engine for: requests and schedules.
+
+A `Request` says which quantities of which variables one consumer (a
+callback) wants recorded, at which steps (a `kerasdbg.schedule.Schedule`),
+and where the records go; `Freeze` says which in-graph faults stop the
+weights from changing. The schedule predicates (`_every`, `_scheduled`,
+`_or`, `_and`) evaluate a schedule in the graph, folding what is constant
+into a Python bool so that no `tf.cond` is built for it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import tensorflow as tf
+
+from kerasdbg import _tags
+from kerasdbg import stats as stats_lib
+from kerasdbg.schedule import Schedule
+
+if TYPE_CHECKING:
+    from kerasdbg._capture.channels import Channel
+
+
+Record = _tags.CaptureRecord
+"""What one step recorded for one request (see `_tags.CaptureRecord`)."""
+
+
+WEIGHT_EXTRA_STATISTICS = ("update_ratio", "distance_from_start")
+MAX_CLASSES = 1000
+"""Classes a "classes" request can count (its buffer is sized before the trace)."""
+MAX_STEP_SCALARS = 32
+"""Scalars of what `train_step` returns that a "step" request records."""
+CLASS_COLUMNS = ("seen", "mispredicted")
+STEP_COLUMNS = ("loss", "frozen", "fault")
+"""Columns of a "step" request: the step's loss (from `compute_loss`, summed
+over replicas, as the applied gradient sees it; else the `loss` the train
+step returns; absent when neither exists), whether the weights were frozen
+at that step, and whether the step had an in-graph fault (absent when no
+fault is watched). Then `step/<name>` for every other scalar the train step
+returns, averaged over replicas as Keras does."""
+_STEP_FIXED = 7  # train id, step, loss, loss captured, frozen, fault, faulty apply
+
+
+class Freeze(NamedTuple):
+    """In-graph faults after which the weights stop changing.
+
+    Attributes:
+        nonfinite_loss: a NaN or infinite loss.
+        nonfinite_gradients: a NaN or infinite gradient (ignored under a
+            `LossScaleOptimizer`, whose scaler already skips those steps).
+        max_gradient_norm: a global gradient norm above this, or None.
+    """
+
+    nonfinite_loss: bool = True
+    nonfinite_gradients: bool = True
+    max_gradient_norm: Optional[float] = None
+
+
+class Request:
+    """What one consumer (a callback) wants recorded at each step.
+
+    Args:
+        kind: "gradients", "weights", "tensors" (full tensors at a few
+            steps: `_step_tensors.TensorRequest`), "step" (the loss and
+            returned scalars of each train step and whether it was frozen),
+            "classes" (labels seen and mispredicted per class, summed over
+            the fit) or "wrap" (a function around each train step, for
+            `StepTimer`: `wrapper(step_function, data, row)`).
+        stats: statistic names (`stats.ALL_STATISTICS`, plus for weights
+            `WEIGHT_EXTRA_STATISTICS`).
+        every_n_steps: record scalars at steps divisible by this (when no
+            `schedule` is given).
+        histogram_every_n_steps: record histograms at steps divisible by
+            this, or None for no histograms.
+        consumer: called as `consumer(records)` with a list of `Record`.
+        include, exclude: regular expressions on variable paths.
+        bins: histogram bins.
+        strict: a failure of the instrumentation raises instead of warning.
+        freeze: for a "step" request, the faults that freeze the weights.
+        localize: for a "step" request, find at the first non-finite loss or
+            gradient the first layer whose output was non-finite and the
+            variables whose gradient was (see `Faults.nan_source`).
+        last_step: record scalars only up to this step (for what a rule
+            reads at the start of training only), or None (when no
+            `schedule` is given).
+        schedule: the steps at which `stats` are recorded (a
+            `kerasdbg.schedule.Schedule`); overrides `every_n_steps` and
+            `last_step`.
+        frequent: those of `stats` recorded at every step (up to the
+            schedule's `last_step`) besides the scheduled ones.
+        owner: the callback, for messages.
+        wrapper: for a "wrap" request.
+        for_rules: what it records is what rules read (messages say so).
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        stats: Sequence[str] = (),
+        every_n_steps: int = 1,
+        histogram_every_n_steps: Optional[int] = None,
+        consumer: Callable[[List[Record]], None] = lambda records: None,
+        include: Optional[str] = None,
+        exclude: Optional[str] = None,
+        bins: int = stats_lib.DEFAULT_HISTOGRAM_BINS,
+        strict: bool = False,
+        freeze: Optional[Freeze] = None,
+        localize: bool = False,
+        last_step: Optional[int] = None,
+        owner: str = "kerasdbg",
+        wrapper: Optional[Callable] = None,
+        for_rules: bool = False,
+        schedule: Optional[Schedule] = None,
+        frequent: Sequence[str] = (),
+    ):
+        self.kind = kind
+        self.stats = tuple(stats)
+        self.schedule = schedule or Schedule(every_n_steps=every_n_steps, last_step=last_step)
+        every_n_steps, last_step = self.schedule.every_n_steps, self.schedule.last_step
+        self.every_n_steps = every_n_steps
+        self.histogram_every_n_steps = histogram_every_n_steps
+        self.consumer = consumer
+        self.include = include
+        self.exclude = exclude
+        self.bins = bins
+        self.strict = strict
+        self.freeze = freeze
+        self.localize = localize
+        self.last_step = last_step
+        self.owner = owner
+        self.wrapper = wrapper
+        self.for_rules = for_rules
+        self.frequent = () if self.schedule.every_step else tuple(
+            s for s in self.stats if s in frequent)
+        # The columns of the statistics table: `tensor_statistics`'s, then the
+        # weights' derived ones (update ratio, distance from start).
+        self.base_stats = tuple(s for s in self.stats
+                                if s in stats_lib.ALL_STATISTICS + WEIGHT_EXTRA_STATISTICS)
+        self.base_frequent = tuple(s for s in self.base_stats if s in self.frequent)
+        if kind == "gradients":
+            # The global norm is derived from the per-variable norms.
+            if "l2_norm" not in self.base_stats:
+                self.base_stats += ("l2_norm",)
+            if self.frequent and "l2_norm" not in self.base_frequent:
+                self.base_frequent += ("l2_norm",)
+        self.totals: Optional[tf.Variable] = None
+        self.present = [False] * MAX_CLASSES
+        # For a "classes" request: whether the traced train step gave labels and
+        # class predictions (None until it was traced).
+        self.labelled: Optional[bool] = None
+
+    @property
+    def per_variable(self) -> bool:
+        return self.kind in ("gradients", "weights", "tensors")
+
+    def selects(self, path: str) -> bool:
+        return (self.include is None or re.search(self.include, path) is not None) and (
+            self.exclude is None or re.search(self.exclude, path) is None)
+
+    def records_at(self, step) -> object:
+        """In the graph: whether `stats` are recorded at `step` (the schedule)."""
+        return _scheduled(self.schedule, step)
+
+    def frequent_at(self, step) -> object:
+        """In the graph: whether the `frequent` statistics are recorded at `step`."""
+        if not self.frequent:
+            return False
+        if self.schedule.last_step is None:
+            return True
+        return tf.less_equal(step, tf.cast(self.schedule.last_step, step.dtype))
+
+    def writes_at(self, step) -> object:
+        """In the graph: whether the request writes values at `step`."""
+        return _or(self.records_at(step), self.frequent_at(step))
+
+    def needs_at(self, statistic: str, step) -> object:
+        """In the graph: whether `statistic` is recorded at `step`."""
+        if statistic in self.frequent:
+            return self.frequent_at(step)
+        return self.records_at(step) if statistic in self.stats else False
+
+    def columns_at(self, step: int) -> Optional[Tuple[str, ...]]:
+        """On the host: the statistics recorded at `step`, or None."""
+        if self.schedule.at(step):
+            return self.stats
+        if self.frequent and (self.schedule.last_step is None
+                              or step <= self.schedule.last_step):
+            return self.frequent
+        return None
+
+    def histograms_at(self, step) -> object:
+        if not self.histogram_every_n_steps:
+            return False
+        return _every(step, self.histogram_every_n_steps)
+
+    def written_at(self, steps: Sequence[int]) -> Tuple[bool, bool]:
+        """On the host: whether any of these steps wrote values, histograms
+        (as `records_at` and `histograms_at` decided in the graph), so that
+        `collect` reads only the buffers that hold something new."""
+        values = any(self.columns_at(step) is not None for step in steps)
+        histograms = bool(self.histogram_every_n_steps) and any(
+            step % self.histogram_every_n_steps == 0 for step in steps
+        )
+        return values, histograms
+
+    # Hooks of the "tensors" request (`_step_tensors.TensorRequest`).
+    def bind(self, channel: "Channel", variables, paths) -> None:
+        """Called when the request is given its variables in a channel."""
+
+
+def _every(step, n: int):
+    if n == 1:
+        return True
+    return tf.equal(tf.math.floormod(step, n), 0)
+
+
+def _scheduled(schedule: Schedule, step):
+    """In the graph: `schedule.at(step)` (a Python bool when it is constant)."""
+    every = _every(step, schedule.every_n_steps)
+    if schedule.first_steps and every is not True:
+        every = tf.logical_or(every, tf.less_equal(
+            step, tf.cast(schedule.first_steps, step.dtype)))
+    if schedule.last_step is None:
+        return every
+    return _and(every, tf.less_equal(step, tf.cast(schedule.last_step, step.dtype)))
+
+
+def _or(a, b):
+    if a is True or b is True:
+        return True
+    if a is False:
+        return b
+    if b is False:
+        return a
+    return tf.logical_or(a, b)
+
+
+def _and(a, b):
+    if a is True:
+        return b
+    if b is True:
+        return a
+    if a is False or b is False:
+        return False
+    return tf.logical_and(a, b)
+
+
+def unique_paths(variables) -> List[str]:
+    """Variable paths, made unique with a `_<n>` suffix where they repeat."""
+    seen: Dict[str, int] = {}
+    paths = []
+    for v in variables:
+        path = getattr(v, "path", None) or v.name
+        count = seen.get(path, 0)
+        seen[path] = count + 1
+        paths.append(path if count == 0 else f"{path}_{count}")
+    return paths
