@@ -1,5 +1,7 @@
 """The capture engine across the execution matrix, and its life cycle."""
 
+import gc
+
 import keras
 import numpy as np
 import pytest
@@ -244,3 +246,29 @@ def test_instrumentation_failure_warns_and_training_goes_on(monkeypatch):
     strict = GradientStatistics(strict=True)
     with pytest.raises(RuntimeError, match="injected failure"):
         model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[strict])
+
+
+def _train_graphs_alive() -> int:
+    from tensorflow.python.framework import func_graph
+    gc.collect()
+    return sum(isinstance(o, func_graph.FuncGraph) for o in gc.get_objects())
+
+
+def test_repeated_fits_keep_no_traced_step_alive(tmp_path):
+    # Keras's gradient reduction calls `ReplicaContext.all_reduce`, whose graph-mode
+    # custom gradient keeps each traced train step alive for good (TensorFlow issue
+    # #97697). With one replica the engine skips that identity reduction, so fits
+    # that retrace (a notebook or a hyper-parameter loop) do not pile up graphs that
+    # hold kerasdbg's ops.
+    model = make_mlp()
+    model.compile(keras.optimizers.SGD(LEARNING_RATE), "mse")
+    alive = []
+    for fit in range(4):
+        model.make_train_function(force=True)
+        model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[
+            GradientStatistics(str(tmp_path / str(fit)), every_n_steps=1),
+            WeightStatistics(str(tmp_path / str(fit)), every_n_steps=1)])
+        alive.append(_train_graphs_alive())
+    assert alive[-1] <= alive[0], alive
+    assert load_run(str(tmp_path / "3")).scalars("gradients/.*/l2_norm").step.max() == \
+        4 * len(X) // BATCH

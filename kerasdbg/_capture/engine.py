@@ -84,7 +84,17 @@ def _route_apply(optimizer, original, grads, trainable_variables=None):
 
 
 def _route_reduce(optimizer, original, grads_and_vars):
-    reduced = original(grads_and_vars)
+    replicas = tf.distribute.get_replica_context()
+    if replicas is not None and replicas.num_replicas_in_sync == 1 and not tf.executing_eagerly():
+        # The sum over one replica is the gradients themselves. Keras's
+        # reduction calls `ReplicaContext.all_reduce`, whose graph-mode
+        # `tf.custom_gradient` registers a gradient function that keeps the
+        # whole traced step alive for the life of the process (TensorFlow
+        # issue #97697): one leaked train graph per trace, the larger the
+        # more kerasdbg records. Skipped here, instrumented traces leak none.
+        reduced = list(grads_and_vars)
+    else:
+        reduced = original(grads_and_vars)
     context = _CONTEXTS.get((internals.replica_id(), id(optimizer)))
     if context is not None:
         engine = context.state.engine
