@@ -20,7 +20,8 @@ Configurations:
   armed: loss, fault test, freeze, NaN localisation) + "defaults";
 - "taps+defaults": the model from `kerasdbg.insert_taps` with a `TapLayer`
   after every layer (recording every 10th step) + "defaults" +
-  `ActivationStatistics`;
+  `ActivationStatistics`; "taps": the same model without any callback (what the
+  taps alone cost, in step and trace time);
 - "nan_guard": `StopOnRule(NonFiniteLoss())` alone; "terminate_on_nan":
   Keras's `TerminateOnNaN`; "keras_tensorboard": Keras's `TensorBoard` with
   histograms every epoch; "step_timer": `StepTimer`; "step_recorder":
@@ -61,7 +62,7 @@ from kerasdbg.callbacks import StepRecorder, StepTimer, StopOnRule  # noqa: E402
 from kerasdbg.rules import NonFiniteLoss  # noqa: E402
 from kerasdbg.layers import TapLayer  # noqa: E402
 
-CONFIGS = ("plain", "defaults", "all", "all+histograms", "stop+defaults", "taps+defaults",
+CONFIGS = ("plain", "defaults", "all", "all+histograms", "stop+defaults", "taps", "taps+defaults",
            "keras_tensorboard", "terminate_on_nan", "nan_guard", "step_timer", "step_recorder")
 TAP_EVERY = 10
 
@@ -88,7 +89,7 @@ def _model(name):
 
 
 def _callbacks(config, log_dir):
-    if config == "plain":
+    if config in ("plain", "taps"):
         return []
     if config == "terminate_on_nan":
         return [keras.callbacks.TerminateOnNaN()]
@@ -122,13 +123,13 @@ def bench(model_name, spe, steps, repeats, configs):
     # "taps+defaults": a TapLayer after every layer, recording every TAP_EVERY
     # steps, in a model that shares the compiled model's layers and optimizer.
     tapped = kerasdbg.insert_taps(model, tap=TapLayer(every_n_steps=TAP_EVERY)) if (
-        "taps+defaults" in configs) else None
+        "taps" in configs or "taps+defaults" in configs) else None
     results = {c: {"step": [], "trace": []} for c in configs}
     for _ in range(repeats):
         for config in configs:
             with tempfile.TemporaryDirectory() as log_dir:
                 timer = _Timer()
-                fitted = tapped if config.startswith("taps+") else model
+                fitted = tapped if config.startswith("taps") else model
                 # A fresh train function for every fit, so plain pays its trace too.
                 fitted.make_train_function(force=True)
                 fitted.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
@@ -161,7 +162,7 @@ def peak_memory(model_name, config, steps):
     x = np.random.default_rng(0).normal(size=(batch * steps, *shape)).astype("float32")
     y = np.random.default_rng(1).integers(0, 10, batch * steps)
     fitted = kerasdbg.insert_taps(model, tap=TapLayer(every_n_steps=TAP_EVERY)) if (
-        config == "taps+defaults") else model
+        config.startswith("taps")) else model
     with tempfile.TemporaryDirectory() as log_dir:
         fitted.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
                    callbacks=_callbacks(config, log_dir))
