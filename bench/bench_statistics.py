@@ -60,6 +60,7 @@ import kerasdbg  # noqa: E402
 from kerasdbg.callbacks import ActivationStatistics, GradientStatistics, WeightStatistics  # noqa: E402
 from kerasdbg.callbacks import StepRecorder, StepTimer, StopOnRule  # noqa: E402
 from kerasdbg.rules import NonFiniteLoss  # noqa: E402
+from kerasdbg import _graph_functions as graph_functions  # noqa: E402
 from kerasdbg.layers import TapLayer  # noqa: E402
 
 CONFIGS = ("plain", "defaults", "all", "all+histograms", "stop+defaults", "taps", "taps+defaults",
@@ -130,8 +131,10 @@ def bench(model_name, spe, steps, repeats, configs):
             with tempfile.TemporaryDirectory() as log_dir:
                 timer = _Timer()
                 fitted = tapped if config.startswith("taps") else model
-                # A fresh train function for every fit, so plain pays its trace too.
+                # A fresh train function for every fit, so plain pays its trace too,
+                # and no function the taps share kept from an earlier fit.
                 fitted.make_train_function(force=True)
+                graph_functions.clear()
                 fitted.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
                           callbacks=_callbacks(config, log_dir) + [timer])
             durations = np.diff(timer.ends)

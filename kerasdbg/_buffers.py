@@ -10,7 +10,7 @@ written with `assign(tensor_scatter_nd_update(...))` because
 
 from __future__ import annotations
 
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -53,12 +53,19 @@ def read(buffer: tf.Variable) -> np.ndarray:
     return buffer.value().numpy()
 
 
-def read_replicas(buffer: tf.Variable) -> List[np.ndarray]:
-    """Every replica's copy, replica 0 first; one element without a strategy."""
+def read_replicas(buffer: tf.Variable, column: Optional[int] = None) -> List[np.ndarray]:
+    """Every replica's copy, replica 0 first; one element without a strategy.
+    With `column`, only that column of a matrix (sliced before the copy)."""
     strategy = getattr(buffer, "distribute_strategy", None)
     if strategy is None or not isinstance(buffer, tf.distribute.DistributedValues):
+        copies = [buffer]
+    else:
+        copies = strategy.experimental_local_results(buffer)
+    if column is not None:
+        return [np.asarray(v[:, column].numpy()) for v in copies]
+    if len(copies) == 1 and copies[0] is buffer:
         return [read(buffer)]
-    return [np.asarray(v.numpy()) for v in strategy.experimental_local_results(buffer)]
+    return [np.asarray(v.numpy()) for v in copies]
 
 
 def run_if(predicate, function: Callable[[], None]) -> None:

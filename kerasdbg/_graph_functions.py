@@ -16,14 +16,19 @@ Eager calls compute inline (a function per batch size would retrace).
 
 from __future__ import annotations
 
+import collections
 import threading
-from typing import Callable, Dict, Hashable, Sequence, Tuple
+from typing import Callable, Hashable, Sequence, Tuple
 
 import tensorflow as tf
 
 from kerasdbg import stats as stats_lib
 
-_FUNCTIONS: Dict[Hashable, Callable] = {}
+MAX_FUNCTIONS = 512
+"""Functions kept (the least recently used go first); one per settings and
+input signature, so a model rarely needs more than a few dozen."""
+
+_FUNCTIONS: "collections.OrderedDict[Hashable, Callable]" = collections.OrderedDict()
 _LOCK = threading.Lock()
 
 
@@ -34,7 +39,18 @@ def _shared(key: Hashable, python_function: Callable, signature) -> Callable:
             function = _FUNCTIONS[key] = tf.function(
                 python_function, input_signature=signature, autograph=False,
                 experimental_attributes={"_noinline": True})
+            while len(_FUNCTIONS) > MAX_FUNCTIONS:
+                _FUNCTIONS.popitem(last=False)
+        else:
+            _FUNCTIONS.move_to_end(key)
         return function
+
+
+def clear() -> None:
+    """Forgets every shared function: the next trace traces them again
+    (the benchmark measures each fit's trace as a fresh process has it)."""
+    with _LOCK:
+        _FUNCTIONS.clear()
 
 
 def _flat(tensor) -> Tuple[tf.Tensor, object]:

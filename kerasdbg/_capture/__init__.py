@@ -35,7 +35,8 @@ holds alone). Rows are addressed by a train-step id (`row = (id - 1) %
 steps_per_execution`), so consecutive train steps of one execution never
 share a row and the host needs no reset between executions.
 
-The package, in the order of the pipeline:
+The package, in the order of the pipeline (each module imports only those
+before it, type annotations aside):
 
 - `requests`: what the callbacks ask for (`Request`, `Freeze`, the records'
   columns) and the schedule predicates the graph evaluates.
@@ -48,12 +49,12 @@ The package, in the order of the pipeline:
 - `faults`: the fault test, the freeze of the weights and of the forward
   pass's state after a fault, NaN localisation, and the `faults/...`
   scalars they give (`Faults`).
-- `engine`: the core: `engine_for` and `Engine` (the life cycle above, the
-  wrapped train step, the routing of the optimizer applies, the train
-  step's own row) and the cleanup when a `fit` ends.
 - `collect`: the host side: reads the new rows and hands them to the
   consumers, numbers the steps, says why a request recorded nothing
   (`Collector`).
+- `engine`: the core: `engine_for` and `Engine` (the life cycle above, the
+  wrapped train step, the routing of the optimizer applies, the train
+  step's own row) and the cleanup when a `fit` ends.
 """
 
 from kerasdbg._capture.engine import Engine, cancel_fit_end, engine_for, on_fit_end

@@ -60,6 +60,9 @@ class LayerRecord(NamedTuple):
 HEAD = ("id", "mode", "step")
 """The first columns of a buffer row: the call id, the mode's index, the step."""
 
+WIDE_ROW = 64
+"""Buffers with rows wider than this are read in two steps (ids, then all)."""
+
 
 class _Buffers:
     """The untracked ring buffer of one layer (not saved with the model):
@@ -74,6 +77,7 @@ class _Buffers:
             self.layout.append((key, tuple(shape), tf.as_dtype(dtype), width, width + size))
             width += size
         self.layout = tuple(self.layout)
+        self.width = width
         # Row `slots` takes the calls that record nothing (no condition in
         # the graph); it is never read.
         self.rows = _buffers.on_read_variable(
@@ -87,9 +91,11 @@ def _step_function(compute, key, layout, slots: int, mode: str, every_n_steps: i
 
     Inputs: the layer's input, `[calls, mode_calls, *step counters]` and the
     state variable's value (or None). Outputs: `calls` and `mode_calls`
-    counted, and when `compute` is given (this replica records): the buffer
-    `row` (`HEAD`, then the fields), its `slot` (the scratch row `slots` at
-    the steps `every_n_steps` skips) and the new `state`.
+    counted, the step `number` and whether `every_n_steps` `selected` it; when
+    `compute` is given (this replica records), also the buffer `row` (`HEAD`,
+    then the fields), its `slot` (the scratch row `slots` at the steps
+    `every_n_steps` skips) and the new `state`. `compute` must not hold the
+    layer (a static method): the function outlives it in a cache.
     """
     mode_index = MODES.index(mode)
     one_hot = np.eye(len(MODES), dtype=np.int64)[mode_index]
@@ -97,9 +103,6 @@ def _step_function(compute, key, layout, slots: int, mode: str, every_n_steps: i
 
     def step(x, counts, state):
         calls, mode_calls, counters = counts[0] + 1, counts[1] + one_hot, counts[2:]
-        out = {"calls": calls, "mode_calls": mode_calls}
-        if compute is None:
-            return out
         if counters:
             # Counts batches also with gradient accumulation (where
             # `optimizer.iterations` counts updates), as the statistics do,
@@ -107,6 +110,10 @@ def _step_function(compute, key, layout, slots: int, mode: str, every_n_steps: i
             number = (counters[0] if len(counters) == 1 else tf.reduce_max(tf.stack(counters))) + 1
         else:
             number = mode_calls[mode_index]
+        selected = tf.equal(tf.math.floormod(number, every_n_steps), 0)
+        out = {"calls": calls, "mode_calls": mode_calls, "number": number, "selected": selected}
+        if compute is None:
+            return out
 
         def record():
             values, new_state = compute(key, x, state, mode)
@@ -119,7 +126,6 @@ def _step_function(compute, key, layout, slots: int, mode: str, every_n_steps: i
         if every_n_steps == 1:
             row, new_state = record()
         else:
-            selected = tf.equal(tf.math.floormod(number, every_n_steps), 0)
             skipped = lambda: (tf.zeros([width], tf.float64), state)  # noqa: E731
             if state is None:
                 row = tf.cond(selected, lambda: record()[0], lambda: skipped()[0])
@@ -274,41 +280,39 @@ class DebugLayer(keras.layers.Layer):
                 )
         replica, static_replica = self._replica()
         records = static_replica is None or self._record_replica(static_replica)
+        outputs = self._step(inputs, context, records)
+        if not records:
+            return  # known at trace time: this replica records nothing
+        rows = self._buffers.rows
+        write = lambda: _buffers.write_row(rows, outputs["slot"], outputs["row"])  # noqa: E731
+        if isinstance(rows, tf.distribute.DistributedValues) and self.every_n_steps > 1:
+            # A sync-on-read buffer is rewritten whole at each write: only at
+            # the recorded steps, not into the scratch row at every step.
+            _buffers.run_if(outputs["selected"], write)
+        else:
+            write()
+
+    def _step(self, inputs, context: internals.StepContext, records: bool) -> dict:
+        """Runs this call's shared step function (`_step_function`) on the
+        layer's variables and writes back the counters and the state; with
+        `records` False it only counts. Returns the function's outputs."""
         counters = internals.step_counters(context.model) \
             if context.model is not None and context.mode == "fit" else []
         state_variable = self._state_variable() if records else None
-        calls, mode_calls = self.calls.value, self.mode_calls.value
         call = _step_function(
             self._compute_values if records else None, self._values_key() if records else None,
             self._buffers.layout, self._buffers.slots, context.mode, self.every_n_steps)
         outputs = call(
             inputs,
-            [internals.read(v) for v in (calls, mode_calls, *counters)],
+            [internals.read(v) for v in (self.calls, self.mode_calls, *counters)],
             None if state_variable is None else internals.read(state_variable),
         )
-        calls.assign(outputs["calls"], read_value=False)
-        mode_calls.assign(outputs["mode_calls"], read_value=False)
-        if records:
-            if state_variable is not None:
-                state_variable.assign(outputs["state"], read_value=False)
-            _buffers.write_row(self._buffers.rows, outputs["slot"], outputs["row"])
-
-    def _count(self, context: internals.StepContext):
-        """Counts this call in-graph; returns (mode index, call id, step)."""
-        mode = MODES.index(context.mode)
-        self.calls.assign_add(1)
-        self.mode_calls.assign_add(tf.constant(np.eye(len(MODES), dtype=np.int64)[mode]))
-        call_id = internals.read(self.calls)
-        counters = internals.step_counters(context.model) if context.model else []
-        if context.mode == "fit" and counters:
-            # Counts batches also with gradient accumulation (where
-            # `optimizer.iterations` counts updates), as the statistics do,
-            # and follows the optimizers a custom train step applies.
-            values = [internals.read(v) for v in counters]
-            step = (values[0] if len(values) == 1 else tf.reduce_max(tf.stack(values))) + 1
-        else:
-            step = internals.read(self.mode_calls)[mode]
-        return mode, call_id, step
+        # Keras's `assign`: inside a stateless scope it goes to the scope.
+        self.calls.assign(outputs["calls"])
+        self.mode_calls.assign(outputs["mode_calls"])
+        if state_variable is not None and context.mode not in ("evaluate", "predict"):
+            state_variable.assign(outputs["state"], read_value=False)
+        return outputs
 
     @staticmethod
     def _replica():
@@ -319,12 +323,6 @@ class DebugLayer(keras.layers.Layer):
         replica = replica_context.replica_id_in_sync_group
         static = tf.get_static_value(replica)
         return replica, None if static is None else int(static)
-
-    def _selected(self, step):
-        """Whether `step` is recorded (`every_n_steps`)."""
-        if self.every_n_steps == 1:
-            return True
-        return tf.equal(tf.math.floormod(step, self.every_n_steps), 0)
 
     # ------------------------------------------------------------ on host
     def _nothing_selected_since(self, key, step: int) -> bool:
@@ -371,6 +369,15 @@ class DebugLayer(keras.layers.Layer):
 
     def _read(self) -> List[LayerRecord]:
         buffers = self._buffers
+        if buffers.width > WIDE_ROW:
+            # Wide rows (histograms, sample rows): the ids first, the whole
+            # buffer only when there is something new.
+            ids = _buffers.read_replicas(buffers.rows, column=0)
+            if self.replicas == "first":
+                ids = ids[:1]
+            last = self._host.last_id + [0] * (len(ids) - len(self._host.last_id))
+            if not any((fresh[: buffers.slots] > seen).any() for fresh, seen in zip(ids, last)):
+                return []
         tables = _buffers.read_replicas(buffers.rows)
         if self.replicas == "first":
             tables = tables[:1]

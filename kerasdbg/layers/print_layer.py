@@ -256,7 +256,8 @@ class PrintLayer(DebugLayer):
 
     # ------------------------------------------------------- immediate mode
     def _print_in_graph(self, inputs, context) -> None:
-        _, _, step = self._count(context)
+        counted = self._step(inputs, context, records=False)
+        step = counted["number"]
         replica, static_replica = self._replica()
         if static_replica is not None and not self._record_replica(static_replica):
             return
@@ -286,4 +287,4 @@ class PrintLayer(DebugLayer):
         def show():
             tf.print(*pieces, summarize=self.summarize, output_stream=target)
 
-        _buffers.run_if(self._selected(step), show)
+        _buffers.run_if(True if self.every_n_steps == 1 else counted["selected"], show)

@@ -11,7 +11,6 @@ import pandas as pd
 import tensorflow as tf
 
 from kerasdbg import _buffers
-from kerasdbg import _keras_internals as internals
 from kerasdbg import _validation as check
 from kerasdbg import stats as stats_lib
 from kerasdbg.layers._debug_layer import DebugLayer, LayerRecord

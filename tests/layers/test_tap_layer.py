@@ -267,3 +267,25 @@ def test_only_recorded_batches_count_towards_min_examples():
     model.fit(-np.abs(X), Y, batch_size=4, epochs=2, verbose=0, shuffle=False)  # steps 5-8
     assert tap.history.step.tolist() == [2, 4, 6, 8]
     assert tap.history.dead_fraction.tolist() == [0.0, 0.0, 1.0, 1.0]  # 2 + 2 + 4 at step 6
+
+
+def test_a_stateless_call_counts_in_the_scope_and_the_tap_keeps_recording():
+    # `Model.stateless_call` (JAX-style training loops) runs the layer in a stateless
+    # scope: its counters' updates come back in the non-trainable variables.
+    tap = TapLayer(stats=["mean"], name="t")
+    model = keras.Sequential([keras.Input((5,)), tap])
+    outputs, non_trainable = model.stateless_call(
+        model.trainable_variables, model.non_trainable_variables, X)
+    np.testing.assert_allclose(outputs, X)
+    updated = {v.path: value for v, value in zip(model.non_trainable_variables, non_trainable)}
+    assert int(updated[tap.calls.path]) == 1
+    assert int(tap.calls.numpy()) == 0  # the variable itself is left alone
+    assert not tap._failed
+    assert tap.latest["mean"] == pytest.approx(X.mean())
+    # The loop then writes the state back, as stateless training loops do; the next
+    # ordinary call records as the second call.
+    for variable, value in zip(model.non_trainable_variables, non_trainable):
+        variable.assign(value)
+    tap(X[:2])
+    assert tap.latest["mean"] == pytest.approx(X[:2].mean())
+    assert int(tap.calls.numpy()) == 2
