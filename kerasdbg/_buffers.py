@@ -58,13 +58,13 @@ def read_replicas(buffer: tf.Variable, column: Optional[int] = None) -> List[np.
     With `column`, only that column of a matrix (sliced before the copy)."""
     strategy = getattr(buffer, "distribute_strategy", None)
     if strategy is None or not isinstance(buffer, tf.distribute.DistributedValues):
+        if column is None:
+            return [read(buffer)]
         copies = [buffer]
     else:
         copies = strategy.experimental_local_results(buffer)
     if column is not None:
         return [np.asarray(v[:, column].numpy()) for v in copies]
-    if len(copies) == 1 and copies[0] is buffer:
-        return [read(buffer)]
     return [np.asarray(v.numpy()) for v in copies]
 
 

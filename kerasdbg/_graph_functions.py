@@ -89,15 +89,13 @@ def shared_step(step: Callable, key: Hashable) -> Callable:
             state = tf.stop_gradient(state)
         if tf.executing_eagerly():
             return step(x, list(counts), state)
-        signature = (_spec(x), tuple(_spec(c) for c in counts))
-        if state is None:
-            function = _shared(("step", key, signature),
-                               lambda x, counts: step(x, counts, None),
-                               [signature[0], list(signature[1])])
-            return function(x, list(counts))
-        signature += (_spec(state),)
-        function = _shared(("step", key, signature), step,
-                           [signature[0], list(signature[1]), signature[2]])
-        return function(x, list(counts), state)
+        args = [x, list(counts)] + ([] if state is None else [state])
+        signature = [_spec(x), [_spec(c) for c in counts]] + (
+            [] if state is None else [_spec(state)])
+        key_signature = (signature[0], tuple(signature[1]), *signature[2:])
+        function = _shared(("step", key, key_signature),
+                           lambda x, counts, *state: step(x, counts, *(state or [None])),
+                           signature)
+        return function(*args)
 
     return call

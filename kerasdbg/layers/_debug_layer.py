@@ -110,7 +110,8 @@ def _step_function(compute, key, layout, slots: int, mode: str, every_n_steps: i
             number = (counters[0] if len(counters) == 1 else tf.reduce_max(tf.stack(counters))) + 1
         else:
             number = mode_calls[mode_index]
-        selected = tf.equal(tf.math.floormod(number, every_n_steps), 0)
+        selected = tf.constant(True) if every_n_steps == 1 else \
+            tf.equal(tf.math.floormod(number, every_n_steps), 0)
         out = {"calls": calls, "mode_calls": mode_calls, "number": number, "selected": selected}
         if compute is None:
             return out
