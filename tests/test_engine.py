@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 from kerasdbg import _capture, load_run
+from kerasdbg import _graph_functions as graph_functions
 from kerasdbg import stats as stats_lib
 from kerasdbg.callbacks import GradientStatistics, WeightStatistics
 from tests.conftest import (
@@ -236,7 +237,9 @@ def test_instrumentation_failure_warns_and_training_goes_on(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("injected failure")
 
-    monkeypatch.setattr(stats_lib, "tensor_statistics", broken)
+    # The statistics' graph functions start afresh, so that the trace sees the failure.
+    monkeypatch.setattr(graph_functions, "_FUNCTIONS", type(graph_functions._FUNCTIONS)())
+    monkeypatch.setattr(stats_lib, "fast_statistics", broken)
     model = make_mlp()
     _compile(model)
     grads_cb = GradientStatistics()

@@ -11,6 +11,7 @@ import tensorflow as tf
 
 from kerasdbg import _buffers
 from kerasdbg import _capture
+from kerasdbg import _graph_functions as graph_functions
 from kerasdbg._capture import quantities
 from kerasdbg import schedule as schedule_lib
 from kerasdbg import stats as stats_lib
@@ -42,22 +43,25 @@ def _fit(model, callbacks, steps=STEPS):
 
 
 class _Counting:
-    """Wraps `tensor_statistics` and `write_row` as the engine calls them,
+    """Wraps `statistics_table` and `write_row` as the engine calls them,
     adding in-graph counters next to each call, so that what the compiled
     train step *ran* is counted (a call in an untaken `tf.cond` branch counts
     nothing): per statistic, the (tensor, statistic) computations; per
-    buffer name, the rows written."""
+    buffer name, the rows written. The shared graph functions start afresh
+    and are put back afterwards, so that every trace sees the wrapper (and
+    no later test a function holding its counters)."""
 
     def __init__(self, monkeypatch):
+        monkeypatch.setattr(graph_functions, "_FUNCTIONS", type(graph_functions._FUNCTIONS)())
         self.computed = collections.defaultdict(lambda: tf.Variable(0, dtype=tf.int64))
         self.written = collections.defaultdict(lambda: tf.Variable(0, dtype=tf.int64))
-        original_stats, original_write = stats_lib.tensor_statistics, _buffers.write_row
+        original_stats, original_write = graph_functions.statistics_table, _buffers.write_row
         for name in stats_lib.ALL_STATISTICS:
             self.computed[name]  # created eagerly, outside the trace
         for name in ("gradients", "weights", "gradients_hist", "weights_hist"):
             self.written[name]
 
-        def tensor_statistics(tensors, stats=stats_lib.STATISTICS):
+        def statistics_table(tensors, stats):
             for name in stats:
                 self.computed[name].assign_add(len(tensors))
             return original_stats(tensors, stats)
@@ -71,7 +75,7 @@ class _Counting:
                     break
             return original_write(buffer, row, value)
 
-        monkeypatch.setattr(quantities.stats_lib, "tensor_statistics", tensor_statistics)
+        monkeypatch.setattr(graph_functions, "statistics_table", statistics_table)
         monkeypatch.setattr(quantities._buffers, "write_row", write_row)
 
     def counts(self):

@@ -101,6 +101,42 @@ def test_each_finite_tensor_alone_takes_the_fast_path_and_matches_numpy(mode):
 
 
 @pytest.mark.parametrize("mode", list(MODES), ids=list(MODES))
+@pytest.mark.parametrize("stats", [stats_lib.STATISTICS, ("l2_norm", "nan_count", "inf_count")],
+                         ids=["all", "norms"])
+def test_finite_tensors_together_take_the_fast_path_and_match_numpy(mode, stats):
+    """Every finite case in one call: the small ones (up to
+    `stats_lib.SEGMENTED` elements) are reduced together per dtype, by
+    segment reductions of one concatenation, the others one by one; each
+    row still matches NumPy, in the order given."""
+    names = [n for n, a in CASES.items() if np.all(np.isfinite(a)) and n != "overflowing_sum"]
+    names += ["small_too"]
+    arrays = dict(CASES, small_too=RNG.normal(3.0, 0.5, size=(stats_lib.SEGMENTED,)).astype(
+        "float32"))
+    compute = MODES[mode](lambda *ts: stats_lib.tensor_statistics(list(ts), stats))
+    table = compute(*[tf.constant(arrays[n]) for n in names]).numpy()
+    for name, row in zip(names, table):
+        array = arrays[name]
+        expected = reference_stats(array)
+        if name == "empty":
+            expected = dict(expected, l2_norm=0.0)
+        scale = float(np.max(np.abs(array))) if array.size else 1.0
+        got = dict(zip(stats, row))
+        assert_stats_close(got, {s: expected[s] for s in stats}, scale, name)
+
+
+def test_small_tensors_are_reduced_together():
+    """Thirty small tensors: a handful of reductions in the graph, not
+    thirty of each kind."""
+    tensors = [tf.constant(RNG.normal(size=(10 + i,)).astype("float32")) for i in range(30)]
+    for stats in (stats_lib.STATISTICS, ("l2_norm",)):
+        graph = tf.function(lambda *ts: stats_lib.tensor_statistics(list(ts), stats)) \
+            .get_concrete_function(*tensors).graph
+        ops = [op.type for op in graph.get_operations()]
+        assert ops.count("UnsortedSegmentSum") >= 1, stats
+        assert ops.count("Sum") + ops.count("L2Loss") < 5, (stats, ops.count("Sum"))
+
+
+@pytest.mark.parametrize("mode", list(MODES), ids=list(MODES))
 def test_quantiles_match_numpy_percentile_of_the_finite_elements(mode):
     names = list(CASES)
     arrays = [CASES[n] for n in names]

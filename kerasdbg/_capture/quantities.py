@@ -19,6 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from kerasdbg import _buffers
+from kerasdbg import _graph_functions as graph_functions
 from kerasdbg import _keras_internals as internals
 from kerasdbg import stats as stats_lib
 from kerasdbg._capture.requests import MAX_CLASSES, WEIGHT_EXTRA_STATISTICS, _and, _scheduled
@@ -205,17 +206,8 @@ class Quantities:
         others = [i for i in present if i not in set(wanted)]
         gate = slots[0].channel.hook.updates_at(step) if applied else True
 
-        def compute(stats):
-            table = stats_lib.tensor_statistics([grads[i] for i in wanted], stats) \
-                if wanted else tf.zeros([0, len(stats)], tf.float64)
-            squares = tf.reduce_sum(tf.square(table[:, stats.index("l2_norm")]))
-            if others:
-                other_l2 = stats_lib.tensor_statistics([grads[i] for i in others],
-                                                       ["l2_norm"])[:, 0]
-                squares += tf.reduce_sum(tf.square(other_l2))
-            return table, tf.sqrt(squares)
-
-        plan = _scheduled_table(slots, step, gate, compute, len(wanted))
+        plan = _scheduled_table(slots, step, gate, _gradient_table, (),
+                                [[grads[i] for i in wanted], [grads[i] for i in others]])
         if plan is not None:
             table, columns, global_norm = plan
             tail = [global_norm]
@@ -291,38 +283,12 @@ class Quantities:
         channel = slots[0].channel
         wanted = sorted({i for s in slots for i in s.positions})
 
-        def compute(stats):
-            weights = [internals.read(channel.variables[i]) for i in wanted]
-            base_names = tuple(s for s in stats if s in stats_lib.ALL_STATISTICS)
-            base = stats_lib.tensor_statistics(weights, base_names)
-            columns = {s: base[:, i] for i, s in enumerate(base_names)}
-            # The norms of the update, of the weights before it and of the drift
-            # from the start: one call, so one fault test and one finishing step.
-            ratio = "update_ratio" in stats
-            distance = "distance_from_start" in stats
-            extras = []
-            if ratio:
-                copies = channel.previous
-                previous = [copies[i].read_value() for i in wanted]
-                extras += [w - tf.cast(p, w.dtype) for w, p in zip(weights, previous)] + previous
-            if distance:
-                initial = channel.initial
-                extras += [w - tf.cast(initial[i].read_value(), w.dtype)
-                           for w, i in zip(weights, wanted)]
-            norms = tf.unstack(
-                tf.reshape(stats_lib.tensor_statistics(extras, ["l2_norm"]), [-1, len(weights)])
-            ) if extras else []
-            if ratio:
-                update, before = norms[0], norms[1]
-                # 0/0 (a zero tensor that did not move) is no update at all.
-                columns["update_ratio"] = tf.where(
-                    tf.equal(update, 0), tf.zeros_like(update), update / before
-                )
-            if distance:
-                columns["distance_from_start"] = norms[-1]
-            return tf.stack([columns[s] for s in stats], axis=1), tf.constant(0.0, tf.float64)
-
-        plan = _scheduled_table(slots, step, updates, compute, len(wanted))
+        stats = {s for slot in slots for s in slot.request.base_stats}
+        ratio, distance = "update_ratio" in stats, "distance_from_start" in stats
+        inputs = [[internals.read(channel.variables[i]) for i in wanted],
+                  [channel.previous[i].read_value() for i in wanted] if ratio else [],
+                  [channel.initial[i].read_value() for i in wanted] if distance else []]
+        plan = _scheduled_table(slots, step, updates, _weight_table, (ratio, distance), inputs)
         if plan is None:
             return
         table, columns, _ = plan
@@ -350,7 +316,50 @@ class Quantities:
         _buffers.write_row(slot.hist_ids, row, train_id)
 
 
-def _scheduled_table(slots: List[Slot], step, gate, compute, rows: int):
+def _gradient_table(stats, settings, wanted, others):
+    """`(table, global norm)`: `stats` of the gradients `wanted`, and the
+    norm of all of them (`others` too)."""
+    table = graph_functions.statistics_table(wanted, stats) if wanted else \
+        tf.zeros([0, len(stats)], tf.float64)
+    squares = tf.reduce_sum(tf.square(table[:, stats.index("l2_norm")]))
+    if others:
+        other_l2 = graph_functions.statistics_table(others, ["l2_norm"])[:, 0]
+        squares += tf.reduce_sum(tf.square(other_l2))
+    return table, tf.sqrt(squares)
+
+
+def _weight_table(stats, settings, weights, previous, initial):
+    """`(table, 0)`: `stats` of the weights after the update, the update
+    ratio from their copies before it (`previous`) and the distance from
+    their copies at the start (`initial`); `settings` says which copies are
+    given."""
+    ratio, distance = settings
+    base_names = tuple(s for s in stats if s in stats_lib.ALL_STATISTICS)
+    base = graph_functions.statistics_table(weights, base_names)
+    columns = {s: base[:, i] for i, s in enumerate(base_names)}
+    # The norms of the update, of the weights before it and of the drift
+    # from the start: one call, so one fault test and one finishing step.
+    ratio = ratio and "update_ratio" in stats
+    distance = distance and "distance_from_start" in stats
+    extras = []
+    if ratio:
+        extras += [w - tf.cast(p, w.dtype) for w, p in zip(weights, previous)] + list(previous)
+    if distance:
+        extras += [w - tf.cast(i, w.dtype) for w, i in zip(weights, initial)]
+    norms = tf.unstack(
+        tf.reshape(graph_functions.statistics_table(extras, ["l2_norm"]), [-1, len(weights)])
+    ) if extras else []
+    if ratio:
+        update, before = norms[0], norms[1]
+        # 0/0 (a zero tensor that did not move) is no update at all.
+        columns["update_ratio"] = tf.where(
+            tf.equal(update, 0), tf.zeros_like(update), update / before)
+    if distance:
+        columns["distance_from_start"] = norms[-1]
+    return tf.stack([columns[s] for s in stats], axis=1), tf.constant(0.0, tf.float64)
+
+
+def _scheduled_table(slots: List[Slot], step, gate, recipe, settings, inputs):
     """The statistics the slots record at `step`, each computed once.
 
     Slots are grouped by schedule. In the graph, the first group (largest
@@ -360,9 +369,14 @@ def _scheduled_table(slots: List[Slot], step, gate, compute, rows: int):
     (tensor, statistic) is computed at most once per step, whatever the
     number of slots (consumers) asking for it, and nothing when none does.
 
-    `compute(stats)` returns `(table [rows, len(stats)], scalar)`. Returns
-    `(table [rows, len(columns)], columns, scalar)`, NaN where a statistic
-    was not computed at this step, or None when no slot ever records.
+    `recipe(stats, settings, *inputs)` returns `(table [rows, len(stats)],
+    scalar)`, rows being the tensors of `inputs[0]`. The chain of
+    conditions and the recipe are one call of a function shared by every
+    call with the same structure and input signature (`_graph_functions`):
+    the train step gets one call op, and the function is traced once
+    whatever the number of fits. Returns `(table [rows, len(columns)],
+    columns, scalar)`, NaN where a statistic was not computed at this step,
+    or None when no slot ever records.
     """
     groups: Dict[Schedule, List[Slot]] = {}
     for slot in slots:
@@ -385,35 +399,44 @@ def _scheduled_table(slots: List[Slot], step, gate, compute, rows: int):
     columns = ordered(s for names in full for s in names)
     if not columns:
         return None
-    nan = tf.constant(np.nan, tf.float64)
+    # The chain, from the most statistics to the fewest, then the frequent ones.
+    levels = tuple(ordered([s for j in chain[k:] for s in full[j]] + list(frequent))
+                   for k in range(len(chain))) + (frequent,)
+    flags = [predicates[k] for k in chain] + [frequent_gate]
+    # Python bools are part of the function's structure, tensors its arguments.
+    static = tuple(f if f is True or f is False else None for f in flags)
+    dynamic = [tf.cast(f, tf.bool) for f in flags if f is not True and f is not False]
+    rows = len(inputs[0])
 
-    def widened(stats):
-        table, scalar = compute(stats)
-        parts = tf.unstack(table, num=len(stats), axis=1) if stats else []
-        by_name = dict(zip(stats, parts))
-        fill = tf.fill([rows], nan)
-        return tf.stack([by_name.get(s, fill) for s in columns], axis=1), tf.cast(
-            scalar, tf.float64)
+    def run(flags, *inputs):
+        nan = tf.constant(np.nan, tf.float64)
+        given = iter(flags)
+        predicate = [s if s is not None else next(given) for s in static]
 
-    def idle():
-        return tf.fill([rows, len(columns)], nan), nan
+        def widened(stats):
+            table, scalar = recipe(stats, settings, *inputs)
+            parts = tf.unstack(table, num=len(stats), axis=1) if stats else []
+            by_name = dict(zip(stats, parts))
+            fill = tf.fill([rows], nan)
+            return tf.stack([by_name.get(s, fill) for s in columns], axis=1), tf.cast(
+                scalar, tf.float64)
 
-    def branch(k):
-        if k == len(chain):
-            if frequent_gate is False:
+        def idle():
+            return tf.fill([rows, len(columns)], nan), nan
+
+        def branch(k):
+            if k == len(levels):
                 return idle()
-            if frequent_gate is True:
-                return widened(frequent)
-            return tf.cond(frequent_gate, lambda: widened(frequent), idle)
-        stats = ordered([s for j in chain[k:] for s in full[j]] + list(frequent))
-        predicate = predicates[chain[k]]
-        if predicate is True:
-            return widened(stats)
-        if predicate is False:
-            return branch(k + 1)
-        return tf.cond(predicate, lambda: widened(stats), lambda: branch(k + 1))
+            if not levels[k] or predicate[k] is False:
+                return branch(k + 1)
+            if predicate[k] is True:
+                return widened(levels[k])
+            return tf.cond(predicate[k], lambda: widened(levels[k]), lambda: branch(k + 1))
 
-    table, scalar = branch(0)
+        return branch(0)
+
+    key = ("scheduled", recipe.__qualname__, settings, levels, columns, static)
+    table, scalar = graph_functions.shared_call(key, run, [dynamic] + list(inputs), inline=False)
     return table, columns, scalar
 
 
