@@ -1,5 +1,6 @@
 """The capture engine across the execution matrix, and its life cycle."""
 
+import collections
 import gc
 
 import keras
@@ -10,7 +11,8 @@ import tensorflow as tf
 from kerasdbg import _capture, load_run
 from kerasdbg import _graph_functions as graph_functions
 from kerasdbg import stats as stats_lib
-from kerasdbg.callbacks import GradientStatistics, WeightStatistics
+from kerasdbg.callbacks import GradientStatistics, StopOnRule, WeightStatistics
+from kerasdbg.rules import NonFiniteLoss
 from tests.conftest import (
     assert_stats_close, make_strategy, matrix, only_upstream_failure, reference_stats,
 )
@@ -209,8 +211,15 @@ def test_every_n_steps_records_only_those_steps():
     assert weights_cb.history.step.tolist() == [4, 8, 12, 16, 20]
 
 
-def test_the_host_reads_only_buffers_that_the_steps_wrote(monkeypatch, tmp_path):
+@pytest.mark.parametrize("deferred", [32, 1], ids=["deferred", "every-execution"])
+def test_the_host_reads_only_buffers_that_the_steps_wrote(monkeypatch, tmp_path, deferred):
+    """With the statistics callbacks alone the buffers hold 32 steps and the
+    host reads them after the first execution and at the epoch's end (the
+    deferred reads); with buffers of one execution, after every execution.
+    Either way a buffer no step wrote is not read."""
     from kerasdbg import _buffers
+    from kerasdbg._capture import engine as engine_module
+    monkeypatch.setattr(engine_module, "DEFERRED_STEPS", deferred)
     reads = []
     read = _buffers.read
     monkeypatch.setattr(_buffers, "read", lambda b: reads.append(b.name.split(":")[0]) or read(b))
@@ -224,13 +233,62 @@ def test_the_host_reads_only_buffers_that_the_steps_wrote(monkeypatch, tmp_path)
     assert weights_cb.history.step.tolist() == [4, 8]
     hist = sorted(load_run(str(tmp_path)).histograms("gradients/" + model.trainable_variables[0].path).step.unique())
     assert hist == [4, 8]
-    counts = {name: reads.count(name) for name in set(reads)}
-    assert counts["kerasdbg_gradients"] == 5  # ids in column 0: one read
-    assert counts["kerasdbg_weights"] == 2
-    assert counts["kerasdbg_gradients_hist_ids"] == counts["kerasdbg_gradients_hist"] == 2
-    # The step counter once per batch end (the second callback reads nothing
-    # more) and at the epoch and train ends.
-    assert counts["kerasdbg_meta"] == 10
+    counts = collections.Counter(reads)
+    if deferred == 1:
+        assert counts["kerasdbg_gradients"] == 5  # ids in column 0: one read
+        assert counts["kerasdbg_weights"] == 2
+        assert counts["kerasdbg_gradients_hist_ids"] == counts["kerasdbg_gradients_hist"] == 2
+        # The step counter once per batch end (the second callback reads nothing
+        # more) and at the epoch and train ends.
+        assert counts["kerasdbg_meta"] == 10
+    else:
+        # Step 1 (nothing written) after the first execution, steps 2-10 at the end.
+        assert counts["kerasdbg_meta"] == 2
+        assert counts["kerasdbg_gradients"] == counts["kerasdbg_weights"] == 1
+        assert counts["kerasdbg_gradients_hist_ids"] == counts["kerasdbg_gradients_hist"] == 1
+    # The step counter once per batch end, whatever the number of callbacks,
+    # and once per callback at the epoch's and the fit's end.
+    assert counts["kerasdbg_calls"] == 10 + 2 * 2
+
+
+@pytest.mark.parametrize("spe", [1, 3])
+def test_deferred_reads_hand_out_every_step_also_after_a_crash(spe):
+    """70 steps with the statistics callbacks alone: the buffers hold 32 steps
+    (33 at spe 3) and every step reaches the history once, in order, with the
+    values a second, read-every-execution fit of the same model records; a fit
+    that raises at step 40 hands out the steps it ran."""
+    x = np.random.default_rng(5).normal(size=(70 * BATCH, X.shape[1])).astype("float32")
+    y = np.random.default_rng(6).normal(size=(70 * BATCH, Y.shape[1])).astype("float32")
+    histories = []
+    for deferred in (True, False):
+        model = make_mlp()
+        _compile(model, spe=spe)
+        callbacks = [GradientStatistics(every_n_steps=1), WeightStatistics(every_n_steps=1)]
+        if not deferred:  # a rule that never fires makes the engine read every execution
+            callbacks.append(StopOnRule(NonFiniteLoss(), verbose=False))
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+        rows = _capture.engine_for(model).rows
+        assert rows == (spe * -(-32 // spe) if deferred else spe)
+        assert callbacks[0].history.step.tolist() == list(range(1, 71))
+        assert callbacks[1].history.step.tolist() == list(range(1, 71))
+        histories.append([c.history for c in callbacks[:2]])
+    for deferred, prompt in zip(*histories):  # two models: their paths differ
+        assert deferred.shape == prompt.shape
+        np.testing.assert_allclose(deferred.to_numpy(float), prompt.to_numpy(float), rtol=1e-6)
+
+    class Boom(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch >= 39:  # at spe > 1 Keras numbers the batch ends spe-1, 2spe-1, ...
+                raise RuntimeError("boom")
+
+    model = make_mlp()
+    _compile(model, spe=spe)
+    grads_cb = GradientStatistics(every_n_steps=1)
+    with pytest.raises(RuntimeError, match="boom"):
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[grads_cb, Boom()])
+    ran = -(-40 // spe) * spe
+    assert grads_cb.history.step.tolist() == list(range(1, ran + 1))
 
 
 def test_instrumentation_failure_warns_and_training_goes_on(monkeypatch):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Dict, List
+from typing import TYPE_CHECKING, Dict, List, Optional
 
 import numpy as np
 
@@ -40,6 +40,7 @@ class Collector:
         self._diagnosed = False
         self._saw_steps = False
         self._steps_done = 0  # the last step collected, over the fits
+        self._checked_batch: Optional[int] = None  # the batch end already looked at
 
     def begin_fit(self, iterations: List[int], calls: int) -> None:
         """At the start of a fit: `iterations` of the model's optimizers and
@@ -50,13 +51,14 @@ class Collector:
         self._last_call = self._first_call = calls
         self._diagnosed = False
         self._saw_steps = False
+        self._checked_batch = None
 
     def step_of(self, train_id: int) -> int:
         """The step of a train step that ran (host read of the step buffer)."""
         engine = self.engine
         if engine._step_values is None:
             return self.fit_step(train_id)
-        row = _buffers.read(engine._step_values)[(train_id - 1) % engine._steps_per_execution]
+        row = _buffers.read(engine._step_values)[(train_id - 1) % engine.rows]
         return self.fit_step(train_id, row[1] if int(row[0]) == train_id else np.nan)
 
     def fit_step(self, train_id: int, step: float = np.nan) -> int:
@@ -75,8 +77,21 @@ class Collector:
         """The train-step id of the last train step run (host read)."""
         return int(_buffers.read(self.engine._calls)) if self.engine._calls is not None else 0
 
-    def collect(self) -> None:
-        """Reads the rows written since the last call and hands them out."""
+    def collect(self, final: bool = True, batch: Optional[int] = None) -> None:
+        """Reads the rows written since the last call and hands them out.
+
+        With `final=False` (a batch end), when the buffers hold more rows
+        than an execution writes (`Request.deferred`), the rows wait there
+        until the next execution could overwrite one, except the first
+        execution's (so that a request that records nothing says so at
+        once). At the batch end `batch` the first call reads; the callbacks
+        that call again at the same batch end read nothing."""
+        if not final and batch is not None:
+            if batch == self._checked_batch:
+                return
+            self._checked_batch = batch
+        else:
+            self._checked_batch = None
         for request in self.engine.requests:
             if request.kind == "tensors" and request.channel is not None:
                 request.collect()
@@ -85,14 +100,16 @@ class Collector:
         calls = int(_buffers.read(self.engine._calls))
         if calls <= self._last_call:
             return
-        n = self.engine._steps_per_execution
-        first = max(self._last_call + 1, calls - n + 1)
+        n, rows = self.engine._steps_per_execution, self.engine.rows
+        if not final and self._saw_steps and calls - self._last_call + n <= rows:
+            return
+        first = max(self._last_call + 1, calls - rows + 1)
         if first > self._last_call + 1 and self.engine._wants(
                 "gradients", "weights", "step", "classes"):
             warnings.warn(
                 f"kerasdbg lost {first - self._last_call - 1} step records: the "
-                "train function ran more than steps_per_execution steps between "
-                "two callback events.",
+                f"train function ran more than {rows} steps between two callback "
+                "events.",
                 RuntimeWarning,
                 stacklevel=3,  # the caller of `Engine.collect`
             )
@@ -120,7 +137,7 @@ class Collector:
         requests = [r for r in self.engine.requests if r.kind in ("step", "classes")]
         if not requests or self.engine._step_values is None:
             return
-        n = self.engine._steps_per_execution
+        n = self.engine.rows
         replicas = _buffers.read_replicas(self.engine._step_values)
         table = replicas[0]
         names = self.engine._step_names
@@ -164,7 +181,7 @@ class Collector:
                         values=totals.reshape(-1), histograms=None, tags=tags))
 
     def _collect_channel(self, channel: Channel, ids, records, several: bool) -> None:
-        n = self.engine._steps_per_execution
+        n = self.engine.rows
         meta = _buffers.read(channel.meta)
         rows = [((i - 1) % n, i) for i in ids if meta[(i - 1) % n, 0] == i]
         if not rows:

@@ -27,7 +27,8 @@ from kerasdbg._capture.collect import Collector
 from kerasdbg._capture.faults import Faults
 from kerasdbg._capture.quantities import Quantities, _several_replicas
 from kerasdbg._capture.requests import (
-    CLASS_COLUMNS, MAX_CLASSES, MAX_STEP_SCALARS, Request, _STEP_FIXED, _and, unique_paths,
+    CLASS_COLUMNS, DEFERRED_STEPS, MAX_CLASSES, MAX_STEP_SCALARS, Request, _STEP_FIXED, _and,
+    unique_paths,
 )
 
 
@@ -156,6 +157,9 @@ class Engine:
         self._failed = False
         self._calls: Optional[tf.Variable] = None
         self._steps_per_execution = None
+        # Rows of every buffer: steps_per_execution, or a multiple of it when
+        # every request can be read late (`Request.deferred`).
+        self.rows: Optional[int] = None
         self.hooks: Dict[int, Hook] = {}
         self.channels: List[Channel] = []
         self._shadowed: Dict[str, object] = {}
@@ -201,17 +205,20 @@ class Engine:
             internals.build_optimizer_before_trace(model)
         n = int(model.steps_per_execution)
         strategy = model.distribute_strategy
-        if self._steps_per_execution != n:
+        rows = n
+        if all(r.deferred for r in self.requests):
+            rows = n * -(-DEFERRED_STEPS // n)
+        if (self._steps_per_execution, self.rows) != (n, rows):
             self.channels, self.hooks = [], {}
             self._step_values = None
-        self._steps_per_execution = n
+        self._steps_per_execution, self.rows = n, rows
         found = internals.find_optimizers(model)
         with strategy.scope():
             if self._calls is None:
                 self._calls = _buffers.on_read_variable(tf.zeros([], tf.int64), "kerasdbg_calls")
             if self._step_values is None and self._wants("step", "classes", "wrap"):
                 self._step_values = _buffers.on_read_variable(
-                    tf.fill([n, _STEP_FIXED + MAX_STEP_SCALARS], tf.constant(np.nan, tf.float64)),
+                    tf.fill([rows, _STEP_FIXED + MAX_STEP_SCALARS], tf.constant(np.nan, tf.float64)),
                     "kerasdbg_step")
             self.faults.prepare(model, strategy)
             for request in self.requests:
@@ -360,7 +367,7 @@ class Engine:
             return None
 
     def _row(self, train_id):
-        return tf.math.floormod(train_id - 1, self._steps_per_execution)
+        return tf.math.floormod(train_id - 1, self.rows)
 
     def _train_step(self, original, data):
         if not self._prepared or self._failed:
@@ -416,11 +423,11 @@ class Engine:
         with self._lock:
             for channel in hook.channels:
                 if channel.index == index and channel.keys == keys:
-                    channel.build(requests, self._steps_per_execution)
+                    channel.build(requests, self.rows)
                     return channel
             hook.channels = [c for c in hook.channels if c.index != index]
             channel = Channel(hook, index, variables, self._paths(variables))
-            channel.build(requests, self._steps_per_execution)
+            channel.build(requests, self.rows)
             channel.number = len(self.channels)
             self.channels.append(channel)
             hook.channels.append(channel)
@@ -590,16 +597,17 @@ class Engine:
         _buffers.write_row(self._step_values, row, tf.stack(fixed + scalars + padding))
 
     # ----------------------------------------------------------- on host
-    def collect(self) -> None:
+    def collect(self, final: bool = True, batch: Optional[int] = None) -> None:
         """Reads the rows written since the last call and hands them out
-        (`Collector.collect`)."""
+        (`Collector.collect`); at the end of batch `batch` (`final=False`)
+        deferred requests may wait until the buffers are about to be full."""
         if not self._prepared:
             return
         if self._failed and self.installed:
             # Instrumenting the trace failed part-way (a warning said so): the
             # rest of this fit runs the plain train step, no half-armed freeze.
             self._uninstall(self._model())
-        self.collector.collect()
+        self.collector.collect(final, batch)
 
 
 def _wrapped(wrapper, step_function, row):

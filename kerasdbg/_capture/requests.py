@@ -41,6 +41,12 @@ at that step, and whether the step had an in-graph fault (absent when no
 fault is watched). Then `step/<name>` for every other scalar the train step
 returns, averaged over replicas as Keras does."""
 _STEP_FIXED = 7  # train id, step, loss, loss captured, frozen, fault, faulty apply
+DEFERRED_STEPS = 32
+"""When every request can be read late (`Request.deferred`), the buffers hold
+at least this many steps, and the host reads them once they are about to be
+full (and at each epoch's end), not after every execution: at
+`steps_per_execution=1` a read after every step costs more than the step's
+own statistics on a small model."""
 
 
 class Freeze(NamedTuple):
@@ -93,6 +99,9 @@ class Request:
         owner: the callback, for messages.
         wrapper: for a "wrap" request.
         for_rules: what it records is what rules read (messages say so).
+        deferred: its consumer may get the records of a step up to
+            `DEFERRED_STEPS` steps later (at the latest at the epoch's end):
+            nothing decides on them while training runs.
     """
 
     def __init__(
@@ -114,8 +123,10 @@ class Request:
         for_rules: bool = False,
         schedule: Optional[Schedule] = None,
         frequent: Sequence[str] = (),
+        deferred: bool = False,
     ):
         self.kind = kind
+        self.deferred = deferred
         self.stats = tuple(stats)
         self.schedule = schedule or Schedule(every_n_steps=every_n_steps, last_step=last_step)
         every_n_steps, last_step = self.schedule.every_n_steps, self.schedule.last_step

@@ -119,6 +119,9 @@ class StatisticsCallback(RecordingCallback):
             bins=self.histogram_bins,
             strict=self.strict,
             owner=type(self).__name__,
+            # Nothing decides on these records during the fit: the host
+            # reads them every few dozen steps (and at each epoch's end).
+            deferred=True,
         )
         self._writer = self._open_writer()
         _capture.engine_for(self.model).attach(self._request)
@@ -127,7 +130,7 @@ class StatisticsCallback(RecordingCallback):
         _capture.engine_for(self.model).prepare()
 
     def on_train_batch_end(self, batch, logs=None):
-        _capture.engine_for(self.model).collect()
+        _capture.engine_for(self.model).collect(final=False, batch=batch)
 
     def on_epoch_end(self, epoch, logs=None):
         _capture.engine_for(self.model).collect()
