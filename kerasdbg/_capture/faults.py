@@ -37,6 +37,16 @@ MAX_FLAGGED = 4096
 """Variables of one optimizer whose non-finite gradient NaN localisation can name."""
 
 
+_REPLAYS = "_kerasdbg_replays"
+"""The model's attribute holding its NaN-localisation replays, by channel,
+buffer and input signature, kept across fits."""
+
+
+def _signature(tensor) -> tuple:
+    shape = tensor.shape
+    return (None if shape.rank is None else tuple(shape.as_list()), tensor.dtype.name)
+
+
 class Faults:
     """The fault handling of one engine: its variables (the frozen flag, the
     copies of the state variables, the NaN source) and what it found; owned
@@ -111,7 +121,7 @@ class Faults:
                     copy.assign(internals.read(variable))
                 self._state_saved.assign(tf.ones([], tf.int64))
 
-            strategy.run(tf.function(save))
+            strategy.run(tf.function(save, autograph=False))
 
     @staticmethod
     def _state_variables(model) -> list:
@@ -222,14 +232,19 @@ class Faults:
         layer and records where non-finite values first appear.
 
         Costs nothing on healthy steps but the fault test itself: the replay
-        sits in a `tf.cond` taken once.
+        sits in a `tf.cond` taken once. With one replica it is a kept call
+        of a function traced once per input signature over the fits
+        (`_graph_functions`): no step instantiates it, so the graph
+        optimizer never works on this second forward pass, until a fault.
         """
         model = self.engine._model()
         row = self._nan_row
         x = context.state.x
         number = context.channel.number
+        grads = [None if g is None else _dense(g) for g in list(grads)[:MAX_FLAGGED]]
+        present = [g for g in grads if g is not None]
 
-        def replay():
+        def replay(x, present, step):
             names, flags = [], []
 
             def on_output(name, outputs):
@@ -248,10 +263,11 @@ class Faults:
                                  tf.constant(-1, tf.int64))
             else:
                 first = tf.constant(-1, tf.int64)
+            given = iter(present)
             variable_flags = [
                 tf.constant(0, tf.int64) if g is None else tf.cast(
-                    tf.logical_not(tf.reduce_all(tf.math.is_finite(_dense(g)))), tf.int64)
-                for g in list(grads)[:MAX_FLAGGED]
+                    tf.logical_not(tf.reduce_all(tf.math.is_finite(next(given)))), tf.int64)
+                for g in grads
             ]
             head = tf.stack([tf.cast(step, tf.int64), first, tf.constant(number, tf.int64)]
                             + variable_flags)
@@ -260,8 +276,29 @@ class Faults:
             row.assign(tf.concat([head, padding], 0))
             return tf.constant(True)
 
+        def run():
+            if _several_replicas() is not None or x is None or tf.executing_eagerly():
+                # Under a strategy each replica traces its own replay (a shared
+                # function would keep the first replica's captures).
+                return replay(x, present, step)
+            # On the model: the function holds the model (an engine holding it
+            # would keep the model alive through `engine_for`'s weak table).
+            cached = vars(model).get(_REPLAYS)
+            if cached is None:
+                cached = {}
+                object.__setattr__(model, _REPLAYS, cached)
+            key = (number, id(row), tuple(g is None for g in grads),
+                   tuple(_signature(t) for t in keras.tree.flatten(x)),
+                   tuple(_signature(g) for g in present))
+            function = cached.get(key)
+            if function is None:
+                function = cached[key] = tf.function(
+                    replay, autograph=False, reduce_retracing=False,
+                    experimental_attributes={"_noinline": True})
+            return function(x, present, tf.cast(step, tf.int64))
+
         first_time = tf.logical_and(nonfinite, tf.equal(row.read_value()[0], 0))
-        tf.cond(first_time, replay, lambda: tf.constant(False))
+        tf.cond(first_time, run, lambda: tf.constant(False))
 
     def _keep_state_unless_frozen(self, frozen) -> None:
         """A frozen step restores the state variables; any other saves them.

@@ -145,7 +145,10 @@ class StatisticsCallback(RecordingCallback):
 
     # -------------------------------------------------------- records
     def _consume(self, records: List[_capture.Record]) -> None:
-        self._guarded(self._write, records)
+        # One at a time: a write that fails (a full disk) loses no other
+        # record of a deferred read from `history`.
+        for record in records:
+            self._guarded(self._write, [record])
 
     def _write(self, records: List[_capture.Record]) -> None:
         several = _capture.engine_for(self.model).several_optimizers
