@@ -9,9 +9,6 @@ import pytest
 
 from kerasdbg import cli, load_run
 
-# The module-scoped fixture runs once: every test of this module on one xdist worker.
-pytestmark = pytest.mark.xdist_group("test_cli")
-
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):

@@ -21,9 +21,6 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-# The module-scoped fixture runs once: every test of this module on one xdist worker.
-pytestmark = pytest.mark.xdist_group("test_readme")
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
 DOCUMENTS = [README] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))

@@ -19,9 +19,6 @@ from kerasdbg.callbacks import GradientStatistics, StopOnRule
 from kerasdbg.rules import NonFiniteLoss, RuleWarning
 from tests.helpers import BATCH, LEARNING_RATE, X, Y, make_mlp, reference_training
 
-# The module-scoped fixture runs once: every test of this module on one xdist worker.
-pytestmark = pytest.mark.xdist_group("test_tensorboard")
-
 STEPS = len(X) // BATCH
 FAULT = 6
 START_TIMEOUT_S = 90
