@@ -89,7 +89,8 @@ def _model(name):
             keras.layers.Flatten(), keras.layers.Dense(64, activation="relu"),
             keras.layers.Dense(10)])
         return model, (28, 28, 1), 64
-    model = keras.applications.ResNet50(weights=None, input_shape=(64, 64, 3), classes=10)
+    model = keras.applications.ResNet50(weights=None, input_shape=(64, 64, 3), classes=10,
+                                         classifier_activation=None)
     return model, (64, 64, 3), 16
 
 
