@@ -116,9 +116,11 @@ def shared_call(key: Hashable, python_function: Callable, args: Sequence, inline
     """
 
     def dense(arg):
+        # Cut from the gradient: a watching tape would otherwise have the
+        # call's backward function built (the conds and the masked call too).
         if isinstance(arg, (list, tuple)):
-            return [tf.convert_to_tensor(t) for t in arg]
-        return tf.convert_to_tensor(arg)
+            return [tf.stop_gradient(tf.convert_to_tensor(t)) for t in arg]
+        return tf.stop_gradient(tf.convert_to_tensor(arg))
 
     args = [dense(a) for a in args]
     if tf.executing_eagerly():

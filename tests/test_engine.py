@@ -251,6 +251,20 @@ def test_the_host_reads_only_buffers_that_the_steps_wrote(monkeypatch, tmp_path,
     assert counts["kerasdbg_calls"] == 10 + 2 * 2
 
 
+@pytest.mark.parametrize("strategy_name, rows", [("default", 33), ("one_device", 33), ("mirrored", 3)])
+def test_deferred_reads_keep_tall_buffers_only_where_a_row_write_is_in_place(strategy_name, rows):
+    # A strategy's sync-on-read buffer is copied whole at each row write: there
+    # the buffers stay one execution tall and the host reads each execution.
+    strategy = make_strategy(strategy_name)
+    with strategy.scope():
+        model = make_mlp()
+        _compile(model, spe=3)
+    grads_cb = GradientStatistics(every_n_steps=1)
+    model.fit(X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[grads_cb])
+    assert _capture.engine_for(model).rows == rows
+    assert grads_cb.history.step.tolist() == list(range(1, len(X) // BATCH + 1))
+
+
 @pytest.mark.parametrize("spe", [1, 3])
 def test_deferred_reads_hand_out_every_step_also_after_a_crash(spe):
     """70 steps with the statistics callbacks alone: the buffers hold 32 steps
@@ -315,21 +329,32 @@ def _train_graphs_alive() -> int:
     return sum(isinstance(o, func_graph.FuncGraph) for o in gc.get_objects())
 
 
-def test_repeated_fits_keep_no_traced_step_alive(tmp_path):
+@pytest.mark.parametrize("nan_guard", [False, True], ids=["statistics", "with-nan-guard"])
+def test_repeated_fits_keep_no_traced_step_alive(tmp_path, nan_guard):
     # Keras's gradient reduction calls `ReplicaContext.all_reduce`, whose graph-mode
     # custom gradient keeps each traced train step alive for good (TensorFlow issue
     # #97697). With one replica the engine skips that identity reduction, so fits
     # that retrace (a notebook or a hyper-parameter loop) do not pile up graphs that
-    # hold kerasdbg's ops.
+    # hold kerasdbg's ops. The NaN guard's replay, kept on the model across fits,
+    # must not hold the graph of the fit that traced it either.
     model = make_mlp()
     model.compile(keras.optimizers.SGD(LEARNING_RATE), "mse")
     alive = []
     for fit in range(4):
         model.make_train_function(force=True)
-        model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[
+        guard = [StopOnRule(NonFiniteLoss(), log_dir=str(tmp_path / f"guard{fit}"))] if nan_guard else []
+        model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0, callbacks=guard + [
             GradientStatistics(str(tmp_path / str(fit)), every_n_steps=1),
             WeightStatistics(str(tmp_path / str(fit)), every_n_steps=1)])
         alive.append(_train_graphs_alive())
     assert alive[-1] <= alive[0], alive
+    if nan_guard:  # the replay kept on the model holds no tensor of the graph that made it
+        replays = vars(model)["_kerasdbg_replays"]
+        assert replays
+        for function in replays.values():
+            cells = [c.cell_contents for c in function.python_function.__closure__ or ()]
+            held = [t for t in tf.nest.flatten(cells)
+                    if tf.is_tensor(t) and not isinstance(t, tf.Variable) and hasattr(t, "graph")]
+            assert not held, held
     assert load_run(str(tmp_path / "3")).scalars("gradients/.*/l2_norm").step.max() == \
         4 * len(X) // BATCH

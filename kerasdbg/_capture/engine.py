@@ -205,8 +205,15 @@ class Engine:
             internals.build_optimizer_before_trace(model)
         n = int(model.steps_per_execution)
         strategy = model.distribute_strategy
+        if self._calls is None:
+            with strategy.scope():
+                self._calls = _buffers.on_read_variable(tf.zeros([], tf.int64), "kerasdbg_calls")
         rows = n
-        if all(r.deferred for r in self.requests):
+        # Deferred reads need buffers DEFERRED_STEPS tall; a strategy's
+        # sync-on-read buffer is copied whole at each row write, so there
+        # they stay one execution tall and the host reads each execution.
+        if all(r.deferred for r in self.requests) and not isinstance(
+                self._calls, tf.distribute.DistributedValues):
             rows = n * -(-DEFERRED_STEPS // n)
         if (self._steps_per_execution, self.rows) != (n, rows):
             self.channels, self.hooks = [], {}
@@ -214,8 +221,6 @@ class Engine:
         self._steps_per_execution, self.rows = n, rows
         found = internals.find_optimizers(model)
         with strategy.scope():
-            if self._calls is None:
-                self._calls = _buffers.on_read_variable(tf.zeros([], tf.int64), "kerasdbg_calls")
             if self._step_values is None and self._wants("step", "classes", "wrap"):
                 self._step_values = _buffers.on_read_variable(
                     tf.fill([rows, _STEP_FIXED + MAX_STEP_SCALARS], tf.constant(np.nan, tf.float64)),

@@ -241,8 +241,11 @@ class Faults:
         row = self._nan_row
         x = context.state.x
         number = context.channel.number
-        grads = [None if g is None else _dense(g) for g in list(grads)[:MAX_FLAGGED]]
-        present = [g for g in grads if g is not None]
+        grads = list(grads)[:MAX_FLAGGED]
+        # The replay keeps no graph tensor (a cached function would keep the
+        # first trace's graph alive), only which gradients are missing.
+        missing = tuple(g is None for g in grads)
+        given_grads = [g for g in grads if g is not None]
 
         def replay(x, present, step):
             names, flags = [], []
@@ -265,9 +268,9 @@ class Faults:
                 first = tf.constant(-1, tf.int64)
             given = iter(present)
             variable_flags = [
-                tf.constant(0, tf.int64) if g is None else tf.cast(
+                tf.constant(0, tf.int64) if gone else tf.cast(
                     tf.logical_not(tf.reduce_all(tf.math.is_finite(next(given)))), tf.int64)
-                for g in grads
+                for gone in missing
             ]
             head = tf.stack([tf.cast(step, tf.int64), first, tf.constant(number, tf.int64)]
                             + variable_flags)
@@ -277,6 +280,9 @@ class Faults:
             return tf.constant(True)
 
         def run():
+            # Dense here, in the branch a fault takes: a sparse gradient (an
+            # Embedding's) is not expanded at every healthy step.
+            present = [_dense(g) for g in given_grads]
             if _several_replicas() is not None or x is None or tf.executing_eagerly():
                 # Under a strategy each replica traces its own replay (a shared
                 # function would keep the first replica's captures).
@@ -287,7 +293,7 @@ class Faults:
             if cached is None:
                 cached = {}
                 object.__setattr__(model, _REPLAYS, cached)
-            key = (number, id(row), tuple(g is None for g in grads),
+            key = (number, id(row), missing,
                    tuple(_signature(t) for t in keras.tree.flatten(x)),
                    tuple(_signature(g) for g in present))
             function = cached.get(key)

@@ -197,6 +197,16 @@ class StatisticsCallback(RecordingCallback):
         return None
 
     # --------------------------------------------------------- results
+    def _read_pending(self) -> None:
+        # During a fit the host reads the buffers every few dozen steps: asked
+        # in between (another callback at a batch end), read the steps the
+        # buffers hold first, so that the answer is up to date.
+        if self._request is None or self.model is None:
+            return
+        engine = _capture.engine_for(self.model)
+        if self._request in engine.requests:
+            engine.collect()
+
     @property
     def history(self) -> pd.DataFrame:
         """The latest recorded steps (at most `history_size`), one row each.
@@ -210,6 +220,7 @@ class StatisticsCallback(RecordingCallback):
         clipping or accumulation). Steps the loss scaler skipped have
         `skipped=True` and NaN statistics.
         """
+        self._read_pending()
         columns = list(self._columns)
         index = {c: i for i, c in enumerate(columns)}
         values = np.full((len(self._rows), len(columns)), np.nan)
@@ -232,6 +243,7 @@ class StatisticsCallback(RecordingCallback):
     def latest(self) -> Dict[str, float]:
         """The last recorded step as `{"step": ..., "<path>/<stat>": ...}`
         (with several optimizers, the last step of each one merged)."""
+        self._read_pending()
         latest: Dict[str, float] = {}
         seen = set()
         for record in reversed(self._rows):

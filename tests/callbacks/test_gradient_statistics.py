@@ -252,3 +252,23 @@ def test_writer_failure_warns_once_and_training_goes_on(tmp_path, monkeypatch):
         history = _fit(model, [callback])
     assert len(history.history["loss"]) == 1
     assert os.path.isdir(tmp_path / "logs" / "train")
+
+
+@pytest.mark.parametrize("spe", [1, 3])
+def test_latest_and_history_asked_during_fit_are_up_to_date(spe):
+    # The buffers are read every few dozen steps; a callback that asks at a
+    # batch end (placed before the statistics callback) still sees that batch.
+    model = make_mlp()
+    model.compile(keras.optimizers.SGD(LEARNING_RATE), "mse", steps_per_execution=spe)
+    recorder = GradientStatistics(every_n_steps=1)
+    seen = []
+
+    class Reader(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            # (Keras numbers a short last execution as if it were whole.)
+            step = min(batch + 1, -(-len(X) // BATCH))
+            seen.append((step, recorder.latest["step"], int(recorder.history["step"].max())))
+
+    model.fit(X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+              callbacks=[Reader(), recorder])
+    assert seen and all(step == latest == last for step, latest, last in seen), seen
