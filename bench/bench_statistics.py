@@ -19,7 +19,8 @@ Configurations:
   (`every_n_steps=1`); "all+histograms" adds histograms every 100 steps;
 - "stop+defaults": `StopOnRule(log_dir=..., action="warn")` with the default
   rules (NaN guard armed: loss, fault test, freeze, NaN localisation) +
-  "defaults" (warn: a verdict does not end the fit being timed);
+  "defaults" (warn: a verdict does not end the fit being timed); "stop": the
+  same `StopOnRule` alone;
 - "taps+defaults": the model from `kerasdbg.insert_taps` with a `TapLayer`
   after every layer (recording every 10th step) + "defaults" +
   `ActivationStatistics`; "taps": the same model without any callback (what the
@@ -67,7 +68,7 @@ from kerasdbg.rules import NonFiniteLoss  # noqa: E402
 from kerasdbg import _graph_functions as graph_functions  # noqa: E402
 from kerasdbg.layers import TapLayer  # noqa: E402
 
-CONFIGS = ("plain", "defaults", "all", "all+histograms", "stop+defaults", "taps", "taps+defaults",
+CONFIGS = ("plain", "defaults", "all", "all+histograms", "stop", "stop+defaults", "taps", "taps+defaults",
            "keras_tensorboard", "terminate_on_nan", "nan_guard", "step_timer", "step_recorder")
 TAP_EVERY = 10
 
@@ -107,6 +108,8 @@ def _callbacks(config, log_dir):
         return [StepRecorder(os.path.join(log_dir, "trace.npz"), steps=3)]
     if config == "keras_tensorboard":
         return [keras.callbacks.TensorBoard(log_dir, histogram_freq=1)]
+    if config == "stop":  # StopOnRule's default rules alone (see "stop+defaults")
+        return [StopOnRule(log_dir=log_dir, action="warn", verbose=False)]
     defaults = [GradientStatistics(log_dir), WeightStatistics(log_dir)]
     if config == "defaults":
         return defaults
