@@ -130,9 +130,7 @@ def shared_call(key: Hashable, python_function: Callable, args: Sequence, inline
         return [_spec(t) for t in arg] if isinstance(arg, list) else _spec(arg)
 
     def spec_key(arg):
-        if isinstance(arg, list):
-            return tuple(spec_key(t) for t in arg)
-        return (None if arg.shape.rank is None else tuple(arg.shape.as_list()), arg.dtype.name)
+        return tuple(signature_key(t) for t in arg) if isinstance(arg, list) else signature_key(arg)
 
     signature = [spec(a) for a in args]
     function = _shared((key, tuple(spec_key(a) for a in args)), python_function, signature,
@@ -142,6 +140,13 @@ def shared_call(key: Hashable, python_function: Callable, args: Sequence, inline
 
 def _spec(tensor) -> tf.TensorSpec:
     return tf.TensorSpec(tensor.shape, tensor.dtype)
+
+
+def signature_key(tensor) -> tuple:
+    """`(shape, dtype name)` of a tensor, hashable (shape None when its rank
+    is unknown): what a cache of traced functions keys on."""
+    shape = tensor.shape
+    return (None if shape.rank is None else tuple(shape.as_list()), tensor.dtype.name)
 
 
 def shared_step(step: Callable, key: Hashable) -> Callable:

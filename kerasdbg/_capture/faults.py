@@ -21,6 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from kerasdbg import _buffers
+from kerasdbg import _graph_functions as graph_functions
 from kerasdbg import _replay
 from kerasdbg import _tags
 from kerasdbg import _keras_internals as internals
@@ -40,11 +41,6 @@ MAX_FLAGGED = 4096
 _REPLAYS = "_kerasdbg_replays"
 """The model's attribute holding its NaN-localisation replays, by channel,
 buffer and input signature, kept across fits."""
-
-
-def _signature(tensor) -> tuple:
-    shape = tensor.shape
-    return (None if shape.rank is None else tuple(shape.as_list()), tensor.dtype.name)
 
 
 class Faults:
@@ -294,8 +290,8 @@ class Faults:
                 cached = {}
                 object.__setattr__(model, _REPLAYS, cached)
             key = (number, id(row), missing,
-                   tuple(_signature(t) for t in keras.tree.flatten(x)),
-                   tuple(_signature(g) for g in present))
+                   tuple(graph_functions.signature_key(t) for t in keras.tree.flatten(x)),
+                   tuple(graph_functions.signature_key(g) for g in present))
             function = cached.get(key)
             if function is None:
                 function = cached[key] = tf.function(
