@@ -1,9 +1,12 @@
 """Shared test set-up: two logical CPUs, the execution matrix, NumPy references."""
 
 import contextlib
+import faulthandler
 import gc
 import os
 import re
+import shutil
+import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -175,3 +178,56 @@ def _fresh_keras_state():
         gc.unfreeze()
     gc.collect()
     gc.freeze()
+
+
+# A native crash (segfault) kills a test worker: pytest-xdist reports the test,
+# and the worker's Python stacks go to its stderr, of which CI shows only the
+# end. Each worker also writes them to a file; the run's summary prints them.
+_CRASH_DIR = "KERASDBG_TEST_CRASH_DIR"
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        if _CRASH_DIR not in os.environ:
+            os.environ[_CRASH_DIR] = tempfile.mkdtemp(prefix="kerasdbg-test-crashes-")
+            config.stash[_crash_dir_key] = os.environ[_CRASH_DIR]
+        return
+    directory = os.environ.get(_CRASH_DIR)
+    if directory and os.path.isdir(directory):
+        stream = open(os.path.join(directory, f"{worker}-{os.getpid()}.txt"), "w")
+        config.stash[_crash_file_key] = stream
+        faulthandler.enable(file=stream, all_threads=True)
+
+
+_crash_dir_key = pytest.StashKey[str]()
+# Frames of pytest, pluggy, xdist and execnet: the same in every stack.
+_RUNNER_FRAME = re.compile(r'/(_pytest|pluggy|xdist|execnet)/|File "<string>"')
+_crash_file_key = pytest.StashKey[object]()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    directory = config.stash.get(_crash_dir_key, None)
+    if directory is None:
+        return
+    for name in sorted(os.listdir(directory)):
+        with open(os.path.join(directory, name)) as stream:
+            text = stream.read()
+        if text.strip():
+            # The module list at the end says nothing about the crash.
+            text = text.split("\nExtension modules:")[0]
+            lines = [line for line in text.splitlines() if not _RUNNER_FRAME.search(line)]
+            terminalreporter.write_sep("=", f"native crash in test worker {name[:-4]}")
+            terminalreporter.write_line("\n".join(lines))
+
+
+def pytest_unconfigure(config):
+    stream = config.stash.get(_crash_file_key, None)
+    if stream is not None:
+        faulthandler.disable()
+        stream.close()
+    directory = config.stash.get(_crash_dir_key, None)
+    if directory is not None:
+        shutil.rmtree(directory, ignore_errors=True)
+        os.environ.pop(_CRASH_DIR, None)
