@@ -73,11 +73,24 @@ class Findings(list):
 
 
 def _target(strategy, target: str, model) -> tuple:
-    """`(tpu, xla)`: whether the run targets a TPU, and XLA."""
+    """`(tpu, xla, unknown)`: whether the run targets a TPU, XLA, or neither is known.
+
+    The target is unknown under "auto" when neither a TPUStrategy nor
+    `jit_compile=True` says it: the portability findings then come as "info".
+    """
     tpu = target == "tpu" or isinstance(strategy, tf.distribute.TPUStrategy)
     jit = getattr(model, "jit_compile", None) if getattr(model, "compiled", False) else None
     xla = tpu or target == "xla" or jit is True
-    return tpu, xla
+    return tpu, xla, target == "auto" and not xla
+
+
+def _portability(severity: str, unknown: bool) -> str:
+    """The severity of an XLA/TPU portability finding: "info" while the target is unknown."""
+    return "info" if unknown else severity
+
+
+def _if_moved(why: str, unknown: bool) -> str:
+    return f"if the run moves to XLA or a TPU: {why}" if unknown else why
 
 
 def _specs(dataset) -> list:
@@ -103,33 +116,36 @@ def _heavy(dataset) -> Optional[str]:
     return None
 
 
-def _data_findings(dataset, replicas: int, tpu: bool, xla: bool, model) -> List[Finding]:
+def _data_findings(dataset, replicas: int, tpu: bool, xla: bool, unknown: bool,
+                   model) -> List[Finding]:
     found = []
     specs = _specs(dataset)
     batch = specs[0].shape[0] if specs and specs[0].shape.rank else None
     # The batch size of a pipeline without drop_remainder, for the checks after the first.
     size = batch if batch is not None else internals.dataset_batch_size(dataset)
-    if xla and specs and batch is None:
+    if (xla or unknown) and specs and batch is None:
         found.append(Finding(
-            "error" if tpu else "warning", "dynamic batch dimension",
+            _portability("error" if tpu else "warning", unknown), "dynamic batch dimension",
             f"the dataset's batch dimension is unknown (element_spec {specs[0].shape})",
-            "XLA compiles one program per input shape: a partial last batch compiles again, and "
-            "a TPU needs static shapes",
+            _if_moved("XLA compiles one program per input shape: a partial last batch compiles "
+                      "again, and a TPU needs static shapes", unknown),
             "batch with `drop_remainder=True` (`dataset.batch(n, drop_remainder=True)`)"))
-    if tpu:
+    if tpu or unknown:
         bad = sorted({s.dtype.name for s in specs if s.dtype in TPU_DTYPES})
         if bad:
             found.append(Finding(
-                "error", "TPU input dtype", f"the dataset yields {', '.join(bad)} tensors",
-                "TPUs do not take int64, uint8, string or float64 inputs",
+                _portability("error", unknown), "TPU input dtype",
+                f"the dataset yields {', '.join(bad)} tensors",
+                _if_moved("TPUs do not take int64, uint8, string or float64 inputs", unknown),
                 "cast in the pipeline: `dataset.map(lambda x, y: (tf.cast(x, tf.float32), "
                 "tf.cast(y, tf.int32)))`, and decode strings before batching"))
         if size is not None and size % (8 * replicas):
             found.append(Finding(
-                "warning", "batch size", f"the global batch is {size}, not a multiple of 8 x "
+                _portability("warning", unknown), "batch size",
+                f"the global batch is {size}, not a multiple of 8 x "
                 f"{replicas} replicas = {8 * replicas}",
-                "each TPU core pads its batch to a multiple of 8: the padding is computed and "
-                "thrown away",
+                _if_moved("each TPU core pads its batch to a multiple of 8: the padding is "
+                          "computed and thrown away", unknown),
                 f"use a global batch that is a multiple of {8 * replicas}, e.g. "
                 f"{8 * replicas * max(1, math.ceil(size / (8 * replicas)))}"))
     if size is not None and replicas and model is not None:
@@ -274,11 +290,13 @@ def doctor(
     """Finds the set-up mistakes that make training slow, or break it, before it runs.
 
     Checks, each when it applies:
-    - a dataset with a dynamic batch dimension (no `drop_remainder`) when
-      XLA or a TPU is the target;
-    - input dtypes TPUs do not take (int64, uint8, string, float64);
-    - on a TPU, a global batch that is not a multiple of 8 x replicas, and
-      Dense/Conv widths that are not multiples of 128 (padding waste);
+    - portability to XLA and TPUs: a dataset with a dynamic batch dimension
+      (no `drop_remainder`), input dtypes TPUs do not take (int64, uint8,
+      string, float64), a global batch that is not a multiple of 8 x
+      replicas, Dense/Conv widths that are not multiples of 128 (padding
+      waste). Their severity follows the target: "error" or "warning" when
+      it is XLA or a TPU, "info" when it is unknown ("auto" without a
+      TPUStrategy or `jit_compile=True`), none when it is "cpu" or "gpu";
     - BatchNormalization with fewer than 32 examples per replica;
     - `steps_per_execution=1` on a TPU or several replicas;
     - `tf.data` order: no prefetch at the end, an expensive map after batch,
@@ -296,8 +314,9 @@ def doctor(
         data: the `tf.data.Dataset` that feeds it. Defaults to None.
         strategy: the strategy; defaults to the model's (or the current one).
         target: "auto" (a TPU under TPUStrategy, XLA when the model compiles
-            with jit_compile=True), or "cpu", "gpu", "xla", "tpu". Defaults to
-            `"auto"`.
+            with jit_compile=True, else unknown: the portability findings
+            as "info"), or "cpu", "gpu" (no portability finding), "xla",
+            "tpu". Defaults to `"auto"`.
         loss: the loss object a custom training loop uses. Defaults to None.
         verbose: print the findings as a table. Defaults to `True`.
 
@@ -329,7 +348,7 @@ def doctor(
     check.boolean(owner, "verbose", verbose)
     if strategy is None:
         strategy = model.distribute_strategy if model is not None else tf.distribute.get_strategy()
-    tpu, xla = _target(strategy, target, model)
+    tpu, xla, unknown = _target(strategy, target, model)
     try:
         replicas = int(strategy.num_replicas_in_sync)
     except Exception:  # noqa: BLE001 - a strategy without a cluster yet
@@ -337,9 +356,9 @@ def doctor(
     found: List[Finding] = []
     found += _strategy_findings(strategy, model, tpu, replicas)
     if data is not None:
-        found += _data_findings(data, replicas, tpu, xla, model)
-    if tpu and model is not None:
-        found += _width_findings(model)
+        found += _data_findings(data, replicas, tpu, xla, unknown, model)
+    if (tpu or unknown) and model is not None:
+        found += _width_findings(model, unknown)
     found += _loss_findings(loss, replicas)
     result = Findings(sorted(found, key=lambda f: SEVERITIES.index(f.severity)))
     if verbose:
@@ -347,7 +366,7 @@ def doctor(
     return result
 
 
-def _width_findings(model) -> List[Finding]:
+def _width_findings(model, unknown: bool) -> List[Finding]:
     odd = []
     for _, layer in _layers(model):
         width = getattr(layer, "units", None) or getattr(layer, "filters", None)
@@ -358,6 +377,6 @@ def _width_findings(model) -> List[Finding]:
     return [Finding(
         "info", "feature width", f"layer widths not a multiple of 128: {', '.join(odd[:6])}"
         + (" ..." if len(odd) > 6 else ""),
-        "the TPU matrix unit works on 128 x 128 tiles: other widths are padded, and the padding "
-        "costs compute",
+        _if_moved("the TPU matrix unit works on 128 x 128 tiles: other widths are padded, and "
+                  "the padding costs compute", unknown),
         "round widths up to multiples of 128 where the model allows (small heads are fine)")]

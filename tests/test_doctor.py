@@ -89,19 +89,44 @@ def _expensive(x):
     return tf.image.resize(tf.reshape(x, [1, 6, 1]), [12, 12])
 
 
+def test_portability_findings_are_info_while_the_target_is_unknown():
+    data = _data(batch=12, drop=False, labels=Y.astype("int64"))
+    found = doctor(model=_model(units=100), data=data, verbose=False)
+    by_check = {f.check: f for f in found}
+    assert sorted(by_check) == ["TPU input dtype", "batch size", "dynamic batch dimension",
+                                "feature width"]
+    assert {f.severity for f in found} == {"info"}
+    assert by_check["TPU input dtype"].why == (
+        "if the run moves to XLA or a TPU: TPUs do not take int64, uint8, string or float64 inputs")
+    assert by_check["batch size"].what == (
+        "the global batch is 12, not a multiple of 8 x 1 replicas = 8")
+    # A known target gives them their severity; "cpu" and "gpu" none.
+    tpu = {f.check: f.severity for f in doctor(model=_model(units=100), data=data,
+                                               target="tpu", verbose=False)}
+    assert tpu == {"dynamic batch dimension": "error", "TPU input dtype": "error",
+                   "batch size": "warning", "feature width": "info",
+                   "steps_per_execution": "warning"}
+    xla = {f.check: f.severity for f in doctor(model=_model(units=100, jit=True), data=data,
+                                               verbose=False)}
+    assert xla == {"dynamic batch dimension": "warning"}
+    assert _checks(model=_model(units=100), data=data, target="cpu") == []
+    assert _checks(model=_model(units=100), data=data, target="gpu") == []
+
+
 def test_tf_data_order():
     source = tf.data.Dataset.from_tensor_slices(X)
-    assert _checks(data=source.batch(8)) == ["tf.data prefetch"]
-    assert _checks(data=source.batch(8).prefetch(1)) == []
-    late_map = source.batch(8).map(lambda x: tf.image.resize(tf.reshape(x, [8, 6, 1, 1]), [12, 12]))
+    assert _checks(data=source.batch(8, True)) == ["tf.data prefetch"]
+    assert _checks(data=source.batch(8, True).prefetch(1)) == []
+    late_map = source.batch(8, True).map(
+        lambda x: tf.image.resize(tf.reshape(x, [8, 6, 1, 1]), [12, 12]))
     found = doctor(data=late_map.prefetch(1), verbose=False)
     assert [f.check for f in found] == ["tf.data map after batch"]
     assert "its function runs ResizeBilinear" in found[0].what
     # A cheap map after batch (vectorized) is the recommended form.
-    assert _checks(data=source.batch(8).map(lambda x: x * 2.0).prefetch(1)) == []
-    late_shuffle = source.map(_expensive).shuffle(16).batch(8).prefetch(1)
+    assert _checks(data=source.batch(8, True).map(lambda x: x * 2.0).prefetch(1)) == []
+    late_shuffle = source.map(_expensive).shuffle(16).batch(8, True).prefetch(1)
     assert _checks(data=late_shuffle) == ["tf.data shuffle after map"]
-    assert _checks(data=source.shuffle(16).map(_expensive).batch(8).prefetch(1)) == []
+    assert _checks(data=source.shuffle(16).map(_expensive).batch(8, True).prefetch(1)) == []
 
 
 def test_sum_over_batch_size_loss_in_a_custom_loop_under_replicas():
@@ -120,7 +145,9 @@ def test_keras_mirrored_combinations():
         model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
         model.compile("sgd", "mse", steps_per_execution=4)
     found = doctor(model=model, verbose=False)
-    assert [f.check for f in found] == ["Keras: MirroredStrategy + steps_per_execution"]
+    # (Dense(3): a width not a multiple of 128, an "info" while the target is unknown.)
+    assert [f.check for f in found] == ["Keras: MirroredStrategy + steps_per_execution",
+                                        "feature width"]
     assert "You must feed a value for placeholder tensor" in found[0].why
     assert "ReductionToOneDevice" in found[0].fix
     found = doctor(model=_model(strategy="mirrored", spe=2, jit=True), verbose=False)
