@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Iterable, Optional, Sequence
+import warnings
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 
 def _is_int(value: Any) -> bool:
@@ -172,3 +173,66 @@ def number(
             f"{owner}: `{name}` must be a finite number {allowed}. Received: {name}={value!r}"
         )
     return value
+
+
+def from_percent(value: Any) -> Any:
+    """A percent as a fraction (a value that is not a number is left for the
+    new argument's validation to refuse)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return value
+    return value / 100.0
+
+
+Rename = Tuple[Optional[str], Optional[Callable[[Any], Any]], str]
+"""`(new name or None when removed, conversion or None, what changed)`."""
+
+
+def deprecated(owner: str, given: Dict[str, Any], renames: Mapping[str, Rename],
+               current: Mapping[str, Tuple[Any, Any]]) -> Dict[str, Any]:
+    """Pops the deprecated arguments out of `given` (a `**kwargs` dict).
+
+    Each one warns (FutureWarning, shown by default) with its new name and
+    the converted value, and its value comes back under the new name; a
+    removed one warns that it is ignored and why. `current` maps each new
+    name to `(value given, its default)`: a new argument set to another
+    value than its default together with its old name is a ValueError.
+
+    Example:
+
+    >>> import warnings
+    >>> from kerasdbg import _validation as check
+    >>> given = {"threshold": 50}
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     check.deprecated("AllZero", given, {"threshold": ("zero_fraction",
+    ...         check.from_percent, "a fraction 0-1, not a percent")}, {})
+    {'zero_fraction': 0.5}
+    >>> str(caught[0].message)
+    'AllZero: `threshold` is deprecated; use `zero_fraction` (a fraction 0-1, not a percent): threshold=50 is zero_fraction=0.5.'
+    """
+    found: Dict[str, Any] = {}
+    for old, (new, convert, how) in renames.items():
+        if old not in given:
+            continue
+        value = given.pop(old)
+        if new is None:
+            warnings.warn(f"{owner}: `{old}` is deprecated and ignored: {how}.",
+                          FutureWarning, stacklevel=3)
+            continue
+        given_new, default = current.get(new, (None, None))
+        if given_new != default:
+            raise ValueError(f"{owner}: give `{new}` or its deprecated name `{old}`, not both. "
+                             f"Received: {new}={given_new!r}, {old}={value!r}")
+        found[new] = convert(value) if convert is not None else value
+        warnings.warn(f"{owner}: `{old}` is deprecated; use `{new}` ({how}): "
+                      f"{old}={value!r} is {new}={found[new]!r}.", FutureWarning, stacklevel=3)
+    return found
+
+
+def no_other_arguments(owner: str, given: Mapping[str, Any]) -> None:
+    """Raises TypeError, as Python does, for a keyword argument nobody took."""
+    if given:
+        name = sorted(given)[0]
+        raise TypeError(f"{owner}: unexpected keyword argument `{name}`. Received: "
+                        f"{name}={given[name]!r}")
+

@@ -11,7 +11,7 @@ EXAMPLES = """examples:
   kerasdbg tags runs/demo/healthy    list the scalar tags of a log directory
   kerasdbg report runs/demo/lr_too_high --out report/   plots and a summary in report.html
   kerasdbg check runs/demo/lr_too_high                      every rule the run can feed
-  kerasdbg check LOG_DIR --rule DeadReLU:threshold_layer=30 --rule ExplodingTensor
+  kerasdbg check LOG_DIR --rule DeadReLU:layer_fraction=0.3 --rule ExplodingTensor
   kerasdbg compare tf1.npz keras.npz                        two step traces, tensor by tensor
 """
 
@@ -54,16 +54,24 @@ def parse_rule(text: str):
     import inspect
 
     cls = getattr(rules_lib, name)
-    parameters = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    signature = inspect.signature(cls.__init__).parameters.values()
+    parameters = [p.name for p in signature if p.name != "self" and p.kind not in (
+        p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    # A rule that takes **deprecated accepts its deprecated names too (with a warning).
+    takes_more = any(p.kind == p.VAR_KEYWORD for p in signature)
     unknown = [key for key in kwargs if key not in parameters]
-    if unknown:
-        raise ValueError(
-            f"{name} has no parameter {', '.join(map(repr, unknown))}. "
-            f"Parameters: {', '.join(parameters)}"
-        )
+
+    def refuse():
+        return ValueError(f"{name} has no parameter {', '.join(map(repr, unknown))}. "
+                          f"Parameters: {', '.join(parameters)}")
+
+    if unknown and not takes_more:
+        raise refuse()
     try:
         return cls(**kwargs)
     except TypeError as error:
+        if unknown and "unexpected keyword argument" in str(error):
+            raise refuse() from None
         raise ValueError(str(error)) from None
 
 
@@ -114,7 +122,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     check.add_argument("log_dir")
     check.add_argument("--rule", action="append", default=[], metavar="NAME[:param=value,...]",
-                       help="a rule and its parameters, e.g. DeadReLU:threshold_layer=30 "
+                       help="a rule and its parameters, e.g. DeadReLU:layer_fraction=0.3 "
                        "or ExplodingTensor:collections=gradients|activations (repeatable)")
     check.add_argument("--run", default="train", help="run of the log directory (default: train)")
     check.add_argument("--all-steps", action="store_true",

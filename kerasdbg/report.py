@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import html
+import math
 import os
+import re
 import sys
 from typing import Callable, Dict, List, Optional
 
@@ -18,6 +20,16 @@ __all__ = ("NotARunError", "collect", "first_positive_step", "mean_norms", "summ
 
 KERASDBG_PREFIXES = tuple(f"{c}/" for c in COLLECTIONS + SCALAR_COLLECTIONS + (CLASSES,))
 """Tags that kerasdbg writes start with one of these."""
+
+TOP_LINES = 10
+"""A line plot of one line per variable (or tap) draws at most this many: those
+with the largest maximum; a heatmap below it shows them all."""
+
+TENSORS_PER_CELL = 5
+"""Tensors listed in a cell of the verdict table; the rest are counted."""
+
+VERDICT_ROWS = 100
+"""Rows of the verdict table; the rest are counted."""
 
 
 class NotARunError(ValueError):
@@ -237,6 +249,67 @@ def _verdict_count(verdicts: pd.DataFrame) -> int:
     return sum(max(text.count("\n") - 1, 0) for text in verdicts.get("text", []))
 
 
+# A row of StopOnRule's markdown table `| rule | step | tensors | reason |`: the
+# tensors are `, `-separated, cut after five with " ..."; the reason is the last
+# cell, so it may itself hold a "|" (ExplodingTensor's "|values| above ...").
+_VERDICT_ROW = re.compile(
+    r"^\|\s*(?P<rule>[^|]*?)\s*\|\s*(?P<step>-?\d+)\s*\|\s*(?P<tensors>[^|]*?)\s*\|"
+    r"\s?(?P<reason>.*?)\s*\|\s*$")
+_TABLE_HEAD = re.compile(r"^\|\s*rule\s*\|\s*step\s*\||^\|[-:| ]*\|\s*$")
+
+
+def _verdict_rows(verdicts: pd.DataFrame) -> List[Dict[str, object]]:
+    """The rows of the verdict texts (`collect(...)["verdicts"]`), in order: dicts of
+    `rule`, `step`, `tensors` (a list), `cut` (True where the writer left tensors
+    out, " ...") and `reason`. A line that is not a table row is kept as a reason."""
+    rows = []
+    for step, text in zip(verdicts.get("step", []), verdicts.get("text", [])):
+        for line in str(text).splitlines():
+            line = line.strip()
+            if not line or _TABLE_HEAD.match(line):
+                continue
+            match = _VERDICT_ROW.match(line)
+            if match is None:
+                rows.append({"rule": "", "step": int(step), "tensors": [], "cut": False,
+                             "reason": line})
+                continue
+            tensors = match["tensors"]
+            cut = tensors.endswith("...")
+            tensors = tensors[:-3].strip() if cut else tensors
+            rows.append({"rule": match["rule"], "step": int(match["step"]),
+                         "tensors": [t.strip() for t in tensors.split(",") if t.strip()],
+                         "cut": cut, "reason": match["reason"]})
+    return rows
+
+
+def _tensor_cell(tensors: List[str], cut: bool) -> str:
+    shown = "<br>".join(f"<code>{html.escape(t)}</code>" for t in tensors[:TENSORS_PER_CELL])
+    hidden = len(tensors) - TENSORS_PER_CELL
+    if hidden > 0:
+        more = f"… and {hidden}{'+' if cut else ''} more"
+    else:
+        more = "… and more" if cut else ""
+    return shown + (f"<br><em>{more}</em>" if more else "")
+
+
+def _verdict_table(verdicts: pd.DataFrame) -> str:
+    """The verdicts as an HTML table (rule, step, tensors, reason), every text escaped."""
+    rows = _verdict_rows(verdicts)
+    if not rows:
+        return "<p>None recorded (StopOnRule(log_dir=...) writes them).</p>"
+    body = "".join(
+        f"<tr><td>{html.escape(r['rule'])}</td><td>{r['step']}</td>"
+        f"<td>{_tensor_cell(r['tensors'], r['cut'])}</td><td>{html.escape(r['reason'])}</td></tr>"
+        for r in rows[:VERDICT_ROWS])
+    left = len(rows) - VERDICT_ROWS
+    note = (f"<p>… and {left} more verdicts (all of them: TensorBoard's Text dashboard, tag "
+            "<code>rules/verdicts</code>).</p>" if left > 0 else "")
+    return ('<table class="verdicts"><colgroup><col style="width:14%"><col style="width:7%">'
+            '<col style="width:33%"><col style="width:46%"></colgroup>'
+            "<tr><th>rule</th><th>step</th><th>tensors</th><th>reason</th></tr>"
+            f"{body}</table>{note}")
+
+
 def _first_nonfinite(data) -> Optional[int]:
     candidates = []
     loss: pd.DataFrame = data["loss"]
@@ -281,7 +354,9 @@ def _plot_lines(frame: pd.DataFrame, title: str, ylabel: str, path: str,
         values = finite.to_numpy(dtype=float)
         values = values[~np.isnan(values)]
         log = bool(values.size and values.min() > 0 and values.max() / values.min() > 1e3)
-    figure, axes = plt.subplots(figsize=(8, 3.6))
+    entries = len(frame.columns) + (mark is not None)
+    # Beyond four entries the legend goes to the right, off the lines.
+    figure, axes = plt.subplots(figsize=(8 if entries <= 4 else 10, 3.6))
     for column, label in zip(frame.columns, labels or list(frame.columns)):
         series = finite[column].dropna()
         if log:
@@ -297,10 +372,37 @@ def _plot_lines(frame: pd.DataFrame, title: str, ylabel: str, path: str,
     axes.set_title(title)
     axes.set_xlabel("optimizer step")
     axes.set_ylabel(ylabel)
-    if 1 < len(frame.columns) + (mark is not None) <= 12:
+    if 1 < entries <= 4:
         axes.legend(fontsize=7, loc="best")
+    elif 4 < entries <= TOP_LINES + 2:
+        axes.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     axes.grid(alpha=0.3)
     return _save(plt, figure, path)
+
+
+def _largest(frame: pd.DataFrame, count: int) -> List[str]:
+    """The `count` columns with the largest finite maximum, largest first (columns
+    without a finite value last, in their order)."""
+    peaks = frame.replace([np.inf, -np.inf], np.nan).max()
+    order = sorted(range(len(frame.columns)),
+                   key=lambda i: (np.isnan(peaks.iloc[i]), -np.nan_to_num(peaks.iloc[i]), i))
+    return [frame.columns[i] for i in order[:count]]
+
+
+def _name_order(names: List[str]) -> List[str]:
+    """Names sorted with their numbers by value (`dense_2` before `dense_10`): for
+    Keras's layer names, the order the layers were made in."""
+    return sorted(names, key=lambda n: [int(p) if p.isdigit() else p
+                                        for p in re.split(r"(\d+)", n)])
+
+
+def _common_prefix(names: List[str]) -> str:
+    """The `/`-separated prefix every name shares and none is (e.g. `resnet50/`)."""
+    if len(names) < 2:
+        return ""
+    parts = os.path.commonprefix([n.split("/") for n in names])
+    prefix = "/".join(parts) + "/" if parts else ""
+    return prefix if all(len(n) > len(prefix) for n in names) else ""
 
 
 def _plot_epochs(epochs: pd.DataFrame, path: str) -> str:
@@ -336,34 +438,75 @@ def _plot_epochs(epochs: pd.DataFrame, path: str) -> str:
     return _save(plt, figure, path)
 
 
-def _plot_heatmap(layers: pd.DataFrame, path: str) -> str:
+def _plot_heatmap(frame: pd.DataFrame, path: str, title: str, what: str,
+                  log: bool = True) -> str:
+    """Steps x columns of `frame` as colours, one row per column in name order,
+    log10 (blank: zero or non-finite) or linear (0-100, for percents). Row labels
+    thin out (every n-th) to stay legible with hundreds of rows; the height is
+    bounded."""
     plt, MaxNLocator = _pyplot()
 
-    values = layers.T.to_numpy(dtype=float)
+    names = _name_order(list(frame.columns))
+    prefix = _common_prefix(names)
+    values = frame[names].T.to_numpy(dtype=float)
     with np.errstate(divide="ignore", invalid="ignore"):
-        shown = np.where(np.isfinite(values) & (values > 0), np.log10(values), np.nan)
-    figure, axes = plt.subplots(figsize=(8, max(2.0, 0.6 + 0.32 * len(layers.columns))))
+        if log:
+            shown = np.where(np.isfinite(values) & (values > 0), np.log10(values), np.nan)
+        else:
+            shown = np.where(np.isfinite(values), values, np.nan)
+    rows = len(names)
+    height = min(max(2.0, 0.8 + max(0.32 * min(rows, 20), 0.11 * rows)), 12.0)
+    stride = max(1, math.ceil(rows * 10 / (96 * (height - 0.8))))  # >= 10 px per label
+    figure, axes = plt.subplots(figsize=(8, height))
     image = axes.imshow(shown, aspect="auto", interpolation="nearest", cmap="viridis",
-                        extent=(layers.index.min() - 0.5, layers.index.max() + 0.5,
-                                len(layers.columns) - 0.5, -0.5))
-    axes.set_yticks(range(len(layers.columns)))
-    axes.set_yticklabels(layers.columns, fontsize=7)
+                        vmin=None if log else 0, vmax=None if log else 100,
+                        extent=(frame.index.min() - 0.5, frame.index.max() + 0.5,
+                                rows - 0.5, -0.5))
+    axes.set_yticks(range(0, rows, stride))
+    axes.set_yticklabels([n[len(prefix):] for n in names[::stride]],
+                         fontsize=7 if rows <= 24 else 6)
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes.set_xlabel("optimizer step")
-    axes.set_title("gradient norm per layer (log10; blank: zero or non-finite)")
-    figure.colorbar(image, ax=axes, fraction=0.03)
+    axes.set_ylabel(f"{rows} {what}" + (f" of {prefix}" if prefix else "") + " in name order"
+                    + (f", one named per {stride}" if stride > 1 else ""), fontsize=8)
+    axes.set_title(title + (" (log10; blank: zero or non-finite)" if log
+                            else " (blank: non-finite)"), fontsize=10)
+    figure.colorbar(image, ax=axes, fraction=0.03, pad=0.02)
     return _save(plt, figure, path)
+
+
+def _epoch_table(epochs: pd.DataFrame) -> str:
+    """Keras's epoch logs of a one-epoch run as an HTML table: a row per metric, a
+    column per run (train, validation)."""
+    runs = list(dict.fromkeys(epochs.run))
+    head = "".join(f"<th>{html.escape(r)}</th>" for r in runs)
+    body = ""
+    for metric in sorted(epochs.tag.unique()):
+        cells = ""
+        for run in runs:
+            values = epochs[(epochs.tag == metric) & (epochs.run == run)].value
+            cells += f"<td>{float(values.iloc[-1]):.4g}</td>" if len(values) else "<td></td>"
+        body += f"<tr><td>{html.escape(metric)}</td>{cells}</tr>"
+    epoch = int(epochs.step.iloc[0])
+    return (f"<p>One epoch (epoch {epoch}, from 0 as Keras writes it): its values.</p>"
+            f'<table class="epochs"><tr><th>metric</th>{head}</tr>{body}</table>')
 
 
 def write_report(log_dir: str, out: Optional[str] = None, run_name: str = "train",
                  progress_stream=None) -> str:
     """Writes `report.html` and its PNG plots; returns the HTML file's path.
 
-    The page shows the loss, Keras's epoch logs (when its `TensorBoard`
-    callback shared the log directory), the global gradient norm, a per-layer
-    gradient-norm heatmap (layers x steps), the weights' update ratios, the
-    activation health of the taps and the rule verdicts, each when the run
-    recorded it, with the text `summary` on top.
+    The page shows the text `summary`, the rule verdicts as a table (rule,
+    step, tensors, reason; `TENSORS_PER_CELL` tensors a cell, the rest
+    counted), the loss, Keras's epoch logs (when its `TensorBoard` callback
+    shared the log directory: plotted per epoch, or a table of the values
+    after one epoch), the global gradient norm, a per-layer gradient-norm
+    heatmap (layers x steps, in name order), the weights' update ratios and
+    the activation health of the taps, each when the run recorded it. A plot
+    of one line per variable (or tap) draws the `TOP_LINES` with the largest
+    maximum when there are more, and a heatmap of all of them below it
+    (`<name>_heatmap.png`), so that it stays legible with hundreds of
+    variables (a ResNet50 has 214).
 
     Args:
         log_dir: a log directory written by kerasdbg's callbacks.
@@ -393,24 +536,63 @@ def write_report(log_dir: str, out: Optional[str] = None, run_name: str = "train
     return _write(collect(log_dir, run_name, progress), out)
 
 
+_STYLE = (
+    "body{font-family:sans-serif;max-width:1000px;margin:auto;padding:0 8px}"
+    "img{max-width:100%;display:block;margin:4px 0}"
+    "pre{white-space:pre-wrap;overflow-wrap:anywhere}"
+    "table{border-collapse:collapse}"
+    "td,th{border:1px solid #ccc;padding:4px;vertical-align:top;text-align:left}"
+    "table.verdicts{width:100%;table-layout:fixed}"
+    "table.verdicts td{overflow-wrap:anywhere;font-size:0.9em}"
+    "code{font-size:0.95em}.caption{font-size:0.9em;color:#444}"
+)
+
+
 def _write(data: Dict[str, object], out: Optional[str]) -> str:
     out = out or os.path.join(data["log_dir"], "report")
     os.makedirs(out, exist_ok=True)
     sections = []
 
-    def figure(name: str, title: str, make) -> None:
+    def figure(name: str, title: Optional[str], make, alt: Optional[str] = None,
+               caption: str = "") -> None:
         make(os.path.join(out, name))
-        sections.append(f'<h2>{html.escape(title)}</h2><img src="{html.escape(name)}" alt="{html.escape(title)}">')
+        sections.append((f"<h2>{html.escape(title)}</h2>" if title else "") + caption
+                        + f'<img src="{html.escape(name)}" alt="{html.escape(alt or title)}">')
 
+    def per_variable(stem: str, title: str, frame: pd.DataFrame, labels: List[str],
+                     plot_title: str, ylabel: str, what: str, log: bool) -> None:
+        """A line per column; beyond TOP_LINES, the largest ones and a heatmap of all."""
+        frame = frame.copy()
+        frame.columns = labels
+        if len(labels) <= TOP_LINES:
+            figure(f"{stem}.png", title, lambda p: _plot_lines(
+                frame, plot_title, ylabel, p, log=log))
+            return
+        drawn = _largest(frame, TOP_LINES)
+        prefix = _common_prefix(labels)
+        under = f" (names under <code>{html.escape(prefix)}</code>)" if prefix else ""
+        caption = (f'<p class="caption">Lines: the {len(drawn)} of {len(labels)} {what} with '
+                   f"the largest maximum{under}; the heatmap below shows all {len(labels)}.</p>")
+        figure(f"{stem}.png", title, lambda p: _plot_lines(
+            frame[drawn], f"{plot_title}: the {len(drawn)} largest", ylabel, p, log=log,
+            labels=[d[len(prefix):] for d in drawn]),
+            alt=f"{title}, lines: {', '.join(drawn)}", caption=caption)
+        figure(f"{stem}_heatmap.png", None, lambda p: _plot_heatmap(
+            frame, p, f"{plot_title}, all {len(labels)}", what, log=log),
+            alt=f"{title}: heatmap of all {len(labels)} {what}")
+
+    sections.append("<h2>Rule verdicts</h2>" + _verdict_table(data["verdicts"]))
     first = _first_nonfinite(data)
     loss: pd.DataFrame = data["loss"]
     if len(loss.columns):
         figure("loss.png", "Loss", lambda p: _plot_lines(loss, "loss", "loss", p, log=None,
                                                          mark=first))
     epochs: pd.DataFrame = data["epochs"]
-    if len(epochs):
-        figure("epochs.png", "Keras's epoch logs (TensorBoard callback)",
-               lambda p: _plot_epochs(epochs, p))
+    epochs_title = "Keras's epoch logs (TensorBoard callback)"
+    if epochs.step.nunique() > 1:
+        figure("epochs.png", epochs_title, lambda p: _plot_epochs(epochs, p))
+    elif len(epochs):  # a plot of one dot per metric says less than its numbers
+        sections.append(f"<h2>{html.escape(epochs_title)}</h2>{_epoch_table(epochs)}")
     if len(data["global_norm"].columns):
         figure("global_norm.png", "Global gradient norm", lambda p: _plot_lines(
             data["global_norm"], "global gradient norm", "norm", p, log=True, mark=first))
@@ -418,36 +600,29 @@ def _write(data: Dict[str, object], out: Optional[str]) -> str:
     if len(norms.columns):
         norms = norms.copy()
         norms.columns = _strip(norms.columns, "gradients/", "/l2_norm")
-        figure("gradient_heatmap.png", "Gradient norm per layer",
-               lambda p: _plot_heatmap(_layer_norms(norms), p))
+        figure("gradient_heatmap.png", "Gradient norm per layer", lambda p: _plot_heatmap(
+            _layer_norms(norms), p, "gradient norm per layer", "layers"))
     ratios: pd.DataFrame = data["update_ratios"]
     if len(ratios.columns):
-        figure("update_ratios.png", "Update ratio per variable", lambda p: _plot_lines(
-            ratios, "update ratio ||dw|| / ||w||", "ratio", p, log=True,
-            labels=_strip(ratios.columns, "weights/", "/update_ratio")))
+        per_variable("update_ratios", "Update ratio per variable", ratios,
+                     _strip(ratios.columns, "weights/", "/update_ratio"),
+                     "update ratio ||dw|| / ||w||", "ratio", "variables", log=True)
     health: pd.DataFrame = data["activations"]
     fractions = [c for c in health.columns if c.endswith("_fraction")]
     if fractions:
-        figure("activation_health.png", "Activation health", lambda p: _plot_lines(
-            100 * health[fractions], "dead / saturated units of the taps", "percent of units", p,
-            labels=_strip(fractions, "activations/", "")))
+        per_variable("activation_health", "Activation health", 100 * health[fractions],
+                     _strip(fractions, "activations/", ""), "dead / saturated units of the taps",
+                     "percent of units", "tap statistics", log=False)
     elif len(health.columns):
-        figure("activation_health.png", "Activation spread", lambda p: _plot_lines(
-            health, "standard deviation of the tapped activations", "std", p, log=True,
-            labels=_strip(health.columns, "activations/", "/std")))
-    verdicts: pd.DataFrame = data["verdicts"]
-    rows = "".join(f"<tr><td>{int(r.step)}</td><td><pre>{html.escape(r.text)}</pre></td></tr>"
-                   for r in verdicts.itertuples())
-    sections.append("<h2>Rule verdicts</h2>" + (
-        f"<table><tr><th>step</th><th>verdicts</th></tr>{rows}</table>" if rows
-        else "<p>None recorded (StopOnRule(log_dir=...) writes them).</p>"))
+        per_variable("activation_health", "Activation spread", health,
+                     _strip(health.columns, "activations/", "/std"),
+                     "standard deviation of the tapped activations", "std", "taps", log=True)
     text = summary(data)
     page = os.path.join(out, "report.html")
     with open(page, "w", encoding="utf-8") as stream:
         stream.write(
             "<!DOCTYPE html><html><head><meta charset='utf-8'><title>kerasdbg report</title>"
-            "<style>body{font-family:sans-serif;max-width:900px;margin:auto}img{max-width:100%}"
-            "td,th{border:1px solid #ccc;padding:4px;vertical-align:top}</style></head><body>"
+            f"<style>{_STYLE}</style></head><body>"
             f"<h1>kerasdbg report</h1><pre>{html.escape(text)}</pre>{''.join(sections)}"
             "</body></html>"
         )

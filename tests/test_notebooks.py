@@ -24,7 +24,7 @@ EXPECTED_OUTPUT = {
         "NaNSource at step 4: the first layer whose output held NaN/Inf is 'out'",
         "steps run: 8 | weights finite: True",
         "| NonFiniteLoss | 4 | step/loss |",
-        "kerasdbg: DeadReLU at step 4: dead units (percent) at or above 50%: hidden_tap=100",
+        "kerasdbg: DeadReLU at step 4: dead_fraction at or above 0.5: hidden_tap=1",
         "Verdict(rule='NonFiniteLoss', step=4",
     ],
     "03_gradient_and_weight_statistics.ipynb": [

@@ -1,20 +1,26 @@
 """`kerasdbg report`: the HTML page, its plots and the summary, against GradientTape."""
 
+import html.parser
 import os
 import re
+import shutil
+import signal
+import subprocess
 import warnings
 
 import keras
 import numpy as np
 import pytest
+from PIL import Image
 
 import kerasdbg
-from kerasdbg import cli
+from kerasdbg import _events, cli
 from kerasdbg.callbacks import ActivationStatistics, GradientStatistics, StopOnRule
 from kerasdbg.callbacks import WeightStatistics
 from kerasdbg.report import NotARunError, write_report
 from kerasdbg.rules import NonFiniteLoss, RuleWarning
 from tests.helpers import BATCH, LEARNING_RATE, X, Y, make_mlp, reference_training
+from tests.test_tensorboard import _chromium
 
 STEPS = len(X) // BATCH
 
@@ -135,3 +141,231 @@ def test_report_plots_the_epoch_logs_of_keras_tensorboard_callback(tmp_path):
     page = write_report(log_dir)
     assert "epochs.png" in os.listdir(os.path.dirname(page))
     assert "Keras&#x27;s epoch logs" in open(page).read()
+
+
+# ------------------------------------------------------------- at ResNet50 scale
+RESNET_STEPS = 30
+FAULT_STEP = 27  # the loss and a few gradients turn non-finite here
+TOP = 10  # the lines the report draws of a plot with one line per variable
+
+
+def _resnet50_layers():
+    """The layers with weights of keras.applications.ResNet50, by name, in order."""
+    layers = ["conv1_conv", "conv1_bn"]
+    for stage, blocks in zip(range(2, 6), (3, 4, 6, 3)):
+        for block in range(1, blocks + 1):
+            for conv in ([0] if block == 1 else []) + [1, 2, 3]:
+                layers += [f"conv{stage}_block{block}_{conv}_conv",
+                           f"conv{stage}_block{block}_{conv}_bn"]
+    return layers + ["predictions"]
+
+
+LAYERS = _resnet50_layers()
+VARIABLES = [f"resnet50/{layer}/{name}" for layer in LAYERS
+             for name in (("gamma", "beta") if layer.endswith("_bn") else ("kernel", "bias"))]
+TAPS = [f"conv{s}_block{b}_{c}_relu_tap" for s, blocks in zip(range(2, 6), (3, 4, 6, 3))
+        for b in range(1, blocks + 1) for c in (1, 2)]
+EXPLODING = VARIABLES[-12:]
+VERDICTS = [  # (step, rule, tensors, reason): StopOnRule's markdown rows, written below
+    (10, "DeadReLU", TAPS[:2], "DeadReLU at step 10: 2 taps have more than 50% dead units"),
+    (26, "ExplodingTensor", EXPLODING,
+     "ExplodingTensor at step 26: |values| above 1e+06 in gradients <b>&</b>"),
+    (FAULT_STEP, "NonFiniteLoss", ["step/loss"], f"NonFiniteLoss at step {FAULT_STEP}: the loss is nan"),
+    (FAULT_STEP, "NaNSource", ["conv5_block3_out", VARIABLES[-2]],
+     f"NaNSource at step {FAULT_STEP}: the first layer whose output held NaN/Inf is "
+     "'conv5_block3_out'"),
+]
+EPOCH_VALUES = {("train", "epoch_loss"): 0.8125, ("train", "epoch_accuracy"): 0.25,
+                ("validation", "epoch_loss"): 0.9375, ("validation", "epoch_accuracy"): 0.125}
+
+
+def _markdown(rows):
+    """StopOnRule's format: `| rule | step | tensors | reason |`, the tensors cut after
+    five with " ..." (written here by hand, from the inputs)."""
+    lines = ["| rule | step | tensors | reason |", "|---|---|---|---|"]
+    for step, rule, tensors, reason in rows:
+        cell = ", ".join(tensors[:5]) + (" ..." if len(tensors) > 5 else "")
+        lines.append(f"| {rule} | {step} | {cell} | {reason} |")
+    return "\n".join(lines)
+
+
+def _write_resnet_run(log_dir):
+    """Synthetic event files of a ResNet50-sized run, written with kerasdbg's own
+    writer: 214 variables' gradient norms and update ratios, 32 taps' dead
+    fractions, the loss, verdicts, and one epoch of Keras's epoch logs.
+    Returns the update ratios (variables x steps)."""
+    rng = np.random.default_rng(0)
+    depth = np.linspace(0.0, 1.0, len(VARIABLES))[:, None]
+    steps = np.arange(1, RESNET_STEPS + 1)[None, :]
+    norms = 10 ** (-4 + 3 * depth) * (1 + 0.3 * np.sin(steps + 7 * depth))
+    ratios = 10 ** rng.uniform(-5, -2, (len(VARIABLES), 1)) * np.exp(-steps / 40)
+    dead = np.clip(rng.uniform(0, 40, (len(TAPS), 1)) + 0.5 * steps, 0, 100) / 100
+    norms[-2:, FAULT_STEP - 1:] = np.inf
+    writer = _events.EventWriter(os.path.join(log_dir, "train"))
+    texts = {}
+    for step, rule, tensors, reason in VERDICTS:
+        texts.setdefault(step, []).append((step, rule, tensors, reason))
+    for i, step in enumerate(steps[0]):
+        scalars = {"step/loss": float("nan") if step >= FAULT_STEP else 2.0 / step}
+        finite = norms[:, i][np.isfinite(norms[:, i])]
+        scalars["gradients/global_norm"] = float(np.sqrt(np.sum(finite ** 2)))
+        for v, name in enumerate(VARIABLES):
+            scalars[f"gradients/{name}/l2_norm"] = norms[v, i]
+            scalars[f"gradients/{name}/nan_count"] = float(not np.isfinite(norms[v, i]))
+            scalars[f"weights/{name}/update_ratio"] = ratios[v, i]
+        for t, tap in enumerate(TAPS):
+            scalars[f"activations/{tap}/dead_fraction"] = dead[t, i]
+        writer.write(int(step), scalars, texts={"rules/verdicts": _markdown(texts[step])}
+                     if step in texts else ())
+    writer.flush()
+    for run in ("train", "validation"):
+        epoch_writer = _events.EventWriter(os.path.join(log_dir, run))
+        epoch_writer.write(0, {tag: value for (name, tag), value in EPOCH_VALUES.items()
+                               if name == run})
+        epoch_writer.flush()
+    return ratios
+
+
+class _Page(html.parser.HTMLParser):
+    """The tables (rows of cells: text and the `<code>` texts) and images of a page."""
+
+    def __init__(self):
+        super().__init__()
+        self.tables, self.images, self._cell, self._code = {}, {}, None, None
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "table":
+            self._rows = self.tables.setdefault(attrs.get("class"), [])
+        elif tag == "tr":
+            self._rows.append([])
+        elif tag in ("td", "th"):
+            self._cell = {"text": "", "code": []}
+            self._rows[-1].append(self._cell)
+        elif tag == "code" and self._cell is not None:
+            self._code = ""
+        elif tag == "img":
+            self.images[attrs["src"]] = attrs["alt"]
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th"):
+            self._cell = None
+        elif tag == "code" and self._code is not None:
+            self._cell["code"].append(self._code)
+            self._code = None
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell["text"] += data
+        if self._code is not None:
+            self._code += data
+
+
+def _screenshot(browser, page, shot, profile):
+    """Headless Chromium's screenshot of `page`; the browser's process group is
+    killed if it outlives the timeout."""
+    process = subprocess.Popen(
+        [browser, "--headless", "--disable-gpu", "--no-sandbox", "--hide-scrollbars",
+         f"--user-data-dir={profile}", "--window-size=1280,2000",
+         "--virtual-time-budget=5000", f"--screenshot={shot}", f"file://{page}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        _, err = process.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        pytest.fail(f"chromium did not screenshot {page} within 120 s")
+    assert process.returncode == 0, err.decode(errors="replace")[-2000:]
+
+
+def test_report_at_resnet50_scale_stays_legible(tmp_path):
+    """214 variables, 32 taps: the verdicts are an HTML table, a line plot draws
+    the 10 largest with a heatmap of all, one epoch is a table; and the page
+    renders in Chromium."""
+    log_dir = str(tmp_path / "logs")
+    ratios = _write_resnet_run(log_dir)
+    assert len(VARIABLES) == 214 and len(LAYERS) == 107
+    page = write_report(log_dir, str(tmp_path / "report"))
+    out = os.path.dirname(page)
+    assert sorted(os.listdir(out)) == [
+        "activation_health.png", "activation_health_heatmap.png", "global_norm.png",
+        "gradient_heatmap.png", "loss.png", "report.html", "update_ratios.png",
+        "update_ratios_heatmap.png"]  # one epoch: no epochs.png
+    text = open(page, encoding="utf-8").read()
+    parsed = _Page()
+    parsed.feed(text)
+
+    # The verdicts: one row each, every text escaped, long tensor lists cut and counted.
+    assert "|---|" not in text and not re.search(r"<pre>[^<]*\| rule \|", text)
+    assert "<b>&</b>" not in text and "&lt;b&gt;&amp;&lt;/b&gt;" in text
+    rows = parsed.tables["verdicts"]
+    assert [c["text"] for c in rows[0]] == ["rule", "step", "tensors", "reason"]
+    assert [(int(r[1]["text"]), r[0]["text"], r[3]["text"]) for r in rows[1:]] == [
+        (step, rule, reason) for step, rule, _, reason in VERDICTS]
+    for row, (_, _, tensors, _) in zip(rows[1:], VERDICTS):
+        assert row[2]["code"] == tensors[:5]
+    assert rows[2][2]["text"].endswith("… and more")  # 12 tensors, cut at 5 by the writer
+
+    # One line per variable: the 10 with the largest maximum (legend), a heatmap of all.
+    peaks = ratios.max(axis=1)
+    largest = [VARIABLES[v] for v in np.argsort(-peaks)[:TOP]]
+    alt = parsed.images["update_ratios.png"]
+    assert alt.split("lines: ")[1].split(", ") == largest
+    assert "the 10 of 214 variables with the largest maximum" in text
+    assert "the heatmap below shows all 214" in text
+    assert "Lines: the 10 of 32 tap statistics" in text
+    assert "gradient_heatmap.png" in parsed.images
+
+    # One epoch: its values as a table, train and validation.
+    epochs = {r[0]["text"]: [c["text"] for c in r[1:]] for r in parsed.tables["epochs"][1:]}
+    assert [c["text"] for c in parsed.tables["epochs"][0]] == ["metric", "train", "validation"]
+    assert epochs == {tag: [f"{EPOCH_VALUES[('train', tag)]:.4g}",
+                            f"{EPOCH_VALUES[('validation', tag)]:.4g}"]
+                      for tag in ("epoch_accuracy", "epoch_loss")}
+
+    # Rendered: a full window of text, tables and colour plots.
+    browser = _chromium()
+    assert browser is not None, (
+        "no headless browser for the report's screenshot: `./run.sh test` installs Debian's "
+        "`chromium` with apt-get when it can (as root or with sudo); install it by hand otherwise")
+    shot = tmp_path / "report.png"
+    _screenshot(browser, page, shot, tmp_path / "chromium-profile")
+    with Image.open(shot) as image:
+        assert image.size == (1280, 2000)
+        pixels = np.asarray(image.convert("RGB")).reshape(-1, 3)
+    colours = np.unique(pixels, axis=0)
+    assert len(colours) > 200  # the plots' colour maps and lines, not a blank page
+    assert np.mean(np.any(pixels < 200, axis=1)) > 0.05  # ink on at least 5% of the window
+    keep = os.environ.get("KERASDBG_SCREENSHOTS")
+    if keep:  # for the docs: KERASDBG_SCREENSHOTS=docs/images ./run.sh test -k resnet50
+        os.makedirs(keep, exist_ok=True)
+        with Image.open(shot) as image:  # a 256-colour palette keeps it small
+            image.convert("RGB").quantize(256).save(os.path.join(keep, "report.png"),
+                                                    optimize=True)
+
+
+def test_report_plots_all_lines_of_a_few_variables_and_keeps_markdown_cells_whole(tmp_path):
+    """Ten variables or fewer: every line, no heatmap. A reason holding "|" stays whole;
+    a list longer than the cell shows is counted."""
+    log_dir = str(tmp_path / "logs")
+    writer = _events.EventWriter(os.path.join(log_dir, "train"))
+    names = [f"m/dense_{i}/kernel" for i in range(TOP)]
+    tensors = [f"m/dense_{i}/kernel" for i in range(9)]
+    table = ("| rule | step | tensors | reason |\n|---|---|---|---|\n"
+             f"| ExplodingTensor | 2 | {', '.join(tensors)} | |values| above 10 in gradients |\n"
+             "| NonFiniteLoss | 2 |  | the loss is inf |")
+    for step in (1, 2):
+        writer.write(step, {f"weights/{n}/update_ratio": 1e-3 * (i + 1) * step
+                            for i, n in enumerate(names)},
+                     texts={"rules/verdicts": table} if step == 2 else ())
+    writer.flush()
+    page = write_report(log_dir)
+    assert sorted(os.listdir(os.path.dirname(page))) == ["report.html", "update_ratios.png"]
+    parsed = _Page()
+    parsed.feed(open(page, encoding="utf-8").read())
+    rows = parsed.tables["verdicts"][1:]
+    assert [[c["text"] for c in r] for r in rows][1] == [
+        "NonFiniteLoss", "2", "", "the loss is inf"]
+    assert rows[0][3]["text"] == "|values| above 10 in gradients"
+    assert rows[0][2]["code"] == tensors[:5]
+    assert rows[0][2]["text"].endswith("… and 4 more")

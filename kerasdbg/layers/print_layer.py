@@ -18,7 +18,7 @@ from kerasdbg import _validation as check
 from kerasdbg import stats as stats_lib
 from kerasdbg.layers._debug_layer import DebugLayer, LayerRecord
 
-PRINT_MODES = ("deferred", "immediate")
+PRINTING = ("deferred", "immediate")
 DEFAULT_PRINT_STATISTICS = ("mean", "std", "min", "max", "nan_count", "inf_count")
 STREAMS = ("stderr", "stdout", "logging")
 
@@ -63,19 +63,19 @@ def format_elements(head: np.ndarray, tail: np.ndarray, size: int, summarize: in
 class PrintLayer(DebugLayer):
     """Prints its input at the steps it selects, and returns it unchanged.
 
-    Each printed line holds the mode (`fit`, `evaluate`, `predict` or `call`
-    for any other call), the step, the replica, the message, the shape, the
+    Each printed line holds the mode (the Keras call: `fit`, `evaluate`,
+    `predict`, or `call` for any other call), the step, the replica, the message, the shape, the
     chosen statistics and the first and last `summarize` elements:
 
         kerasdbg fit step 3 replica 0 | after dense | shape (4, 2) | mean=0.25 ... | [0.1 0.2 ...]
 
-    In `mode="deferred"` (default) the values are recorded in-graph and
+    With `printing="deferred"` (default) the values are recorded in-graph and
     printed on the host at the end of each execution of the train, test or
     predict function, in step order: this works with XLA (`jit_compile`),
     `steps_per_execution > 1` and `tf.distribute` strategies. Eager calls
     print at once; in a `tf.function` of your own, call `flush()` to print.
 
-    In `mode="immediate"` the layer calls `tf.print` in the graph, which XLA
+    With `printing="immediate"` the layer calls `tf.print` in the graph, which XLA
     cannot compile: the layer sets `supports_jit = False`, so Keras's
     `jit_compile="auto"` turns XLA off (and an explicit `jit_compile=True`
     falls back with Keras's warning).
@@ -89,13 +89,15 @@ class PrintLayer(DebugLayer):
             Defaults to mean, std, min, max, nan_count and inf_count.
         replicas: "first" prints replica 0 only; "all" prints every
             replica. Defaults to `"first"`.
-        mode: "deferred" or "immediate". Defaults to `"deferred"`.
+        printing: "deferred" or "immediate", see above. Defaults to
+            `"deferred"`. (`mode` is its deprecated name: `mode` is the
+            Keras call a record comes from everywhere else.)
         output_stream: "stderr", "stdout", "logging" (the `kerasdbg`
             logger, level INFO), "logging:<name>", a file path (appended
             to), a `logging.Logger` or an object with `write`. Streams are
             looked up when printing, so pytest's `capsys` captures them.
             Defaults to `"stderr"`.
-        buffer_steps: records kept between two host reads (deferred mode);
+        buffer_steps: records kept between two host reads (deferred printing);
             at least `steps_per_execution`. Defaults to `64`.
         strict: raise on a failure of the layer instead of warning once.
             Defaults to `False`.
@@ -120,17 +122,22 @@ class PrintLayer(DebugLayer):
         summarize: int = 3,
         stats: Sequence[str] = DEFAULT_PRINT_STATISTICS,
         replicas: str = "first",
-        mode: str = "deferred",
+        printing: str = "deferred",
         output_stream=None,
         buffer_steps: int = 64,
         strict: bool = False,
         **kwargs,
     ):
+        owner = type(self).__name__
+        renamed = check.deprecated(owner, kwargs, {
+            "mode": ("printing", None, "`mode` is the Keras call a record comes from "
+                     "everywhere else"),
+        }, {"printing": (printing, "deferred")})
+        printing = renamed.get("printing", printing)
         super().__init__(
             every_n_steps=every_n_steps, replicas=replicas, buffer_steps=buffer_steps,
             strict=strict, **kwargs,
         )
-        owner = type(self).__name__
         if message is not None and not isinstance(message, str):
             raise TypeError(
                 f"{owner}: `message` must be None or a str. Received: message={message!r}"
@@ -138,16 +145,16 @@ class PrintLayer(DebugLayer):
         self.message = message
         self.summarize = check.non_negative_int(owner, "summarize", summarize)
         self.stats = check.choices(owner, "stats", stats, stats_lib.ALL_STATISTICS, allow_empty=True)
-        self.mode = check.one_of(owner, "mode", mode, PRINT_MODES)
+        self.printing = check.one_of(owner, "printing", printing, PRINTING)
         self.output_stream = _check_stream(owner, output_stream)
-        if self.mode == "immediate":
+        if self.printing == "immediate":
             if isinstance(self.output_stream, logging.Logger) or (
                 isinstance(self.output_stream, str) and self.output_stream.startswith("logging:")
             ):
                 raise ValueError(
-                    f"{owner}: mode='immediate' prints with tf.print, which cannot "
+                    f"{owner}: printing='immediate' prints with tf.print, which cannot "
                     "write to a named logger; use output_stream='logging' (TensorFlow's "
-                    "logger), a stream or a file path, or mode='deferred'. "
+                    "logger), a stream or a file path, or printing='deferred'. "
                     f"Received: output_stream={output_stream!r}"
                 )
             # tf.print does not compile under XLA.
@@ -173,7 +180,7 @@ class PrintLayer(DebugLayer):
             message=self.message,
             summarize=self.summarize,
             stats=list(self.stats),
-            mode=self.mode,
+            printing=self.printing,
             output_stream=stream,
         )
         return config
@@ -208,7 +215,7 @@ class PrintLayer(DebugLayer):
         }, None
 
     def _record(self, inputs, context):
-        if self.mode == "deferred":
+        if self.printing == "deferred":
             return super()._record(inputs, context)
         return self._print_in_graph(inputs, context)
 
@@ -273,7 +280,7 @@ class PrintLayer(DebugLayer):
             target = "file://" + os.path.abspath(stream)
         elif not isinstance(target, str) and target not in (sys.stderr, sys.stdout, tf.compat.v1.logging.info):
             raise ValueError(
-                f"PrintLayer {self.name!r}: mode='immediate' prints with tf.print, which "
+                f"PrintLayer {self.name!r}: printing='immediate' prints with tf.print, which "
                 "writes only to sys.stderr, sys.stdout, TensorFlow's logger or a file "
                 f"path. Received: output_stream={stream!r}"
             )

@@ -37,10 +37,10 @@ class TapLayer(DebugLayer):
     activation, the activation's health:
 
     - after a ReLU-family activation: `dead_fraction`, the fraction of units
-      (every non-batch position) that are dead: zero for at least
-      `100 - inactivity_threshold` percent of each batch, in the consecutive
-      recorded batches (`every_n_steps`) of the last `min_examples` examples
-      or more. With the defaults (1%, 100 examples, every step) a batch of
+      (every non-batch position) that are dead: active (non-zero) for at
+      most `active_fraction` of each batch, in the consecutive recorded
+      batches (`every_n_steps`) of the last `min_examples` examples or more.
+      With the defaults (0.01, 100 examples, every step) a batch of
       100 or more decides alone; with batches of 8, a unit is dead when no
       example of 13 batches in a row activated it: one small batch that
       happens not to activate a healthy unit is no evidence that it died;
@@ -75,8 +75,10 @@ class TapLayer(DebugLayer):
         activation: "relu", "tanh", "sigmoid" or None: the activation the
             tap follows, for the health fractions. `insert_taps` sets it.
             Defaults to `None`.
-        inactivity_threshold: percent of the batch, see above. Defaults to
-            `1.0`.
+        active_fraction: the largest fraction (0-1) of a batch a unit can
+            be active in (non-zero; for tanh and sigmoid, unsaturated) and
+            still count as dead (saturated), see above. Defaults to `0.01`.
+            (`inactivity_threshold`, a percent, is its deprecated name.)
         min_examples: the examples a unit must have been inactive (or
             saturated) for, in consecutive recorded batches, to count (under a
             strategy, the examples of the replica's share). `fit` and other
@@ -115,7 +117,7 @@ class TapLayer(DebugLayer):
         sample_rows: int = 0,
         every_n_steps: int = 1,
         activation: Optional[str] = None,
-        inactivity_threshold: float = 1.0,
+        active_fraction: float = 0.01,
         min_examples: int = 100,
         replicas: str = "first",
         history_size: int = 1000,
@@ -123,11 +125,16 @@ class TapLayer(DebugLayer):
         strict: bool = False,
         **kwargs,
     ):
+        owner = type(self).__name__
+        renamed = check.deprecated(owner, kwargs, {
+            "inactivity_threshold": ("active_fraction", check.from_percent,
+                                     "a fraction 0-1, not a percent"),
+        }, {"active_fraction": (active_fraction, 0.01)})
+        active_fraction = renamed.get("active_fraction", active_fraction)
         super().__init__(
             every_n_steps=every_n_steps, replicas=replicas, buffer_steps=buffer_steps,
             strict=strict, **kwargs,
         )
-        owner = type(self).__name__
         self.stats = check.choices(owner, "stats", stats, stats_lib.ALL_STATISTICS)
         self.histogram = check.boolean(owner, "histogram", histogram)
         self.histogram_bins = check.positive_int(owner, "histogram_bins", histogram_bins)
@@ -135,14 +142,11 @@ class TapLayer(DebugLayer):
         if activation is not None:
             check.one_of(owner, "activation", activation, ACTIVATIONS)
         self.activation = activation
-        if isinstance(inactivity_threshold, bool) or not isinstance(
-            inactivity_threshold, (int, float)
-        ) or not 0 <= inactivity_threshold < 100:
-            raise ValueError(
-                f"{owner}: `inactivity_threshold` must be a number of percent in "
-                f"[0, 100). Received: inactivity_threshold={inactivity_threshold!r}"
-            )
-        self.inactivity_threshold = float(inactivity_threshold)
+        self.active_fraction = check.number(owner, "active_fraction", active_fraction,
+                                            minimum=0.0)
+        if self.active_fraction >= 1.0:
+            raise ValueError(f"{owner}: `active_fraction` must be a fraction in [0, 1). "
+                             f"Received: active_fraction={active_fraction!r}")
         self.min_examples = check.positive_int(owner, "min_examples", min_examples)
         self.history_size = check.non_negative_int(owner, "history_size", history_size)
         self._host.history = collections.deque(maxlen=history_size)
@@ -160,7 +164,7 @@ class TapLayer(DebugLayer):
             histogram_bins=self.histogram_bins,
             sample_rows=self.sample_rows,
             activation=self.activation,
-            inactivity_threshold=self.inactivity_threshold,
+            active_fraction=self.active_fraction,
             min_examples=self.min_examples,
             history_size=self.history_size,
         )
@@ -197,19 +201,19 @@ class TapLayer(DebugLayer):
         calls (`fit`, and calls outside Keras's loops: a custom training loop)
         extend or end the runs; `evaluate` and `predict` read them, with their
         own batch added."""
-        activation, threshold, min_examples, axes = key
+        activation, active_fraction, min_examples, axes = key
         y = x if x.dtype.is_floating else tf.cast(x, tf.float32)
         if activation == "relu":
             flagged = tf.equal(y, 0)
         else:
             flagged = TapLayer._saturated(activation, y)
         if not y.shape.rank or y.shape.rank < 2:  # rank 1: the units are the batch
-            bad = tf.cast(flagged, tf.float64) >= 1.0 - threshold / 100.0
+            bad = tf.cast(flagged, tf.float64) >= 1.0 - active_fraction
             return tf.reduce_mean(tf.cast(bad, tf.float64))[None], None
         # Share of the batch each unit is flagged for; dimensions of unknown size (a
         # sequence of any length) count as more examples of the batch.
         share = tf.reduce_mean(tf.cast(flagged, tf.float64), axis=list(axes))
-        bad = share >= 1.0 - threshold / 100.0
+        bad = share >= 1.0 - active_fraction
         rows = tf.shape(y)[0]
         runs = tf.minimum(flagged_examples + rows, min_examples)
         runs = tf.where(bad, runs, tf.zeros_like(runs))
@@ -253,7 +257,7 @@ class TapLayer(DebugLayer):
         if self.health:
             # (As built: an eager call knows every size.)
             axes = (0,) + tuple(i for i, d in enumerate(self._input_shape) if i and d is None)
-            health = (self.activation, self.inactivity_threshold, self.min_examples, axes)
+            health = (self.activation, self.active_fraction, self.min_examples, axes)
         return (tuple(self.stats), self.histogram, self.histogram_bins, self.sample_rows, health)
 
     @staticmethod

@@ -11,7 +11,7 @@ from kerasdbg.rules.rule import COLLECTIONS, Rule, values_of
 
 
 class AllZero(Rule):
-    """Fires when at least `threshold` percent of a tensor's values are zero.
+    """Fires when the fraction of a tensor's values that are zero is at least `zero_fraction`.
 
     Reads `<collection>/<tensor>/zero_fraction` (a default statistic of the
     statistics callbacks and of `TapLayer`).
@@ -24,7 +24,8 @@ class AllZero(Rule):
     once, as an "info" verdict (see `VanishingGradient`).
 
     Args:
-        threshold: percent of zeros that fires. Defaults to `100.0`.
+        zero_fraction: the fraction (0-1) of zeros that fires. Defaults to
+            `1.0` (all zero). (`threshold`, a percent, is its deprecated name.)
         collections: which of "gradients", "weights", "activations" to
             watch. Defaults to all three.
 
@@ -32,12 +33,19 @@ class AllZero(Rule):
 
     >>> from kerasdbg.rules import AllZero
     >>> AllZero().check(1, {"gradients/m/d/kernel/zero_fraction": 1.0}).reason
-    'AllZero at step 1: at least 100% zeros in gradients: m/d/kernel=100'
+    'AllZero at step 1: zero_fraction at or above 1 in gradients: m/d/kernel=1'
     """
 
-    def __init__(self, threshold: float = 100.0, collections: Sequence[str] = COLLECTIONS):
+    def __init__(self, zero_fraction: float = 1.0, collections: Sequence[str] = COLLECTIONS,
+                 **deprecated):
         owner = type(self).__name__
-        self.threshold = check.number(owner, "threshold", threshold, minimum=0.0, maximum=100.0)
+        renamed = check.deprecated(owner, deprecated, {
+            "threshold": ("zero_fraction", check.from_percent, "a fraction 0-1, not a percent"),
+        }, {"zero_fraction": (zero_fraction, 1.0)})
+        check.no_other_arguments(owner, deprecated)
+        zero_fraction = renamed.get("zero_fraction", zero_fraction)
+        self.zero_fraction = check.number(owner, "zero_fraction", zero_fraction,
+                                          minimum=0.0, maximum=1.0)
         self.collections = check.choices(owner, "collections", collections, COLLECTIONS)
         self.reset()
 
@@ -52,17 +60,18 @@ class AllZero(Rule):
         for collection in self.collections:
             fractions = dict(values_of(record, collection, "zero_fraction"))
             bad = {
-                name: 100.0 * value for name, value in fractions.items()
-                if not math.isnan(value) and 100.0 * value >= self.threshold
+                name: value for name, value in fractions.items()
+                if not math.isnan(value) and value >= self.zero_fraction
             }
             if collection != "activations":
                 bad, exempt = self._construction.split(collection, bad, fractions, step=step)
                 self.note(step, f"zero by construction, not a fault (all zero in {collection} "
                           "from the first step while its layer is not)", exempt)
-            verdict = self.verdict_on(step, f"at least {self.threshold:g}% zeros in {collection}", bad)
+            verdict = self.verdict_on(
+                step, f"zero_fraction at or above {self.zero_fraction:g} in {collection}", bad)
             if verdict is not None:
                 return verdict
         return None
 
     def get_config(self):
-        return {"threshold": self.threshold, "collections": list(self.collections)}
+        return {"zero_fraction": self.zero_fraction, "collections": list(self.collections)}

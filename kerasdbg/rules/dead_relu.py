@@ -12,12 +12,19 @@ class _ActivationHealth(Rule):
     statistic = ""
     what = ""
 
-    def __init__(self, threshold_inactivity: float = 1.0, threshold_layer: float = 50.0):
+    def __init__(self, layer_fraction: float = 0.5, **deprecated):
         owner = type(self).__name__
-        self.threshold_inactivity = check.number(
-            owner, "threshold_inactivity", threshold_inactivity, minimum=0.0, maximum=100.0)
-        self.threshold_layer = check.number(
-            owner, "threshold_layer", threshold_layer, minimum=0.0, maximum=100.0)
+        renamed = check.deprecated(owner, deprecated, {
+            "threshold_layer": ("layer_fraction", check.from_percent,
+                                "a fraction 0-1, not a percent"),
+            "threshold_inactivity": (None, None, "it never changed what the rule reads; "
+                                     "the taps decide when a unit counts, with "
+                                     "`TapLayer(active_fraction=...)`"),
+        }, {"layer_fraction": (layer_fraction, 0.5)})
+        check.no_other_arguments(owner, deprecated)
+        layer_fraction = renamed.get("layer_fraction", layer_fraction)
+        self.layer_fraction = check.number(
+            owner, "layer_fraction", layer_fraction, minimum=0.0, maximum=1.0)
 
     @property
     def requires(self):
@@ -25,39 +32,37 @@ class _ActivationHealth(Rule):
 
     def check(self, step, record):
         bad = {
-            tap: 100.0 * value for tap, value in values_of(record, "activations", self.statistic)
-            if not math.isnan(value) and 100.0 * value >= self.threshold_layer
+            tap: value for tap, value in values_of(record, "activations", self.statistic)
+            if not math.isnan(value) and value >= self.layer_fraction
         }
         return self.verdict_on(
-            step, f"{self.what} units (percent) at or above {self.threshold_layer:g}%", bad)
+            step, f"{self.statistic} at or above {self.layer_fraction:g}", bad)
 
     def get_config(self):
-        return {"threshold_inactivity": self.threshold_inactivity,
-                "threshold_layer": self.threshold_layer}
+        return {"layer_fraction": self.layer_fraction}
 
 
 class DeadReLU(_ActivationHealth):
-    """Fires when a ReLU layer has at least `threshold_layer` percent dead units.
+    """Fires when a ReLU layer's fraction of dead units is at least `layer_fraction`.
 
-    Reads `activations/<tap>/dead_fraction` of `TapLayer(activation="relu")`
-    taps (`kerasdbg.insert_taps` sets the activation). A unit is dead when it
-    is zero for at least `100 - inactivity_threshold` percent of each batch,
-    in a row of recorded batches of at least the taps' `min_examples`
-    examples (100):
-    one small batch that happens to activate a healthy unit nowhere does not
-    make it dead. The taps' `inactivity_threshold` decides that, and
-    `threshold_inactivity` here is the value to give them (SageMaker
-    Debugger's default, 1%).
+    Reads `activations/<tap>/dead_fraction` (0-1) of `TapLayer(activation=
+    "relu")` taps (`kerasdbg.insert_taps` sets the activation). The taps
+    decide when a unit is dead: active (non-zero) for at most their
+    `active_fraction` (0.01, SageMaker Debugger's 1%) of each batch, in a row
+    of recorded batches of at least their `min_examples` examples (100): one
+    small batch that happens to activate a healthy unit nowhere does not make
+    it dead.
 
     Args:
-        threshold_inactivity: percent of the batch, see above. Defaults to `1.0`.
-        threshold_layer: percent of dead units that fires. Defaults to `50.0`.
+        layer_fraction: the fraction (0-1) of dead units of a layer that
+            fires. Defaults to `0.5`. (`threshold_layer`, a percent, is its
+            deprecated name; `threshold_inactivity` is deprecated and ignored.)
 
     Example:
 
     >>> from kerasdbg.rules import DeadReLU
     >>> DeadReLU().check(40, {"activations/dense_tap/dead_fraction": 0.75}).reason
-    'DeadReLU at step 40: dead units (percent) at or above 50%: dense_tap=75'
+    'DeadReLU at step 40: dead_fraction at or above 0.5: dense_tap=0.75'
     """
 
     statistic = "dead_fraction"
@@ -65,17 +70,19 @@ class DeadReLU(_ActivationHealth):
 
 
 class SaturatedActivation(_ActivationHealth):
-    """Fires when a tanh or sigmoid layer has at least `threshold_layer` percent saturated units.
+    """Fires when a tanh or sigmoid layer's fraction of saturated units is at least `layer_fraction`.
 
-    Reads `activations/<tap>/saturated_fraction` of `TapLayer(activation="tanh"
-    or "sigmoid")` taps, which compare the activation's output with the images
-    of SageMaker Debugger's input bounds (|x| > 9.4999 for tanh, outside
-    (-23, 16.99999) for sigmoid).
+    Reads `activations/<tap>/saturated_fraction` (0-1) of `TapLayer(activation=
+    "tanh" or "sigmoid")` taps, which compare the activation's output with the
+    images of SageMaker Debugger's input bounds (|x| > 9.4999 for tanh,
+    outside (-23, 16.99999) for sigmoid); a unit counts when it is
+    unsaturated for at most the taps' `active_fraction` of each batch.
 
     Args:
-        threshold_inactivity: percent of the batch for which a unit must be
-            saturated; the taps' `inactivity_threshold`. Defaults to `1.0`.
-        threshold_layer: percent of saturated units that fires. Defaults to `50.0`.
+        layer_fraction: the fraction (0-1) of saturated units of a layer
+            that fires. Defaults to `0.5`. (`threshold_layer`, a percent, is
+            its deprecated name; `threshold_inactivity` is deprecated and
+            ignored.)
 
     Example:
 

@@ -46,22 +46,24 @@ class NonFiniteLoss(Rule):
 
 
 class LossNotDecreasing(Rule):
-    """Fires when the loss has not decreased by `diff_percent` over `num_steps`.
+    """Fires when the loss has not decreased by `min_decrease` over `num_steps`.
 
     Every `num_steps` recorded values, the mean of the last `num_steps`
     values is compared with the mean of the `num_steps` before them (means of
     windows rather than two single mini-batch losses, which are noisy); the
-    rule fires when it fell by `diff_percent` percent or less. So the first
-    check is after `2 * num_steps` values. Windows holding a non-finite loss
-    are left to `NonFiniteLoss`.
+    rule fires when it fell by `min_decrease` (a fraction of the earlier
+    window's mean) or less. So the first check is after `2 * num_steps`
+    values. Windows holding a non-finite loss are left to `NonFiniteLoss`.
 
     Args:
         num_steps: values per window. Defaults to `10`.
-        diff_percent: the least decrease, in percent of the earlier window's
-            mean, that counts as decreasing. Defaults to `0.0`.
-        mode: "train" reads the loss of each step (`step/loss`); "val" the
+        min_decrease: the least decrease, as a fraction (0-1) of the earlier
+            window's mean, that counts as decreasing. Defaults to `0.0`.
+            (`diff_percent`, a percent, is its deprecated name.)
+        split: "train" reads the loss of each step (`step/loss`); "val" the
             validation loss of each epoch (`epoch/val_loss`), so windows
-            count epochs. Defaults to `"train"`.
+            count epochs. Defaults to `"train"`. (`mode` is its deprecated
+            name.)
 
     Example:
 
@@ -70,20 +72,29 @@ class LossNotDecreasing(Rule):
     >>> [rule.check(s, {"step/loss": v}) for s, v in [(1, 1.0), (2, 0.9), (3, 0.8)]]
     [None, None, None]
     >>> rule.check(4, {"step/loss": 1.2}).reason
-    'LossNotDecreasing at step 4: mean train loss of steps 3-4 is 1 against 0.95 for steps 1-2 (-5.3% decrease, needed > 0%)'
+    'LossNotDecreasing at step 4: mean train loss of steps 3-4 is 1 against 0.95 for steps 1-2 (relative decrease -0.053, needed > 0)'
     """
 
-    def __init__(self, num_steps: int = 10, diff_percent: float = 0.0, mode: str = "train"):
+    def __init__(self, num_steps: int = 10, min_decrease: float = 0.0, split: str = "train",
+                 **deprecated):
         owner = type(self).__name__
+        renamed = check.deprecated(owner, deprecated, {
+            "diff_percent": ("min_decrease", check.from_percent, "a fraction 0-1, not a percent"),
+            "mode": ("split", None, "`mode` is the Keras call (fit, evaluate, ...) everywhere "
+                     "else"),
+        }, {"min_decrease": (min_decrease, 0.0), "split": (split, "train")})
+        check.no_other_arguments(owner, deprecated)
+        min_decrease = renamed.get("min_decrease", min_decrease)
+        split = renamed.get("split", split)
         self.num_steps = check.positive_int(owner, "num_steps", num_steps)
-        self.diff_percent = check.number(owner, "diff_percent", diff_percent,
-                                         minimum=0.0, maximum=100.0)
-        self.mode = check.one_of(owner, "mode", mode, ("train", "val"))
+        self.min_decrease = check.number(owner, "min_decrease", min_decrease,
+                                         minimum=0.0, maximum=1.0)
+        self.split = check.one_of(owner, "split", split, ("train", "val"))
         self.reset()
 
     @property
     def tag(self) -> str:
-        return "step/loss" if self.mode == "train" else VAL_LOSS
+        return "step/loss" if self.split == "train" else VAL_LOSS
 
     @property
     def requires(self):
@@ -108,17 +119,18 @@ class LossNotDecreasing(Rule):
         current = sum(v for _, v in now) / self.num_steps
         if not (math.isfinite(past) and math.isfinite(current)) or past == 0:
             return None
-        decrease = 100.0 * (past - current) / abs(past)
-        if decrease > self.diff_percent:
+        decrease = (past - current) / abs(past)
+        if decrease > self.min_decrease:
             return None
         return self.verdict(
-            step, f"mean {self.mode} loss of steps {now[0][0]}-{now[-1][0]} is {current:.4g} "
+            step, f"mean {self.split} loss of steps {now[0][0]}-{now[-1][0]} is {current:.4g} "
             f"against {past:.4g} for steps {before[0][0]}-{before[-1][0]} "
-            f"({decrease:.2g}% decrease, needed > {self.diff_percent:g}%)",
+            f"(relative decrease {decrease:.2g}, needed > {self.min_decrease:g})",
             {self.tag: current})
 
     def get_config(self):
-        return {"num_steps": self.num_steps, "diff_percent": self.diff_percent, "mode": self.mode}
+        return {"num_steps": self.num_steps, "min_decrease": self.min_decrease,
+                "split": self.split}
 
 
 class Plateau:

@@ -91,7 +91,7 @@ def test_outputs_to_a_file_and_to_a_logger(tmp_path, caplog):
 
 def test_immediate_mode_prints_in_graph_and_turns_xla_off(tmp_path):
     path = tmp_path / "immediate.txt"
-    layer = PrintLayer("now", stats=["max"], summarize=1, mode="immediate",
+    layer = PrintLayer("now", stats=["max"], summarize=1, printing="immediate",
                        output_stream=str(path), name="p")
     assert layer.supports_jit is False
     model = _model(layer)
@@ -117,9 +117,9 @@ def test_saved_model_keeps_config_and_counters(tmp_path):
     assert isinstance(layer, PrintLayer)
     config = layer.get_config()
     assert {k: config[k] for k in ("message", "every_n_steps", "summarize", "stats",
-                                   "output_stream", "mode")} == {
+                                   "output_stream", "printing")} == {
         "message": "m", "every_n_steps": 3, "summarize": 1, "stats": ["mean"],
-        "output_stream": "stdout", "mode": "deferred"}
+        "output_stream": "stdout", "printing": "deferred"}
     assert int(layer.calls.numpy()) == 3
     assert PrintLayer.from_config(config).get_config() == config
 
@@ -128,15 +128,15 @@ def test_saved_model_keeps_config_and_counters(tmp_path):
     "kwargs, error, message",
     [
         ({"every_n_steps": 0}, ValueError, "PrintLayer: `every_n_steps` must be a positive int. Received: every_n_steps=0"),
-        ({"mode": "later"}, ValueError, "PrintLayer: `mode` must be one of 'deferred', 'immediate'. Received: mode='later'"),
+        ({"printing": "later"}, ValueError, "PrintLayer: `printing` must be one of 'deferred', 'immediate'. Received: printing='later'"),
         ({"replicas": "some"}, ValueError, "PrintLayer: `replicas` must be one of 'first', 'all'. Received: replicas='some'"),
         ({"stats": ["median"]}, ValueError, "PrintLayer: `stats` must be a list of names from"),
         ({"summarize": -1}, ValueError, "PrintLayer: `summarize` must be"),
         ({"message": 3}, TypeError, "PrintLayer: `message` must be None or a str. Received: message=3"),
         ({"output_stream": 3}, TypeError, "PrintLayer: `output_stream` must be one of stderr, stdout, logging"),
-        ({"mode": "immediate", "output_stream": "logging:x"}, ValueError, "mode='immediate' prints with tf.print"),
+        ({"printing": "immediate", "output_stream": "logging:x"}, ValueError, "printing='immediate' prints with tf.print"),
     ],
-    ids=["every", "mode", "replicas", "stats", "summarize", "message", "stream", "immediate-logger"],
+    ids=["every", "printing", "replicas", "stats", "summarize", "message", "stream", "immediate-logger"],
 )
 def test_bad_arguments_are_refused(kwargs, error, message):
     with pytest.raises(error, match=re.escape(message)):
@@ -149,3 +149,12 @@ class _Stream:
 
     def write(self, text):
         self.lines += text.splitlines()
+
+
+def test_mode_is_renamed_printing_with_a_warning():
+    with pytest.warns(FutureWarning, match=re.escape(
+            "PrintLayer: `mode` is deprecated; use `printing` (`mode` is the Keras call a record "
+            "comes from everywhere else): mode='immediate' is printing='immediate'.")):
+        layer = PrintLayer("x", mode="immediate", name="p")
+    assert layer.printing == "immediate" and layer.supports_jit is False
+    assert "mode" not in layer.get_config() and layer.get_config()["printing"] == "immediate"

@@ -196,7 +196,7 @@ def test_strict_raises():
     "kwargs, error, message",
     [
         ({"activation": "gelu"}, ValueError, "TapLayer: `activation` must be one of 'relu', 'tanh', 'sigmoid'. Received: activation='gelu'"),
-        ({"inactivity_threshold": 100}, ValueError, "TapLayer: `inactivity_threshold` must be a number of percent in [0, 100). Received: inactivity_threshold=100"),
+        ({"active_fraction": 1.0}, ValueError, "TapLayer: `active_fraction` must be a fraction in [0, 1). Received: active_fraction=1.0"),
         ({"histogram": 1}, TypeError, "TapLayer: `histogram` must be a bool. Received: histogram=1"),
         ({"sample_rows": -1}, ValueError, "TapLayer: `sample_rows` must be"),
         ({"buffer_steps": 0}, ValueError, "TapLayer: `buffer_steps` must be a positive int. Received: buffer_steps=0"),
@@ -289,3 +289,17 @@ def test_a_stateless_call_counts_in_the_scope_and_the_tap_keeps_recording():
     tap(X[:2])
     assert tap.latest["mean"] == pytest.approx(X[:2].mean())
     assert int(tap.calls.numpy()) == 2
+
+
+def test_the_percent_inactivity_threshold_is_renamed_with_a_warning():
+    with pytest.warns(FutureWarning, match=re.escape(
+            "TapLayer: `inactivity_threshold` is deprecated; use `active_fraction` (a fraction "
+            "0-1, not a percent): inactivity_threshold=5.0 is active_fraction=0.05.")):
+        tap = TapLayer(inactivity_threshold=5.0, name="t")
+    assert tap.active_fraction == 0.05 and tap.get_config()["active_fraction"] == 0.05
+    assert "inactivity_threshold" not in tap.get_config()
+    # A layer saved before the rename (its config names the percent) loads.
+    config = dict(tap.get_config())
+    config["inactivity_threshold"] = config.pop("active_fraction") * 100
+    with pytest.warns(FutureWarning, match="`inactivity_threshold` is deprecated"):
+        assert TapLayer.from_config(config).active_fraction == pytest.approx(0.05)

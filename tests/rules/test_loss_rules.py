@@ -83,10 +83,10 @@ def test_overtraining_fires_when_no_loss_improves(tmp_path, strategy_name, spe):
 
 
 def test_loss_rules_refuse_bad_arguments():
-    with pytest.raises(ValueError, match="`mode` must be one of 'train', 'val'. Received: mode='test'"):
-        LossNotDecreasing(mode="test")
-    with pytest.raises(ValueError, match=r"`diff_percent` must be a finite number >= 0 and <= 100"):
-        LossNotDecreasing(diff_percent=150)
+    with pytest.raises(ValueError, match="`split` must be one of 'train', 'val'. Received: split='test'"):
+        LossNotDecreasing(split="test")
+    with pytest.raises(ValueError, match=r"`min_decrease` must be a finite number >= 0 and <= 1"):
+        LossNotDecreasing(min_decrease=1.5)
     with pytest.raises(TypeError, match="`patience` must be a positive int"):
         Overfit(patience=1.5)
     with pytest.raises(ValueError, match="`delta` must be a finite number >= 0 and <= 1"):
@@ -94,13 +94,13 @@ def test_loss_rules_refuse_bad_arguments():
 
 
 def test_loss_rules_round_trip_their_config():
-    for rule in (LossNotDecreasing(3, 1.5, "val"), Overfit(2, 0.3), Overtraining(1, 2, 0.05),
+    for rule in (LossNotDecreasing(3, 0.015, "val"), Overfit(2, 0.3), Overtraining(1, 2, 0.05),
                  NonFiniteLoss()):
         assert type(rule).from_config(rule.get_config()).get_config() == rule.get_config()
 
 
 def test_a_val_loss_rule_reads_the_epoch_logs():
-    rule = LossNotDecreasing(num_steps=1, mode="val")
+    rule = LossNotDecreasing(num_steps=1, split="val")
     assert rule.requires == (("epoch", "val_loss"),)
     assert rule.check(10, {"epoch/val_loss": 1.0}) is None
     assert rule.check(10, {"step/loss": 5.0}) is None  # a step record: not read

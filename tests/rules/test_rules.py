@@ -11,7 +11,8 @@ import kerasdbg
 from kerasdbg.callbacks import ActivationStatistics, GradientStatistics, WeightStatistics
 from kerasdbg.layers import TapLayer
 from kerasdbg.rules import (
-    AllZero, DeadReLU, ExplodingTensor, Rule, SaturatedActivation, TensorVariance,
+    AllZero, DeadReLU, ExplodingTensor, LossNotDecreasing, Rule, SaturatedActivation,
+    TensorVariance,
     UnchangedTensor, VanishingGradient, WeightUpdateRatio,
 )
 from tests.conftest import make_strategy, matrix, only_upstream_failure
@@ -100,7 +101,7 @@ def test_dead_relu_fires_when_every_unit_is_zero(tmp_path, strategy_name, spe):
     # the start, small learning rate) are all negative, so every unit is dead.
     log_dir = _train(tmp_path, _batch(X, 4, -100.0), strategy_name=strategy_name, spe=spe)
     verdicts = kerasdbg.check_run(log_dir, [DeadReLU()])
-    assert [(v.step, v.values) for v in verdicts] == [(4, {"hidden_tap": 100.0})]
+    assert [(v.step, v.values) for v in verdicts] == [(4, {"hidden_tap": 1.0})]
     # At that step no gradient reaches the hidden layer, so those rules fire too.
     assert _first(log_dir, VanishingGradient()) == 4
     assert _first(log_dir, AllZero(collections=["gradients"])) == 4
@@ -125,7 +126,7 @@ def test_units_are_dead_after_min_examples_in_a_row(tmp_path, strategy_name, spe
                                      **kwargs), [DeadReLU()]) == []
     verdict = kerasdbg.check_run(_train(tmp_path / "enough", x, min_examples=7 * per_replica,
                                         **kwargs), [DeadReLU()])[0]
-    assert (verdict.step, verdict.values) == (4 + 7 - 1, {"hidden_tap": 100.0})
+    assert (verdict.step, verdict.values) == (4 + 7 - 1, {"hidden_tap": 1.0})
 
 
 def test_vanishing_gradient_and_all_zero_on_zero_inputs(tmp_path):
@@ -149,7 +150,7 @@ def test_weight_update_ratio_fires_on_a_huge_update(tmp_path):
 def test_saturated_activation_fires_on_saturated_tanh(tmp_path):
     log_dir = _train(tmp_path, _batch(X, 3, 1e3), activation="tanh")
     verdict = kerasdbg.check_run(log_dir, [SaturatedActivation()])[0]
-    assert verdict.step == 3 and verdict.values["hidden_tap"] >= 50.0
+    assert verdict.step == 3 and verdict.values["hidden_tap"] >= 0.5
     with pytest.raises(ValueError, match="DeadReLU reads activations/<name>/dead_fraction"):
         kerasdbg.check_run(log_dir, [DeadReLU()])  # tanh taps record no dead units
     assert kerasdbg.check_run(_train(tmp_path / "healthy", X, activation="tanh"),
@@ -175,8 +176,8 @@ def test_rules_on_records_edge_cases():
     record = {"weights/a/update_ratio": 1e6, "weights/a/l2_norm": 0.0}
     assert WeightUpdateRatio().check(1, record) is None
     assert WeightUpdateRatio().check(1, {"weights/a/update_ratio": 1e-12}).values == {"a": 1e-12}
-    assert AllZero(threshold=90.0).check(1, {"activations/t/zero_fraction": 0.95}) is not None
-    assert DeadReLU(threshold_layer=80.0).check(1, {"activations/t/dead_fraction": 0.75}) is None
+    assert AllZero(zero_fraction=0.9).check(1, {"activations/t/zero_fraction": 0.95}) is not None
+    assert DeadReLU(layer_fraction=0.8).check(1, {"activations/t/dead_fraction": 0.75}) is None
     # Tags that are not per tensor are ignored.
     assert AllZero().check(1, {"gradients/global_norm": 0.0}) is None
 
@@ -194,6 +195,32 @@ def test_config_round_trip(rule):
     assert repr(again) == repr(rule)
 
 
+@pytest.mark.parametrize("make, old, new", [
+    (lambda: DeadReLU(threshold_layer=80.0), "threshold_layer=80.0", "layer_fraction=0.8"),
+    (lambda: SaturatedActivation(threshold_layer=30), "threshold_layer=30", "layer_fraction=0.3"),
+    (lambda: AllZero(threshold=90.0), "threshold=90.0", "zero_fraction=0.9"),
+    (lambda: LossNotDecreasing(diff_percent=5.0), "diff_percent=5.0", "min_decrease=0.05"),
+    (lambda: LossNotDecreasing(mode="val"), "mode='val'", "split='val'"),
+], ids=["dead-relu", "saturated", "all-zero", "diff-percent", "mode"])
+def test_a_renamed_argument_warns_with_its_new_name_and_keeps_working(make, old, new):
+    with pytest.warns(FutureWarning, match=re.escape(f"is deprecated; use `{new.split('=')[0]}`")) \
+            as caught:
+        rule = make()
+    assert f"{old} is {new}." in str(caught[0].message)
+    name, value = new.split("=")
+    assert rule.get_config()[name] == pytest.approx(eval(value))  # noqa: S307 - test literal
+    assert old.split("=")[0] not in rule.get_config()
+
+
+def test_the_unused_threshold_inactivity_is_gone_with_a_warning():
+    with pytest.warns(FutureWarning, match=re.escape(
+            "DeadReLU: `threshold_inactivity` is deprecated and ignored: it never changed what "
+            "the rule reads; the taps decide when a unit counts, with "
+            "`TapLayer(active_fraction=...)`.")):
+        rule = DeadReLU(threshold_inactivity=5.0)
+    assert rule.get_config() == {"layer_fraction": 0.5}
+
+
 @pytest.mark.parametrize("make, error, message", [
     (lambda: VanishingGradient(threshold=-1), ValueError,
      "VanishingGradient: `threshold` must be a finite number >= 0. Received: threshold=-1.0"),
@@ -204,16 +231,21 @@ def test_config_round_trip(rule):
      "weights, activations"),
     (lambda: ExplodingTensor(threshold=0), ValueError, "`threshold` must be a finite number > 0"),
     (lambda: ExplodingTensor(only_nan=1), TypeError, "`only_nan` must be a bool"),
-    (lambda: DeadReLU(threshold_layer=150), ValueError,
-     "DeadReLU: `threshold_layer` must be a finite number >= 0 and <= 100. "
-     "Received: threshold_layer=150.0"),
+    (lambda: DeadReLU(layer_fraction=1.5), ValueError,
+     "DeadReLU: `layer_fraction` must be a finite number >= 0 and <= 1. "
+     "Received: layer_fraction=1.5"),
     (lambda: WeightUpdateRatio(small_threshold=20.0), ValueError,
      "WeightUpdateRatio: `small_threshold` must be a finite number >= 0 and <= 10"),
-    (lambda: AllZero(threshold="all"), TypeError,
-     "AllZero: `threshold` must be a number. Received: threshold='all' of type str"),
-    (lambda: AllZero(threshold=math.nan), ValueError, "`threshold` must be a finite number"),
-], ids=["negative", "require", "collection", "zero-threshold", "only-nan-type", "percent",
-        "small-above-large", "type", "nan"])
+    (lambda: AllZero(zero_fraction="all"), TypeError,
+     "AllZero: `zero_fraction` must be a number. Received: zero_fraction='all' of type str"),
+    (lambda: AllZero(zero_fraction=math.nan), ValueError, "`zero_fraction` must be a finite number"),
+    (lambda: AllZero(zero_fraction=0.5, threshold=50), ValueError,
+     "AllZero: give `zero_fraction` or its deprecated name `threshold`, not both. "
+     "Received: zero_fraction=0.5, threshold=50"),
+    (lambda: AllZero(limit=3), TypeError,
+     "AllZero: unexpected keyword argument `limit`. Received: limit=3"),
+], ids=["negative", "require", "collection", "zero-threshold", "only-nan-type", "fraction",
+        "small-above-large", "type", "nan", "old-and-new", "unknown"])
 def test_bad_arguments(make, error, message):
     with pytest.raises(error, match=re.escape(message)):
         make()
@@ -247,10 +279,10 @@ def test_cli_check_agrees_with_check_run_and_sets_the_exit_status(tmp_path, caps
 
     broken = _train(tmp_path / "broken", _batch(X, 4, -100.0))
     healthy = _train(tmp_path / "healthy", X)
-    assert cli.main(["check", broken, "--rule", "DeadReLU:threshold_layer=90"]) == 1
+    assert cli.main(["check", broken, "--rule", "DeadReLU:layer_fraction=0.9"]) == 1
     out = capsys.readouterr().out.strip()
-    assert out == kerasdbg.check_run(broken, [DeadReLU(threshold_layer=90.0)])[0].reason
-    assert out.startswith("DeadReLU at step 4: dead units")
+    assert out == kerasdbg.check_run(broken, [DeadReLU(layer_fraction=0.9)])[0].reason
+    assert out.startswith("DeadReLU at step 4: dead_fraction at or above 0.9")
     # Without --rule: every rule the run can feed (not SaturatedActivation here;
     # PoorWeightInitialization on the taps' variances, the only part recorded).
     assert cli.main(["check", healthy]) == 0
@@ -262,10 +294,9 @@ def test_cli_check_agrees_with_check_run_and_sets_the_exit_status(tmp_path, caps
 
 @pytest.mark.parametrize("rule, message", [
     ("Nope", "unknown rule 'Nope'. Rules: AllZero, ClassImbalance, DeadReLU"),
-    ("DeadReLU:threshold_layer", "rule parameters are written param=value"),
-    ("DeadReLU:limit=3",
-     "DeadReLU has no parameter 'limit'. Parameters: threshold_inactivity, threshold_layer"),
-    ("DeadReLU:threshold_layer=200", "`threshold_layer` must be a finite number >= 0 and <= 100"),
+    ("DeadReLU:layer_fraction", "rule parameters are written param=value"),
+    ("DeadReLU:limit=3", "DeadReLU has no parameter 'limit'. Parameters: layer_fraction"),
+    ("DeadReLU:layer_fraction=2", "`layer_fraction` must be a finite number >= 0 and <= 1"),
 ], ids=["unknown", "no-value", "unknown-param", "bad-value"])
 def test_cli_check_bad_rules(tmp_path, capsys, rule, message):
     from kerasdbg import cli
