@@ -236,3 +236,18 @@ def no_other_arguments(owner: str, given: Mapping[str, Any]) -> None:
         raise TypeError(f"{owner}: unexpected keyword argument `{name}`. Received: "
                         f"{name}={given[name]!r}")
 
+
+
+def layer_selection(owner: str, name: str, value: Any) -> Any:
+    """Returns `value` if it is a layer selection (`insert_taps`'s `layers`
+    forms): None, a regular expression, a list of layer names or paths, or a
+    callable `layer -> bool`."""
+    if value is None or callable(value):
+        return value
+    if isinstance(value, str):
+        return optional_regex(owner, name, value)
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise TypeError(
+        f"{owner}: `{name}` must be None, a regular expression, a non-empty list of layer "
+        f"names or a callable `layer -> bool`. Received: {name}={value!r}")

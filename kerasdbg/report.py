@@ -439,7 +439,7 @@ def _plot_epochs(epochs: pd.DataFrame, path: str) -> str:
 
 
 def _plot_heatmap(frame: pd.DataFrame, path: str, title: str, what: str,
-                  log: bool = True) -> str:
+                  log: bool = True, unit: str = "") -> str:
     """Steps x columns of `frame` as colours, one row per column in name order,
     log10 (blank: zero or non-finite) or linear (0-100, for percents). Row labels
     thin out (every n-th) to stay legible with hundreds of rows; the height is
@@ -471,7 +471,8 @@ def _plot_heatmap(frame: pd.DataFrame, path: str, title: str, what: str,
                     + (f", one named per {stride}" if stride > 1 else ""), fontsize=8)
     axes.set_title(title + (" (log10; blank: zero or non-finite)" if log
                             else " (blank: non-finite)"), fontsize=10)
-    figure.colorbar(image, ax=axes, fraction=0.03, pad=0.02)
+    bar = figure.colorbar(image, ax=axes, fraction=0.03, pad=0.02)
+    bar.set_label(f"log10 of the {unit}" if log else unit, fontsize=8)
     return _save(plt, figure, path)
 
 
@@ -578,7 +579,7 @@ def _write(data: Dict[str, object], out: Optional[str]) -> str:
             labels=[d[len(prefix):] for d in drawn]),
             alt=f"{title}, lines: {', '.join(drawn)}", caption=caption)
         figure(f"{stem}_heatmap.png", None, lambda p: _plot_heatmap(
-            frame, p, f"{plot_title}, all {len(labels)}", what, log=log),
+            frame, p, f"{plot_title}, all {len(labels)}", what, log=log, unit=ylabel),
             alt=f"{title}: heatmap of all {len(labels)} {what}")
 
     sections.append("<h2>Rule verdicts</h2>" + _verdict_table(data["verdicts"]))
@@ -601,7 +602,7 @@ def _write(data: Dict[str, object], out: Optional[str]) -> str:
         norms = norms.copy()
         norms.columns = _strip(norms.columns, "gradients/", "/l2_norm")
         figure("gradient_heatmap.png", "Gradient norm per layer", lambda p: _plot_heatmap(
-            _layer_norms(norms), p, "gradient norm per layer", "layers"))
+            _layer_norms(norms), p, "gradient norm per layer", "layers", unit="norm"))
     ratios: pd.DataFrame = data["update_ratios"]
     if len(ratios.columns):
         per_variable("update_ratios", "Update ratio per variable", ratios,

@@ -84,6 +84,11 @@ def test_report_names_the_first_non_finite_step_and_the_verdicts(tmp_path, capsy
     # the freeze is reported by itself.
     assert re.search(r"(NonFiniteLoss|FreezeOnFault) at step 4", text)
     assert "NaNSource at step 4: the first layer whose output held NaN/Inf is" in text
+    parsed = _Page()
+    parsed.feed(text)
+    rows = [[c["text"] for c in r] for r in parsed.tables["verdicts"][1:]]
+    assert len(rows) == 2 and "NaNSource" in [r[0] for r in rows]
+    assert all(r[1] == "4" and r[3].startswith(f"{r[0]} at step 4: ") for r in rows)
     assert cli.main(["report", log_dir]) == 0
     summary = capsys.readouterr().out
     assert "first non-finite step: 4" in summary
@@ -170,7 +175,8 @@ VERDICTS = [  # (step, rule, tensors, reason): StopOnRule's markdown rows, writt
     (10, "DeadReLU", TAPS[:2], "DeadReLU at step 10: 2 taps have more than 50% dead units"),
     (26, "ExplodingTensor", EXPLODING,
      "ExplodingTensor at step 26: |values| above 1e+06 in gradients <b>&</b>"),
-    (FAULT_STEP, "NonFiniteLoss", ["step/loss"], f"NonFiniteLoss at step {FAULT_STEP}: the loss is nan"),
+    (FAULT_STEP, "NonFiniteLoss", ["step/loss"],
+     f"NonFiniteLoss at step {FAULT_STEP}: the loss is nan"),
     (FAULT_STEP, "NaNSource", ["conv5_block3_out", VARIABLES[-2]],
      f"NaNSource at step {FAULT_STEP}: the first layer whose output held NaN/Inf is "
      "'conv5_block3_out'"),
@@ -262,11 +268,12 @@ class _Page(html.parser.HTMLParser):
 
 
 def _screenshot(browser, page, shot, profile):
-    """Headless Chromium's screenshot of `page`; the browser's process group is
-    killed if it outlives the timeout."""
+    """Headless Chromium's screenshot of `page`, 1280 x 3400 (from the summary to the
+    update ratios' lines); the browser's process group is killed if it outlives the
+    timeout."""
     process = subprocess.Popen(
         [browser, "--headless", "--disable-gpu", "--no-sandbox", "--hide-scrollbars",
-         f"--user-data-dir={profile}", "--window-size=1280,2000",
+         f"--user-data-dir={profile}", "--window-size=1280,3400",
          "--virtual-time-budget=5000", f"--screenshot={shot}", f"file://{page}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
@@ -278,14 +285,17 @@ def _screenshot(browser, page, shot, profile):
     assert process.returncode == 0, err.decode(errors="replace")[-2000:]
 
 
-def test_report_at_resnet50_scale_stays_legible(tmp_path):
+def test_report_at_resnet50_scale_stays_legible(tmp_path, monkeypatch):
     """214 variables, 32 taps: the verdicts are an HTML table, a line plot draws
     the 10 largest with a heatmap of all, one epoch is a table; and the page
     renders in Chromium."""
-    log_dir = str(tmp_path / "logs")
+    keep = os.environ.get("KERASDBG_SCREENSHOTS")  # for the docs, see below
+    keep = keep and os.path.abspath(keep)
+    monkeypatch.chdir(tmp_path)  # the page names the log directory as given
+    log_dir = os.path.join("runs", "resnet50")
     ratios = _write_resnet_run(log_dir)
     assert len(VARIABLES) == 214 and len(LAYERS) == 107
-    page = write_report(log_dir, str(tmp_path / "report"))
+    page = os.path.abspath(write_report(log_dir, str(tmp_path / "report")))
     out = os.path.dirname(page)
     assert sorted(os.listdir(out)) == [
         "activation_health.png", "activation_health_heatmap.png", "global_norm.png",
@@ -331,12 +341,11 @@ def test_report_at_resnet50_scale_stays_legible(tmp_path):
     shot = tmp_path / "report.png"
     _screenshot(browser, page, shot, tmp_path / "chromium-profile")
     with Image.open(shot) as image:
-        assert image.size == (1280, 2000)
+        assert image.size == (1280, 3400)
         pixels = np.asarray(image.convert("RGB")).reshape(-1, 3)
     colours = np.unique(pixels, axis=0)
     assert len(colours) > 200  # the plots' colour maps and lines, not a blank page
     assert np.mean(np.any(pixels < 200, axis=1)) > 0.05  # ink on at least 5% of the window
-    keep = os.environ.get("KERASDBG_SCREENSHOTS")
     if keep:  # for the docs: KERASDBG_SCREENSHOTS=docs/images ./run.sh test -k resnet50
         os.makedirs(keep, exist_ok=True)
         with Image.open(shot) as image:  # a 256-colour palette keeps it small

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Dict, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 from kerasdbg import _capture
 from kerasdbg import _keras_internals as internals
+from kerasdbg import _replay
 from kerasdbg import _step_tensors
 from kerasdbg import _validation as check
 from kerasdbg import trace as trace_lib
-from kerasdbg.callbacks._recording import RecordingCallback, selected
+from kerasdbg.callbacks._recording import RecordingCallback
 
 RECORDABLE = _step_tensors.RECORDABLE
 
@@ -62,8 +63,11 @@ class StepRecorder(RecordingCallback):
             recorded. Defaults to None (all trainable float variables).
         exclude: regular expression; variable paths it matches are left
             out. Defaults to None.
-        layers: regular expression on qualified layer names for
-            "layer_outputs". Defaults to None (every layer).
+        layers: the layers whose outputs "layer_outputs" records, in the
+            forms of `insert_taps`'s `layers`: a regular expression searched
+            in layer names and paths (`outer/inner/name`), a list of names or
+            paths, or a callable `layer -> bool`. Defaults to None (every
+            layer).
         strict: raise on a failure of the recording instead of warning and
             letting training go on. Defaults to `False`.
 
@@ -91,7 +95,7 @@ class StepRecorder(RecordingCallback):
         record: Sequence[str] = RECORDABLE,
         include: Optional[str] = None,
         exclude: Optional[str] = None,
-        layers: Optional[str] = None,
+        layers: Union[None, str, Sequence[str], Callable] = None,
         strict: bool = False,
     ):
         super().__init__()
@@ -118,7 +122,7 @@ class StepRecorder(RecordingCallback):
         self.record = check.choices(owner, "record", record, RECORDABLE)
         self.include = check.optional_regex(owner, "include", include)
         self.exclude = check.optional_regex(owner, "exclude", exclude)
-        self.layers = check.optional_regex(owner, "layers", layers)
+        self.layers = check.layer_selection(owner, "layers", layers)
         self.strict = check.boolean(owner, "strict", strict)
         self._request: Optional[_step_tensors.TensorRequest] = None
         self._writer: Optional[trace_lib.TraceWriter] = None
@@ -140,7 +144,7 @@ class StepRecorder(RecordingCallback):
         layers = []
         if "layer_outputs" in self.record:
             available = _step_tensors.recordable_layers(model)
-            layers = [n for n in available if selected(n, self.layers, None)]
+            layers = self._selected_layers(model, available)
             if not available:
                 warnings.warn(
                     f"StepRecorder records no layer outputs: {type(model).__name__} is not a "
@@ -166,6 +170,24 @@ class StepRecorder(RecordingCallback):
                 replicas = model.distribute_strategy.num_replicas_in_sync
                 self._request.max_rows = -(-batch // replicas)
             _capture.engine_for(model).attach(self._request)
+
+    def _selected_layers(self, model, available: List[str]) -> List[str]:
+        """The qualified names of `available` that `layers` selects; a selection
+        that names no layer of the model warns (raises when strict) and
+        records no layer output."""
+        if self.layers is None or not available:
+            return list(available)
+        try:
+            chosen = _replay.select_layers("StepRecorder", model, self.layers)
+        except ValueError as error:
+            if self.strict:
+                raise
+            warnings.warn(f"{error} StepRecorder records no layer outputs this fit.",
+                          RuntimeWarning, stacklevel=3)
+            return []
+        names = {_replay.qualified_name(path, layer)
+                 for path, layer in _replay.walk(model) if (path, id(layer)) in chosen}
+        return [name for name in available if name in names]
 
     def on_train_batch_begin(self, batch, logs=None):
         if self._request is not None:

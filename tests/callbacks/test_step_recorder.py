@@ -1,6 +1,7 @@
 """StepRecorder: full tensors of chosen steps, checked against GradientTape."""
 
 import os
+import re
 
 import keras
 import numpy as np
@@ -149,6 +150,36 @@ def test_include_and_layers_select_what_is_recorded(tmp_path):
     assert trace.names("layer_outputs") == ["layer_outputs/out"]
 
 
+@pytest.mark.parametrize("layers", ["^out$", ["out"], lambda layer: layer.name == "out"],
+                         ids=["regex", "list", "callable"])
+def test_layers_take_the_forms_of_insert_taps(tmp_path, layers):
+    model = make_mlp()
+    _compile(model)
+    path = str(tmp_path / "forms.npz")
+    model.fit(X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+              callbacks=[StepRecorder(path, steps=1, layers=layers)])
+    assert kerasdbg.load_trace(path).names("layer_outputs") == ["layer_outputs/out"]
+
+
+def test_layers_that_name_no_layer_warn_and_record_no_output(tmp_path):
+    model = make_mlp()
+    _compile(model)
+    path = str(tmp_path / "none.npz")
+    with pytest.warns(RuntimeWarning, match=re.escape(
+            "StepRecorder: no layer named 'nope' in `")) as caught:
+        model.fit(X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[StepRecorder(path, steps=1, layers=["nope"])])
+    message = str(caught[0].message)
+    assert "Layers: input_layer, hidden, out" in message and message.endswith(
+        "StepRecorder records no layer outputs this fit.")
+    trace = kerasdbg.load_trace(path)
+    assert trace.names("layer_outputs") == [] and trace.names("gradients")
+    with pytest.raises(ValueError, match="no layer named 'nope'"):
+        model.fit(X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[StepRecorder(str(tmp_path / "s.npz"), steps=1, layers=["nope"],
+                                          strict=True)])
+
+
 def test_a_later_fit_past_the_steps_keeps_the_file(tmp_path):
     model = make_mlp()
     _compile(model)
@@ -212,8 +243,10 @@ def test_get_config_round_trip(tmp_path):
     ({"steps": "3"}, TypeError, "`steps` must be a positive int or a non-empty list"),
     ({"record": ["grads"]}, ValueError, "`record` must be a non-empty list of names from loss"),
     ({"include": "("}, ValueError, "include"),
+    ({"layers": 3}, TypeError, "StepRecorder: `layers` must be None, a regular expression, a "
+     "non-empty list of layer names or a callable `layer -> bool`. Received: layers=3"),
     ({"strict": 1}, TypeError, "`strict` must be a bool"),
-], ids=["path", "steps-zero", "steps-negative", "steps-str", "record", "include", "strict"])
+], ids=["path", "steps-zero", "steps-negative", "steps-str", "record", "include", "layers", "strict"])
 def test_bad_arguments_are_refused(kwargs, error, match, tmp_path):
     arguments = {"path": str(tmp_path / "t.npz"), **kwargs}
     with pytest.raises(error, match=match):
