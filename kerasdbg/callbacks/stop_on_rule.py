@@ -11,6 +11,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 import keras
 
 from kerasdbg import _capture
+from kerasdbg import _qualified
 from kerasdbg import _events
 from kerasdbg import _keras_internals as internals
 from kerasdbg import _validation as check
@@ -19,7 +20,7 @@ from kerasdbg import stats as stats_lib
 from kerasdbg import _tags
 from kerasdbg.callbacks._recording import open_writer
 from kerasdbg.callbacks.activation_statistics import find_taps
-from kerasdbg.rules._runner import RuleRunner, check_rules
+from kerasdbg.rules._runner import RuleRunner, check_rules, rule_config, rule_from_config
 from kerasdbg.rules.defaults import default_rules
 from kerasdbg.rules.faults import FreezeOnFault, NaNSource
 from kerasdbg.rules.rule import CLASSES, SCALAR_COLLECTIONS, Rule, RuleFired, RuleWarning
@@ -244,21 +245,42 @@ class StopOnRule(keras.callbacks.Callback):
         self._loss_checked = False
 
     def get_config(self) -> dict:
+        """The constructor's arguments, JSON-able: rules as `{"class_name",
+        "module", "config"}`, a callable `action` and the `suspend` classes by
+        their qualified names (a lambda or a nested function cannot be saved:
+        TypeError)."""
+        owner = type(self).__name__
+        action = self.action
+        if callable(action):
+            action = {"function": _qualified.name_of(owner, "action", action)}
         return {
             "rules": None if self.default_rules else
-            [{"class_name": r.name, "config": r.get_config()} for r in self.rules],
-            "action": self.action if isinstance(self.action, str) else None,
+            [rule_config(owner, r) for r in self.rules],
+            "action": action,
             "start_step": self.start_step,
             "freeze_on_fault": self.freeze_on_fault,
             "max_gradient_norm": self.max_gradient_norm,
             "locate_nan": self.locate_nan,
             "log_dir": self.log_dir,
+            "suspend": [_qualified.name_of(owner, "suspend", kind) for kind in self.suspend],
             "verbose": self.verbose,
             "strict": self.strict,
             "loss": self.loss,
             "every_n_steps": self.every_n_steps,
             "first_steps": self.first_steps,
         }
+
+    @classmethod
+    def from_config(cls, config: dict) -> "StopOnRule":
+        """The callback `get_config` describes."""
+        config = dict(config)
+        if config.get("rules") is not None:
+            config["rules"] = [rule_from_config(entry) for entry in config["rules"]]
+        if isinstance(config.get("action"), dict):
+            config["action"] = _qualified.resolve(config["action"]["function"])
+        if "suspend" in config:
+            config["suspend"] = tuple(_qualified.resolve(name) for name in config["suspend"])
+        return cls(**config)
 
     # ---------------------------------------------------------- set-up
     def _fault_rules(self, rules) -> List[Rule]:

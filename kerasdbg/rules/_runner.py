@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
+from kerasdbg import _qualified
 from kerasdbg._tags import StepRecord
 from kerasdbg.rules.rule import Rule, Verdict
 
@@ -11,6 +12,20 @@ EPOCH_PREFIX = "epoch/"
 """Tags recorded once per epoch (`epoch/loss`, `epoch/val_loss`, ...), at the
 step that ended the epoch. Rules see them as a record of their own, after the
 step's record, online and offline alike."""
+
+
+def rule_config(owner: str, rule: Rule) -> Dict[str, Any]:
+    """`{"class_name", "module", "config"}`: a rule in a JSON config."""
+    name = _qualified.name_of(owner, "rules", type(rule))
+    return {"class_name": type(rule).__name__, "module": name.rpartition(".")[0],
+            "config": rule.get_config()}
+
+
+def rule_from_config(entry: Mapping[str, Any]) -> Rule:
+    """The rule `rule_config` wrote (a built-in rule by its name alone too)."""
+    module = entry.get("module", "kerasdbg.rules")
+    cls = _qualified.resolve(f"{module}.{entry['class_name']}")
+    return cls.from_config(dict(entry.get("config", {})))
 
 
 def check_rules(owner: str, rules) -> List[Rule]:
