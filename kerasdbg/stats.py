@@ -21,6 +21,11 @@ sum overflows). Both paths give the same definitions:
 - a tensor with no finite element has NaN for those other moments; an empty
   tensor has `l2_norm` 0, NaN moments and `zero_fraction` NaN.
 
+Beyond these (`ALL_STATISTICS`), `WeightStatistics` records the statistics of
+the updates, `update_ratio` and `distance_from_start` (`UPDATE_STATISTICS`),
+and taps after an activation the fractions `dead_fraction` and
+`saturated_fraction` (`HEALTH_STATISTICS`). `EVERY_STATISTIC` lists them all.
+
 `tf.IndexedSlices` (e.g. the gradient of an `Embedding`) are described as the
 dense tensor they stand for, duplicated indices summed, as the optimizer sees
 them.
@@ -50,6 +55,27 @@ QUANTILES = {"p05": 0.05, "p50": 0.50, "p95": 0.95}
 """Quantile statistics, computed only when asked for (they sort each tensor)."""
 ALL_STATISTICS = STATISTICS + tuple(QUANTILES)
 """Every statistic `tensor_statistics` can compute."""
+UPDATE_STATISTICS = ("update_ratio", "distance_from_start")
+"""Statistics of the weights' updates, which `WeightStatistics` records (by
+default) besides those of `ALL_STATISTICS`: `update_ratio`, ||w_after -
+w_before|| / ||w_before|| of a step's update (0 when nothing moved, inf when a
+zero tensor moved), and `distance_from_start`, ||w_after - w_start|| since the
+`fit()` began."""
+HEALTH_STATISTICS = ("dead_fraction", "saturated_fraction")
+"""Fractions (0-1) of units that `TapLayer(activation=...)` records after an
+activation: dead ReLU units, saturated tanh or sigmoid units."""
+EVERY_STATISTIC = ALL_STATISTICS + UPDATE_STATISTICS + HEALTH_STATISTICS
+"""Every statistic a user can ask for anywhere in kerasdbg, by name: the
+tensor statistics (`GradientStatistics`, `WeightStatistics`, `TapLayer`,
+`PrintLayer`), the update statistics (`WeightStatistics`) and the taps' health
+fractions.
+
+Example:
+
+>>> from kerasdbg import stats
+>>> len(stats.EVERY_STATISTIC), stats.EVERY_STATISTIC[-4:]
+(16, ('update_ratio', 'distance_from_start', 'dead_fraction', 'saturated_fraction'))
+"""
 
 DEFAULT_HISTOGRAM_BINS = 30
 

@@ -243,3 +243,17 @@ def test_histograms_match_numpy(mode):
         assert (low, high) == (finite.min(), finite.max())
     np.testing.assert_array_equal(counts[2], [5, 0, 0, 0, 0, 0, 0, 0])
     assert np.isnan(ranges[3]).all() and counts[3].sum() == 0
+
+
+def test_every_statistic_a_user_can_ask_for_is_listed_in_stats():
+    from kerasdbg import stats as stats_lib
+    from kerasdbg.callbacks import weight_statistics
+    from kerasdbg.callbacks.gradient_statistics import GradientStatistics
+    from kerasdbg.layers import tap_layer
+
+    asked = (set(GradientStatistics.allowed_stats)
+             | set(weight_statistics.ALLOWED_WEIGHT_STATISTICS) | set(tap_layer.HEALTH))
+    assert asked == set(stats_lib.EVERY_STATISTIC)
+    assert len(stats_lib.EVERY_STATISTIC) == len(set(stats_lib.EVERY_STATISTIC))
+    for name in ("update_ratio", "distance_from_start", "dead_fraction", "saturated_fraction"):
+        assert f"`{name}`" in stats_lib.__doc__

@@ -27,7 +27,7 @@ Record = _tags.CaptureRecord
 """What one step recorded for one request (see `_tags.CaptureRecord`)."""
 
 
-WEIGHT_EXTRA_STATISTICS = ("update_ratio", "distance_from_start")
+WEIGHT_EXTRA_STATISTICS = stats_lib.UPDATE_STATISTICS
 MAX_CLASSES = 1000
 """Classes a "classes" request can count (its buffer is sized before the trace)."""
 MAX_STEP_SCALARS = 32

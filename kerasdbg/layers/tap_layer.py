@@ -19,7 +19,7 @@ DEFAULT_TAP_STATISTICS = (
     "mean", "std", "min", "max", "zero_fraction", "nan_count", "inf_count",
 )
 ACTIVATIONS = ("relu", "tanh", "sigmoid")
-HEALTH = ("dead_fraction", "saturated_fraction")
+HEALTH = stats_lib.HEALTH_STATISTICS
 
 # SageMaker Debugger's documented bounds on the *input* of the activation;
 # a tap sees the activation's output, so it compares with their images.

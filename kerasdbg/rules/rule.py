@@ -21,7 +21,7 @@ class Verdict(NamedTuple):
     >>> from kerasdbg.rules import AllZero
     >>> verdict = AllZero().check(4, {"weights/m/d/bias/zero_fraction": 1.0})
     >>> verdict.rule, verdict.step, verdict.tensors, verdict.values
-    ('AllZero', 4, ('m/d/bias',), {'m/d/bias': 100.0})
+    ('AllZero', 4, ('m/d/bias',), {'m/d/bias': 1.0})
     """
 
     rule: str
@@ -58,7 +58,7 @@ class RuleFired(RuntimeError):
     >>> from kerasdbg.rules import AllZero, RuleFired
     >>> error = RuleFired([AllZero().check(3, {"weights/m/d/bias/zero_fraction": 1.0})])
     >>> str(error)
-    'AllZero at step 3: at least 100% zeros in weights: m/d/bias=100'
+    'AllZero at step 3: zero_fraction at or above 1 in weights: m/d/bias=1'
     >>> error.verdicts[0].step
     3
     """
