@@ -441,7 +441,7 @@ def _plot_epochs(epochs: pd.DataFrame, path: str) -> str:
 def _plot_heatmap(frame: pd.DataFrame, path: str, title: str, what: str,
                   log: bool = True, unit: str = "") -> str:
     """Steps x columns of `frame` as colours, one row per column in name order,
-    log10 (blank: zero or non-finite) or linear (0-100, for percents). Row labels
+    log10 (blank: zero or non-finite) or linear (0-1, for fractions). Row labels
     thin out (every n-th) to stay legible with hundreds of rows; the height is
     bounded."""
     plt, MaxNLocator = _pyplot()
@@ -459,7 +459,7 @@ def _plot_heatmap(frame: pd.DataFrame, path: str, title: str, what: str,
     stride = max(1, math.ceil(rows * 10 / (96 * (height - 0.8))))  # >= 10 px per label
     figure, axes = plt.subplots(figsize=(8, height))
     image = axes.imshow(shown, aspect="auto", interpolation="nearest", cmap="viridis",
-                        vmin=None if log else 0, vmax=None if log else 100,
+                        vmin=None if log else 0, vmax=None if log else 1,
                         extent=(frame.index.min() - 0.5, frame.index.max() + 0.5,
                                 rows - 0.5, -0.5))
     axes.set_yticks(range(0, rows, stride))
@@ -611,9 +611,9 @@ def _write(data: Dict[str, object], out: Optional[str]) -> str:
     health: pd.DataFrame = data["activations"]
     fractions = [c for c in health.columns if c.endswith("_fraction")]
     if fractions:
-        per_variable("activation_health", "Activation health", 100 * health[fractions],
+        per_variable("activation_health", "Activation health", health[fractions],
                      _strip(fractions, "activations/", ""), "dead / saturated units of the taps",
-                     "percent of units", "tap statistics", log=False)
+                     "fraction of units", "tap statistics", log=False)
     elif len(health.columns):
         per_variable("activation_health", "Activation spread", health,
                      _strip(health.columns, "activations/", "/std"),
