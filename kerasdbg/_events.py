@@ -7,7 +7,9 @@ computes the record CRC in pure Python, which cost about 2 ms per step of a
 small CNN with 180 scalars; the C++ writer makes it negligible.
 
 One `Event` per step carries every scalar and histogram of that step: one
-proto per step rather than one summary op per value. Scalars are written as
+proto per step rather than one summary op per value. The same values go to
+the analysis store beside the event file (`kerasdbg._store`), which
+`load_run` reads instead of the event file. Scalars are written as
 `simple_value` (TensorBoard's scalar dashboard and reader take them as
 `tf.summary.scalar` data); histograms and text carry their plugin metadata
 on the first write of each tag.
@@ -18,8 +20,10 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import shutil
 import socket
 import time
+import warnings
 from typing import Dict, Mapping, Optional, Tuple
 
 import numpy as np
@@ -28,6 +32,8 @@ from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2
 from tensorboard.compat.proto import tensor_shape_pb2, types_pb2
 from tensorboard.plugins.histogram import metadata as histogram_metadata
 from tensorboard.plugins.text import metadata as text_metadata
+
+from kerasdbg import _store
 
 _FILE_IDS = itertools.count()
 FLUSH_SECONDS = 30.0
@@ -64,6 +70,13 @@ class EventWriter:
         )
         self.path = os.path.join(log_dir, name)
         self._writer = tf.io.TFRecordWriter(self.path)
+        # The analysis store beside the event file (local directories only).
+        self._store: Optional[_store.StoreWriter] = None
+        if "://" not in self.path:
+            try:
+                self._store = _store.StoreWriter(self.path)
+            except OSError as error:
+                self._drop_store(error)
         self._writer.write(
             event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString()
         )
@@ -136,6 +149,16 @@ class EventWriter:
         if not event.summary.value:
             return
         self._writer.write(event.SerializeToString())
+        if self._store is not None:
+            try:
+                if scalars:
+                    self._store.scalars(event.step, event.wall_time, scalars)
+                if histograms:
+                    self._store.histograms(event.step, event.wall_time, histograms)
+                if texts:
+                    self._store.texts(event.step, event.wall_time, texts)
+            except OSError as error:
+                self._drop_store(error)
         if time.monotonic() - self._last_flush > FLUSH_SECONDS:
             self.flush()
 
@@ -155,10 +178,46 @@ class EventWriter:
 
     def flush(self) -> None:
         self._writer.flush()
+        if self._store is not None:
+            try:
+                self._store.flush()
+            except OSError as error:
+                self._drop_store(error)
         self._last_flush = time.monotonic()
 
     def close(self) -> None:
         self._writer.close()
+        if self._store is not None:
+            try:
+                self._store.close()
+            except OSError as error:
+                self._drop_store(error)
+
+    def _drop_store(self, error: OSError) -> None:
+        """An analysis store that could not be written is removed, whole, so
+        that the reader reads the event file instead; the event file goes on."""
+        self._store = None
+        path = _store.store_path(self.path)
+        shutil.rmtree(path, ignore_errors=True)
+        warnings.warn(
+            f"kerasdbg could not write the analysis store {path!r} ({type(error).__name__}: "
+            f"{error}); the event file goes on, and load_run reads it instead (slower on "
+            "large runs).", RuntimeWarning, stacklevel=3)
+
+    def write_summary(self, step: int, summary: summary_pb2.Summary) -> None:
+        """Writes one event holding `summary` as given, its values carrying
+        their own plugin metadata (the custom-scalars layout of
+        `kerasdbg._layout`), and flushes it. Event file only: the values are
+        for TensorBoard's plugins, not records.
+
+        Args:
+            step: the step of the event.
+            summary: the values, with their `metadata`.
+        """
+        event = event_pb2.Event(wall_time=time.time(), step=int(step))
+        event.summary.CopyFrom(summary)
+        self._writer.write(event.SerializeToString())
+        self.flush()
 
 
 def _same(old: Optional[Tuple[int, float]], new: Tuple[int, float]) -> bool:

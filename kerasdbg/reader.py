@@ -1,20 +1,26 @@
 """`load_run`: reads a kerasdbg / TensorBoard log directory into pandas.
 
-Built on TensorBoard's own event reading (`plugin_event_multiplexer`), which
-migrates legacy summaries, understands the plugins' metadata and stops
-cleanly at a truncated last record.
+An event file that kerasdbg wrote has an analysis store beside it
+(`kerasdbg._store`): fixed-width rows per set of tags, read through a memory
+map, column by column, so a query reads only what it asks for. Every other
+event file (TensorBoard's own callback, runs written before the store
+existed) is read with TensorBoard's own event reading
+(`plugin_event_accumulator`), which migrates legacy summaries, understands the
+plugins' metadata and stops cleanly at a truncated last record.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import pandas as pd
-from tensorboard.backend.event_processing import plugin_event_multiplexer
+from tensorboard.backend.event_processing import io_wrapper, plugin_event_accumulator
 from tensorboard.util import tensor_util
+
+from kerasdbg import _store
 
 _KINDS = {"scalars": "scalars", "histograms": "histograms", "text": "text"}
 REDUCTIONS = ("mean", "std", "min", "max", "l2_norm", "norm")
@@ -61,30 +67,57 @@ class Run:
             )
         self.log_dir = log_dir
         self._dropped: Dict[tuple, set] = {}
-        self._multiplexer = plugin_event_multiplexer.EventMultiplexer(
-            size_guidance={"tensors": 0},
-            tensor_size_guidance={"scalars": 0, "histograms": 0, "text": 0},
-            purge_orphaned_data=False,
-        )
-        self._multiplexer.AddRunsFromDirectory(log_dir)
+        self._accumulators: Dict[str, plugin_event_accumulator.EventAccumulator] = {}
 
-    def _reload(self) -> None:
-        self._multiplexer.AddRunsFromDirectory(self.log_dir)
-        self._multiplexer.Reload()
+    def _sources(self) -> Dict[str, Tuple[List[str], List[str]]]:
+        """run name -> (stores, other event files), as TensorBoard names runs
+        (a directory holding event files, by its path relative to `log_dir`)."""
+        runs: Dict[str, Tuple[List[str], List[str]]] = {}
+        for directory, subdirectories, files in os.walk(self.log_dir):
+            subdirectories[:] = sorted(d for d in subdirectories if d != _store.DIRECTORY)
+            events = sorted(f for f in files if io_wrapper.IsSummaryEventsFile(f))
+            if not events:
+                continue
+            stores, others = [], []
+            for name in events:
+                path = os.path.join(directory, name)
+                store = _store.store_path(path)
+                (stores if os.path.isdir(store) else others).append(store if os.path.isdir(
+                    store) else path)
+            runs[os.path.relpath(directory, self.log_dir)] = (stores, others)
+        return runs
+
+    def _accumulator(self, path: str) -> plugin_event_accumulator.EventAccumulator:
+        """TensorBoard's reader of one event file, reloaded (it reads what was
+        appended since the last call)."""
+        accumulator = self._accumulators.get(path)
+        if accumulator is None:
+            accumulator = self._accumulators[path] = plugin_event_accumulator.EventAccumulator(
+                path, size_guidance={"tensors": 0},
+                tensor_size_guidance={"scalars": 0, "histograms": 0, "text": 0},
+                purge_orphaned_data=False)
+        accumulator.Reload()
+        return accumulator
 
     @property
     def runs(self) -> List[str]:
         """Names of the runs (sub-directories with event files), sorted."""
-        self._reload()
-        return sorted(self._multiplexer.Runs())
+        return sorted(self._sources())
+
+    def _selected(self, run: Optional[str]):
+        for name, (stores, others) in sorted(self._sources().items()):
+            if run is None or name == run:
+                yield name, stores, others
 
     def _tags(self, kind: str, run: Optional[str]):
-        self._reload()
-        content = self._multiplexer.PluginRunToTagToContent(_KINDS[kind])
-        for name, tags in sorted(content.items()):
-            if run is None or name == run:
-                for tag in sorted(tags):
-                    yield name, tag
+        for name, stores, others in self._selected(run):
+            tags = set()
+            for store in stores:
+                tags.update(_store.tags(store, kind))
+            for path in others:
+                tags.update(_plugin_tags(self._accumulator(path), kind))
+            for tag in sorted(tags):
+                yield name, tag
 
     def tags(self, pattern: Optional[str] = None, kind: str = "scalars",
              run: Optional[str] = None) -> List[str]:
@@ -106,23 +139,47 @@ class Run:
             tags = {t for t in tags if re.search(pattern, t)}
         return sorted(tags)
 
-    def _events(self, name: str, tag: str) -> list:
-        """The events of one tag in the order they were written, without
-        those a rollback abandoned: an event at a step at or below an earlier
-        one (a run resumed from a backup, e.g. `BackupAndRestore`) drops the
-        earlier events from that step on, as TensorBoard purges orphaned
-        data. The drops are kept for `rollbacks`."""
-        events = sorted(self._multiplexer.Tensors(name, tag), key=lambda e: e.wall_time)
-        kept: list = []
-        for event in events:
-            if kept and event.step <= kept[-1].step:
-                dropped = [e for e in kept if e.step >= event.step]
-                kept = [e for e in kept if e.step < event.step]
-                if any(e.step > event.step for e in dropped):
-                    self._dropped.setdefault((name, int(event.step)), set()).update(
-                        int(e.step) for e in dropped)
+    def _events(self, name: str, tag: str) -> List[Tuple[int, float]]:
+        """`(step, wall_time)` of one tag's writes, in the order they were
+        written, without those a rollback abandoned (see `_keep_latest`); the
+        drops are kept for `rollbacks`."""
+        written = []
+        for run, stores, others in self._selected(name):
+            for kind in ("scalars", "histograms", "text"):
+                for row in self._read(kind, stores, others, lambda t: t == tag):
+                    written.append((int(row[1]), float(row[2])))
+        written.sort(key=lambda e: e[1])
+        kept: List[Tuple[int, float]] = []
+        for event in written:
+            if kept and event[0] <= kept[-1][0]:
+                dropped = [e for e in kept if e[0] >= event[0]]
+                kept = [e for e in kept if e[0] < event[0]]
+                if any(e[0] > event[0] for e in dropped):
+                    self._dropped.setdefault((name, event[0]), set()).update(
+                        e[0] for e in dropped)
             kept.append(event)
         return kept
+
+    def _read(self, kind: str, stores: List[str], others: List[str], wanted) -> list:
+        """`(tag, step, wall_time, value)` rows of `kind` from stores and
+        event files: value a float, `(edges, counts)` or a text."""
+        rows: list = []
+        for store in stores:
+            if kind == "scalars":
+                tags, steps, walls, values = _store.scalars(store, wanted)
+                rows += zip(tags, steps.astype(np.int64), walls, values)
+            elif kind == "histograms":
+                rows += [(t, s, w, (e, c)) for t, s, w, e, c in _store.histograms(store, wanted)]
+            else:
+                rows += _store.texts(store, wanted)
+        for path in others:
+            accumulator = self._accumulator(path)
+            for tag in _plugin_tags(accumulator, kind):
+                if wanted(tag):
+                    rows += [(tag, int(e.step), float(e.wall_time),
+                              tensor_util.make_ndarray(e.tensor_proto))
+                             for e in accumulator.Tensors(tag)]
+        return rows
 
     def rollbacks(self, run: Optional[str] = "train") -> pd.DataFrame:
         """Where training was rolled back and resumed (e.g. by
@@ -154,24 +211,45 @@ class Run:
         return pd.DataFrame(rows, columns=["run", "step", "dropped"])
 
     def _frame(self, kind: str, tag_or_regex: str, run: Optional[str], convert):
-        rows = []
-        matched = [
-            (name, tag)
-            for name, tag in self._tags(kind, run)
-            if tag == tag_or_regex or re.fullmatch(tag_or_regex, tag)
-        ]
-        if not matched:
+        wanted = _store.matcher(tag_or_regex)
+        frames = []
+        for name, stores, others in self._selected(run):
+            if kind == "scalars":
+                frames.append(self._scalar_frame(name, stores, others, wanted))
+                continue
+            rows = [dict(run=name, tag=tag, step=step, wall_time=wall, **convert(value))
+                    for tag, step, wall, value in self._read(kind, stores, others, wanted)]
+            if rows:
+                frames.append(_keep_latest(pd.DataFrame(rows)))
+        frames = [f for f in frames if len(f)]
+        if not frames:
             raise KeyError(
                 f"load_run: no {kind} tag matches {tag_or_regex!r} in {self.log_dir!r}. "
                 f"Tags: {', '.join(self.tags(kind=kind, run=run)) or '(none)'}"
             )
-        for name, tag in matched:
-            for event in self._events(name, tag):
-                rows.append(
-                    dict(run=name, tag=tag, step=event.step, wall_time=event.wall_time,
-                         **convert(tensor_util.make_ndarray(event.tensor_proto)))
-                )
-        return pd.DataFrame(rows).sort_values(["run", "tag", "step"], kind="stable").reset_index(drop=True)
+        frame = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
+        return frame.sort_values(["run", "tag", "step"], kind="stable").reset_index(drop=True)
+
+    def _scalar_frame(self, name: str, stores: List[str], others: List[str],
+                      wanted) -> pd.DataFrame:
+        """The scalars of one run, column arrays from the stores (no row objects)."""
+        parts = []
+        for store in stores:
+            tags, steps, walls, values = _store.scalars(store, wanted)
+            if len(tags):
+                parts.append(pd.DataFrame({"tag": tags, "step": steps.astype(np.int64),
+                                           "wall_time": walls, "value": values}))
+        rows = self._read("scalars", [], others, wanted)
+        if rows:
+            tags, steps, walls, values = zip(*rows)
+            parts.append(pd.DataFrame({"tag": list(tags), "step": np.array(steps, np.int64),
+                                       "wall_time": np.array(walls, np.float64),
+                                       "value": np.array([float(v) for v in values])}))
+        if not parts:
+            return pd.DataFrame()
+        frame = pd.concat(parts, ignore_index=True) if len(parts) > 1 else parts[0]
+        frame.insert(0, "run", name)
+        return _keep_latest(frame)
 
     def scalars(self, tag_or_regex: str, run: Optional[str] = None) -> pd.DataFrame:
         """Scalar values: columns `run`, `tag`, `step`, `wall_time`, `value`.
@@ -229,7 +307,7 @@ class Run:
         """
         for kind in ("scalars", "histograms"):
             if any(t == tag for _, t in self._tags(kind, run)):
-                return sorted({int(e.step) for name, t in self._tags(kind, run) if t == tag
+                return sorted({e[0] for name, t in self._tags(kind, run) if t == tag
                                for e in self._events(name, t)})
         raise KeyError(
             f"Run.steps: no scalar or histogram tag {tag!r} in run {run!r} of "
@@ -298,6 +376,8 @@ class Run:
         """
 
         def convert(array):
+            if isinstance(array, tuple):  # from a store: (edges, counts)
+                return {"edges": np.asarray(array[0]), "counts": np.asarray(array[1])}
             array = np.asarray(array, dtype=np.float64).reshape(-1, 3)
             edges = np.append(array[:, 0], array[-1, 1]) if len(array) else np.zeros(0)
             return {"edges": edges, "counts": array[:, 2]}
@@ -317,6 +397,30 @@ class Run:
             return {"text": value.decode("utf-8") if isinstance(value, bytes) else str(value)}
 
         return self._frame("text", tag_or_regex, run, convert)
+
+
+def _plugin_tags(accumulator, kind: str) -> List[str]:
+    """The tags of one plugin in an event file (none when it has no such data)."""
+    try:
+        return list(accumulator.PluginTagToContent(_KINDS[kind]))
+    except KeyError:
+        return []
+
+
+def _keep_latest(frame: pd.DataFrame) -> pd.DataFrame:
+    """The rows of each (run, tag) that no later write abandoned, in the order
+    they were written (by wall time): a write at a step at or below an
+    earlier one (a run resumed from a backup, e.g. `BackupAndRestore`, or a
+    step written twice) drops the earlier writes from that step on, as
+    TensorBoard purges orphaned data."""
+    if not len(frame):
+        return frame
+    frame = frame.sort_values(["tag", "wall_time"], kind="stable")
+    backwards = frame.iloc[::-1]
+    later_min = backwards.groupby("tag", sort=False)["step"].cummin().groupby(
+        backwards["tag"], sort=False).shift(1)
+    keep = later_min.isna().to_numpy() | (backwards["step"].to_numpy() < later_min.to_numpy())
+    return backwards[keep].iloc[::-1]
 
 
 class Tensor:

@@ -2,6 +2,7 @@
 
 import glob
 import os
+import re
 import shutil
 
 import numpy as np
@@ -10,6 +11,7 @@ import tensorflow as tf
 from tensorboard.compat.proto import event_pb2
 
 from kerasdbg import _events
+from kerasdbg import _store
 from kerasdbg import load_run
 
 
@@ -255,3 +257,115 @@ def test_a_run_being_written_shows_its_new_steps_through_tensor(tmp_path):
     writer.write(3, {"a/loss": 1.5}, {}, {})
     writer.flush()
     assert loss.steps() == [1, 2, 3] and loss.value(3) == 1.5
+
+
+# ------------------------------------------------------------ the analysis store
+def _mixed_run(log_dir):
+    """Steps with two tag sets, a NaN, a rollback (steps 3-4 written again), histograms
+    and text; returns the writer."""
+    writer = _events.EventWriter(os.path.join(log_dir, "train"))
+    for step in [1, 2, 3, 4, 3, 4, 5]:
+        scalars = {"gradients/m/d/kernel/l2_norm": step * 1.5, "step/loss": 1.0 / step}
+        if step % 2:
+            scalars["gradients/m/d/kernel/mean"] = float("nan") if step == 3 else -step
+        writer.write(step, scalars, {"gradients/m/d/kernel": (np.arange(4.0) * step, -1.0, 1.0)},
+                     {"rules/verdicts": f"| r | {step} |"} if step == 4 else {})
+    writer.flush()
+    return writer
+
+
+def _everything(run):
+    return (run.scalars(".*"), run.histograms(".*"), run.texts(".*"), run.rollbacks(),
+            run.tags(), run.tags(kind="histograms"), run.tags(kind="text"),
+            run.steps("step/loss"), run.tensor("gradients/m/d/kernel").values())
+
+
+def _assert_same(got, want):
+    for a, b in zip(got, want):
+        if isinstance(a, __import__("pandas").DataFrame):
+            assert list(a.columns) == list(b.columns)
+            for column in a.columns:
+                for x, y in zip(a[column], b[column]):
+                    if isinstance(x, np.ndarray):
+                        np.testing.assert_array_equal(x, y)
+                    elif isinstance(x, float):
+                        # Event files hold float32 scalars; the store float64.
+                        assert np.float32(x) == np.float32(y) or (np.isnan(x) and np.isnan(y)), (
+                            column, x, y)
+                    else:
+                        assert x == y, (column, x, y)
+        elif isinstance(a, dict):
+            assert a.keys() == b.keys()
+            for key in a:
+                np.testing.assert_allclose(list(a[key].values()), list(b[key].values()),
+                                           rtol=1e-7)
+        else:
+            assert a == b
+
+
+def test_a_run_reads_the_same_from_its_store_and_from_its_event_file(tmp_path):
+    writer = _mixed_run(str(tmp_path / "logs"))
+    store = _store.store_path(writer.path)
+    assert os.path.isdir(store)
+    from_store = _everything(load_run(str(tmp_path / "logs")))
+    shutil.copytree(tmp_path / "logs", tmp_path / "old")  # a run written before the store
+    shutil.rmtree(tmp_path / "old" / "train" / _store.DIRECTORY)
+    from_events = _everything(load_run(str(tmp_path / "old")))
+    _assert_same(from_store, from_events)
+    frame = from_store[0]
+    loss = frame[frame.tag == "step/loss"]
+    assert loss.step.tolist() == [1, 2, 3, 4, 5]  # the rollback keeps the later writes
+    assert from_store[3].to_dict("records") == [{"run": "train", "step": 3, "dropped": [3, 4]}]
+    assert np.isnan(frame[(frame.tag == "gradients/m/d/kernel/mean") & (frame.step == 3)]
+                    .value.iloc[0])
+
+
+def test_a_store_cut_by_a_crash_reads_up_to_its_last_complete_row(tmp_path):
+    writer = _mixed_run(str(tmp_path))
+    store = _store.store_path(writer.path)
+    before = load_run(str(tmp_path))
+    want = before.scalars(".*")
+    # A crash in the middle of a row, of a line, and before a set's header was renamed.
+    for name in os.listdir(store):
+        if name.endswith(".f64"):
+            with open(os.path.join(store, name), "ab") as stream:
+                stream.write(b"\x00" * 12)
+    with open(os.path.join(store, "texts.jsonl"), "a") as stream:
+        stream.write('{"step": 6, "wall_ti')
+    with open(os.path.join(store, ".s9.json.tmp"), "w") as stream:
+        stream.write('{"format": 1, "kind": "sca')
+    with open(os.path.join(store, "s9.f64"), "wb") as stream:
+        stream.write(np.ones(5).tobytes())
+    after = load_run(str(tmp_path))
+    _assert_same([after.scalars(".*")], [want])
+    assert after.texts(".*").step.tolist() == [4]
+
+
+def test_a_store_that_cannot_be_written_is_removed_and_the_event_file_read(tmp_path, monkeypatch):
+    def fail(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    writer = _events.EventWriter(os.path.join(str(tmp_path), "train"))
+    writer.write(1, {"a/x": 1.0})
+    monkeypatch.setattr(_store.StoreWriter, "scalars", fail)
+    with pytest.warns(RuntimeWarning, match=re.escape(
+            "kerasdbg could not write the analysis store")):
+        writer.write(2, {"a/x": 2.0})
+    writer.write(3, {"a/x": 3.0})
+    writer.flush()
+    assert not os.path.exists(_store.store_path(writer.path))
+    assert load_run(str(tmp_path)).scalars("a/x").value.tolist() == [1.0, 2.0, 3.0]
+
+
+def test_the_store_is_invisible_to_tensorboard(tmp_path):
+    """TensorBoard takes any path with "tfevents" in its name for an event file."""
+    from tensorboard.backend.event_processing import io_wrapper, plugin_event_multiplexer
+
+    _mixed_run(str(tmp_path))
+    paths = [os.path.join(d, n) for d, ds, fs in os.walk(tmp_path) for n in ds + fs]
+    assert [p for p in paths if io_wrapper.IsSummaryEventsFile(p)] == glob.glob(
+        str(tmp_path / "train" / "events.out.tfevents.*"))
+    multiplexer = plugin_event_multiplexer.EventMultiplexer()
+    multiplexer.AddRunsFromDirectory(str(tmp_path))
+    multiplexer.Reload()
+    assert list(multiplexer.Runs()) == ["train"]
