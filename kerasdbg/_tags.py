@@ -23,7 +23,8 @@ shorter tags.
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Tuple
+import re
+from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 APPLIED_GRADIENTS = "applied_gradients"
 STEP = "step"
@@ -50,6 +51,34 @@ def column(tag: str, kind: str) -> str:
     without its `<kind>/` prefix (other tags keep theirs)."""
     prefix = f"{kind}/"
     return tag[len(prefix):] if tag.startswith(prefix) else tag
+
+
+# ------------------------------------------------------------ patterns
+# Regular expressions of groups of tags, for TensorBoard's custom-scalars
+# layout (`kerasdbg._layout`), whose plugin applies them with `re.match`;
+# anchored at both ends, so that they also select exactly these tags where
+# they are searched for (the Scalars tab's tag filter).
+ACTIVATIONS = "activations"
+"""`activations/<tap>/<stat>`: the statistics of `TapLayer`s."""
+TIME = "time"
+"""`time/<name>`: `StepTimer`'s timings of each execution (`time/step_seconds`, ...)."""
+
+
+def statistic_pattern(kind: str, stat: str) -> str:
+    """The tags `<kind>/<tensor>/<stat>` of every tensor (variable or tap)."""
+    return f"^{re.escape(kind)}/.+/{re.escape(stat)}$"
+
+
+def per_optimizer_pattern(kind: str, name: str) -> str:
+    """The tag `<kind>/<name>` and every `<kind>/<optimizer>/<name>`."""
+    return f"^{re.escape(kind)}/(.+/)?{re.escape(name)}$"
+
+
+def scalar_pattern(collection: str, names: Sequence[str]) -> str:
+    """The tags `<collection>/<name>` of `names` (`step/loss`, `time/step_seconds`)."""
+    names = "|".join(re.escape(n) for n in names)
+    return f"^{re.escape(collection)}/{names}$" if "|" not in names else \
+        f"^{re.escape(collection)}/({names})$"
 
 
 # --------------------------------------------------------------- faults
@@ -168,6 +197,68 @@ def values_of(record: Record, collection: str, statistic: str) -> Iterator[Tuple
         parts = tag_parts(tag)
         if parts and parts[0] == collection and parts[2] == statistic:
             yield parts[1], float(value)
+
+
+# ------------------------------------------------------------- verdicts
+VERDICT_TENSORS = 5
+"""Tensors listed per verdict in the `rules/verdicts` text; the others are counted."""
+_VERDICT_ROW = re.compile(
+    r"^\|\s*(?P<rule>[^|]*?)\s*\|\s*(?P<step>-?\d+)\s*\|\s*(?P<tensors>[^|]*?)\s*\|"
+    r"\s?(?P<reason>.*?)\s*\|\s*$")
+_VERDICT_HEAD = re.compile(r"^\|\s*rule\s*\|\s*step\s*\||^\|[-:| ]*\|\s*$")
+_MORE = re.compile(r"\s*\.\.\.(?: and (?P<count>\d+) more)?$")
+
+
+def verdict_markdown(verdicts: Sequence[Any]) -> str:
+    """The `rules/verdicts` text of `StopOnRule`: a Markdown table `| rule |
+    step | tensors | reason |` (TensorBoard's Text dashboard renders it);
+    `verdict_rows` reads it back.
+
+    Example:
+
+    >>> from kerasdbg._tags import verdict_markdown, verdict_rows
+    >>> from kerasdbg.rules import AllZero
+    >>> text = verdict_markdown([AllZero().check(3, {"weights/m/d/bias/zero_fraction": 1.0})])
+    >>> print(text)
+    | rule | step | tensors | reason |
+    |---|---|---|---|
+    | AllZero | 3 | m/d/bias | AllZero at step 3: zero_fraction at or above 1 in weights: m/d/bias=1 |
+    >>> verdict_rows(text)[0]["tensors"]
+    ['m/d/bias']
+    """
+    rows = ["| rule | step | tensors | reason |", "|---|---|---|---|"]
+    for v in verdicts:
+        hidden = len(v.tensors) - VERDICT_TENSORS
+        tensors = ", ".join(v.tensors[:VERDICT_TENSORS]) + (
+            f" ... and {hidden} more" if hidden > 0 else "")
+        rows.append(f"| {v.rule} | {v.step} | {tensors} | {v.reason} |")
+    return "\n".join(rows)
+
+
+def verdict_rows(text: str) -> List[Dict[str, Any]]:
+    """The rows of a `verdict_markdown` text, in order: dicts of `rule`,
+    `step` (None for a line that is not a row, kept as a `reason`),
+    `tensors` (a list), `hidden` (tensors left out of the list; -1 when a
+    run written before this count says only " ...") and `reason`. The
+    reason is the last cell, so it may itself hold a "|"."""
+    rows = []
+    for line in str(text).splitlines():
+        line = line.strip()
+        if not line or _VERDICT_HEAD.match(line):
+            continue
+        match = _VERDICT_ROW.match(line)
+        if match is None:
+            rows.append({"rule": "", "step": None, "tensors": [], "hidden": 0, "reason": line})
+            continue
+        tensors, hidden = match["tensors"], 0
+        more = _MORE.search(tensors)
+        if more is not None:
+            hidden = int(more["count"]) if more["count"] else -1
+            tensors = tensors[:more.start()]
+        rows.append({"rule": match["rule"], "step": int(match["step"]),
+                     "tensors": [t.strip() for t in tensors.split(",") if t.strip()],
+                     "hidden": hidden, "reason": match["reason"]})
+    return rows
 
 
 # ------------------------------------------------------------- records

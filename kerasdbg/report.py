@@ -12,6 +12,7 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 import pandas as pd
 
+from kerasdbg import _tags
 from kerasdbg.reader import Run, load_run
 from kerasdbg.rules.rule import CLASSES, COLLECTIONS, SCALAR_COLLECTIONS
 
@@ -249,47 +250,26 @@ def _verdict_count(verdicts: pd.DataFrame) -> int:
     return sum(max(text.count("\n") - 1, 0) for text in verdicts.get("text", []))
 
 
-# A row of StopOnRule's markdown table `| rule | step | tensors | reason |`: the
-# tensors are `, `-separated, cut after five with " ..."; the reason is the last
-# cell, so it may itself hold a "|" (ExplodingTensor's "|values| above ...").
-_VERDICT_ROW = re.compile(
-    r"^\|\s*(?P<rule>[^|]*?)\s*\|\s*(?P<step>-?\d+)\s*\|\s*(?P<tensors>[^|]*?)\s*\|"
-    r"\s?(?P<reason>.*?)\s*\|\s*$")
-_TABLE_HEAD = re.compile(r"^\|\s*rule\s*\|\s*step\s*\||^\|[-:| ]*\|\s*$")
-
-
 def _verdict_rows(verdicts: pd.DataFrame) -> List[Dict[str, object]]:
-    """The rows of the verdict texts (`collect(...)["verdicts"]`), in order: dicts of
-    `rule`, `step`, `tensors` (a list), `cut` (True where the writer left tensors
-    out, " ...") and `reason`. A line that is not a table row is kept as a reason."""
+    """The rows of the verdict texts (`collect(...)["verdicts"]`), in order
+    (`_tags.verdict_rows`; a line that is not a row takes its text's step)."""
     rows = []
     for step, text in zip(verdicts.get("step", []), verdicts.get("text", [])):
-        for line in str(text).splitlines():
-            line = line.strip()
-            if not line or _TABLE_HEAD.match(line):
-                continue
-            match = _VERDICT_ROW.match(line)
-            if match is None:
-                rows.append({"rule": "", "step": int(step), "tensors": [], "cut": False,
-                             "reason": line})
-                continue
-            tensors = match["tensors"]
-            cut = tensors.endswith("...")
-            tensors = tensors[:-3].strip() if cut else tensors
-            rows.append({"rule": match["rule"], "step": int(match["step"]),
-                         "tensors": [t.strip() for t in tensors.split(",") if t.strip()],
-                         "cut": cut, "reason": match["reason"]})
+        for row in _tags.verdict_rows(text):
+            rows.append({**row, "step": int(step) if row["step"] is None else row["step"]})
     return rows
 
 
-def _tensor_cell(tensors: List[str], cut: bool) -> str:
+def _tensor_cell(tensors: List[str], hidden: int) -> str:
+    """At most `TENSORS_PER_CELL` tensors, then how many more (`hidden`: those
+    the writer left out; -1 when it did not count them)."""
     shown = "<br>".join(f"<code>{html.escape(t)}</code>" for t in tensors[:TENSORS_PER_CELL])
-    hidden = len(tensors) - TENSORS_PER_CELL
-    if hidden > 0:
-        more = f"… and {hidden}{'+' if cut else ''} more"
+    more = max(len(tensors) - TENSORS_PER_CELL, 0) + max(hidden, 0)
+    if more:
+        text = f"… and {more}{'+' if hidden < 0 else ''} more"
     else:
-        more = "… and more" if cut else ""
-    return shown + (f"<br><em>{more}</em>" if more else "")
+        text = "… and more" if hidden < 0 else ""
+    return shown + (f"<br><em>{text}</em>" if text else "")
 
 
 def _verdict_table(verdicts: pd.DataFrame) -> str:
@@ -299,7 +279,7 @@ def _verdict_table(verdicts: pd.DataFrame) -> str:
         return "<p>None recorded (StopOnRule(log_dir=...) writes them).</p>"
     body = "".join(
         f"<tr><td>{html.escape(r['rule'])}</td><td>{r['step']}</td>"
-        f"<td>{_tensor_cell(r['tensors'], r['cut'])}</td><td>{html.escape(r['reason'])}</td></tr>"
+        f"<td>{_tensor_cell(r['tensors'], r['hidden'])}</td><td>{html.escape(r['reason'])}</td></tr>"
         for r in rows[:VERDICT_ROWS])
     left = len(rows) - VERDICT_ROWS
     note = (f"<p>… and {left} more verdicts (all of them: TensorBoard's Text dashboard, tag "

@@ -14,6 +14,7 @@ from kerasdbg import _capture
 from kerasdbg import _qualified
 from kerasdbg import _events
 from kerasdbg import _keras_internals as internals
+from kerasdbg import _layout
 from kerasdbg import _validation as check
 from kerasdbg import schedule as schedule_lib
 from kerasdbg import stats as stats_lib
@@ -410,6 +411,7 @@ class StopOnRule(keras.callbacks.Callback):
         self._writer = None
         if self.log_dir is not None:
             self._writer = open_writer(type(self).__name__, self.log_dir, self.strict)
+            _layout.add(type(self).__name__, self._writer, _layout.loss_lines(), self.strict)
         engine = _capture.engine_for(self.model)
         for request in requests:
             request.consumer = lambda records, request=request: self._take(request, records)
@@ -589,7 +591,7 @@ class StopOnRule(keras.callbacks.Callback):
             return
         self.verdicts.extend(verdicts)
         if self._writer is not None:
-            self._writer.write(step, texts={VERDICT_TAG: _markdown(verdicts)})
+            self._writer.write(step, texts={VERDICT_TAG: _tags.verdict_markdown(verdicts)})
             self._writer.flush()
         if self.verbose:
             for verdict in verdicts:
@@ -643,11 +645,3 @@ def _silence(callback) -> None:
     for hook in _SUSPENDED_HOOKS:
         internals.unpatch(callback, hook)
         internals.patch(callback, hook, last if hook == "on_train_end" else nothing)
-
-
-def _markdown(verdicts: List[Verdict]) -> str:
-    rows = ["| rule | step | tensors | reason |", "|---|---|---|---|"]
-    for v in verdicts:
-        tensors = ", ".join(v.tensors[:5]) + (" ..." if len(v.tensors) > 5 else "")
-        rows.append(f"| {v.rule} | {v.step} | {tensors} | {v.reason} |")
-    return "\n".join(rows)

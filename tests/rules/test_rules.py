@@ -333,3 +333,19 @@ def test_tensor_variance_fires_on_dead_and_on_huge_activations(tmp_path):
         TensorVariance()
     with pytest.raises(ValueError, match="UnchangedTensor: `num_steps` must be at least 2"):
         UnchangedTensor(num_steps=1)
+
+
+def test_the_verdict_text_reads_back_with_its_tensor_count_and_a_bar_in_the_reason():
+    from kerasdbg import _tags
+
+    values = {f"gradients/v{i}/min": -1e9 for i in range(12)}
+    values.update({f"gradients/v{i}/max": 1.0 for i in range(12)})
+    values.update({f"gradients/v{i}/nan_count": 0.0 for i in range(12)})
+    verdict = ExplodingTensor(threshold=10.0).check(7, values)
+    assert "|values| above 10" in verdict.reason and len(verdict.tensors) == 12
+    (row,) = _tags.verdict_rows(_tags.verdict_markdown([verdict]))
+    assert row == {"rule": "ExplodingTensor", "step": 7, "tensors": [f"v{i}" for i in range(5)],
+                   "hidden": 7, "reason": verdict.reason}
+    # A text written before the count: " ..." alone.
+    old = "| rule | step | tensors | reason |\n|---|---|---|---|\n| R | 2 | a, b ... | why |"
+    assert _tags.verdict_rows(old)[0]["hidden"] == -1
