@@ -103,9 +103,11 @@ def _parser() -> argparse.ArgumentParser:
     report = commands.add_parser(
         "report",
         help="write report.html with plots of a log directory and print a summary",
-        description="Writes report.html with PNG plots (loss, global gradient norm, a "
-        "per-layer gradient-norm heatmap, update ratios, activation health, rule verdicts) "
-        "and prints a short summary (first non-finite step, largest and smallest gradients). "
+        description="Writes report.html: the rule verdicts as a table, PNG plots (loss, "
+        "global gradient norm, a per-layer gradient-norm heatmap, update ratios and "
+        "activation health: the 10 largest as lines and all of them as a heatmap), the "
+        "epoch logs (a plot for several epochs, a table for one), and prints a short "
+        "summary (first non-finite step, largest and smallest gradients). "
         "Exit status 2 on a missing, empty or not-a-run directory. "
         "Example: kerasdbg report runs/demo/lr_too_high --out report/",
     )
