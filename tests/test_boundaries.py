@@ -117,7 +117,7 @@ LAYERS = [
     ("rules", ["kerasdbg.rules"]),
     # TensorFlow's capture: Keras internals, buffers, the engine, event files
     ("capture", ["kerasdbg._backend.tensorflow", "kerasdbg._keras_internals",
-                 "kerasdbg._buffers", "kerasdbg._events", "kerasdbg._replay",
+                 "kerasdbg._buffers", "kerasdbg._events", "kerasdbg._layout", "kerasdbg._replay",
                  "kerasdbg._capture", "kerasdbg._step_tensors", "kerasdbg._layer_sink",
                  "kerasdbg._graph_functions"]),
     # what users hold: callbacks, layers and model tools

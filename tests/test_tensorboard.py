@@ -1,8 +1,10 @@
 """The real TensorBoard server reads what kerasdbg writes: its HTTP data API and its dashboards."""
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -54,15 +56,16 @@ def recorded(tmp_path_factory):
     return log_dir, model, reference
 
 
-@pytest.fixture(scope="module")
-def server(recorded):
-    """`tensorboard --logdir` on 127.0.0.1 and a free port; stopped by its PID."""
-    log_dir = recorded[0]
+@contextlib.contextmanager
+def serve(log_dir, load_fast="false"):
+    """`tensorboard --logdir` on 127.0.0.1 and a free port, with the Python
+    loader (`load_fast="false"`) or the Rust data server ("true"); stopped by
+    its PID, then its process group (the data server)."""
     port = _free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "tensorboard.main", "--logdir", log_dir, "--host", "127.0.0.1",
-         "--port", str(port), "--load_fast", "false", "--reload_interval", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+         "--port", str(port), "--load_fast", load_fast, "--reload_interval", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
     )
     base = f"http://127.0.0.1:{port}"
     try:
@@ -86,7 +89,16 @@ def server(recorded):
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # whatever outlived it
         process.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def server(recorded):
+    """The server of the recorded run."""
+    with serve(recorded[0]) as base:
+        yield base
 
 
 def test_scalars_are_listed_and_served_with_reference_values(server, recorded):

@@ -12,6 +12,7 @@ import pandas as pd
 from kerasdbg import _capture
 from kerasdbg._capture import unique_paths
 from kerasdbg import _events
+from kerasdbg import _layout
 from kerasdbg import _tags
 from kerasdbg import _keras_internals as internals
 from kerasdbg.callbacks._recording import RecordingCallback, selected
@@ -124,6 +125,8 @@ class StatisticsCallback(RecordingCallback):
             deferred=True,
         )
         self._writer = self._open_writer()
+        _layout.add(type(self).__name__, self._writer,
+                    _layout.statistics_lines(self.kind, self.stats), self.strict)
         _capture.engine_for(self.model).attach(self._request)
 
     def on_train_batch_begin(self, batch, logs=None):

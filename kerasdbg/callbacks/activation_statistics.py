@@ -12,6 +12,7 @@ import pandas as pd
 from kerasdbg import _events
 from kerasdbg import _keras_internals as internals
 from kerasdbg import _layer_sink
+from kerasdbg import _layout
 from kerasdbg import _validation as check
 from kerasdbg.callbacks._recording import RecordingCallback, selected
 from kerasdbg.layers.tap_layer import TapLayer
@@ -119,6 +120,8 @@ class ActivationStatistics(RecordingCallback):
                 raise ValueError(message)
             warnings.warn(message, RuntimeWarning, stacklevel=2)
         self._writer = self._open_writer()
+        _layout.add(type(self).__name__, self._writer, _layout.activation_lines(
+            name for tap in self._taps for name in tap.health), self.strict)
         for tap in self._taps:
             tap.add_listener(self._consume)
         # One trace of the train function, not two (the taps' graph is large).

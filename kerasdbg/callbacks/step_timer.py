@@ -13,6 +13,7 @@ import tensorflow as tf
 from kerasdbg import _buffers
 from kerasdbg import _capture
 from kerasdbg import _keras_internals as internals
+from kerasdbg import _layout
 from kerasdbg import _validation as check
 from kerasdbg.callbacks._recording import RecordingCallback
 
@@ -99,6 +100,7 @@ class StepTimer(RecordingCallback):
         self._spe = int(model.steps_per_execution)
         self._timed = getattr(model, "jit_compile", False) is not True
         self._writer = self._open_writer()
+        _layout.add("StepTimer", self._writer, _layout.timing_lines(self._timed), self.strict)
         if self._timed:
             with model.distribute_strategy.scope():
                 # [row, (start, end, examples)] per train step of an execution.

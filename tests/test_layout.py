@@ -1,0 +1,342 @@
+"""The Custom Scalars tab of the real TensorBoard server draws the layout the
+callbacks write: a few charts, each of every tag of one statistic."""
+
+import contextlib
+import glob
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+import warnings
+
+import keras
+import numpy as np
+import pytest
+from PIL import Image
+from tensorboard.backend.event_processing import event_file_loader
+from tensorboard.compat.proto import summary_pb2
+from tensorboard.plugins.custom_scalar import layout_pb2
+from tensorboard.plugins.custom_scalar import metadata
+from tensorboard.plugins.custom_scalar import summary as layout_summary
+
+from kerasdbg import _events
+from kerasdbg import _layout
+from kerasdbg.callbacks import ActivationStatistics, GradientStatistics, StepTimer
+from kerasdbg.callbacks import StopOnRule, WeightStatistics
+from kerasdbg.layers import TapLayer
+from tests.helpers import BATCH, X, Y
+from tests.test_tensorboard import _chromium, _get, serve
+
+LOAD_TIMEOUT_S = 60
+# The layout the issue asks for: category -> its charts, in order.
+CHARTS = {
+    "loss and gradient norm": ["loss and global norm(s)"],
+    "gradients": ["gradient l2 norm of every variable"],
+    "weights": ["weight update ratios", "weight norms"],
+    "activations": ["dead / saturated fractions"],
+    "timing": ["seconds per execution and per step: input, compute", "input fraction",
+               "examples per second"],
+}
+# StepTimer's tags, from its docstring.
+SECONDS = ["time/execution_seconds", "time/step_seconds", "time/input_seconds",
+           "time/compute_seconds"]
+LAYOUT_WARNING = "could not write the TensorBoard custom-scalars layout"
+
+
+def _tapped_model():
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((6,), name="x")
+    hidden = keras.layers.Dense(8, activation="relu", name="hidden")(inputs)
+    hidden = TapLayer(stats=["mean"], activation="relu", name="hidden_tap")(hidden)
+    squash = keras.layers.Dense(4, activation="tanh", name="squash")(hidden)
+    squash = TapLayer(stats=["mean"], activation="tanh", name="squash_tap")(squash)
+    return keras.Model(inputs, keras.layers.Dense(3, name="out")(squash), name="tapped")
+
+
+def _expected_tags(model):
+    """Chart title -> the tags it should draw, from the model's variables and
+    taps and the callbacks' documented tags."""
+    paths = [v.path for v in model.trainable_variables]
+    health = {"relu": "dead_fraction", "tanh": "saturated_fraction"}
+    return {
+        "loss and global norm(s)": {"step/loss", "gradients/global_norm"},
+        "gradient l2 norm of every variable": {f"gradients/{p}/l2_norm" for p in paths},
+        "weight update ratios": {f"weights/{p}/update_ratio" for p in paths},
+        "weight norms": {f"weights/{p}/l2_norm" for p in paths},
+        "dead / saturated fractions": {
+            f"activations/{layer.name}/{health[layer.activation]}"
+            for layer in model.layers if isinstance(layer, TapLayer)},
+        "seconds per execution and per step: input, compute": set(SECONDS),
+        "input fraction": {"time/input_fraction"},
+        "examples per second": {"time/examples_per_second"},
+    }
+
+
+def _layouts(run_dir):
+    """Every layout written to the run, in file order."""
+    layouts = []
+    for path in sorted(glob.glob(os.path.join(run_dir, "events.out.tfevents.*"))):
+        for event in event_file_loader.EventFileLoader(path).Load():
+            for value in event.summary.value:
+                if value.tag == metadata.CONFIG_SUMMARY_TAG:
+                    assert value.metadata.plugin_data.plugin_name == metadata.PLUGIN_NAME
+                    layouts.append(layout_pb2.Layout.FromString(value.tensor.string_val[0]))
+    return layouts
+
+
+def _titles(layout):
+    """`{category: [chart titles]}` of a layout proto or of its JSON."""
+    if isinstance(layout, dict):
+        return {c["title"]: [chart["title"] for chart in c["chart"]] for c in layout["category"]}
+    return {c.title: [chart.title for chart in c.chart] for c in layout.category}
+
+
+def _wait_for(condition, what):
+    """Polls `condition()` until true: the server reads the run's files in the
+    background, a few events at a time."""
+    deadline = time.monotonic() + LOAD_TIMEOUT_S
+    while True:
+        try:
+            if condition():
+                return
+        except OSError:  # a tag not read yet: HTTP 400
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"tensorboard did not serve {what} within {LOAD_TIMEOUT_S} s")
+        time.sleep(0.5)
+
+
+def _served_layout(base):
+    """The layout route's answer, once it lists every category."""
+    _wait_for(lambda: len(_get(base, "/data/plugin/custom_scalars/layout").get("category", []))
+              >= len(CHARTS), "the whole layout")
+    return _get(base, "/data/plugin/custom_scalars/layout")
+
+
+def _served_tags(base):
+    return set(_get(base, "/data/plugin/scalars/tags").get("train", {}))
+
+
+def _fit(model, callbacks, epochs=1, **compile_args):
+    model.compile(keras.optimizers.SGD(0.05), "mse", **compile_args)
+    model.fit(X, Y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0,
+              callbacks=callbacks)
+
+
+# ---------------------------------------------------------------- a real run
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Every callback that writes to `<log_dir>/train`, in one fit."""
+    log_dir = str(tmp_path_factory.mktemp("layout") / "logs")
+    model = _tapped_model()
+    callbacks = [GradientStatistics(log_dir, every_n_steps=1),
+                 WeightStatistics(log_dir, every_n_steps=1), StepTimer(log_dir),
+                 StopOnRule(log_dir=log_dir, verbose=False), ActivationStatistics(log_dir)]
+    _fit(model, callbacks, epochs=2)
+    return log_dir, model
+
+
+@pytest.fixture(scope="module", params=["false", "true"], ids=["python-loader", "rust-data-server"])
+def server(trained, request):
+    with serve(trained[0], load_fast=request.param) as base:
+        yield base
+
+
+def test_each_callback_adds_its_charts_and_the_last_layout_holds_all(trained):
+    log_dir, _ = trained
+    layouts = _layouts(os.path.join(log_dir, "train"))
+    # One layout per callback that added charts, in the order of `callbacks`.
+    assert [list(_titles(layout)) for layout in layouts] == [
+        ["loss and gradient norm", "gradients"],
+        ["loss and gradient norm", "gradients", "weights"],
+        ["loss and gradient norm", "gradients", "weights", "timing"],
+        ["loss and gradient norm", "gradients", "weights", "timing"],  # + step/loss
+        ["loss and gradient norm", "gradients", "weights", "activations", "timing"],
+    ]
+    assert _titles(layouts[-1]) == CHARTS
+
+
+def test_the_plugin_serves_the_merged_layout(server):
+    layout = _served_layout(server)
+    assert _titles(layout) == CHARTS
+    assert all(not category.get("closed", False) for category in layout["category"])
+
+
+def test_each_chart_draws_the_tags_of_its_statistic(server, trained):
+    _, model = trained
+    expected = _expected_tags(model)
+    _wait_for(lambda: set().union(*expected.values()) <= _served_tags(server), "every tag")
+    listed = _served_tags(server)
+    layout = _served_layout(server)
+    for category in layout["category"]:
+        for chart in category["chart"]:
+            drawn = set()
+            for regex in chart["multiline"]["tag"]:
+                served = _get(server, "/data/plugin/custom_scalars/scalars", run="train", tag=regex)
+                assert served["regex_valid"], regex
+                tags = served["tag_to_events"]
+                assert tags, f"{chart['title']}: {regex} matches no tag"
+                assert all(len(events) > 0 for events in tags.values())
+                # What the plugin does with the expression, done here by hand.
+                assert set(tags) == {t for t in listed if re.match(regex, t)}
+                drawn |= set(tags)
+            assert drawn == expected[chart["title"]], chart["title"]
+
+
+# ------------------------------------------------------------ what is written
+def test_the_summary_is_the_plugins_own():
+    proto = _layout.layout(_layout.loss_lines() + _layout.timing_lines(True))
+    theirs = summary_pb2.Summary.FromString(layout_summary.pb(proto).SerializeToString())
+    assert _layout.summary(proto) == theirs
+
+
+def test_only_charts_of_recorded_tags_and_no_rewrite_in_a_second_fit(tmp_path):
+    log_dir = str(tmp_path / "logs")
+    model = _tapped_model()
+    callbacks = [GradientStatistics(log_dir, stats=["mean"]),
+                 WeightStatistics(log_dir, stats=["update_ratio"]), StepTimer(log_dir)]
+    _fit(model, callbacks, jit_compile=True)  # StepTimer: seconds only
+    _fit(model, callbacks, jit_compile=True)
+    layouts = _layouts(os.path.join(log_dir, "train"))
+    assert len(layouts) == 3
+    assert _titles(layouts[-1]) == {
+        "loss and gradient norm": ["loss and global norm(s)"],
+        "weights": ["weight update ratios"],
+        "timing": ["seconds per execution and per step: input, compute"]}
+    loss, _, seconds = (c.chart[0] for c in layouts[-1].category)
+    assert list(loss.multiline.tag) == ["^gradients/(.+/)?global_norm$"]
+    assert [t for t in SECONDS if re.match(seconds.multiline.tag[0], t)] == SECONDS[:2]
+
+
+def test_a_layout_that_cannot_be_written_warns_once_and_training_goes_on(tmp_path, monkeypatch):
+    def fail(self, step, summary):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(_events.EventWriter, "write_summary", fail)
+    log_dir = str(tmp_path / "logs")
+    grads, weights = GradientStatistics(log_dir), WeightStatistics(log_dir)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit(_tapped_model(), [grads, weights])
+    layout_warnings = [str(w.message) for w in caught if LAYOUT_WARNING in str(w.message)]
+    assert len(layout_warnings) == 1
+    assert "GradientStatistics" in layout_warnings[0]
+    assert "No space left on device" in layout_warnings[0]
+    assert grads.history.step.tolist() == list(range(1, len(X) // BATCH + 1))
+    tags = {v.tag for path in glob.glob(os.path.join(log_dir, "train", "events.out.*"))
+            for e in event_file_loader.EventFileLoader(path).Load() for v in e.summary.value}
+    assert "gradients/global_norm" in tags and metadata.CONFIG_SUMMARY_TAG not in tags
+
+
+@pytest.mark.parametrize("callback", [
+    lambda d: GradientStatistics(d, strict=True),
+    lambda d: StepTimer(d, strict=True),
+    lambda d: StopOnRule(log_dir=d, strict=True, verbose=False),
+], ids=["GradientStatistics", "StepTimer", "StopOnRule"])
+def test_strict_raises_when_the_layout_cannot_be_written(tmp_path, monkeypatch, callback):
+    def fail(self, step, summary):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(_events.EventWriter, "write_summary", fail)
+    with pytest.raises(OSError, match="No space left on device"):
+        _fit(_tapped_model(), [callback(str(tmp_path / "logs"))])
+
+
+# ------------------------------------------------------------ at ResNet50 scale
+RESNET_STEPS = 40
+MIN_LINE_PIXELS = 20_000  # of the run's colour, in the charts' part of the page
+RUN_COLOUR = np.array([255, 112, 67])  # TensorBoard's colour of the first run (#ff7043)
+
+
+def _write_resnet_run(run_dir):
+    """A synthetic ResNet50-sized run, written with kerasdbg's writer and
+    layout: the tags of every callback for the real ResNet50's 214 trainable
+    variables and a tap after each of its 33 ReLUs. Returns the tags."""
+    model = keras.applications.ResNet50(weights=None, input_shape=(64, 64, 3), classes=10)
+    paths = [v.path for v in model.trainable_variables]
+    taps = [f"{layer.name}_tap" for layer in model.layers if layer.name.endswith("_relu")]
+    assert (len(paths), len(taps)) == (214, 33)
+    rng = np.random.default_rng(0)
+    depth = np.linspace(0.0, 1.0, len(paths))[:, None]
+    steps = np.arange(1, RESNET_STEPS + 1)[None, :]
+    norms = 10 ** (-3 + 2 * depth) * (1 + 0.3 * np.sin(steps / 3 + 7 * depth))
+    ratios = 10 ** rng.uniform(-4, -2, (len(paths), 1)) * np.exp(-steps / 30)
+    weight_norms = 10 ** rng.uniform(0, 1.5, (len(paths), 1)) * (1 + steps / 200)
+    dead = np.clip(rng.uniform(0, 0.4, (len(taps), 1)) + 0.005 * steps, 0, 1)
+    writer = _events.writer_for(run_dir)
+    for owner, lines in [
+            ("GradientStatistics", _layout.statistics_lines("gradients", ["l2_norm"])),
+            ("WeightStatistics", _layout.statistics_lines("weights", ["l2_norm", "update_ratio"])),
+            ("ActivationStatistics", _layout.activation_lines(["dead_fraction"])),
+            ("StepTimer", _layout.timing_lines(True)), ("StopOnRule", _layout.loss_lines())]:
+        _layout.add(owner, writer, lines, strict=True)
+    for i, step in enumerate(steps[0]):
+        scalars = {"step/loss": 2.3 * np.exp(-i / 20),
+                   "gradients/global_norm": float(np.sqrt(np.sum(norms[:, i] ** 2)))}
+        for v, path in enumerate(paths):
+            scalars[f"gradients/{path}/l2_norm"] = norms[v, i]
+            scalars[f"weights/{path}/l2_norm"] = weight_norms[v, i]
+            scalars[f"weights/{path}/update_ratio"] = ratios[v, i]
+        for t, tap in enumerate(taps):
+            scalars[f"activations/{tap}/dead_fraction"] = dead[t, i]
+        scalars.update({"time/execution_seconds": 0.2 + 0.01 * rng.random(),
+                        "time/step_seconds": 0.2, "time/input_seconds": 0.03,
+                        "time/compute_seconds": 0.17, "time/input_fraction": 0.15,
+                        "time/examples_per_second": 160.0})
+        writer.write(int(step), scalars)
+    writer.flush()
+    return set(scalars)
+
+
+def _screenshot(browser, url, shot, profile):
+    """Headless Chromium's screenshot of `url`, in its own process group,
+    killed whole after it (nothing of the browser outlives the test)."""
+    process = subprocess.Popen(
+        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+         f"--user-data-dir={profile}", "--window-size=1280,1500",
+         "--virtual-time-budget=15000", f"--screenshot={shot}", url],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        _, err = process.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        err = b"(no screenshot within 120 s)"
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)  # a renderer or zygote left behind
+    assert process.returncode == 0, err.decode(errors="replace")[-2000:]
+
+
+def test_custom_scalars_dashboard_at_resnet50_scale(tmp_path):
+    browser = _chromium()
+    assert browser is not None, (
+        "no headless browser for the dashboard screenshot: `./run.sh test` installs Debian's "
+        "`chromium` with apt-get when it can (as root or with sudo); install it by hand otherwise")
+    log_dir = str(tmp_path / "logs")
+    tags = _write_resnet_run(os.path.join(log_dir, "train"))
+    with serve(log_dir) as base:
+        # The last tag of the last step: every step is read.
+        _wait_for(lambda: len(_get(base, "/data/plugin/scalars/scalars", run="train",
+                                   tag="time/examples_per_second")) == RESNET_STEPS,
+                  "every step")
+        layout = _served_layout(base)
+        assert _titles(layout) == CHARTS
+        served = _get(base, "/data/plugin/custom_scalars/scalars", run="train",
+                      tag=layout["category"][1]["chart"][0]["multiline"]["tag"][0])
+        assert len(served["tag_to_events"]) == 214
+        assert all(len(events) == RESNET_STEPS for events in served["tag_to_events"].values())
+        shot = tmp_path / "tensorboard_layout.png"
+        _screenshot(browser, f"{base}/?darkMode=false#custom_scalars", shot, tmp_path / "profile")
+    assert len(tags) == 3 * 214 + 33 + 2 + 6
+    pixels = np.asarray(Image.open(shot).convert("RGB"), dtype=int)
+    assert pixels.shape == (1500, 1280, 3)
+    # Below the header and right of the sidebar (both drawn in orange too).
+    charts = pixels[80:, 340:]
+    lines = np.all(np.abs(charts - RUN_COLOUR) < 48, axis=-1)
+    assert lines.sum() > MIN_LINE_PIXELS, f"{lines.sum()} pixels of the run's lines"
+    keep = os.environ.get("KERASDBG_SCREENSHOTS")
+    if keep:  # for the docs: KERASDBG_SCREENSHOTS=docs/images pytest tests/test_layout.py
+        os.makedirs(keep, exist_ok=True)
+        shutil.copy(shot, os.path.join(keep, shot.name))
