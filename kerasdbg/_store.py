@@ -122,6 +122,14 @@ class StoreWriter:
                 stream.close()
         self._scalars, self._histograms, self._texts = {}, {}, None
 
+    def __del__(self):
+        # A writer dropped without close() (the process ends, its directory
+        # was removed) closes its files, complete rows flushed.
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - nothing to report to at this point
+            pass
+
 
 class _Set(NamedTuple):
     kind: str
@@ -161,6 +169,23 @@ def _rows(data: str, width: int) -> Optional[np.ndarray]:
     if rows == 0:
         return None
     return np.memmap(data, np.float64, mode="r", shape=(rows, width))
+
+
+def sequences(path: str) -> Iterator[Tuple[str, List[str], np.ndarray, np.ndarray]]:
+    """`(kind, tags, steps, wall_times)` of each set of a store (the tags of
+    a set share its rows), the text's per tag."""
+    for entry in _sets(path):
+        width = _ROW_HEAD + (len(entry.columns) if entry.kind == "scalars"
+                             else sum(2 + b for b in entry.bins))
+        rows = _rows(entry.data, width)
+        if rows is not None:
+            yield entry.kind, entry.columns, np.array(rows[:, 0]), np.array(rows[:, 1])
+    by_tag: Dict[str, List[Tuple[int, float]]] = {}
+    for line in _text_lines(path):
+        by_tag.setdefault(line["tag"], []).append((int(line["step"]), float(line["wall_time"])))
+    for tag, written in by_tag.items():
+        yield "text", [tag], np.array([s for s, _ in written], np.float64), np.array(
+            [w for _, w in written])
 
 
 def tags(path: str, kind: str) -> List[str]:

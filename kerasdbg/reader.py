@@ -11,6 +11,7 @@ plugins' metadata and stops cleanly at a truncated last record.
 
 from __future__ import annotations
 
+import bisect
 import os
 import re
 from typing import Dict, List, Optional, Tuple, Union
@@ -149,15 +150,22 @@ class Run:
                 for row in self._read(kind, stores, others, lambda t: t == tag):
                     written.append((int(row[1]), float(row[2])))
         written.sort(key=lambda e: e[1])
+        return self._abandon(name, written)
+
+    def _abandon(self, name: str, written: List[Tuple[int, float]]) -> List[Tuple[int, float]]:
+        """The `(step, wall_time)` writes (in wall-time order) that no later
+        write abandoned; a write at a step below an earlier one records the
+        abandoned steps for `rollbacks`."""
         kept: List[Tuple[int, float]] = []
+        steps: List[int] = []  # of `kept`, increasing
         for event in written:
-            if kept and event[0] <= kept[-1][0]:
-                dropped = [e for e in kept if e[0] >= event[0]]
-                kept = [e for e in kept if e[0] < event[0]]
-                if any(e[0] > event[0] for e in dropped):
-                    self._dropped.setdefault((name, event[0]), set()).update(
-                        e[0] for e in dropped)
+            if steps and event[0] <= steps[-1]:
+                cut = bisect.bisect_left(steps, event[0])
+                if steps[-1] > event[0]:
+                    self._dropped.setdefault((name, event[0]), set()).update(steps[cut:])
+                del kept[cut:], steps[cut:]
             kept.append(event)
+            steps.append(event[0])
         return kept
 
     def _read(self, kind: str, stores: List[str], others: List[str], wanted) -> list:
@@ -203,9 +211,27 @@ class Run:
         [{'run': 'train', 'step': 2, 'dropped': [2, 3]}]
         """
         self._dropped = {}
-        for kind in _KINDS:
-            for name, tag in self._tags(kind, run):
-                self._events(name, tag)
+        for name, stores, others in self._selected(run):
+            # The tags of a store that were written in the same sets share their steps.
+            shared: Dict[str, list] = {}
+            for store in stores:
+                for kind, tags, steps, walls in _store.sequences(store):
+                    for tag in tags:
+                        shared.setdefault((kind, tag), []).append((steps, walls))
+            groups: Dict[tuple, list] = {}
+            for key, parts in shared.items():
+                groups.setdefault(tuple(id(p[0]) for p in parts), parts)
+            for parts in groups.values():
+                written = sorted(((int(s), float(w)) for steps, walls in parts
+                                  for s, w in zip(steps, walls)), key=lambda e: e[1])
+                self._abandon(name, written)
+            for kind in _KINDS:
+                for path in others:
+                    accumulator = self._accumulator(path)
+                    for tag in _plugin_tags(accumulator, kind):
+                        written = sorted(((int(e.step), float(e.wall_time))
+                                          for e in accumulator.Tensors(tag)), key=lambda e: e[1])
+                        self._abandon(name, written)
         rows = [{"run": name, "step": step, "dropped": sorted(steps)}
                 for (name, step), steps in sorted(self._dropped.items())]
         return pd.DataFrame(rows, columns=["run", "step", "dropped"])

@@ -112,8 +112,9 @@ def test_exported_names_win_over_sub_modules_of_the_same_name():
 LAYERS = [
     # what any backend shares: argument checks, tags and records, schedules,
     # the statistics (against kerasdbg._backend.ops) and the rules
-    ("foundation", ["kerasdbg._validation", "kerasdbg._tags", "kerasdbg.schedule",
-                    "kerasdbg._backend", "kerasdbg.stats"]),
+    ("foundation", ["kerasdbg._validation", "kerasdbg._qualified", "kerasdbg._tags",
+                    "kerasdbg.schedule", "kerasdbg._backend", "kerasdbg.stats",
+                    "kerasdbg._store"]),
     ("rules", ["kerasdbg.rules"]),
     # TensorFlow's capture: Keras internals, buffers, the engine, event files
     ("capture", ["kerasdbg._backend.tensorflow", "kerasdbg._keras_internals",
@@ -144,7 +145,8 @@ def _layer_of(module: str) -> int:
 def _imports(path: str, module: str):
     import ast
 
-    tree = ast.parse(open(path).read())
+    with open(path) as source:
+        tree = ast.parse(source.read())
     package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
