@@ -317,9 +317,9 @@ class Run:
         return table
 
     def _last_scalars(self, tag_or_regex: str, run: Optional[str]) -> pd.DataFrame:
-        """`scalars`, keeping the last value where a step of a tag was written twice."""
-        frame = self.scalars(tag_or_regex, run=run)
-        return frame.drop_duplicates(["step", "tag"], keep="last")
+        """`scalars`, which keeps the last value where a step of a tag was
+        written twice (`_keep_latest`)."""
+        return self.scalars(tag_or_regex, run=run)
 
     def steps(self, tag: str, run: Optional[str] = "train") -> List[int]:
         """The steps at which a scalar (or else histogram) tag was recorded.
