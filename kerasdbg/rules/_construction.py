@@ -80,20 +80,33 @@ class Construction:
         if first_chance is None:
             first_chance = {t for t in tensors if (collection, t) not in self.seen}
         self.seen.update((collection, t) for t in tensors)
+        layers = {t: layer_of(t) for t in tensors}
         if magnitudes is not None:
+            # Per layer, the two largest magnitudes: a tensor's largest sibling is
+            # the layer's largest, or its second when the tensor is the largest.
+            top: Dict[str, list] = {}
+            for tensor in tensors:
+                value = magnitudes.get(tensor, 0.0)
+                best = top.setdefault(layers[tensor], [])
+                best.append((value, tensor))
+                best.sort(key=lambda e: e[0], reverse=True)
+                del best[2:]
             for tensor in tensors:
                 mine = abs(magnitudes.get(tensor, 0.0))
-                layer = layer_of(tensor)
-                larger = layer and any(
-                    t != tensor and layer_of(t) == layer and magnitudes.get(t, 0.0) > 0.0
-                    and magnitudes.get(t, 0.0) >= RATIO * mine for t in tensors)
+                layer = layers[tensor]
+                sibling = next((v for v, t in top[layer] if t != tensor), None)
+                larger = bool(layer) and sibling is not None and sibling > 0.0 and (
+                    sibling >= RATIO * mine)
                 key = (collection, tensor)
-                self.dwarfed[key] = self.dwarfed.get(key, True) and bool(larger)
+                self.dwarfed[key] = self.dwarfed.get(key, True) and larger
         for tensor in [t for c, t in list(self.exempt) if c == collection]:
             if tensor in tensors and tensor not in failing:
                 del self.exempt[(collection, tensor)]  # healthy now: a fault if it fails again
         exact = set(failing) if exact is None else set(exact)
-        healthy = [t for t in tensors if t not in failing]
+        healthy: Dict[str, int] = {}  # layer -> its healthy tensors
+        for t in tensors:
+            if t not in failing:
+                healthy[layers[t]] = healthy.get(layers[t], 0) + 1
         minority = 2 * len(failing) < len(tensors)
         new = {}
         for tensor, value in failing.items():
@@ -107,10 +120,11 @@ class Construction:
                 continue
             if tensor not in first_chance:
                 continue
-            layer = layer_of(tensor)
-            siblings = [t for t in healthy if t != tensor and layer and layer_of(t) == layer]
+            layer = layers.get(tensor, layer_of(tensor))
+            # (A failing tensor is not among the healthy ones of its layer.)
+            siblings = bool(layer) and healthy.get(layer, 0) > 0
             if magnitudes is not None:
-                siblings = []  # decided by `dwarfed` above
+                siblings = False  # decided by `dwarfed` above
             if siblings or (tensor in exact and minority):
                 self.exempt[(collection, tensor)] = step
                 if (collection, tensor) not in self.reported:

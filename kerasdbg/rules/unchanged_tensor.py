@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import collections
+import math
 from typing import Sequence
-
-import numpy as np
 
 from kerasdbg import _validation as check
 from kerasdbg.rules._construction import Construction
@@ -89,10 +88,10 @@ class UnchangedTensor(Rule):
                 self._checked.add(key)
                 first_chance.add(key)
             names = sorted(stats)
-            table = np.array([[w[n] for n in names] for w in window])
-            if np.all(np.isfinite(table)) and np.allclose(
-                table, table[-1], rtol=self.rtol, atol=self.atol
-            ):
+            # numpy.allclose against the last step, in plain Python: a few
+            # numbers per tensor, thousands of tensors per step.
+            if all(math.isfinite(w[n]) and abs(w[n] - stats[n]) <= self.atol + self.rtol * abs(
+                    stats[n]) for w in window for n in names):
                 first = stats.get("l2_norm", stats[names[0]])
                 fired[key] = first
         for collection in ("gradients", "weights"):
