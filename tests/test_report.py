@@ -172,7 +172,8 @@ TAPS = [f"conv{s}_block{b}_{c}_relu_tap" for s, blocks in zip(range(2, 6), (3, 4
         for b in range(1, blocks + 1) for c in (1, 2)]
 EXPLODING = VARIABLES[-12:]
 VERDICTS = [  # (step, rule, tensors, reason): StopOnRule's markdown rows, written below
-    (10, "DeadReLU", TAPS[:2], "DeadReLU at step 10: 2 taps have more than 50% dead units"),
+    (10, "DeadReLU", TAPS[:2],
+     f"DeadReLU at step 10: dead_fraction at or above 0.5: {TAPS[0]}=0.62, {TAPS[1]}=0.55"),
     (26, "ExplodingTensor", EXPLODING,
      "ExplodingTensor at step 26: |values| above 1e+06 in gradients <b>&</b>"),
     (FAULT_STEP, "NonFiniteLoss", ["step/loss"],
