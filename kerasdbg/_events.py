@@ -17,6 +17,7 @@ on the first write of each tag.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import math
 import os
@@ -196,9 +197,16 @@ class EventWriter:
     def _drop_store(self, error: OSError) -> None:
         """An analysis store that could not be written is removed, whole, so
         that the reader reads the event file instead; the event file goes on."""
-        self._store = None
+        store, self._store = self._store, None
         path = _store.store_path(self.path)
-        shutil.rmtree(path, ignore_errors=True)
+        if store is not None:
+            store.drop()
+        else:  # it failed while being created
+            try:
+                os.remove(os.path.join(path, _store.MARKER))
+            except OSError:
+                pass
+            shutil.rmtree(path, ignore_errors=True)
         warnings.warn(
             f"kerasdbg could not write the analysis store {path!r} ({type(error).__name__}: "
             f"{error}); the event file goes on, and load_run reads it instead (slower on "
@@ -240,6 +248,13 @@ def writer_for(log_dir: str) -> EventWriter:
 
 
 def flush_all() -> None:
-    """Flushes every shared writer (before a callback ends `fit` with an exception)."""
+    """Flushes every shared writer (before a callback ends `fit` with an
+    exception, and when the process exits: the stores keep rows in memory)."""
     for writer in list(_WRITERS.values()):
-        writer.flush()
+        try:
+            writer.flush()
+        except Exception:  # noqa: BLE001 - one writer's failure spares the others
+            pass
+
+
+atexit.register(flush_all)

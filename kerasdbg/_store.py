@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from typing import Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
@@ -35,6 +36,8 @@ DIRECTORY = "kerasdbg-store"
 (no "tfevents" in their names: TensorBoard takes any path holding it for an
 event file)."""
 FORMAT = 1
+MARKER = "store.json"
+"""Written when a store is created, removed first when it is dropped."""
 _ROW_HEAD = 2  # step, wall time
 
 
@@ -54,81 +57,122 @@ def store_path(events_path: str) -> str:
 class StoreWriter:
     """Appends the values an `EventWriter` writes to its event file's store.
 
+    Rows are kept in memory and appended at `flush()` (the event writer
+    flushes at least every 30 s, and at the end of each epoch and fit), or
+    when a set holds `BUFFER_BYTES`: a file is open only while it is
+    appended to, so a process with many writers and tag sets holds no file
+    descriptors between flushes.
+
     Args:
         events_path: the event file's path; the store is created beside it.
     """
 
+    BUFFER_BYTES = 4 << 20
+
     def __init__(self, events_path: str):
         self.path = store_path(events_path)
         os.makedirs(self.path, exist_ok=True)
-        self._scalars: Dict[Tuple[str, ...], object] = {}
-        self._histograms: Dict[Tuple[Tuple[str, int], ...], object] = {}
-        self._texts = None
+        # The marker says the store is whole: the reader uses a store only with it,
+        # and a store being dropped loses it first.
+        with open(os.path.join(self.path, MARKER), "w") as stream:
+            json.dump({"format": FORMAT}, stream)
+        self._sets: Dict[tuple, str] = {}  # key -> data file
+        self._pending: Dict[str, List[bytes]] = {}  # data file -> rows
+        self._sizes: Dict[str, int] = {}
+        self._texts: List[str] = []
         self._count = 0
 
-    def _open(self, prefix: str, header: dict):
-        name = f"{prefix}{self._count}"
-        self._count += 1
-        # The header first, whole (a rename is atomic): a set without one is not read.
-        temporary = os.path.join(self.path, f".{name}.json.tmp")
-        with open(temporary, "w") as stream:
-            json.dump({"format": FORMAT, **header}, stream)
-        os.replace(temporary, os.path.join(self.path, f"{name}.json"))
-        return open(os.path.join(self.path, f"{name}.f64"), "ab")
+    def _data(self, key: tuple, prefix: str, header: dict) -> str:
+        data = self._sets.get(key)
+        if data is None:
+            name = f"{prefix}{self._count}"
+            self._count += 1
+            # The header first, whole (a rename is atomic): a set without one is not read.
+            temporary = os.path.join(self.path, f".{name}.json.tmp")
+            with open(temporary, "w") as stream:
+                json.dump({"format": FORMAT, **header}, stream)
+            os.replace(temporary, os.path.join(self.path, f"{name}.json"))
+            data = self._sets[key] = os.path.join(self.path, f"{name}.f64")
+        return data
+
+    def _append(self, data: str, row: bytes) -> None:
+        self._pending.setdefault(data, []).append(row)
+        self._sizes[data] = self._sizes.get(data, 0) + len(row)
+        if self._sizes[data] >= self.BUFFER_BYTES:
+            self._write(data)
+
+    def _write(self, data: str) -> None:
+        rows = self._pending.pop(data, None)
+        self._sizes.pop(data, None)
+        if rows:
+            with open(data, "ab") as stream:
+                stream.write(b"".join(rows))
 
     def scalars(self, step: int, wall_time: float, values: Mapping[str, float]) -> None:
         """Appends one row of the tag set `values` holds."""
         key = tuple(values)
-        stream = self._scalars.get(key)
-        if stream is None:
-            stream = self._scalars[key] = self._open("s", {"kind": "scalars",
-                                                           "columns": list(key)})
+        data = self._data(("s", key), "s", {"kind": "scalars", "columns": list(key)})
         row = np.empty(_ROW_HEAD + len(key), np.float64)
         row[0], row[1] = step, wall_time
         row[_ROW_HEAD:] = np.fromiter(values.values(), np.float64, count=len(key))
-        stream.write(row.tobytes())
+        self._append(data, row.tobytes())
 
     def histograms(self, step: int, wall_time: float,
                    values: Mapping[str, Tuple[np.ndarray, float, float]]) -> None:
         """Appends one row of `tag -> (counts, low, high)`."""
         counts = {tag: np.asarray(c, np.float64).ravel() for tag, (c, _, _) in values.items()}
         key = tuple((tag, len(c)) for tag, c in counts.items())
-        stream = self._histograms.get(key)
-        if stream is None:
-            stream = self._histograms[key] = self._open("h", {
-                "kind": "histograms", "columns": [t for t, _ in key], "bins": [b for _, b in key]})
+        data = self._data(("h", key), "h", {
+            "kind": "histograms", "columns": [t for t, _ in key], "bins": [b for _, b in key]})
         parts = [np.array([step, wall_time], np.float64)]
         for tag, (_, low, high) in values.items():
             parts += [np.array([low, high], np.float64), counts[tag]]
-        stream.write(np.concatenate(parts).tobytes())
+        self._append(data, np.concatenate(parts).tobytes())
 
     def texts(self, step: int, wall_time: float, values: Mapping[str, str]) -> None:
         """Appends one line per text."""
-        if self._texts is None:
-            self._texts = open(os.path.join(self.path, "texts.jsonl"), "a", encoding="utf-8")
         for tag, text in values.items():
-            self._texts.write(json.dumps({"step": int(step), "wall_time": wall_time,
-                                          "tag": tag, "text": text}) + "\n")
+            self._texts.append(json.dumps({"step": int(step), "wall_time": wall_time,
+                                           "tag": tag, "text": text}) + "\n")
 
     def flush(self) -> None:
-        for stream in [*self._scalars.values(), *self._histograms.values(), self._texts]:
-            if stream is not None:
-                stream.flush()
+        for data in list(self._pending):
+            self._write(data)
+        if self._texts:
+            lines, self._texts = self._texts, []
+            with open(os.path.join(self.path, "texts.jsonl"), "a", encoding="utf-8") as stream:
+                stream.write("".join(lines))
 
     def close(self) -> None:
         self.flush()
-        for stream in [*self._scalars.values(), *self._histograms.values(), self._texts]:
-            if stream is not None:
-                stream.close()
-        self._scalars, self._histograms, self._texts = {}, {}, None
 
-    def __del__(self):
-        # A writer dropped without close() (the process ends, its directory
-        # was removed) closes its files, complete rows flushed.
+    def drop(self) -> None:
+        """Removes the store, its marker first (then no reader uses what is left)."""
+        self._pending, self._sizes, self._texts = {}, {}, []
         try:
-            self.close()
-        except Exception:  # noqa: BLE001 - nothing to report to at this point
+            os.remove(os.path.join(self.path, MARKER))
+        except OSError:
             pass
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def usable(path: str) -> bool:
+    """Whether a store directory can stand for its event file: its marker says
+    it is whole and of this format, and every set header is of this format
+    (a store of a later version, or one half removed, is not: the reader
+    reads the event file instead)."""
+    try:
+        with open(os.path.join(path, MARKER)) as stream:
+            if json.load(stream).get("format") != FORMAT:
+                return False
+        for name in os.listdir(path):
+            if name.endswith(".json") and name != MARKER and not name.startswith("."):
+                with open(os.path.join(path, name)) as stream:
+                    if json.load(stream).get("format") != FORMAT:
+                        return False
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 class _Set(NamedTuple):
@@ -146,7 +190,7 @@ def _sets(path: str) -> Iterator[_Set]:
     except OSError:
         return
     for name in names:
-        if not name.endswith(".json") or name.startswith("."):
+        if not name.endswith(".json") or name.startswith(".") or name == MARKER:
             continue
         try:
             with open(os.path.join(path, name)) as stream:
@@ -195,7 +239,10 @@ def tags(path: str, kind: str) -> List[str]:
         found.update(t["tag"] for t in _text_lines(path))
     else:
         for entry in _sets(path):
-            if entry.kind == kind:
+            width = _ROW_HEAD + (len(entry.columns) if entry.kind == "scalars"
+                                 else sum(2 + b for b in entry.bins))
+            # A set whose rows were not flushed yet (or never: a crash) has no tag yet.
+            if entry.kind == kind and _rows(entry.data, width) is not None:
                 found.update(entry.columns)
     return sorted(found)
 

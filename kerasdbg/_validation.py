@@ -6,6 +6,7 @@ type, naming the owner, the argument, what is allowed and what was received.
 
 from __future__ import annotations
 
+import numbers
 import os
 import re
 import warnings
@@ -178,9 +179,9 @@ def number(
 def from_percent(value: Any) -> Any:
     """A percent as a fraction (a value that is not a number is left for the
     new argument's validation to refuse)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return value
-    return value / 100.0
+    return float(value) / 100.0
 
 
 Rename = Tuple[Optional[str], Optional[Callable[[Any], Any]], str]

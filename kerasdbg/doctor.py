@@ -89,8 +89,8 @@ def _portability(severity: str, unknown: bool) -> str:
     return "info" if unknown else severity
 
 
-def _if_moved(why: str, unknown: bool) -> str:
-    return f"if the run moves to XLA or a TPU: {why}" if unknown else why
+def _if_moved(why: str, unknown: bool, where: str = "XLA or a TPU") -> str:
+    return f"if the run moves to {where}: {why}" if unknown else why
 
 
 def _specs(dataset) -> list:
@@ -117,7 +117,7 @@ def _heavy(dataset) -> Optional[str]:
 
 
 def _data_findings(dataset, replicas: int, tpu: bool, xla: bool, unknown: bool,
-                   model) -> List[Finding]:
+                   tpu_open: bool, model) -> List[Finding]:
     found = []
     specs = _specs(dataset)
     batch = specs[0].shape[0] if specs and specs[0].shape.rank else None
@@ -130,22 +130,25 @@ def _data_findings(dataset, replicas: int, tpu: bool, xla: bool, unknown: bool,
             _if_moved("XLA compiles one program per input shape: a partial last batch compiles "
                       "again, and a TPU needs static shapes", unknown),
             "batch with `drop_remainder=True` (`dataset.batch(n, drop_remainder=True)`)"))
-    if tpu or unknown:
+    # The TPU's own findings: "info" too while a TPU is only possible (XLA known).
+    where = "XLA or a TPU" if unknown else "a TPU"
+    if tpu or tpu_open:
         bad = sorted({s.dtype.name for s in specs if s.dtype in TPU_DTYPES})
         if bad:
             found.append(Finding(
-                _portability("error", unknown), "TPU input dtype",
+                _portability("error", tpu_open), "TPU input dtype",
                 f"the dataset yields {', '.join(bad)} tensors",
-                _if_moved("TPUs do not take int64, uint8, string or float64 inputs", unknown),
+                _if_moved("TPUs do not take int64, uint8, string or float64 inputs", tpu_open,
+                          where),
                 "cast in the pipeline: `dataset.map(lambda x, y: (tf.cast(x, tf.float32), "
                 "tf.cast(y, tf.int32)))`, and decode strings before batching"))
         if size is not None and size % (8 * replicas):
             found.append(Finding(
-                _portability("warning", unknown), "batch size",
+                _portability("warning", tpu_open), "batch size",
                 f"the global batch is {size}, not a multiple of 8 x "
                 f"{replicas} replicas = {8 * replicas}",
                 _if_moved("each TPU core pads its batch to a multiple of 8: the padding is "
-                          "computed and thrown away", unknown),
+                          "computed and thrown away", tpu_open, where),
                 f"use a global batch that is a multiple of {8 * replicas}, e.g. "
                 f"{8 * replicas * max(1, math.ceil(size / (8 * replicas)))}"))
     if size is not None and replicas and model is not None:
@@ -296,7 +299,9 @@ def doctor(
       replicas, Dense/Conv widths that are not multiples of 128 (padding
       waste). Their severity follows the target: "error" or "warning" when
       it is XLA or a TPU, "info" when it is unknown ("auto" without a
-      TPUStrategy or `jit_compile=True`), none when it is "cpu" or "gpu";
+      TPUStrategy or `jit_compile=True`), none when it is "cpu" or "gpu".
+      With XLA known but no TPU (`jit_compile=True`, `target="xla"`), the
+      dynamic batch is a warning and the TPU's own findings stay "info";
     - BatchNormalization with fewer than 32 examples per replica;
     - `steps_per_execution=1` on a TPU or several replicas;
     - `tf.data` order: no prefetch at the end, an expensive map after batch,
@@ -349,6 +354,7 @@ def doctor(
     if strategy is None:
         strategy = model.distribute_strategy if model is not None else tf.distribute.get_strategy()
     tpu, xla, unknown = _target(strategy, target, model)
+    tpu_open = not tpu and target in ("auto", "xla")
     try:
         replicas = int(strategy.num_replicas_in_sync)
     except Exception:  # noqa: BLE001 - a strategy without a cluster yet
@@ -356,9 +362,9 @@ def doctor(
     found: List[Finding] = []
     found += _strategy_findings(strategy, model, tpu, replicas)
     if data is not None:
-        found += _data_findings(data, replicas, tpu, xla, unknown, model)
-    if (tpu or unknown) and model is not None:
-        found += _width_findings(model, unknown)
+        found += _data_findings(data, replicas, tpu, xla, unknown, tpu_open, model)
+    if (tpu or tpu_open) and model is not None:
+        found += _width_findings(model, tpu_open, "XLA or a TPU" if unknown else "a TPU")
     found += _loss_findings(loss, replicas)
     result = Findings(sorted(found, key=lambda f: SEVERITIES.index(f.severity)))
     if verbose:
@@ -366,7 +372,7 @@ def doctor(
     return result
 
 
-def _width_findings(model, unknown: bool) -> List[Finding]:
+def _width_findings(model, unknown: bool, where: str = "XLA or a TPU") -> List[Finding]:
     odd = []
     for _, layer in _layers(model):
         width = getattr(layer, "units", None) or getattr(layer, "filters", None)
@@ -378,5 +384,5 @@ def _width_findings(model, unknown: bool) -> List[Finding]:
         "info", "feature width", f"layer widths not a multiple of 128: {', '.join(odd[:6])}"
         + (" ..." if len(odd) > 6 else ""),
         _if_moved("the TPU matrix unit works on 128 x 128 tiles: other widths are padded, and "
-                  "the padding costs compute", unknown),
+                  "the padding costs compute", unknown, where),
         "round widths up to multiples of 128 where the model allows (small heads are fine)")]

@@ -74,7 +74,14 @@ class Run:
         """run name -> (stores, other event files), as TensorBoard names runs
         (a directory holding event files, by its path relative to `log_dir`)."""
         runs: Dict[str, Tuple[List[str], List[str]]] = {}
-        for directory, subdirectories, files in os.walk(self.log_dir):
+        seen = set()
+        # Symbolic links followed, as TensorBoard does (once each: no cycle).
+        for directory, subdirectories, files in os.walk(self.log_dir, followlinks=True):
+            real = os.path.realpath(directory)
+            if real in seen:
+                subdirectories[:] = []
+                continue
+            seen.add(real)
             subdirectories[:] = sorted(d for d in subdirectories if d != _store.DIRECTORY)
             events = sorted(f for f in files if io_wrapper.IsSummaryEventsFile(f))
             if not events:
@@ -83,8 +90,10 @@ class Run:
             for name in events:
                 path = os.path.join(directory, name)
                 store = _store.store_path(path)
-                (stores if os.path.isdir(store) else others).append(store if os.path.isdir(
-                    store) else path)
+                if _store.usable(store):
+                    stores.append(store)
+                else:  # no store, or one of a later version or half removed
+                    others.append(path)
             runs[os.path.relpath(directory, self.log_dir)] = (stores, others)
         return runs
 

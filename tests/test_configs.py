@@ -22,6 +22,11 @@ def on_fault(verdicts, model):
     """A module-level action: what a config can name."""
 
 
+def hidden_layers(layer):
+    """A module-level layer selection."""
+    return layer.name == "hidden"
+
+
 class LargeLoss(Rule):
     """A custom rule, found again by its module."""
 
@@ -88,7 +93,7 @@ def _callbacks(tmp_path):
         ActivationStatistics(log_dir, include="dense", exclude="out", history_size=5,
                              strict=True),
         StepRecorder(str(tmp_path / "t.npz"), steps=[0, 4], record=["loss", "weights"],
-                     include="kernel", exclude="out", layers=["hidden"], strict=True),
+                     include="kernel", exclude="out", layers=hidden_layers, strict=True),
         StepTimer(log_dir, input_bound_threshold=0.3, warmup=1, strict=True),
         StopOnRule([VanishingGradient(threshold=1e-5), LargeLoss(3.0)], action=on_fault,
                    start_step=2, freeze_on_fault=True, max_gradient_norm=100.0,
@@ -117,6 +122,8 @@ def test_a_callback_round_trips_through_json(tmp_path, index):
             assert [r.get_config() for r in got] == [r.get_config() for r in callback.rules]
         elif name == "action" and isinstance(value, dict):
             assert got is on_fault
+        elif name == "layers" and isinstance(value, dict):
+            assert got is hidden_layers
         elif name == "suspend":
             assert got == (keras.callbacks.EarlyStopping,)
         else:

@@ -108,7 +108,12 @@ def test_portability_findings_are_info_while_the_target_is_unknown():
                    "steps_per_execution": "warning"}
     xla = {f.check: f.severity for f in doctor(model=_model(units=100, jit=True), data=data,
                                                verbose=False)}
-    assert xla == {"dynamic batch dimension": "warning"}
+    # XLA known (a GPU, say), a TPU only possible: its own findings stay "info".
+    assert xla == {"dynamic batch dimension": "warning", "TPU input dtype": "info",
+                   "batch size": "info", "feature width": "info"}
+    found = doctor(data=data, target="xla", verbose=False)
+    assert next(f for f in found if f.check == "TPU input dtype").why.startswith(
+        "if the run moves to a TPU: ")
     assert _checks(model=_model(units=100), data=data, target="cpu") == []
     assert _checks(model=_model(units=100), data=data, target="gpu") == []
 

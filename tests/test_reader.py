@@ -283,7 +283,7 @@ def _everything(run):
 def _assert_same(got, want):
     for a, b in zip(got, want):
         if isinstance(a, __import__("pandas").DataFrame):
-            assert list(a.columns) == list(b.columns)
+            assert list(a.columns) == list(b.columns) and len(a) == len(b)
             for column in a.columns:
                 for x, y in zip(a[column], b[column]):
                     if isinstance(x, np.ndarray):
@@ -369,3 +369,45 @@ def test_the_store_is_invisible_to_tensorboard(tmp_path):
     multiplexer.AddRunsFromDirectory(str(tmp_path))
     multiplexer.Reload()
     assert list(multiplexer.Runs()) == ["train"]
+
+
+def test_a_store_of_another_format_or_half_removed_leaves_the_event_file_to_read(tmp_path):
+    writer = _mixed_run(str(tmp_path / "a"))
+    want = load_run(str(tmp_path / "a")).scalars(".*")
+    store = _store.store_path(writer.path)
+    header = os.path.join(store, "s0.json")
+    with open(header) as stream:
+        text = stream.read()
+    with open(header, "w") as stream:  # a later version's set
+        stream.write(text.replace('"format": 1', '"format": 99'))
+    assert not _store.usable(store)
+    got = load_run(str(tmp_path / "a")).scalars(".*")
+    assert len(got) == len(want) and got.tag.tolist() == want.tag.tolist()
+    os.remove(header)
+    os.remove(os.path.join(store, _store.MARKER))  # a drop that stopped half-way
+    assert not _store.usable(store)
+    assert len(load_run(str(tmp_path / "a")).scalars(".*")) == len(want)
+
+
+def test_the_store_holds_no_file_open_between_flushes(tmp_path):
+    writer = _events.EventWriter(os.path.join(str(tmp_path), "train"))
+    for step in range(1, 4):
+        for set_index in range(50):  # 50 tag sets, as 50 taps write them
+            writer.write(step, {f"activations/t{set_index}/mean": float(step)},
+                         {f"activations/t{set_index}": (np.ones(3), 0.0, 1.0)})
+    store = _store.store_path(writer.path)
+    opened = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+              if os.path.exists(f"/proc/self/fd/{fd}")]
+    assert not [path for path in opened if path.startswith(store)]
+    assert load_run(str(tmp_path)).tags() == []  # nothing flushed yet: no tag listed
+    writer.flush()
+    assert len(load_run(str(tmp_path)).tags()) == 50
+
+
+def test_runs_behind_symbolic_links_are_read(tmp_path):
+    _mixed_run(str(tmp_path / "elsewhere"))
+    (tmp_path / "logs").mkdir()
+    os.symlink(tmp_path / "elsewhere" / "train", tmp_path / "logs" / "train")
+    os.symlink(tmp_path / "logs", tmp_path / "logs" / "loop")  # a cycle is walked once
+    run = load_run(str(tmp_path / "logs"))
+    assert run.runs == ["train"] and run.steps("step/loss") == [1, 2, 3, 4, 5]

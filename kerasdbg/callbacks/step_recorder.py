@@ -8,6 +8,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 
 from kerasdbg import _capture
 from kerasdbg import _keras_internals as internals
+from kerasdbg import _qualified
 from kerasdbg import _replay
 from kerasdbg import _step_tensors
 from kerasdbg import _validation as check
@@ -129,9 +130,21 @@ class StepRecorder(RecordingCallback):
         self._saved = False
 
     def get_config(self) -> dict:
+        """The constructor's arguments, JSON-able: a callable `layers` by its
+        qualified name (a lambda cannot be saved: TypeError)."""
+        layers = self.layers
+        if callable(layers):
+            layers = {"function": _qualified.name_of("StepRecorder", "layers", layers)}
         return {"path": self.path, "steps": self.steps, "record": list(self.record),
-                "include": self.include, "exclude": self.exclude, "layers": self.layers,
+                "include": self.include, "exclude": self.exclude, "layers": layers,
                 "strict": self.strict}
+
+    @classmethod
+    def from_config(cls, config: dict) -> "StepRecorder":
+        config = dict(config)
+        if isinstance(config.get("layers"), dict):
+            config["layers"] = _qualified.resolve(config["layers"]["function"])
+        return cls(**config)
 
     @property
     def destination(self) -> str:
@@ -187,7 +200,15 @@ class StepRecorder(RecordingCallback):
             return []
         names = {_replay.qualified_name(path, layer)
                  for path, layer in _replay.walk(model) if (path, id(layer)) in chosen}
-        return [name for name in available if name in names]
+        layers = [name for name in available if name in names]
+        if not layers:  # e.g. only input layers, whose "output" is the batch
+            message = (f"StepRecorder: `layers`={self.layers!r} selects no layer whose output "
+                       f"can be recorded. Recordable: {', '.join(available)}. StepRecorder "
+                       "records no layer outputs this fit.")
+            if self.strict:
+                raise ValueError(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+        return layers
 
     def on_train_batch_begin(self, batch, logs=None):
         if self._request is not None:

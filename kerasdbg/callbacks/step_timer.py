@@ -198,8 +198,8 @@ class StepTimer(RecordingCallback):
             self._warned = True
             warnings.warn(
                 f"StepTimer: training is input-bound: the steps wait for their batch "
-                f"{median:.0%} of the time (median over executions {self.warmup + 1}-"
-                f"{len(self._rows)}; threshold {self.input_bound_threshold:.0%}). Speed up the "
+                f"{median:.2f} of the time (median over executions {self.warmup + 1}-"
+                f"{len(self._rows)}; threshold {self.input_bound_threshold:g}). Speed up the "
                 "input pipeline: `.prefetch(tf.data.AUTOTUNE)`, `num_parallel_calls` on maps, "
                 "`.cache()`; `kerasdbg.doctor(model, data)` checks its order.",
                 RuntimeWarning, stacklevel=3)

@@ -88,6 +88,8 @@ class Construction:
             for tensor in tensors:
                 value = magnitudes.get(tensor, 0.0)
                 best = top.setdefault(layers[tensor], [])
+                if not value > 0.0:  # (NaN too) never a sibling that dwarfs another
+                    continue
                 best.append((value, tensor))
                 best.sort(key=lambda e: e[0], reverse=True)
                 del best[2:]

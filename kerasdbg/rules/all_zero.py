@@ -36,8 +36,9 @@ class AllZero(Rule):
     'AllZero at step 1: zero_fraction at or above 1 in gradients: m/d/kernel=1'
     """
 
-    def __init__(self, zero_fraction: float = 1.0, collections: Sequence[str] = COLLECTIONS,
+    def __init__(self, *, zero_fraction: float = 1.0, collections: Sequence[str] = COLLECTIONS,
                  **deprecated):
+        # Keyword-only: a positional value was a percent before.
         owner = type(self).__name__
         renamed = check.deprecated(owner, deprecated, {
             "threshold": ("zero_fraction", check.from_percent, "a fraction 0-1, not a percent"),

@@ -12,7 +12,8 @@ class _ActivationHealth(Rule):
     statistic = ""
     what = ""
 
-    def __init__(self, layer_fraction: float = 0.5, **deprecated):
+    def __init__(self, *, layer_fraction: float = 0.5, **deprecated):
+        # Keyword-only: a positional value meant `threshold_inactivity` before.
         owner = type(self).__name__
         renamed = check.deprecated(owner, deprecated, {
             "threshold_layer": ("layer_fraction", check.from_percent,

@@ -75,8 +75,9 @@ class LossNotDecreasing(Rule):
     'LossNotDecreasing at step 4: mean train loss of steps 3-4 is 1 against 0.95 for steps 1-2 (relative decrease -0.053, needed > 0)'
     """
 
-    def __init__(self, num_steps: int = 10, min_decrease: float = 0.0, split: str = "train",
-                 **deprecated):
+    def __init__(self, num_steps: int = 10, *, min_decrease: float = 0.0,
+                 split: str = "train", **deprecated):
+        # Keyword-only after `num_steps`: the second value was a percent before.
         owner = type(self).__name__
         renamed = check.deprecated(owner, deprecated, {
             "diff_percent": ("min_decrease", check.from_percent, "a fraction 0-1, not a percent"),
@@ -192,7 +193,7 @@ class Overfit(Rule):
     >>> rule.check(10, {"epoch/loss": 0.5, "epoch/val_loss": 0.6}) is None
     True
     >>> rule.check(20, {"epoch/loss": 0.4, "epoch/val_loss": 0.7}).reason
-    'Overfit at step 20: validation loss 0.7 is 75% above the training loss 0.4 (more than 10% for 2 evaluations)'
+    'Overfit at step 20: validation loss 0.7 above the training loss 0.4 by 0.75 of it (more than 0.1 for 2 evaluations)'
     """
 
     requires = (("epoch", "val_loss"),)
@@ -217,8 +218,8 @@ class Overfit(Rule):
         if self._count < self.patience:
             return None
         return self.verdict(
-            step, f"validation loss {val:.4g} is {100 * ratio:.3g}% above the training loss "
-            f"{train:.4g} (more than {100 * self.ratio_threshold:g}% for {self.patience} "
+            step, f"validation loss {val:.4g} above the training loss {train:.4g} by "
+            f"{ratio:.3g} of it (more than {self.ratio_threshold:g} for {self.patience} "
             f"evaluation{'s' if self.patience > 1 else ''})",
             {TRAIN_LOSS: train, VAL_LOSS: val})
 
@@ -250,7 +251,7 @@ class Overtraining(Rule):
     >>> rule = Overtraining(patience_train=1, patience_validation=2)
     >>> steps = [(1, 1.0, 1.0), (2, 0.99, 0.98), (3, 0.98, 0.99)]
     >>> [rule.check(s, {"epoch/loss": t, "epoch/val_loss": v}) for s, t, v in steps][-1].reason
-    'Overtraining at step 3: no improvement by more than 10% of the training loss for 2 evaluations (best 1) nor of the validation loss for 2 (best 1)'
+    'Overtraining at step 3: no improvement by more than 0.1 of the training loss for 2 evaluations (best 1) nor of the validation loss for 2 (best 1)'
     """
 
     requires = (("epoch", "val_loss"),)
@@ -276,7 +277,7 @@ class Overtraining(Rule):
         if self._train.waits < self.patience_train or self._val.waits < self.patience_validation:
             return None
         return self.verdict(
-            step, f"no improvement by more than {100 * self.delta:g}% of the training loss "
+            step, f"no improvement by more than {self.delta:g} of the training loss "
             f"for {self._train.waits} evaluations (best {self._train.best:.4g}) nor of the "
             f"validation loss for {self._val.waits} (best {self._val.best:.4g})",
             {TRAIN_LOSS: losses[0], VAL_LOSS: losses[1]})

@@ -94,7 +94,7 @@ def test_loss_rules_refuse_bad_arguments():
 
 
 def test_loss_rules_round_trip_their_config():
-    for rule in (LossNotDecreasing(3, 0.015, "val"), Overfit(2, 0.3), Overtraining(1, 2, 0.05),
+    for rule in (LossNotDecreasing(3, min_decrease=0.015, split="val"), Overfit(2, 0.3), Overtraining(1, 2, 0.05),
                  NonFiniteLoss()):
         assert type(rule).from_config(rule.get_config()).get_config() == rule.get_config()
 

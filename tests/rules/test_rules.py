@@ -244,8 +244,13 @@ def test_the_unused_threshold_inactivity_is_gone_with_a_warning():
      "Received: zero_fraction=0.5, threshold=50"),
     (lambda: AllZero(limit=3), TypeError,
      "AllZero: unexpected keyword argument `limit`. Received: limit=3"),
+    # A positional value meant another argument, in another unit, before the renames.
+    (lambda: DeadReLU(1.0), TypeError, "takes 1 positional argument but 2 were given"),
+    (lambda: AllZero(100.0), TypeError, "takes 1 positional argument but 2 were given"),
+    (lambda: LossNotDecreasing(10, 5.0), TypeError, "positional argument"),
 ], ids=["negative", "require", "collection", "zero-threshold", "only-nan-type", "fraction",
-        "small-above-large", "type", "nan", "old-and-new", "unknown"])
+        "small-above-large", "type", "nan", "old-and-new", "unknown", "positional-dead-relu",
+        "positional-all-zero", "positional-loss"])
 def test_bad_arguments(make, error, message):
     with pytest.raises(error, match=re.escape(message)):
         make()
