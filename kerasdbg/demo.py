@@ -163,8 +163,9 @@ def run_demo(out: str = "runs/demo", epochs: int = 3) -> Dict[str, str]:
     absolute = os.path.abspath(out)
     print(f"\nTensorBoard logs written to {absolute}")
     print(f"Open them with:\n  tensorboard --logdir {absolute}\nthen browse http://localhost:6006 "
-          "(Scalars: gradients/*, weights/*, activations/*, step/loss; Histograms; Text: "
-          "rules/verdicts; Keras's own epoch_loss). Or open each run's report.html.")
+          "(Custom Scalars: every layer's gradient norm, update ratios, dead units in one "
+          "chart each; Scalars: gradients/*, weights/*, activations/*, step/loss; Histograms; "
+          "Text: rules/verdicts; Keras's own epoch_loss). Or open each run's report.html.")
     return dirs
 
 
