@@ -232,6 +232,16 @@ def sequences(path: str) -> Iterator[Tuple[str, List[str], np.ndarray, np.ndarra
             [w for _, w in written])
 
 
+def scalar_sets(path: str) -> Iterator[Tuple[List[str], np.ndarray]]:
+    """`(tags, rows)` of each scalar set of a store: `rows` a read-only memory
+    map of its complete rows (step, wall time, one value per tag)."""
+    for entry in _sets(path):
+        if entry.kind == "scalars":
+            rows = _rows(entry.data, _ROW_HEAD + len(entry.columns))
+            if rows is not None:
+                yield entry.columns, rows
+
+
 def tags(path: str, kind: str) -> List[str]:
     """The tags of `kind` ("scalars", "histograms" or "text") in a store."""
     found = set()

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import List, Sequence, Union
 
-import numpy as np
-
 from kerasdbg._tags import tag_parts, tag_pattern
 from kerasdbg.reader import Run, load_run
 from kerasdbg.rules._runner import RuleRunner, check_rules
@@ -60,8 +58,10 @@ def check_run(
     """
     rules = check_rules("check_run", rules)
     source = log_dir if isinstance(log_dir, Run) else load_run(log_dir)
-    frame = source.scalars(".*", run=run)
-    present = recorded_pairs(frame.tag.unique())
+    tags = source.tags(run=run)
+    if not tags:
+        source.scalars(".*", run=run)  # the KeyError that lists what the run holds
+    present = recorded_pairs(tags)
     if skip_missing:
         rules = [rule for rule in rules if can_check(rule, present)]
     for rule in rules:
@@ -76,17 +76,10 @@ def check_run(
             )
     runner = RuleRunner(rules, first_only=first_only)
     verdicts = []
-    # One record per step, in step order (plain arrays: a pandas group per step
-    # costs more than the rules on a run of millions of values).
-    order = np.argsort(frame["step"].to_numpy(), kind="stable")
-    steps = frame["step"].to_numpy()[order]
-    tags = frame["tag"].to_numpy()[order]
-    values = frame["value"].to_numpy()[order]
-    del frame
-    bounds = np.flatnonzero(np.diff(steps)) + 1
-    for start, end in zip(np.r_[0, bounds], np.r_[bounds, len(steps)]):
-        record = dict(zip(tags[start:end].tolist(), values[start:end].tolist()))
-        verdicts += runner.check_step(int(steps[start]), record)
+    # One step's record at a time, in step order: a run of millions of values is
+    # never held whole.
+    for step, record in source._records(run):
+        verdicts += runner.check_step(step, record)
     return verdicts
 
 

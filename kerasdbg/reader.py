@@ -12,9 +12,10 @@ plugins' metadata and stops cleanly at a truncated last record.
 from __future__ import annotations
 
 import bisect
+import heapq
 import os
 import re
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 import numpy as np
 import pandas as pd
@@ -298,6 +299,37 @@ class Run:
         """
         return self._frame("scalars", tag_or_regex, run, lambda a: {"value": float(a)})
 
+    def _records(self, run: Optional[str]) -> Iterator[Tuple[int, Dict[str, float]]]:
+        """`(step, {tag: value})` for every step of the scalars, in step order
+        and tag order, one step in memory at a time for the stores: what
+        `check_run` feeds the rules. The same values as `scalars(".*")`: a
+        rollback keeps the later writes (per set of tags written together)."""
+        streams = []
+        for name, stores, others in self._selected(run):
+            for store in stores:
+                for tags, rows in _store.scalar_sets(store):
+                    steps = np.asarray(rows[:, 0])
+                    # Kept: a row whose step is below every later row's (see _keep_latest).
+                    later = np.minimum.accumulate(steps[::-1])[::-1]
+                    keep = np.append(steps[:-1] < later[1:], True)
+                    streams.append(_set_records(tags, rows, np.flatnonzero(keep)))
+            rows = self._read("scalars", [], others, lambda t: True)
+            if rows:
+                frame = _keep_latest(pd.DataFrame({
+                    "tag": [r[0] for r in rows], "step": [int(r[1]) for r in rows],
+                    "wall_time": [r[2] for r in rows], "value": [float(r[3]) for r in rows]}))
+                streams.append(((int(step), dict(zip(group.tag, group.value)))
+                                for step, group in frame.groupby("step", sort=True)))
+        step, record = None, {}
+        for at, values in heapq.merge(*streams, key=lambda item: item[0]):
+            if at != step and step is not None:
+                yield step, dict(sorted(record.items()))
+                record = {}
+            step = at
+            record.update(values)
+        if step is not None:
+            yield step, dict(sorted(record.items()))
+
     def scalar_table(self, tag_or_regex: str, run: Optional[str] = None) -> pd.DataFrame:
         """The scalars as a table: one row per step, one column per tag (the
         last value where a step was written twice; NaN where a tag was not
@@ -432,6 +464,13 @@ class Run:
             return {"text": value.decode("utf-8") if isinstance(value, bytes) else str(value)}
 
         return self._frame("text", tag_or_regex, run, convert)
+
+
+def _set_records(tags: List[str], rows: np.ndarray, kept: np.ndarray):
+    """`(step, {tag: value})` of the kept rows of one store set, in order."""
+    for index in kept:
+        row = rows[index].tolist()
+        yield int(row[0]), dict(zip(tags, row[2:]))
 
 
 def _plugin_tags(accumulator, kind: str) -> List[str]:

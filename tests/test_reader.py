@@ -411,3 +411,21 @@ def test_runs_behind_symbolic_links_are_read(tmp_path):
     os.symlink(tmp_path / "logs", tmp_path / "logs" / "loop")  # a cycle is walked once
     run = load_run(str(tmp_path / "logs"))
     assert run.runs == ["train"] and run.steps("step/loss") == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("source", ["store", "event-file"])
+def test_the_records_check_run_reads_are_the_scalars_by_step(tmp_path, source):
+    writer = _mixed_run(str(tmp_path))
+    if source == "event-file":
+        shutil.rmtree(os.path.dirname(_store.store_path(writer.path)))
+    run = load_run(str(tmp_path))
+    frame = run.scalars(".*")
+    want = {int(step): dict(zip(rows.tag, rows.value)) for step, rows in frame.groupby("step")}
+    got = list(run._records("train"))
+    assert [step for step, _ in got] == sorted(want)  # each step once, in order
+    for step, record in got:
+        assert list(record) == sorted(record)  # tag order, as online
+        assert record.keys() == want[step].keys()
+        for tag, value in record.items():
+            assert np.float32(value) == np.float32(want[step][tag]) or (
+                np.isnan(value) and np.isnan(want[step][tag])), (step, tag)
