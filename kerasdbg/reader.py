@@ -308,10 +308,7 @@ class Run:
         for name, stores, others in self._selected(run):
             for store in stores:
                 for tags, rows in _store.scalar_sets(store):
-                    steps = np.asarray(rows[:, 0])
-                    # Kept: a row whose step is below every later row's (see _keep_latest).
-                    later = np.minimum.accumulate(steps[::-1])[::-1]
-                    keep = np.append(steps[:-1] < later[1:], True)
+                    keep = _kept(np.asarray(rows[:, 0]))
                     streams.append(_set_records(tags, rows, np.flatnonzero(keep)))
             rows = self._read("scalars", [], others, lambda t: True)
             if rows:
@@ -490,11 +487,17 @@ def _keep_latest(frame: pd.DataFrame) -> pd.DataFrame:
     if not len(frame):
         return frame
     frame = frame.sort_values(["tag", "wall_time"], kind="stable")
-    backwards = frame.iloc[::-1]
-    later_min = backwards.groupby("tag", sort=False)["step"].cummin().groupby(
-        backwards["tag"], sort=False).shift(1)
-    keep = later_min.isna().to_numpy() | (backwards["step"].to_numpy() < later_min.to_numpy())
-    return backwards[keep].iloc[::-1]
+    tags = frame["tag"].to_numpy()
+    bounds = np.flatnonzero(tags[1:] != tags[:-1]) + 1
+    keep = np.concatenate([_kept(part) for part in np.split(frame["step"].to_numpy(), bounds)])
+    return frame[keep]
+
+
+def _kept(steps: np.ndarray) -> np.ndarray:
+    """Which of one tag's writes (steps in the order written) no later write
+    abandoned: those whose step is below every later one's."""
+    later = np.minimum.accumulate(steps[::-1])[::-1]
+    return np.append(steps[:-1] < later[1:], True)
 
 
 class Tensor:
