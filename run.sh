@@ -22,7 +22,7 @@ stamp="$venv/.kerasdbg-install"
 wanted=$(cat setup.cfg pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$wanted" ]; then
   echo "Installing kerasdbg and its dependencies into $venv (first run: a few minutes)..." >&2
-  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[cpu,test]"
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[cpu,test,docs]"
   echo "$wanted" > "$stamp"
 fi
 
