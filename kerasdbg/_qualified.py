@@ -11,11 +11,10 @@ def name_of(owner: str, argument: str, obj: Any) -> str:
     back, else a TypeError: a lambda, a nested function or a bound method
     cannot be written in a JSON config.
 
-    Example:
-
-    >>> from kerasdbg import _qualified
-    >>> _qualified.name_of("StopOnRule", "action", _qualified.name_of)
-    'kerasdbg._qualified.name_of'
+    Examples:
+        >>> from kerasdbg import _qualified
+        >>> _qualified.name_of("StopOnRule", "action", _qualified.name_of)
+        'kerasdbg._qualified.name_of'
     """
     module = getattr(obj, "__module__", None)
     qualname = getattr(obj, "__qualname__", None)

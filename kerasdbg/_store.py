@@ -44,11 +44,10 @@ _ROW_HEAD = 2  # step, wall time
 def store_path(events_path: str) -> str:
     """The store directory of an event file.
 
-    Example:
-
-    >>> from kerasdbg._store import store_path
-    >>> store_path("logs/train/events.out.tfevents.17.host.9.0.kerasdbg")
-    'logs/train/kerasdbg-store/17.host.9.0.kerasdbg'
+    Examples:
+        >>> from kerasdbg._store import store_path
+        >>> store_path("logs/train/events.out.tfevents.17.host.9.0.kerasdbg")
+        'logs/train/kerasdbg-store/17.host.9.0.kerasdbg'
     """
     directory, name = os.path.split(events_path)
     return os.path.join(directory, DIRECTORY, name.replace("events.out.tfevents.", "", 1))

@@ -165,12 +165,11 @@ class StepRecord(dict):
     `(collection, statistic)` for the rules: `values_of` then reads the
     values of one statistic without looking at the other tags.
 
-    Example:
-
-    >>> from kerasdbg._tags import StepRecord, values_of
-    >>> record = StepRecord({"gradients/d/kernel/l2_norm": 2.0, "step/loss": 0.5})
-    >>> list(values_of(record, "gradients", "l2_norm"))
-    [('d/kernel', 2.0)]
+    Examples:
+        >>> from kerasdbg._tags import StepRecord, values_of
+        >>> record = StepRecord({"gradients/d/kernel/l2_norm": 2.0, "step/loss": 0.5})
+        >>> list(values_of(record, "gradients", "l2_norm"))
+        [('d/kernel', 2.0)]
     """
 
     __slots__ = ("_index",)
@@ -214,17 +213,16 @@ def verdict_markdown(verdicts: Sequence[Any]) -> str:
     step | tensors | reason |` (TensorBoard's Text dashboard renders it);
     `verdict_rows` reads it back.
 
-    Example:
-
-    >>> from kerasdbg._tags import verdict_markdown, verdict_rows
-    >>> from kerasdbg.rules import AllZero
-    >>> text = verdict_markdown([AllZero().check(3, {"weights/m/d/bias/zero_fraction": 1.0})])
-    >>> print(text)
-    | rule | step | tensors | reason |
-    |---|---|---|---|
-    | AllZero | 3 | m/d/bias | AllZero at step 3: zero_fraction at or above 1 in weights: m/d/bias=1 |
-    >>> verdict_rows(text)[0]["tensors"]
-    ['m/d/bias']
+    Examples:
+        >>> from kerasdbg._tags import verdict_markdown, verdict_rows
+        >>> from kerasdbg.rules import AllZero
+        >>> text = verdict_markdown([AllZero().check(3, {"weights/m/d/bias/zero_fraction": 1.0})])
+        >>> print(text)
+        | rule | step | tensors | reason |
+        |---|---|---|---|
+        | AllZero | 3 | m/d/bias | AllZero at step 3: zero_fraction at or above 1 in weights: m/d/bias=1 |
+        >>> verdict_rows(text)[0]["tensors"]
+        ['m/d/bias']
     """
     rows = ["| rule | step | tensors | reason |", "|---|---|---|---|"]
     for v in verdicts:

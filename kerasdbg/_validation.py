@@ -198,18 +198,17 @@ def deprecated(owner: str, given: Dict[str, Any], renames: Mapping[str, Rename],
     name to `(value given, its default)`: a new argument set to another
     value than its default together with its old name is a ValueError.
 
-    Example:
-
-    >>> import warnings
-    >>> from kerasdbg import _validation as check
-    >>> given = {"threshold": 50}
-    >>> with warnings.catch_warnings(record=True) as caught:
-    ...     warnings.simplefilter("always")
-    ...     check.deprecated("AllZero", given, {"threshold": ("zero_fraction",
-    ...         check.from_percent, "a fraction 0-1, not a percent")}, {})
-    {'zero_fraction': 0.5}
-    >>> str(caught[0].message)
-    'AllZero: `threshold` is deprecated; use `zero_fraction` (a fraction 0-1, not a percent): threshold=50 is zero_fraction=0.5.'
+    Examples:
+        >>> import warnings
+        >>> from kerasdbg import _validation as check
+        >>> given = {"threshold": 50}
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     check.deprecated("AllZero", given, {"threshold": ("zero_fraction",
+        ...         check.from_percent, "a fraction 0-1, not a percent")}, {})
+        {'zero_fraction': 0.5}
+        >>> str(caught[0].message)
+        'AllZero: `threshold` is deprecated; use `zero_fraction` (a fraction 0-1, not a percent): threshold=50 is zero_fraction=0.5.'
     """
     found: Dict[str, Any] = {}
     for old, (new, convert, how) in renames.items():

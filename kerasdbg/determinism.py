@@ -34,18 +34,17 @@ class deterministic:  # noqa: N801 - used as a function: `with kerasdbg.determin
     Args:
         seed: an int in [0, 2**32 - 1].
 
-    Example:
-
-    >>> import keras, numpy as np
-    >>> from kerasdbg import deterministic
-    >>> with deterministic(7):
-    ...     a = keras.initializers.GlorotUniform()((3, 2))
-    >>> import keras, numpy as np
-    >>> from kerasdbg import deterministic
-    >>> with deterministic(7):
-    ...     b = keras.initializers.GlorotUniform()((3, 2))
-    >>> bool((np.asarray(a) == np.asarray(b)).all())
-    True
+    Examples:
+        >>> import keras, numpy as np
+        >>> from kerasdbg import deterministic
+        >>> with deterministic(7):
+        ...     a = keras.initializers.GlorotUniform()((3, 2))
+        >>> import keras, numpy as np
+        >>> from kerasdbg import deterministic
+        >>> with deterministic(7):
+        ...     b = keras.initializers.GlorotUniform()((3, 2))
+        >>> bool((np.asarray(a) == np.asarray(b)).all())
+        True
     """
 
     def __init__(self, seed: int):

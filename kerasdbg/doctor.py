@@ -329,15 +329,14 @@ def doctor(
         `Findings`, a list of `Finding(severity, check, what, why, fix)`,
         errors first.
 
-    Example:
-
-    >>> import tensorflow as tf
-    >>> from kerasdbg import doctor
-    >>> labels = tf.zeros([10], tf.int64)
-    >>> data = tf.data.Dataset.from_tensor_slices(([[1.0]] * 10, labels)).batch(4)
-    >>> findings = doctor(data=data, target="tpu", verbose=False)
-    >>> [f.check for f in findings]
-    ['dynamic batch dimension', 'TPU input dtype', 'batch size', 'tf.data prefetch']
+    Examples:
+        >>> import tensorflow as tf
+        >>> from kerasdbg import doctor
+        >>> labels = tf.zeros([10], tf.int64)
+        >>> data = tf.data.Dataset.from_tensor_slices(([[1.0]] * 10, labels)).batch(4)
+        >>> findings = doctor(data=data, target="tpu", verbose=False)
+        >>> [f.check for f in findings]
+        ['dynamic batch dimension', 'TPU input dtype', 'batch size', 'tf.data prefetch']
     """
     owner = "doctor"
     if model is not None and not isinstance(model, keras.Model):

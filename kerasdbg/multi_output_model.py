@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 import keras
 
@@ -48,22 +48,26 @@ class MultiOutputModel(keras.Model):
         ValueError: a name in `outputs` does not exist (the error lists the
             layers), or `outputs` selects nothing.
 
-    Example:
-
-    >>> import keras, numpy as np
-    >>> import kerasdbg
-    >>> model = keras.Sequential([keras.Input((2,)),
-    ...     keras.layers.Dense(3, activation="relu", name="hidden"),
-    ...     keras.layers.Dense(1, name="out")], name="net")
-    >>> model.compile(optimizer="sgd", loss="mse")
-    >>> wrapped = kerasdbg.MultiOutputModel(model, outputs=["hidden"])
-    >>> _ = wrapped.fit(np.ones((4, 2)), np.ones((4, 1)), epochs=1, verbose=0)
-    >>> out, intermediates = wrapped.predict(np.ones((4, 2)), verbose=0)
-    >>> out.shape, intermediates["hidden"].shape
-    ((4, 1), (4, 3))
+    Examples:
+        >>> import keras, numpy as np
+        >>> import kerasdbg
+        >>> model = keras.Sequential([keras.Input((2,)),
+        ...     keras.layers.Dense(3, activation="relu", name="hidden"),
+        ...     keras.layers.Dense(1, name="out")], name="net")
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> wrapped = kerasdbg.MultiOutputModel(model, outputs=["hidden"])
+        >>> _ = wrapped.fit(np.ones((4, 2)), np.ones((4, 1)), epochs=1, verbose=0)
+        >>> out, intermediates = wrapped.predict(np.ones((4, 2)), verbose=0)
+        >>> out.shape, intermediates["hidden"].shape
+        ((4, 1), (4, 3))
     """
 
-    def __init__(self, model: keras.Model, outputs, **kwargs):
+    def __init__(
+        self,
+        model: keras.Model,
+        outputs: Union[None, str, Sequence[str], Callable[[keras.layers.Layer], bool]],
+        **kwargs: Any,
+    ):
         owner = type(self).__name__
         _replay.check_graph_model(owner, model)
         kwargs.setdefault("name", f"{model.name}_multi_output")

@@ -40,21 +40,20 @@ def check_run(
             message says which, and which callback records them).
         KeyError: the directory has no scalars for `run` (lists the tags).
 
-    Example:
-
-    >>> import keras, numpy as np, tempfile
-    >>> import kerasdbg
-    >>> from kerasdbg.callbacks import GradientStatistics
-    >>> from kerasdbg.rules import ExplodingTensor
-    >>> log_dir = tempfile.mkdtemp()
-    >>> model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, name="d")],
-    ...                          name="m")
-    >>> model.compile("sgd", "mse")
-    >>> x = np.array([[1.0], [np.nan], [1.0], [1.0]], "float32")
-    >>> _ = model.fit(x, np.ones((4, 1)), batch_size=1, epochs=1, verbose=0,
-    ...               shuffle=False, callbacks=[GradientStatistics(log_dir)])
-    >>> [v.reason for v in kerasdbg.check_run(log_dir, [ExplodingTensor()])]
-    ['ExplodingTensor at step 2: non-finite values in gradients: m/d/bias=1, m/d/kernel=1']
+    Examples:
+        >>> import keras, numpy as np, tempfile
+        >>> import kerasdbg
+        >>> from kerasdbg.callbacks import GradientStatistics
+        >>> from kerasdbg.rules import ExplodingTensor
+        >>> log_dir = tempfile.mkdtemp()
+        >>> model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, name="d")],
+        ...                          name="m")
+        >>> model.compile("sgd", "mse")
+        >>> x = np.array([[1.0], [np.nan], [1.0], [1.0]], "float32")
+        >>> _ = model.fit(x, np.ones((4, 1)), batch_size=1, epochs=1, verbose=0,
+        ...               shuffle=False, callbacks=[GradientStatistics(log_dir)])
+        >>> [v.reason for v in kerasdbg.check_run(log_dir, [ExplodingTensor()])]
+        ['ExplodingTensor at step 2: non-finite values in gradients: m/d/bias=1, m/d/kernel=1']
     """
     rules = check_rules("check_run", rules)
     source = log_dir if isinstance(log_dir, Run) else load_run(log_dir)

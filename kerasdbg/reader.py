@@ -40,20 +40,19 @@ class Run:
         log_dir: the directory given to the callbacks (or any TensorBoard log
             directory).
 
-    Example:
-
-    >>> import keras, numpy as np, tempfile
-    >>> from kerasdbg import load_run
-    >>> from kerasdbg.callbacks import GradientStatistics
-    >>> log_dir = tempfile.mkdtemp()
-    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, name="dense")],
-    ...                          name="model")
-    >>> model.compile("sgd", "mse")
-    >>> _ = model.fit(np.ones((4, 3)), np.ones((4, 1)), batch_size=2, epochs=1,
-    ...               verbose=0, callbacks=[GradientStatistics(log_dir)])
-    >>> run = load_run(log_dir)
-    >>> run.scalars("gradients/global_norm")["step"].tolist()
-    [1, 2]
+    Examples:
+        >>> import keras, numpy as np, tempfile
+        >>> from kerasdbg import load_run
+        >>> from kerasdbg.callbacks import GradientStatistics
+        >>> log_dir = tempfile.mkdtemp()
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, name="dense")],
+        ...                          name="model")
+        >>> model.compile("sgd", "mse")
+        >>> _ = model.fit(np.ones((4, 3)), np.ones((4, 1)), batch_size=2, epochs=1,
+        ...               verbose=0, callbacks=[GradientStatistics(log_dir)])
+        >>> run = load_run(log_dir)
+        >>> run.scalars("gradients/global_norm")["step"].tolist()
+        [1, 2]
     """
 
     def __init__(self, log_dir: str):
@@ -205,20 +204,19 @@ class Run:
         columns `run`, `step` (the first step written again) and `dropped`
         (the abandoned steps, from `step` on, that the reader leaves out).
 
-        Example:
-
-        >>> import os, tempfile
-        >>> from kerasdbg import _events, load_run
-        >>> log_dir = tempfile.mkdtemp()
-        >>> writer = _events.EventWriter(os.path.join(log_dir, "train"))
-        >>> for step, value in [(1, 1.0), (2, 2.0), (3, 3.0), (2, 20.0), (3, 30.0)]:
-        ...     writer.write(step, {"step/loss": value})
-        >>> writer.flush()
-        >>> run = load_run(log_dir)
-        >>> run.scalars("step/loss")[["step", "value"]].values.tolist()
-        [[1.0, 1.0], [2.0, 20.0], [3.0, 30.0]]
-        >>> run.rollbacks().to_dict("records")
-        [{'run': 'train', 'step': 2, 'dropped': [2, 3]}]
+        Examples:
+            >>> import os, tempfile
+            >>> from kerasdbg import _events, load_run
+            >>> log_dir = tempfile.mkdtemp()
+            >>> writer = _events.EventWriter(os.path.join(log_dir, "train"))
+            >>> for step, value in [(1, 1.0), (2, 2.0), (3, 3.0), (2, 20.0), (3, 30.0)]:
+            ...     writer.write(step, {"step/loss": value})
+            >>> writer.flush()
+            >>> run = load_run(log_dir)
+            >>> run.scalars("step/loss")[["step", "value"]].values.tolist()
+            [[1.0, 1.0], [2.0, 20.0], [3.0, 30.0]]
+            >>> run.rollbacks().to_dict("records")
+            [{'run': 'train', 'step': 2, 'dropped': [2, 3]}]
         """
         self._dropped = {}
         for name, stores, others in self._selected(run):
@@ -335,17 +333,16 @@ class Run:
         Raises:
             KeyError: when no scalar tag matches; the message lists the tags.
 
-        Example:
-
-        >>> import os, tempfile
-        >>> from kerasdbg import _events, load_run
-        >>> log_dir = tempfile.mkdtemp()
-        >>> writer = _events.EventWriter(os.path.join(log_dir, "train"))
-        >>> for step in (1, 2):
-        ...     writer.write(step, {"a/x": step * 1.0, "a/y": -step * 1.0})
-        >>> writer.flush()
-        >>> load_run(log_dir).scalar_table("a/.*").to_dict("list")
-        {'a/x': [1.0, 2.0], 'a/y': [-1.0, -2.0]}
+        Examples:
+            >>> import os, tempfile
+            >>> from kerasdbg import _events, load_run
+            >>> log_dir = tempfile.mkdtemp()
+            >>> writer = _events.EventWriter(os.path.join(log_dir, "train"))
+            >>> for step in (1, 2):
+            ...     writer.write(step, {"a/x": step * 1.0, "a/y": -step * 1.0})
+            >>> writer.flush()
+            >>> load_run(log_dir).scalar_table("a/.*").to_dict("list")
+            {'a/x': [1.0, 2.0], 'a/y': [-1.0, -2.0]}
         """
         # `pivot`, not `pivot_table`: the latter drops NaN values, and a NaN loss
         # is exactly what a debugging table must keep.
@@ -404,20 +401,19 @@ class Run:
                 `re.search`). Defaults to `None` (all).
             run: the run to read. Defaults to `"train"`.
 
-        Example:
-
-        >>> import os, tempfile
-        >>> from kerasdbg import _events, load_run
-        >>> log_dir = tempfile.mkdtemp()
-        >>> writer = _events.EventWriter(os.path.join(log_dir, "train"))
-        >>> writer.write(1, {"gradients/m/d/kernel/mean": 0.5, "gradients/m/d/kernel/max": 2.0,
-        ...                  "gradients/global_norm": 3.0, "step/loss": 0.25})
-        >>> writer.flush()
-        >>> run = load_run(log_dir)
-        >>> run.tensor_names()
-        ['gradients/global_norm', 'gradients/m/d/kernel', 'step/loss']
-        >>> run.steps("step/loss")
-        [1]
+        Examples:
+            >>> import os, tempfile
+            >>> from kerasdbg import _events, load_run
+            >>> log_dir = tempfile.mkdtemp()
+            >>> writer = _events.EventWriter(os.path.join(log_dir, "train"))
+            >>> writer.write(1, {"gradients/m/d/kernel/mean": 0.5, "gradients/m/d/kernel/max": 2.0,
+            ...                  "gradients/global_norm": 3.0, "step/loss": 0.25})
+            >>> writer.flush()
+            >>> run = load_run(log_dir)
+            >>> run.tensor_names()
+            ['gradients/global_norm', 'gradients/m/d/kernel', 'step/loss']
+            >>> run.steps("step/loss")
+            [1]
         """
         from kerasdbg._tags import COLLECTIONS, tag_parts
 
@@ -507,24 +503,23 @@ class Tensor:
     itself: `value(step)` is a dict of those statistics, or a float for a
     scalar tag.
 
-    Example:
-
-    >>> import keras, numpy as np, tempfile
-    >>> from kerasdbg import load_run
-    >>> from kerasdbg.callbacks import GradientStatistics
-    >>> log_dir = tempfile.mkdtemp()
-    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, name="d")], name="m")
-    >>> model.compile("sgd", "mse")
-    >>> _ = model.fit(np.ones((4, 3)), np.ones((4, 1)), batch_size=2, epochs=1, verbose=0,
-    ...               callbacks=[GradientStatistics(log_dir, stats=["min", "max"])])
-    >>> kernel = load_run(log_dir).tensor("gradients/m/d/kernel")
-    >>> kernel.steps()
-    [1, 2]
-    >>> sorted(kernel.value(1))
-    ['max', 'min']
-    >>> kernel.reduction(1, "max", abs=True) == max(abs(kernel.value(1)["min"]),
-    ...                                             abs(kernel.value(1)["max"]))
-    True
+    Examples:
+        >>> import keras, numpy as np, tempfile
+        >>> from kerasdbg import load_run
+        >>> from kerasdbg.callbacks import GradientStatistics
+        >>> log_dir = tempfile.mkdtemp()
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, name="d")], name="m")
+        >>> model.compile("sgd", "mse")
+        >>> _ = model.fit(np.ones((4, 3)), np.ones((4, 1)), batch_size=2, epochs=1, verbose=0,
+        ...               callbacks=[GradientStatistics(log_dir, stats=["min", "max"])])
+        >>> kernel = load_run(log_dir).tensor("gradients/m/d/kernel")
+        >>> kernel.steps()
+        [1, 2]
+        >>> sorted(kernel.value(1))
+        ['max', 'min']
+        >>> kernel.reduction(1, "max", abs=True) == max(abs(kernel.value(1)["min"]),
+        ...                                             abs(kernel.value(1)["max"]))
+        True
     """
 
     def __init__(self, run: Run, name: str, run_name: Optional[str]):
@@ -655,11 +650,10 @@ def load_run(log_dir: str) -> Run:
     Raises:
         FileNotFoundError: when `log_dir` is not a directory.
 
-    Example:
-
-    >>> import tempfile
-    >>> from kerasdbg import load_run
-    >>> load_run(tempfile.mkdtemp()).runs
-    []
+    Examples:
+        >>> import tempfile
+        >>> from kerasdbg import load_run
+        >>> load_run(tempfile.mkdtemp()).runs
+        []
     """
     return Run(log_dir)

@@ -7,7 +7,7 @@ import math
 import os
 import re
 import sys
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, TextIO
 
 import numpy as np
 import pandas as pd
@@ -36,15 +36,14 @@ VERDICT_ROWS = 100
 class NotARunError(ValueError):
     """The directory holds no run kerasdbg can report on (the message says why).
 
-    Example:
-
-    >>> import tempfile
-    >>> from kerasdbg.report import NotARunError, collect
-    >>> try:
-    ...     collect(tempfile.mkdtemp())
-    ... except NotARunError as error:
-    ...     print("holds no TensorBoard event files" in str(error))
-    True
+    Examples:
+        >>> import tempfile
+        >>> from kerasdbg.report import NotARunError, collect
+        >>> try:
+        ...     collect(tempfile.mkdtemp())
+        ... except NotARunError as error:
+        ...     print("holds no TensorBoard event files" in str(error))
+        True
     """
 
 
@@ -87,7 +86,8 @@ def _layer_norms(norms: pd.DataFrame) -> pd.DataFrame:
                          for layer, cols in layers.items()})
 
 
-def collect(log_dir: str, run_name: str = "train", progress=None) -> Dict[str, object]:
+def collect(log_dir: str, run_name: str = "train",
+            progress: Optional[Callable[[int, int, str], None]] = None) -> Dict[str, object]:
     """Reads what the report shows from a log directory: step x tag tables
     under "loss", "global_norm", "gradient_norms", "nan_counts",
     "update_ratios", "activations", the `epoch_*` scalars of Keras's
@@ -101,18 +101,17 @@ def collect(log_dir: str, run_name: str = "train", progress=None) -> Dict[str, o
         run_name: the run of the log directory. Defaults to `"train"`.
         progress: called as `progress(done, total, what)`, or None.
 
-    Example:
-
-    >>> import keras, numpy as np, tempfile
-    >>> from kerasdbg.callbacks import GradientStatistics
-    >>> from kerasdbg.report import collect
-    >>> log_dir = tempfile.mkdtemp()
-    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, name="d")], name="m")
-    >>> model.compile("sgd", "mse")
-    >>> _ = model.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=2, verbose=0,
-    ...               callbacks=[GradientStatistics(log_dir)])
-    >>> list(collect(log_dir)["global_norm"].columns)
-    ['gradients/global_norm']
+    Examples:
+        >>> import keras, numpy as np, tempfile
+        >>> from kerasdbg.callbacks import GradientStatistics
+        >>> from kerasdbg.report import collect
+        >>> log_dir = tempfile.mkdtemp()
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, name="d")], name="m")
+        >>> model.compile("sgd", "mse")
+        >>> _ = model.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=2, verbose=0,
+        ...               callbacks=[GradientStatistics(log_dir)])
+        >>> list(collect(log_dir)["global_norm"].columns)
+        ['gradients/global_norm']
 
     Raises:
         FileNotFoundError: `log_dir` is not a directory.
@@ -166,12 +165,11 @@ def collect(log_dir: str, run_name: str = "train", progress=None) -> Dict[str, o
 def first_positive_step(table: pd.DataFrame) -> Optional[int]:
     """The first step (index) at which any column is above 0 (e.g. NaN counts), or None.
 
-    Example:
-
-    >>> import pandas as pd
-    >>> from kerasdbg.report import first_positive_step
-    >>> first_positive_step(pd.DataFrame({"a/nan_count": [0.0, 0.0, 3.0]}, index=[1, 2, 3]))
-    3
+    Examples:
+        >>> import pandas as pd
+        >>> from kerasdbg.report import first_positive_step
+        >>> first_positive_step(pd.DataFrame({"a/nan_count": [0.0, 0.0, 3.0]}, index=[1, 2, 3]))
+        3
     """
     if not len(table.columns):
         return None
@@ -182,12 +180,11 @@ def first_positive_step(table: pd.DataFrame) -> Optional[int]:
 def mean_norms(norms: pd.DataFrame) -> pd.Series:
     """Each column's mean over the steps, finite values only, smallest first.
 
-    Example:
-
-    >>> import pandas as pd
-    >>> from kerasdbg.report import mean_norms
-    >>> mean_norms(pd.DataFrame({"a": [1.0, 3.0], "b": [0.5, float("inf")]})).to_dict()
-    {'b': 0.5, 'a': 2.0}
+    Examples:
+        >>> import pandas as pd
+        >>> from kerasdbg.report import mean_norms
+        >>> mean_norms(pd.DataFrame({"a": [1.0, 3.0], "b": [0.5, float("inf")]})).to_dict()
+        {'b': 0.5, 'a': 2.0}
     """
     return norms.replace([np.inf, -np.inf], np.nan).mean().dropna().sort_values()
 
@@ -197,23 +194,22 @@ def summary(data: Dict[str, object], top: int = 3) -> str:
     step, the variables with the largest and smallest mean gradient norms,
     and the number of rule verdicts.
 
-    Example:
-
-    >>> import keras, numpy as np, tempfile
-    >>> from kerasdbg.callbacks import GradientStatistics
-    >>> from kerasdbg.report import collect, summary
-    >>> log_dir = tempfile.mkdtemp()
-    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, name="d")], name="m")
-    >>> model.compile("sgd", "mse")
-    >>> _ = model.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=2, verbose=0,
-    ...               callbacks=[GradientStatistics(log_dir)])
-    >>> for line in summary(collect(log_dir)).splitlines()[1:]:
-    ...     print(line)
-      steps recorded: 4 (1-4)
-      first non-finite step: none
-      largest mean gradient norms:  m/d/kernel (...), m/d/bias (...)
-      smallest mean gradient norms: m/d/bias (...), m/d/kernel (...)
-      rule verdicts: 0
+    Examples:
+        >>> import keras, numpy as np, tempfile
+        >>> from kerasdbg.callbacks import GradientStatistics
+        >>> from kerasdbg.report import collect, summary
+        >>> log_dir = tempfile.mkdtemp()
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, name="d")], name="m")
+        >>> model.compile("sgd", "mse")
+        >>> _ = model.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=2, verbose=0,
+        ...               callbacks=[GradientStatistics(log_dir)])
+        >>> for line in summary(collect(log_dir)).splitlines()[1:]:
+        ...     print(line)
+          steps recorded: 4 (1-4)
+          first non-finite step: none
+          largest mean gradient norms:  m/d/kernel (...), m/d/bias (...)
+          smallest mean gradient norms: m/d/bias (...), m/d/kernel (...)
+          rule verdicts: 0
     """
     lines = [f"run {data['run']!r} of {data['log_dir']}"]
     norms: pd.DataFrame = data["gradient_norms"]
@@ -474,7 +470,7 @@ def _epoch_table(epochs: pd.DataFrame) -> str:
 
 
 def write_report(log_dir: str, out: Optional[str] = None, run_name: str = "train",
-                 progress_stream=None) -> str:
+                 progress_stream: Optional[TextIO] = None) -> str:
     """Writes `report.html` and its PNG plots; returns the HTML file's path.
 
     The page shows the text `summary`, the rule verdicts as a table (rule,
@@ -499,19 +495,18 @@ def write_report(log_dir: str, out: Optional[str] = None, run_name: str = "train
         FileNotFoundError: `log_dir` is not a directory.
         NotARunError: it holds nothing kerasdbg can report on.
 
-    Example:
-
-    >>> import keras, numpy as np, os, tempfile
-    >>> from kerasdbg.callbacks import GradientStatistics
-    >>> from kerasdbg.report import write_report
-    >>> log_dir = tempfile.mkdtemp()
-    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, name="d")], name="m")
-    >>> model.compile("sgd", "mse")
-    >>> _ = model.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=2, verbose=0,
-    ...               callbacks=[GradientStatistics(log_dir)])
-    >>> page = write_report(log_dir)
-    >>> sorted(os.listdir(os.path.dirname(page)))
-    ['global_norm.png', 'gradient_heatmap.png', 'report.html']
+    Examples:
+        >>> import keras, numpy as np, os, tempfile
+        >>> from kerasdbg.callbacks import GradientStatistics
+        >>> from kerasdbg.report import write_report
+        >>> log_dir = tempfile.mkdtemp()
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, name="d")], name="m")
+        >>> model.compile("sgd", "mse")
+        >>> _ = model.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=2, verbose=0,
+        ...               callbacks=[GradientStatistics(log_dir)])
+        >>> page = write_report(log_dir)
+        >>> sorted(os.listdir(os.path.dirname(page)))
+        ['global_norm.png', 'gradient_heatmap.png', 'report.html']
     """
     progress = _progress(progress_stream) if progress_stream is not None else None
     return _write(collect(log_dir, run_name, progress), out)

@@ -22,11 +22,10 @@ class Schedule(NamedTuple):
         first_steps: also record at every step up to this one (0: none).
         last_step: record at no step after this one, or None.
 
-    Example:
-
-    >>> from kerasdbg.schedule import Schedule
-    >>> [step for step in range(1, 300) if Schedule(100, first_steps=3).at(step)]
-    [1, 2, 3, 100, 200]
+    Examples:
+        >>> from kerasdbg.schedule import Schedule
+        >>> [step for step in range(1, 300) if Schedule(100, first_steps=3).at(step)]
+        [1, 2, 3, 100, 200]
     """
 
     every_n_steps: int = 1

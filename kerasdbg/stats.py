@@ -70,11 +70,10 @@ tensor statistics (`GradientStatistics`, `WeightStatistics`, `TapLayer`,
 `PrintLayer`), the update statistics (`WeightStatistics`) and the taps' health
 fractions.
 
-Example:
-
->>> from kerasdbg import stats
->>> len(stats.EVERY_STATISTIC), stats.EVERY_STATISTIC[-4:]
-(16, ('update_ratio', 'distance_from_start', 'dead_fraction', 'saturated_fraction'))
+Examples:
+    >>> from kerasdbg import stats
+    >>> len(stats.EVERY_STATISTIC), stats.EVERY_STATISTIC[-4:]
+    (16, ('update_ratio', 'distance_from_start', 'dead_fraction', 'saturated_fraction'))
 """
 
 DEFAULT_HISTOGRAM_BINS = 30
@@ -480,13 +479,12 @@ def tensor_statistics(
     Returns:
         A float64 tensor of shape `[len(tensors), len(stats)]`.
 
-    Example:
-
-    >>> import tensorflow as tf
-    >>> from kerasdbg.stats import tensor_statistics
-    >>> tensor_statistics([tf.constant([3.0, -4.0, 0.0])],
-    ...                   ["l2_norm", "min", "zero_fraction"]).numpy().round(3)
-    array([[ 5.   , -4.   ,  0.333]])
+    Examples:
+        >>> import tensorflow as tf
+        >>> from kerasdbg.stats import tensor_statistics
+        >>> tensor_statistics([tf.constant([3.0, -4.0, 0.0])],
+        ...                   ["l2_norm", "min", "zero_fraction"]).numpy().round(3)
+        array([[ 5.   , -4.   ,  0.333]])
     """
     stats = _checked(stats)
     if not tensors or not stats:
@@ -580,13 +578,12 @@ def histograms(
         `(counts, ranges)`: float64 tensors of shapes `[len(tensors), bins]`
         and `[len(tensors), 2]` (finite min and max; NaN when none is finite).
 
-    Example:
-
-    >>> import tensorflow as tf
-    >>> from kerasdbg.stats import histograms
-    >>> counts, ranges = histograms([tf.constant([0.0, 1.0, 1.0, 4.0])], bins=4)
-    >>> counts.numpy(), ranges.numpy()
-    (array([[1., 2., 0., 1.]]), array([[0., 4.]]))
+    Examples:
+        >>> import tensorflow as tf
+        >>> from kerasdbg.stats import histograms
+        >>> counts, ranges = histograms([tf.constant([0.0, 1.0, 1.0, 4.0])], bins=4)
+        >>> counts.numpy(), ranges.numpy()
+        (array([[1., 2., 0., 1.]]), array([[0., 4.]]))
     """
     all_counts, all_ranges = [], []
     with B.name_scope("kerasdbg_histograms"):

@@ -62,21 +62,20 @@ def insert_taps(
         ValueError: a name in `layers` does not exist (the error lists the
             layers), `layers` selects nothing, or the model is not built.
 
-    Example:
-
-    >>> import keras, numpy as np
-    >>> import kerasdbg
-    >>> model = keras.Sequential([keras.Input((2,), name="x"),
-    ...     keras.layers.Dense(3, activation="relu", name="hidden"),
-    ...     keras.layers.Dense(1, name="out")], name="net")
-    >>> tapped = kerasdbg.insert_taps(model, layers=["hidden"])
-    >>> [layer.name for layer in tapped.layers]
-    ['x', 'hidden', 'hidden_tap', 'out']
-    >>> tapped.get_layer("hidden_tap").activation
-    'relu'
-    >>> _ = tapped(np.ones((4, 2)))
-    >>> sorted(tapped.get_layer("hidden_tap").latest)[:3]
-    ['dead_fraction', 'inf_count', 'max']
+    Examples:
+        >>> import keras, numpy as np
+        >>> import kerasdbg
+        >>> model = keras.Sequential([keras.Input((2,), name="x"),
+        ...     keras.layers.Dense(3, activation="relu", name="hidden"),
+        ...     keras.layers.Dense(1, name="out")], name="net")
+        >>> tapped = kerasdbg.insert_taps(model, layers=["hidden"])
+        >>> [layer.name for layer in tapped.layers]
+        ['x', 'hidden', 'hidden_tap', 'out']
+        >>> tapped.get_layer("hidden_tap").activation
+        'relu'
+        >>> _ = tapped(np.ones((4, 2)))
+        >>> sorted(tapped.get_layer("hidden_tap").latest)[:3]
+        ['dead_fraction', 'inf_count', 'max']
     """
     owner = "insert_taps"
     _replay.check_graph_model(owner, model)
@@ -113,15 +112,14 @@ def strip_debug_layers(model: keras.Model, name: Optional[str] = None) -> keras.
         TypeError: `model` is not a Keras model whose graph is visible.
         ValueError: the model is not built.
 
-    Example:
-
-    >>> import keras
-    >>> import kerasdbg
-    >>> from kerasdbg.layers import TapLayer
-    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, name="d"),
-    ...     TapLayer(name="tap")], name="net")
-    >>> [layer.name for layer in kerasdbg.strip_debug_layers(model).layers]
-    ['d']
+    Examples:
+        >>> import keras
+        >>> import kerasdbg
+        >>> from kerasdbg.layers import TapLayer
+        >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, name="d"),
+        ...     TapLayer(name="tap")], name="net")
+        >>> [layer.name for layer in kerasdbg.strip_debug_layers(model).layers]
+        ['d']
     """
     _replay.check_graph_model("strip_debug_layers", model)
     if name is not None and not isinstance(name, str):

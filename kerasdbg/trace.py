@@ -86,16 +86,15 @@ class TraceWriter:
         source: a free-form description stored in the file. Defaults to
             `"python"`.
 
-    Example:
-
-    >>> import os, tempfile
-    >>> import numpy as np
-    >>> from kerasdbg import TraceWriter
-    >>> path = os.path.join(tempfile.mkdtemp(), "tf1.npz")
-    >>> with TraceWriter(path) as writer:
-    ...     writer.record(1, loss=0.5, gradients={"dense/kernel:0": [[0.1], [0.2]]})
-    >>> sorted(np.load(path).files)
-    ['__kerasdbg_trace__', 'gradients/dense/kernel:0@1', 'loss@1']
+    Examples:
+        >>> import os, tempfile
+        >>> import numpy as np
+        >>> from kerasdbg import TraceWriter
+        >>> path = os.path.join(tempfile.mkdtemp(), "tf1.npz")
+        >>> with TraceWriter(path) as writer:
+        ...     writer.record(1, loss=0.5, gradients={"dense/kernel:0": [[0.1], [0.2]]})
+        >>> sorted(np.load(path).files)
+        ['__kerasdbg_trace__', 'gradients/dense/kernel:0@1', 'loss@1']
     """
 
     def __init__(self, path: Union[str, os.PathLike], source: str = "python"):
@@ -236,16 +235,15 @@ def load_trace(path: PathOrTrace) -> Trace:
         FileNotFoundError: no such file.
         TraceError: the file is not a kerasdbg trace.
 
-    Example:
-
-    >>> import os, tempfile
-    >>> from kerasdbg import TraceWriter, load_trace
-    >>> path = os.path.join(tempfile.mkdtemp(), "t.npz")
-    >>> with TraceWriter(path) as writer:
-    ...     writer.record(1, loss=0.5, weights={"dense/kernel": [[1.0], [2.0]]})
-    >>> trace = load_trace(path)
-    >>> trace.steps, trace.names("weights"), float(trace.get("loss", 1))
-    ([1], ['weights/dense/kernel'], 0.5)
+    Examples:
+        >>> import os, tempfile
+        >>> from kerasdbg import TraceWriter, load_trace
+        >>> path = os.path.join(tempfile.mkdtemp(), "t.npz")
+        >>> with TraceWriter(path) as writer:
+        ...     writer.record(1, loss=0.5, weights={"dense/kernel": [[1.0], [2.0]]})
+        >>> trace = load_trace(path)
+        >>> trace.steps, trace.names("weights"), float(trace.get("loss", 1))
+        ([1], ['weights/dense/kernel'], 0.5)
     """
     if isinstance(path, Trace):
         return path
@@ -459,19 +457,18 @@ def compare_traces(
         TraceError: a file is not a trace, or some tensors of a kind cannot
             be matched (the message lists both sides with their shapes).
 
-    Example:
-
-    >>> import os, tempfile
-    >>> from kerasdbg import TraceWriter, compare_traces
-    >>> folder = tempfile.mkdtemp()
-    >>> for name, grad in (("a.npz", 0.25), ("b.npz", 0.5)):
-    ...     with TraceWriter(os.path.join(folder, name)) as writer:
-    ...         writer.record(1, loss=1.0, gradients={"kernel": [grad]})
-    >>> result = compare_traces(os.path.join(folder, "a.npz"), os.path.join(folder, "b.npz"))
-    >>> result.passed
-    False
-    >>> result.first_divergence["tensor_a"], result.first_divergence["step"]
-    ('gradients/kernel', 1)
+    Examples:
+        >>> import os, tempfile
+        >>> from kerasdbg import TraceWriter, compare_traces
+        >>> folder = tempfile.mkdtemp()
+        >>> for name, grad in (("a.npz", 0.25), ("b.npz", 0.5)):
+        ...     with TraceWriter(os.path.join(folder, name)) as writer:
+        ...         writer.record(1, loss=1.0, gradients={"kernel": [grad]})
+        >>> result = compare_traces(os.path.join(folder, "a.npz"), os.path.join(folder, "b.npz"))
+        >>> result.passed
+        False
+        >>> result.first_divergence["tensor_a"], result.first_divergence["step"]
+        ('gradients/kernel', 1)
     """
     owner = "compare_traces"
     atol = check.number(owner, "atol", atol, minimum=0.0)

@@ -55,23 +55,22 @@ class ActivationStatistics(RecordingCallback):
     custom `train_step` that calls sub-models without taps), trains on with a
     warning that says so (`strict=True` raises a `ValueError` instead).
 
-    Example:
-
-    >>> import keras, numpy as np
-    >>> from kerasdbg.callbacks import ActivationStatistics
-    >>> from kerasdbg.layers import TapLayer
-    >>> inputs = keras.Input((2,))
-    >>> hidden = keras.layers.Dense(3, activation="relu", name="dense")(inputs)
-    >>> tapped = TapLayer(stats=["mean"], activation="relu", name="dense_tap")(hidden)
-    >>> model = keras.Model(inputs, keras.layers.Dense(1, name="out")(tapped))
-    >>> model.compile("sgd", "mse")
-    >>> callback = ActivationStatistics()
-    >>> _ = model.fit(np.ones((4, 2)), np.ones((4, 1)), batch_size=2, verbose=0,
-    ...               callbacks=[callback])
-    >>> list(callback.history.columns)
-    ['step', 'dense_tap/mean', 'dense_tap/dead_fraction']
-    >>> callback.history.step.tolist()
-    [1, 2]
+    Examples:
+        >>> import keras, numpy as np
+        >>> from kerasdbg.callbacks import ActivationStatistics
+        >>> from kerasdbg.layers import TapLayer
+        >>> inputs = keras.Input((2,))
+        >>> hidden = keras.layers.Dense(3, activation="relu", name="dense")(inputs)
+        >>> tapped = TapLayer(stats=["mean"], activation="relu", name="dense_tap")(hidden)
+        >>> model = keras.Model(inputs, keras.layers.Dense(1, name="out")(tapped))
+        >>> model.compile("sgd", "mse")
+        >>> callback = ActivationStatistics()
+        >>> _ = model.fit(np.ones((4, 2)), np.ones((4, 1)), batch_size=2, verbose=0,
+        ...               callbacks=[callback])
+        >>> list(callback.history.columns)
+        ['step', 'dense_tap/mean', 'dense_tap/dead_fraction']
+        >>> callback.history.step.tolist()
+        [1, 2]
     """
 
     def __init__(

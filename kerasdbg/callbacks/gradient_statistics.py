@@ -93,21 +93,20 @@ class GradientStatistics(StatisticsCallback):
             included), and with `strict=True` when it records nothing.
         TypeError: for an argument of the wrong type.
 
-    Example:
-
-    >>> import keras, numpy as np
-    >>> from kerasdbg.callbacks import GradientStatistics
-    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, name="dense")],
-    ...                          name="model")
-    >>> model.compile("sgd", "mse")
-    >>> grads = GradientStatistics(stats=["l2_norm", "zero_fraction"])
-    >>> _ = model.fit(np.ones((4, 3)), np.ones((4, 1)), batch_size=2,
-    ...               epochs=1, verbose=0, callbacks=[grads])
-    >>> grads.history["step"].tolist()
-    [1, 2]
-    >>> sorted(grads.latest)
-    ['global_norm', 'model/dense/bias/l2_norm', 'model/dense/bias/zero_fraction',
-     'model/dense/kernel/l2_norm', 'model/dense/kernel/zero_fraction', 'step']
+    Examples:
+        >>> import keras, numpy as np
+        >>> from kerasdbg.callbacks import GradientStatistics
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, name="dense")],
+        ...                          name="model")
+        >>> model.compile("sgd", "mse")
+        >>> grads = GradientStatistics(stats=["l2_norm", "zero_fraction"])
+        >>> _ = model.fit(np.ones((4, 3)), np.ones((4, 1)), batch_size=2,
+        ...               epochs=1, verbose=0, callbacks=[grads])
+        >>> grads.history["step"].tolist()
+        [1, 2]
+        >>> sorted(grads.latest)
+        ['global_norm', 'model/dense/bias/l2_norm', 'model/dense/bias/zero_fraction',
+         'model/dense/kernel/l2_norm', 'model/dense/kernel/zero_fraction', 'step']
     """
 
     kind = "gradients"

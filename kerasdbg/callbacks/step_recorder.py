@@ -72,21 +72,20 @@ class StepRecorder(RecordingCallback):
         strict: raise on a failure of the recording instead of warning and
             letting training go on. Defaults to `False`.
 
-    Example:
-
-    >>> import os, tempfile
-    >>> import keras, numpy as np
-    >>> from kerasdbg.callbacks import StepRecorder
-    >>> path = os.path.join(tempfile.mkdtemp(), "keras.npz")
-    >>> inputs = keras.Input((3,), name="x")
-    >>> model = keras.Model(inputs, keras.layers.Dense(1, name="dense")(inputs))
-    >>> model.compile(optimizer="sgd", loss="mse")
-    >>> x, y = np.ones((4, 3)), np.zeros((4, 1))
-    >>> _ = model.fit(x, y, batch_size=2, epochs=1, verbose=0,
-    ...               callbacks=[StepRecorder(path, steps=2)])
-    >>> trace = np.load(path)
-    >>> trace["gradients/dense/kernel@2"].shape, trace["layer_outputs/dense@1"].shape
-    ((3, 1), (2, 1))
+    Examples:
+        >>> import os, tempfile
+        >>> import keras, numpy as np
+        >>> from kerasdbg.callbacks import StepRecorder
+        >>> path = os.path.join(tempfile.mkdtemp(), "keras.npz")
+        >>> inputs = keras.Input((3,), name="x")
+        >>> model = keras.Model(inputs, keras.layers.Dense(1, name="dense")(inputs))
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> x, y = np.ones((4, 3)), np.zeros((4, 1))
+        >>> _ = model.fit(x, y, batch_size=2, epochs=1, verbose=0,
+        ...               callbacks=[StepRecorder(path, steps=2)])
+        >>> trace = np.load(path)
+        >>> trace["gradients/dense/kernel@2"].shape, trace["layer_outputs/dense@1"].shape
+        ((3, 1), (2, 1))
     """
 
     def __init__(

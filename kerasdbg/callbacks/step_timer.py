@@ -54,18 +54,17 @@ class StepTimer(RecordingCallback):
         strict: raise on a failure of the timer instead of warning. Defaults
             to `False`.
 
-    Example:
-
-    >>> import keras, numpy as np
-    >>> from kerasdbg.callbacks import StepTimer
-    >>> inputs = keras.Input((3,), name="x")
-    >>> model = keras.Model(inputs, keras.layers.Dense(1, name="dense")(inputs))
-    >>> model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
-    >>> timer = StepTimer()
-    >>> _ = model.fit(np.ones((8, 3)), np.zeros((8, 1)), batch_size=2, verbose=0,
-    ...               callbacks=[timer])
-    >>> timer.history.step.tolist(), timer.history.examples.tolist()
-    ([2, 4], [4.0, 4.0])
+    Examples:
+        >>> import keras, numpy as np
+        >>> from kerasdbg.callbacks import StepTimer
+        >>> inputs = keras.Input((3,), name="x")
+        >>> model = keras.Model(inputs, keras.layers.Dense(1, name="dense")(inputs))
+        >>> model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
+        >>> timer = StepTimer()
+        >>> _ = model.fit(np.ones((8, 3)), np.zeros((8, 1)), batch_size=2, verbose=0,
+        ...               callbacks=[timer])
+        >>> timer.history.step.tolist(), timer.history.examples.tolist()
+        ([2, 4], [4.0, 4.0])
     """
 
     def __init__(self, log_dir: Optional[str] = None, input_bound_threshold: float = 0.5,

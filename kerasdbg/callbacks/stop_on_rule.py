@@ -156,29 +156,28 @@ class StopOnRule(keras.callbacks.Callback):
             warning at the first execution and never fires (`strict=True`
             raises a `ValueError`).
 
-    Example:
-
-    >>> import keras, numpy as np
-    >>> from kerasdbg.callbacks import StopOnRule
-    >>> from kerasdbg.rules import NonFiniteLoss
-    >>> model = keras.Sequential([keras.Input((1,), name="x"), keras.layers.Dense(1, name="d")],
-    ...                          name="m")
-    >>> model.compile("sgd", "mse")
-    >>> x = np.array([[1.0], [1.0], [np.nan], [1.0]], "float32")
-    >>> stop = StopOnRule(NonFiniteLoss(), verbose=False)
-    >>> history = model.fit(x, np.ones((4, 1)), batch_size=1, epochs=2, verbose=0,
-    ...                     shuffle=False, callbacks=[stop])
-    >>> for verdict in stop.verdicts:
-    ...     print(verdict.reason)
-    NonFiniteLoss at step 3: the loss is nan
-    NaNSource at step 3: the first layer whose output held NaN/Inf is 'x'; non-finite gradients: m/d/bias, m/d/kernel
-    >>> bool(np.all(np.isfinite(model.get_layer("d").kernel.numpy())))
-    True
+    Examples:
+        >>> import keras, numpy as np
+        >>> from kerasdbg.callbacks import StopOnRule
+        >>> from kerasdbg.rules import NonFiniteLoss
+        >>> model = keras.Sequential([keras.Input((1,), name="x"), keras.layers.Dense(1, name="d")],
+        ...                          name="m")
+        >>> model.compile("sgd", "mse")
+        >>> x = np.array([[1.0], [1.0], [np.nan], [1.0]], "float32")
+        >>> stop = StopOnRule(NonFiniteLoss(), verbose=False)
+        >>> history = model.fit(x, np.ones((4, 1)), batch_size=1, epochs=2, verbose=0,
+        ...                     shuffle=False, callbacks=[stop])
+        >>> for verdict in stop.verdicts:
+        ...     print(verdict.reason)
+        NonFiniteLoss at step 3: the loss is nan
+        NaNSource at step 3: the first layer whose output held NaN/Inf is 'x'; non-finite gradients: m/d/bias, m/d/kernel
+        >>> bool(np.all(np.isfinite(model.get_layer("d").kernel.numpy())))
+        True
     """
 
     def __init__(
         self,
-        rules=None,
+        rules: Union[Rule, Sequence[Rule], None] = None,
         action: Union[str, Callable] = "stop",
         start_step: int = 0,
         freeze_on_fault: Optional[bool] = None,

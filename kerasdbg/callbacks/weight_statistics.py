@@ -72,18 +72,17 @@ class WeightStatistics(StatisticsCallback):
             included), and with `strict=True` when it records nothing.
         TypeError: for an argument of the wrong type.
 
-    Example:
-
-    >>> import keras, numpy as np
-    >>> from kerasdbg.callbacks import WeightStatistics
-    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, name="dense")],
-    ...                          name="model")
-    >>> model.compile("sgd", "mse")
-    >>> weights = WeightStatistics(stats=["l2_norm", "update_ratio"], include="kernel")
-    >>> _ = model.fit(np.ones((4, 3)), np.ones((4, 1)), batch_size=2,
-    ...               epochs=1, verbose=0, callbacks=[weights])
-    >>> list(weights.history.columns)
-    ['step', 'skipped', 'model/dense/kernel/l2_norm', 'model/dense/kernel/update_ratio']
+    Examples:
+        >>> import keras, numpy as np
+        >>> from kerasdbg.callbacks import WeightStatistics
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, name="dense")],
+        ...                          name="model")
+        >>> model.compile("sgd", "mse")
+        >>> weights = WeightStatistics(stats=["l2_norm", "update_ratio"], include="kernel")
+        >>> _ = model.fit(np.ones((4, 3)), np.ones((4, 1)), batch_size=2,
+        ...               epochs=1, verbose=0, callbacks=[weights])
+        >>> list(weights.history.columns)
+        ['step', 'skipped', 'model/dense/kernel/l2_norm', 'model/dense/kernel/update_ratio']
     """
 
     kind = "weights"

@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 import warnings
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, TextIO, Union
 
 import keras
 import numpy as np
@@ -106,13 +106,12 @@ class PrintLayer(DebugLayer):
     Call arguments:
         inputs: any tensor; returned unchanged.
 
-    Example:
-
-    >>> import keras, numpy as np, sys
-    >>> from kerasdbg.layers import PrintLayer
-    >>> layer = PrintLayer("x", stats=["mean"], output_stream=sys.stdout, name="p")
-    >>> _ = layer(np.array([[1.0, 2.0], [3.0, 4.0]]))
-    kerasdbg call step 1 replica 0 | x | shape (2, 2) | mean=2.5 | [1 2 3 4]
+    Examples:
+        >>> import keras, numpy as np, sys
+        >>> from kerasdbg.layers import PrintLayer
+        >>> layer = PrintLayer("x", stats=["mean"], output_stream=sys.stdout, name="p")
+        >>> _ = layer(np.array([[1.0, 2.0], [3.0, 4.0]]))
+        kerasdbg call step 1 replica 0 | x | shape (2, 2) | mean=2.5 | [1 2 3 4]
     """
 
     def __init__(
@@ -123,10 +122,10 @@ class PrintLayer(DebugLayer):
         stats: Sequence[str] = DEFAULT_PRINT_STATISTICS,
         replicas: str = "first",
         printing: str = "deferred",
-        output_stream=None,
+        output_stream: Union[str, logging.Logger, TextIO, None] = None,
         buffer_steps: int = 64,
         strict: bool = False,
-        **kwargs,
+        **kwargs: Any,
     ):
         owner = type(self).__name__
         renamed = check.deprecated(owner, kwargs, {

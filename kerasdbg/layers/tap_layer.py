@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import collections
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import keras
 import numpy as np
@@ -98,15 +98,14 @@ class TapLayer(DebugLayer):
     Call arguments:
         inputs: a tensor with a batch dimension first; returned unchanged.
 
-    Example:
-
-    >>> import numpy as np
-    >>> from kerasdbg.layers import TapLayer
-    >>> tap = TapLayer(stats=["mean", "max"], activation="relu", min_examples=2,
-    ...                name="tap")
-    >>> _ = tap(np.array([[0.0, 2.0], [0.0, 4.0]]))
-    >>> tap.latest
-    {'step': 1, 'mode': 'call', 'mean': 1.5, 'max': 4.0, 'dead_fraction': 0.5}
+    Examples:
+        >>> import numpy as np
+        >>> from kerasdbg.layers import TapLayer
+        >>> tap = TapLayer(stats=["mean", "max"], activation="relu", min_examples=2,
+        ...                name="tap")
+        >>> _ = tap(np.array([[0.0, 2.0], [0.0, 4.0]]))
+        >>> tap.latest
+        {'step': 1, 'mode': 'call', 'mean': 1.5, 'max': 4.0, 'dead_fraction': 0.5}
     """
 
     def __init__(
@@ -123,7 +122,7 @@ class TapLayer(DebugLayer):
         history_size: int = 1000,
         buffer_steps: int = 64,
         strict: bool = False,
-        **kwargs,
+        **kwargs: Any,
     ):
         owner = type(self).__name__
         renamed = check.deprecated(owner, kwargs, {

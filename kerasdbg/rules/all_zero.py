@@ -29,11 +29,10 @@ class AllZero(Rule):
         collections: which of "gradients", "weights", "activations" to
             watch. Defaults to all three.
 
-    Example:
-
-    >>> from kerasdbg.rules import AllZero
-    >>> AllZero().check(1, {"gradients/m/d/kernel/zero_fraction": 1.0}).reason
-    'AllZero at step 1: zero_fraction at or above 1 in gradients: m/d/kernel=1'
+    Examples:
+        >>> from kerasdbg.rules import AllZero
+        >>> AllZero().check(1, {"gradients/m/d/kernel/zero_fraction": 1.0}).reason
+        'AllZero at step 1: zero_fraction at or above 1 in gradients: m/d/kernel=1'
     """
 
     def __init__(self, *, zero_fraction: float = 1.0, collections: Sequence[str] = COLLECTIONS,

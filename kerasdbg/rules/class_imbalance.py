@@ -36,13 +36,12 @@ class ClassImbalance(Rule):
             labels predicted wrong. Defaults to `0.7`.
         samples: labels to see before judging. Defaults to `500`.
 
-    Example:
-
-    >>> from kerasdbg.rules import ClassImbalance
-    >>> rule = ClassImbalance(samples=100)
-    >>> rule.check(3, {"classes/0/seen": 190.0, "classes/0/mispredicted": 5.0,
-    ...                "classes/1/seen": 10.0, "classes/1/mispredicted": 9.0}).reason
-    'ClassImbalance at step 3: class counts differ 19-fold (more than 10): 0=190, 1=10'
+    Examples:
+        >>> from kerasdbg.rules import ClassImbalance
+        >>> rule = ClassImbalance(samples=100)
+        >>> rule.check(3, {"classes/0/seen": 190.0, "classes/0/mispredicted": 5.0,
+        ...                "classes/1/seen": 10.0, "classes/1/mispredicted": 9.0}).reason
+        'ClassImbalance at step 3: class counts differ 19-fold (more than 10): 0=190, 1=10'
     """
 
     def __init__(self, threshold_imbalance: float = 10.0, threshold_misprediction: float = 0.7,

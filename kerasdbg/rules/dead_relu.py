@@ -59,11 +59,10 @@ class DeadReLU(_ActivationHealth):
             fires. Defaults to `0.5`. (`threshold_layer`, a percent, is its
             deprecated name; `threshold_inactivity` is deprecated and ignored.)
 
-    Example:
-
-    >>> from kerasdbg.rules import DeadReLU
-    >>> DeadReLU().check(40, {"activations/dense_tap/dead_fraction": 0.75}).reason
-    'DeadReLU at step 40: dead_fraction at or above 0.5: dense_tap=0.75'
+    Examples:
+        >>> from kerasdbg.rules import DeadReLU
+        >>> DeadReLU().check(40, {"activations/dense_tap/dead_fraction": 0.75}).reason
+        'DeadReLU at step 40: dead_fraction at or above 0.5: dense_tap=0.75'
     """
 
     statistic = "dead_fraction"
@@ -85,11 +84,10 @@ class SaturatedActivation(_ActivationHealth):
             its deprecated name; `threshold_inactivity` is deprecated and
             ignored.)
 
-    Example:
-
-    >>> from kerasdbg.rules import SaturatedActivation
-    >>> SaturatedActivation().check(5, {"activations/gate_tap/saturated_fraction": 0.1}) is None
-    True
+    Examples:
+        >>> from kerasdbg.rules import SaturatedActivation
+        >>> SaturatedActivation().check(5, {"activations/gate_tap/saturated_fraction": 0.1}) is None
+        True
     """
 
     statistic = "saturated_fraction"

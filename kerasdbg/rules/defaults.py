@@ -26,11 +26,10 @@ def default_rules() -> List[Rule]:
     README); the rules with thresholds a model must choose (`TensorVariance`,
     `ClassImbalance`, the loss-trend rules) are left out.
 
-    Example:
-
-    >>> from kerasdbg.rules import default_rules
-    >>> [rule.name for rule in default_rules()]
-    ['NonFiniteLoss', 'ExplodingTensor', 'VanishingGradient', 'AllZero', 'UnchangedTensor', 'WeightUpdateRatio', 'DeadReLU', 'SaturatedActivation', 'FreezeOnFault', 'NaNSource']
+    Examples:
+        >>> from kerasdbg.rules import default_rules
+        >>> [rule.name for rule in default_rules()]
+        ['NonFiniteLoss', 'ExplodingTensor', 'VanishingGradient', 'AllZero', 'UnchangedTensor', 'WeightUpdateRatio', 'DeadReLU', 'SaturatedActivation', 'FreezeOnFault', 'NaNSource']
     """
     return [NonFiniteLoss(), ExplodingTensor(), VanishingGradient(), AllZero(),
             UnchangedTensor(), WeightUpdateRatio(), DeadReLU(), SaturatedActivation(),

@@ -22,12 +22,11 @@ class ExplodingTensor(Rule):
             watches non-finite values only. Defaults to `None`.
         only_nan: count NaN only, not infinities. Defaults to `False`.
 
-    Example:
-
-    >>> from kerasdbg.rules import ExplodingTensor
-    >>> ExplodingTensor().check(12, {"gradients/m/d/kernel/nan_count": 3.0,
-    ...                              "gradients/m/d/kernel/inf_count": 0.0}).reason
-    'ExplodingTensor at step 12: non-finite values in gradients: m/d/kernel=3'
+    Examples:
+        >>> from kerasdbg.rules import ExplodingTensor
+        >>> ExplodingTensor().check(12, {"gradients/m/d/kernel/nan_count": 3.0,
+        ...                              "gradients/m/d/kernel/inf_count": 0.0}).reason
+        'ExplodingTensor at step 12: non-finite values in gradients: m/d/kernel=3'
     """
 
     def __init__(

@@ -41,14 +41,13 @@ class FreezeOnFault(Rule):
             verdict's text, or None for the one the run recorded
             (`faults/freeze/max_gradient_norm`). Defaults to `None`.
 
-    Example:
-
-    >>> from kerasdbg.rules import FreezeOnFault
-    >>> rule = FreezeOnFault()
-    >>> rule.check(3, {"step/frozen": 0.0, "step/loss": 0.5}) is None
-    True
-    >>> rule.check(4, {"step/frozen": 1.0, "step/loss": 0.5}).reason
-    'FreezeOnFault at step 4: the weights were frozen from this step on (in-graph fault: a non-finite loss or gradient); loss=0.5'
+    Examples:
+        >>> from kerasdbg.rules import FreezeOnFault
+        >>> rule = FreezeOnFault()
+        >>> rule.check(3, {"step/frozen": 0.0, "step/loss": 0.5}) is None
+        True
+        >>> rule.check(4, {"step/frozen": 1.0, "step/loss": 0.5}).reason
+        'FreezeOnFault at step 4: the weights were frozen from this step on (in-graph fault: a non-finite loss or gradient); loss=0.5'
     """
 
     requires = (("step", "frozen"),)
@@ -109,13 +108,12 @@ class NaNSource(Rule):
     whose gradient did. This rule reports them at that step. Having it in
     `StopOnRule`'s rules turns the localisation on.
 
-    Example:
-
-    >>> from kerasdbg.rules import NaNSource
-    >>> NaNSource().check(3, {"step/fault": 1.0, "faults/nan_source/located": 1.0,
-    ...                       "faults/nan_source/layer/x": 1.0,
-    ...                       "faults/nan_source/gradient/m/d/kernel": 1.0}).reason
-    "NaNSource at step 3: the first layer whose output held NaN/Inf is 'x'; non-finite gradients: m/d/kernel"
+    Examples:
+        >>> from kerasdbg.rules import NaNSource
+        >>> NaNSource().check(3, {"step/fault": 1.0, "faults/nan_source/located": 1.0,
+        ...                       "faults/nan_source/layer/x": 1.0,
+        ...                       "faults/nan_source/gradient/m/d/kernel": 1.0}).reason
+        "NaNSource at step 3: the first layer whose output held NaN/Inf is 'x'; non-finite gradients: m/d/kernel"
     """
 
     requires = (("step", "fault"),)

@@ -25,14 +25,13 @@ class NonFiniteLoss(Rule):
     execution). Reads `step/loss`. With `StopOnRule`, the weights are frozen
     at that step by default, so they stay those before the faulty step.
 
-    Example:
-
-    >>> from kerasdbg.rules import NonFiniteLoss
-    >>> rule = NonFiniteLoss()
-    >>> rule.check(4, {"step/loss": 0.25}) is None
-    True
-    >>> rule.check(5, {"step/loss": float("inf")}).reason
-    'NonFiniteLoss at step 5: the loss is inf'
+    Examples:
+        >>> from kerasdbg.rules import NonFiniteLoss
+        >>> rule = NonFiniteLoss()
+        >>> rule.check(4, {"step/loss": 0.25}) is None
+        True
+        >>> rule.check(5, {"step/loss": float("inf")}).reason
+        'NonFiniteLoss at step 5: the loss is inf'
     """
 
     requires = (("step", "loss"),)
@@ -65,14 +64,13 @@ class LossNotDecreasing(Rule):
             count epochs. Defaults to `"train"`. (`mode` is its deprecated
             name.)
 
-    Example:
-
-    >>> from kerasdbg.rules import LossNotDecreasing
-    >>> rule = LossNotDecreasing(num_steps=2)
-    >>> [rule.check(s, {"step/loss": v}) for s, v in [(1, 1.0), (2, 0.9), (3, 0.8)]]
-    [None, None, None]
-    >>> rule.check(4, {"step/loss": 1.2}).reason
-    'LossNotDecreasing at step 4: mean train loss of steps 3-4 is 1 against 0.95 for steps 1-2 (relative decrease -0.053, needed > 0)'
+    Examples:
+        >>> from kerasdbg.rules import LossNotDecreasing
+        >>> rule = LossNotDecreasing(num_steps=2)
+        >>> [rule.check(s, {"step/loss": v}) for s, v in [(1, 1.0), (2, 0.9), (3, 0.8)]]
+        [None, None, None]
+        >>> rule.check(4, {"step/loss": 1.2}).reason
+        'LossNotDecreasing at step 4: mean train loss of steps 3-4 is 1 against 0.95 for steps 1-2 (relative decrease -0.053, needed > 0)'
     """
 
     def __init__(self, num_steps: int = 10, *, min_decrease: float = 0.0,
@@ -139,14 +137,13 @@ class Plateau:
     fell by more than `delta` (a fraction of it): what "not improving" means
     for the loss rules.
 
-    Example:
-
-    >>> from kerasdbg.rules.loss_rules import Plateau
-    >>> plateau = Plateau()
-    >>> [plateau.update(s, v) for s, v in [(1, 1.0), (2, 0.8), (3, 0.9)]]
-    [True, True, False]
-    >>> plateau.best, plateau.best_step, plateau.waits
-    (0.8, 2, 1)
+    Examples:
+        >>> from kerasdbg.rules.loss_rules import Plateau
+        >>> plateau = Plateau()
+        >>> [plateau.update(s, v) for s, v in [(1, 1.0), (2, 0.8), (3, 0.9)]]
+        [True, True, False]
+        >>> plateau.best, plateau.best_step, plateau.waits
+        (0.8, 2, 1)
     """
 
     def __init__(self, delta: float = 0.0):
@@ -186,14 +183,13 @@ class Overfit(Rule):
         ratio_threshold: the largest accepted `(val - train) / train`.
             Defaults to `0.1`.
 
-    Example:
-
-    >>> from kerasdbg.rules import Overfit
-    >>> rule = Overfit(patience=2)
-    >>> rule.check(10, {"epoch/loss": 0.5, "epoch/val_loss": 0.6}) is None
-    True
-    >>> rule.check(20, {"epoch/loss": 0.4, "epoch/val_loss": 0.7}).reason
-    'Overfit at step 20: validation loss 0.7 above the training loss 0.4 by 0.75 of it (more than 0.1 for 2 evaluations)'
+    Examples:
+        >>> from kerasdbg.rules import Overfit
+        >>> rule = Overfit(patience=2)
+        >>> rule.check(10, {"epoch/loss": 0.5, "epoch/val_loss": 0.6}) is None
+        True
+        >>> rule.check(20, {"epoch/loss": 0.4, "epoch/val_loss": 0.7}).reason
+        'Overfit at step 20: validation loss 0.7 above the training loss 0.4 by 0.75 of it (more than 0.1 for 2 evaluations)'
     """
 
     requires = (("epoch", "val_loss"),)
@@ -245,13 +241,12 @@ class Overtraining(Rule):
         delta: the relative drop below the best value that counts as an
             improvement. Defaults to `0.1`.
 
-    Example:
-
-    >>> from kerasdbg.rules import Overtraining
-    >>> rule = Overtraining(patience_train=1, patience_validation=2)
-    >>> steps = [(1, 1.0, 1.0), (2, 0.99, 0.98), (3, 0.98, 0.99)]
-    >>> [rule.check(s, {"epoch/loss": t, "epoch/val_loss": v}) for s, t, v in steps][-1].reason
-    'Overtraining at step 3: no improvement by more than 0.1 of the training loss for 2 evaluations (best 1) nor of the validation loss for 2 (best 1)'
+    Examples:
+        >>> from kerasdbg.rules import Overtraining
+        >>> rule = Overtraining(patience_train=1, patience_validation=2)
+        >>> steps = [(1, 1.0, 1.0), (2, 0.99, 0.98), (3, 0.98, 0.99)]
+        >>> [rule.check(s, {"epoch/loss": t, "epoch/val_loss": v}) for s, t, v in steps][-1].reason
+        'Overtraining at step 3: no improvement by more than 0.1 of the training loss for 2 evaluations (best 1) nor of the validation loss for 2 (best 1)'
     """
 
     requires = (("epoch", "val_loss"),)

@@ -53,13 +53,12 @@ class PoorWeightInitialization(Rule):
             spread is checked; None to leave gradients out. Defaults to
             `"kernel"`.
 
-    Example:
-
-    >>> from kerasdbg.rules import PoorWeightInitialization
-    >>> rule = PoorWeightInitialization(gradients=None, patience=None)
-    >>> rule.check(1, {"activations/hidden_tap/std": 0.5,
-    ...                "activations/logits_tap/std": 8.0}).reason
-    'PoorWeightInitialization at step 1: the variance of logits_tap is 256 times that of hidden_tap (more than 10): logits_tap=64, hidden_tap=0.25'
+    Examples:
+        >>> from kerasdbg.rules import PoorWeightInitialization
+        >>> rule = PoorWeightInitialization(gradients=None, patience=None)
+        >>> rule.check(1, {"activations/hidden_tap/std": 0.5,
+        ...                "activations/logits_tap/std": 8.0}).reason
+        'PoorWeightInitialization at step 1: the variance of logits_tap is 256 times that of hidden_tap (more than 10): logits_tap=64, hidden_tap=0.25'
     """
 
     def __init__(self, threshold: float = 10.0, distribution_range: float = 0.001,

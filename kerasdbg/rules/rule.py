@@ -16,12 +16,11 @@ class Verdict(NamedTuple):
     (see `VanishingGradient`). `StopOnRule` prints and records both, and
     acts on faults only.
 
-    Example:
-
-    >>> from kerasdbg.rules import AllZero
-    >>> verdict = AllZero().check(4, {"weights/m/d/bias/zero_fraction": 1.0})
-    >>> verdict.rule, verdict.step, verdict.tensors, verdict.values
-    ('AllZero', 4, ('m/d/bias',), {'m/d/bias': 1.0})
+    Examples:
+        >>> from kerasdbg.rules import AllZero
+        >>> verdict = AllZero().check(4, {"weights/m/d/bias/zero_fraction": 1.0})
+        >>> verdict.rule, verdict.step, verdict.tensors, verdict.values
+        ('AllZero', 4, ('m/d/bias',), {'m/d/bias': 1.0})
     """
 
     rule: str
@@ -37,11 +36,10 @@ def make_verdict(rule: str, step: int, reason: str, values: Mapping[str, float],
     """A `Verdict` whose reason reads `<rule> at step <step>: <reason>` and
     whose tensors are the keys of `values`.
 
-    Example:
-
-    >>> from kerasdbg.rules.rule import make_verdict
-    >>> make_verdict("FreezeOnFault", 7, "the weights were frozen", {"step/loss": 1.5}).reason
-    'FreezeOnFault at step 7: the weights were frozen'
+    Examples:
+        >>> from kerasdbg.rules.rule import make_verdict
+        >>> make_verdict("FreezeOnFault", 7, "the weights were frozen", {"step/loss": 1.5}).reason
+        'FreezeOnFault at step 7: the weights were frozen'
     """
     return Verdict(
         rule=rule, step=int(step), reason=f"{rule} at step {int(step)}: {reason}",
@@ -53,14 +51,13 @@ def make_verdict(rule: str, step: int, reason: str, values: Mapping[str, float],
 class RuleFired(RuntimeError):
     """Raised by `StopOnRule(action="raise")`; `verdicts` says what fired.
 
-    Example:
-
-    >>> from kerasdbg.rules import AllZero, RuleFired
-    >>> error = RuleFired([AllZero().check(3, {"weights/m/d/bias/zero_fraction": 1.0})])
-    >>> str(error)
-    'AllZero at step 3: zero_fraction at or above 1 in weights: m/d/bias=1'
-    >>> error.verdicts[0].step
-    3
+    Examples:
+        >>> from kerasdbg.rules import AllZero, RuleFired
+        >>> error = RuleFired([AllZero().check(3, {"weights/m/d/bias/zero_fraction": 1.0})])
+        >>> str(error)
+        'AllZero at step 3: zero_fraction at or above 1 in weights: m/d/bias=1'
+        >>> error.verdicts[0].step
+        3
     """
 
     def __init__(self, verdicts):
@@ -72,15 +69,14 @@ class RuleWarning(RuntimeWarning):
     """Issued by `StopOnRule(action="warn")` for each verdict; its message is
     the verdict's reason.
 
-    Example:
-
-    >>> import warnings
-    >>> from kerasdbg.rules import RuleWarning
-    >>> with warnings.catch_warnings():
-    ...     warnings.simplefilter("ignore", RuleWarning)  # e.g. in a sweep
-    ...     warnings.warn("NonFiniteLoss at step 5: the loss is nan", RuleWarning)
-    >>> issubclass(RuleWarning, RuntimeWarning)
-    True
+    Examples:
+        >>> import warnings
+        >>> from kerasdbg.rules import RuleWarning
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore", RuleWarning)  # e.g. in a sweep
+        ...     warnings.warn("NonFiniteLoss at step 5: the loss is nan", RuleWarning)
+        >>> issubclass(RuleWarning, RuntimeWarning)
+        True
     """
 
 
@@ -97,22 +93,21 @@ class Rule:
     statistic)` pairs it reads (so a run that lacks them is refused with a
     clear message), implements `check`, and `get_config` if it has arguments.
 
-    Example:
-
-    >>> from kerasdbg.rules import Rule
-    >>> class LargeGlobalNorm(Rule):
-    ...     requires = (("gradients", "global_norm"),)
-    ...     def __init__(self, limit=100.0):
-    ...         self.limit = limit
-    ...     def check(self, step, record):
-    ...         norm = record.get("gradients/global_norm")
-    ...         if norm is not None and norm > self.limit:
-    ...             return self.verdict(step, f"global norm {norm:g} > {self.limit:g}",
-    ...                                 {"global_norm": norm})
-    ...     def get_config(self):
-    ...         return {"limit": self.limit}
-    >>> LargeGlobalNorm().check(7, {"gradients/global_norm": 250.0}).reason
-    'LargeGlobalNorm at step 7: global norm 250 > 100'
+    Examples:
+        >>> from kerasdbg.rules import Rule
+        >>> class LargeGlobalNorm(Rule):
+        ...     requires = (("gradients", "global_norm"),)
+        ...     def __init__(self, limit=100.0):
+        ...         self.limit = limit
+        ...     def check(self, step, record):
+        ...         norm = record.get("gradients/global_norm")
+        ...         if norm is not None and norm > self.limit:
+        ...             return self.verdict(step, f"global norm {norm:g} > {self.limit:g}",
+        ...                                 {"global_norm": norm})
+        ...     def get_config(self):
+        ...         return {"limit": self.limit}
+        >>> LargeGlobalNorm().check(7, {"gradients/global_norm": 250.0}).reason
+        'LargeGlobalNorm at step 7: global norm 250 > 100'
     """
 
     requires: Sequence[Tuple[str, str]] = ()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 from kerasdbg import _validation as check
 from kerasdbg.rules.rule import COLLECTIONS, Rule, values_of
@@ -25,15 +25,15 @@ class TensorVariance(Rule):
         collections: which of "gradients", "weights", "activations" to
             watch. Defaults to all three.
 
-    Example:
-
-    >>> from kerasdbg.rules import TensorVariance
-    >>> TensorVariance(max_threshold=100.0).check(
-    ...     9, {"activations/dense_tap/std": 20.0}).reason
-    'TensorVariance at step 9: variance outside [-inf, 100] in activations: dense_tap=400'
+    Examples:
+        >>> from kerasdbg.rules import TensorVariance
+        >>> TensorVariance(max_threshold=100.0).check(
+        ...     9, {"activations/dense_tap/std": 20.0}).reason
+        'TensorVariance at step 9: variance outside [-inf, 100] in activations: dense_tap=400'
     """
 
-    def __init__(self, min_threshold=None, max_threshold=None,
+    def __init__(self, min_threshold: Optional[float] = None,
+                 max_threshold: Optional[float] = None,
                  collections: Sequence[str] = COLLECTIONS):
         owner = type(self).__name__
         if min_threshold is None and max_threshold is None:

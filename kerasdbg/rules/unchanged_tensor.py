@@ -38,14 +38,13 @@ class UnchangedTensor(Rule):
         collections: which of "gradients", "weights", "activations" to
             watch. Defaults to `("weights",)`.
 
-    Example:
-
-    >>> from kerasdbg.rules import UnchangedTensor
-    >>> rule = UnchangedTensor(num_steps=2)
-    >>> rule.check(1, {"weights/m/d/kernel/l2_norm": 1.5}) is None
-    True
-    >>> rule.check(2, {"weights/m/d/kernel/l2_norm": 1.5}).reason
-    'UnchangedTensor at step 2: statistics unchanged over 2 recorded steps in weights: m/d/kernel=1.5'
+    Examples:
+        >>> from kerasdbg.rules import UnchangedTensor
+        >>> rule = UnchangedTensor(num_steps=2)
+        >>> rule.check(1, {"weights/m/d/kernel/l2_norm": 1.5}) is None
+        True
+        >>> rule.check(2, {"weights/m/d/kernel/l2_norm": 1.5}).reason
+        'UnchangedTensor at step 2: statistics unchanged over 2 recorded steps in weights: m/d/kernel=1.5'
     """
 
     def __init__(self, num_steps: int = 3, rtol: float = 1e-5, atol: float = 1e-8,

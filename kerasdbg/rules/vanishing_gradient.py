@@ -33,22 +33,21 @@ class VanishingGradient(Rule):
         require: "any" fires when any variable's gradient vanished, "all"
             only when every variable's did. Defaults to `"any"`.
 
-    Example:
-
-    >>> from kerasdbg.rules import VanishingGradient
-    >>> rule = VanishingGradient(threshold=1e-7)
-    >>> rule.check(1, {"gradients/m/d1/kernel/mean_abs": 0.2,
-    ...                "gradients/m/d2/kernel/mean_abs": 0.1}) is None
-    True
-    >>> rule.check(2, {"gradients/m/d1/kernel/mean_abs": 2e-9,
-    ...                "gradients/m/d2/kernel/mean_abs": 0.1}).reason
-    'VanishingGradient at step 2: mean |gradient| below 1e-07 for 1 of 2 variables: m/d1/kernel=2e-09'
-    >>> rule = VanishingGradient()  # a bias followed by BatchNormalization:
-    >>> rule.check(1, {"gradients/m/conv/kernel/mean_abs": 0.01,
-    ...                "gradients/m/conv/bias/mean_abs": 3e-11}) is None
-    True
-    >>> print(rule.take_notes()[0].reason)
-    VanishingGradient at step 1: zero by construction, not a fault (mean |gradient| below 1e-07, and at every step 1000 times below another variable of its layer or exactly 0 from the first): m/conv/bias=3e-11
+    Examples:
+        >>> from kerasdbg.rules import VanishingGradient
+        >>> rule = VanishingGradient(threshold=1e-7)
+        >>> rule.check(1, {"gradients/m/d1/kernel/mean_abs": 0.2,
+        ...                "gradients/m/d2/kernel/mean_abs": 0.1}) is None
+        True
+        >>> rule.check(2, {"gradients/m/d1/kernel/mean_abs": 2e-9,
+        ...                "gradients/m/d2/kernel/mean_abs": 0.1}).reason
+        'VanishingGradient at step 2: mean |gradient| below 1e-07 for 1 of 2 variables: m/d1/kernel=2e-09'
+        >>> rule = VanishingGradient()  # a bias followed by BatchNormalization:
+        >>> rule.check(1, {"gradients/m/conv/kernel/mean_abs": 0.01,
+        ...                "gradients/m/conv/bias/mean_abs": 3e-11}) is None
+        True
+        >>> print(rule.take_notes()[0].reason)
+        VanishingGradient at step 1: zero by construction, not a fault (mean |gradient| below 1e-07, and at every step 1000 times below another variable of its layer or exactly 0 from the first): m/conv/bias=3e-11
     """
 
     requires = (("gradients", "mean_abs"),)

@@ -27,11 +27,10 @@ class WeightUpdateRatio(Rule):
         small_threshold: a ratio below this fires. Defaults to `1e-8`.
         epsilon: weights with a smaller l2 norm are left out. Defaults to `1e-9`.
 
-    Example:
-
-    >>> from kerasdbg.rules import WeightUpdateRatio
-    >>> WeightUpdateRatio().check(2, {"weights/m/d/kernel/update_ratio": 35.0}).reason
-    'WeightUpdateRatio at step 2: update/weight ratio outside [1e-08, 10]: m/d/kernel=35'
+    Examples:
+        >>> from kerasdbg.rules import WeightUpdateRatio
+        >>> WeightUpdateRatio().check(2, {"weights/m/d/kernel/update_ratio": 35.0}).reason
+        'WeightUpdateRatio at step 2: update/weight ratio outside [1e-08, 10]: m/d/kernel=35'
     """
 
     requires = (("weights", "update_ratio"), ("weights", "l2_norm"))
