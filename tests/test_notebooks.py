@@ -1,12 +1,28 @@
-"""Every notebook in notebooks/ runs from top to bottom (nbclient), without errors."""
+"""Every notebook in notebooks/ runs from top to bottom (nbclient), without errors, and is
+stored with the outputs of its current code (the documentation site shows them as stored)."""
 
+import importlib.util
 import pathlib
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
 
-NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+MAX_TOTAL_BYTES = 2_000_000
+
+
+def _load_execute_script():
+    """docs/execute_notebooks.py, the script that stores the notebooks, as a module."""
+    spec = importlib.util.spec_from_file_location(
+        "execute_notebooks", ROOT / "docs" / "execute_notebooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+EXECUTE = _load_execute_script()
 
 # What each notebook must show, beyond running without an error.
 EXPECTED_OUTPUT = {
@@ -67,13 +83,51 @@ def test_notebook_runs(path, tmp_path):
         resources={"metadata": {"path": str(tmp_path)}},
     )
     client.execute()
-    text = []
     for cell in notebook.cells:
         for output in cell.get("outputs", []):
             assert output.get("output_type") != "error", output
-            text.append(output.get("text", ""))
-            text.append(str(output.get("data", {}).get("text/plain", "")))
-    shown = "\n".join(text)
+    shown = _shown(notebook)
     for expected in EXPECTED_OUTPUT[path.name]:
         assert expected in shown, f"{path.name} does not show {expected!r}"
     assert "kerasdbg fit step 1 replica" not in shown  # every_n_steps=4
+
+
+def _shown(notebook) -> str:
+    """The text of a notebook's outputs: streams and the plain-text form of results."""
+    text = []
+    for cell in notebook.cells:
+        for output in cell.get("outputs", []):
+            text.append(output.get("text", ""))
+            text.append(str(output.get("data", {}).get("text/plain", "")))
+    return "\n".join(text)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[path.stem for path in NOTEBOOKS])
+def test_notebook_is_stored_with_the_outputs_of_its_code(path):
+    notebook = nbformat.read(path, as_version=4)
+    run = f"run `{EXECUTE.COMMAND} notebooks/{path.name}` and commit the notebook"
+    code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+    counts = [cell.execution_count for cell in code]
+    assert counts == list(range(1, len(code) + 1)), (
+        f"{path.name} is stored with execution counts {counts}, not 1 to {len(code)} in order "
+        f"(not executed, or executed out of order): {run}"
+    )
+    errors = [f"cell {cell.execution_count}: {output.get('ename')}: {output.get('evalue')}"
+              for cell in code for output in cell.outputs if output.output_type == "error"]
+    assert not errors, f"{path.name} is stored with errors: {errors}"
+    executed = notebook.metadata.get(EXECUTE.METADATA_KEY, {}).get(EXECUTE.HASH_KEY)
+    assert executed == EXECUTE.sources_hash(notebook), (
+        f"{path.name}'s code cells are not the ones its stored outputs came from "
+        f"(edited since, or never executed by the script): {run}"
+    )
+    shown = _shown(notebook)
+    missing = [expected for expected in EXPECTED_OUTPUT[path.name] if expected not in shown]
+    assert not missing, f"{path.name}'s stored outputs do not show {missing}: {run}"
+
+
+def test_stored_notebooks_stay_small():
+    sizes = {path.name: path.stat().st_size for path in NOTEBOOKS}
+    assert sum(sizes.values()) < MAX_TOTAL_BYTES, (
+        f"notebooks/ holds {sum(sizes.values())} bytes (over {MAX_TOTAL_BYTES}): {sizes}; "
+        "show fewer or smaller plots"
+    )
