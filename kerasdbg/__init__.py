@@ -22,6 +22,7 @@ _EXPORTS = {
     "TraceWriter": ("kerasdbg.trace", "TraceWriter", True),
     "callbacks": ("kerasdbg.callbacks", None, True),
     "check_run": ("kerasdbg.offline", "check_run", True),
+    "compat": ("kerasdbg.compat", None, False),
     "compare_traces": ("kerasdbg.trace", "compare_traces", True),
     "deterministic": ("kerasdbg.determinism", "deterministic", True),
     "doctor": ("kerasdbg.doctor", "doctor", True),

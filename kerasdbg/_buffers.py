@@ -15,6 +15,8 @@ from typing import Callable, List, Optional
 import numpy as np
 import tensorflow as tf
 
+from kerasdbg import _workers
+
 
 def on_read_variable(initial_value, name: str, shapeless: bool = False) -> tf.Variable:
     """A non-trainable buffer each replica writes for itself; a `shapeless`
@@ -66,6 +68,21 @@ def read_replicas(buffer: tf.Variable, column: Optional[int] = None) -> List[np.
     if column is not None:
         return [np.asarray(v[:, column].numpy()) for v in copies]
     return [np.asarray(v.numpy()) for v in copies]
+
+
+def read_all_workers(buffer: tf.Variable) -> List[np.ndarray]:
+    """`read_replicas(buffer)` of every worker of a multi-worker strategy,
+    gathered onto each (a collective: every worker must call it at the same
+    point); `read_replicas(buffer)` otherwise. Each worker's copies may
+    appear once per local replica."""
+    rows = read_replicas(buffer)
+    strategy = getattr(buffer, "distribute_strategy", None)
+    if _workers.of(strategy) is None:
+        return rows
+    local = tf.constant(np.stack(rows))
+    values = strategy.experimental_distribute_values_from_function(lambda context: local)
+    gathered = strategy.gather(values, axis=0).numpy()
+    return list(gathered)
 
 
 def run_if(predicate, function: Callable[[], None]) -> None:

@@ -568,3 +568,134 @@ def dataset_batch_size(dataset):
             except (TypeError, ValueError):
                 return None
     return None
+
+
+# ------------------------------------------------------------ multi-worker fit
+# Keras 3's `fit` under MultiWorkerMirroredStrategy with two or more workers
+# fails twice in its TensorFlow trainer (keras-team/keras#20585):
+# `_maybe_symbolic_build` reduces the first batch's PerReplica (x, y) with
+# `strategy.reduce("MEAN", ..., axis=None)`, which the collective reduce cannot
+# convert, and `reduce_per_replica` reduces the scalar logs with
+# `strategy.reduce("MEAN", v, axis=0)` ("Invalid reduction dimension 0").
+MULTI_WORKER_ISSUE = "https://github.com/keras-team/keras/issues/20585"
+_MULTI_WORKER_BUGS = {
+    # what the code of each function contains while it has the bug, without blanks
+    "_maybe_symbolic_build": 'distribute_strategy.reduce("MEAN",maybe_distributed_data_batch',
+    "reduce_per_replica": 'strategy.reduce("MEAN",v,axis=0)',
+}
+_multi_worker_originals: dict = {}
+
+
+def _tensorflow_trainer_module():
+    from keras.src.backend.tensorflow import trainer
+
+    return trainer
+
+
+def _multi_worker_targets():
+    """`{name: (owner, current function)}` of the two functions the fix
+    replaces; KerasInternalsError when Keras no longer has them."""
+    module = _tensorflow_trainer_module()
+    targets = {"_maybe_symbolic_build": module.TensorFlowTrainer,
+               "reduce_per_replica": module}
+    found = {}
+    for name, owner in targets.items():
+        function = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
+        if function is None or not hasattr(module, "_collective_all_reduce_multi_worker"):
+            raise KerasInternalsError(
+                f"Keras {keras.__version__} has no `{name}` in its TensorFlow trainer; "
+                "kerasdbg's multi-worker fix does not know this version")
+        found[name] = (owner, function)
+    return found
+
+
+def multi_worker_fit_is_broken() -> bool:
+    """Whether this Keras's TensorFlow trainer has the code of
+    keras-team/keras#20585 (read from its source, fixed or not)."""
+    import inspect
+
+    broken = False
+    for name, (_, function) in _multi_worker_targets().items():
+        original = _multi_worker_originals.get(name, function)
+        source = "".join(inspect.getsource(original).split())
+        broken = broken or _MULTI_WORKER_BUGS[name] in source
+    return broken
+
+
+def multi_worker_fit_fixed() -> bool:
+    return bool(_multi_worker_originals)
+
+
+def _is_multi_worker(strategy) -> bool:
+    return bool(strategy is not None
+                and _tensorflow_trainer_module()._collective_all_reduce_multi_worker(strategy))
+
+
+def _first_local_values(structure, strategy):
+    def local(value):
+        if isinstance(value, tf.distribute.DistributedValues):
+            return strategy.experimental_local_results(value)[0]
+        return value
+    return tf.nest.map_structure(local, structure)
+
+
+def _is_scalar(value) -> bool:
+    if isinstance(value, tf.distribute.DistributedValues):
+        value = value.values[0]
+    shape = getattr(value, "shape", None)
+    return shape is not None and shape.rank == 0
+
+
+def fix_multi_worker_fit() -> None:
+    """Replaces the two functions of keras-team/keras#20585 by ones that
+    behave as Keras intends under MultiWorkerMirroredStrategy with several
+    workers, and exactly as before under every other strategy; idempotent.
+
+    - the symbolic build takes the first local replica's values of the
+      first batch (the build needs shapes only: every worker builds the
+      same variables, and their values come from the strategy's broadcast);
+    - a scalar log is averaged over all replicas (`axis=None`), as
+      `reduce_per_replica` does on one worker; other values are left to Keras.
+    """
+    if _multi_worker_originals:
+        return
+    targets = _multi_worker_targets()
+    build_owner, original_build = targets["_maybe_symbolic_build"]
+    reduce_owner, original_reduce = targets["reduce_per_replica"]
+
+    @functools.wraps(original_build)
+    def symbolic_build(self, iterator=None, data_batch=None):
+        strategy = self._distribute_strategy
+        if iterator is not None and _is_multi_worker(strategy):
+            # The same walk as Keras's: one batch of the epoch iterator.
+            for _, _, batches in iterator:
+                data_batch = _first_local_values(next(batches), strategy)
+                break
+            iterator = None
+        return original_build(self, iterator=iterator, data_batch=data_batch)
+
+    @functools.wraps(original_reduce)
+    def reduce_per_replica(values, strategy, reduction):
+        if reduction not in ("auto", "mean") or not _is_multi_worker(strategy):
+            return original_reduce(values, strategy, reduction)
+
+        def reduce(value):
+            if _is_scalar(value):
+                return strategy.reduce("MEAN", value, axis=None)
+            return original_reduce(value, strategy, reduction)
+        return tf.nest.map_structure(reduce, values)
+
+    _multi_worker_originals["_maybe_symbolic_build"] = original_build
+    _multi_worker_originals["reduce_per_replica"] = original_reduce
+    type.__setattr__(build_owner, "_maybe_symbolic_build", symbolic_build)
+    setattr(reduce_owner, "reduce_per_replica", reduce_per_replica)
+
+
+def undo_multi_worker_fit() -> None:
+    """Puts Keras's two functions back; nothing when they are not replaced."""
+    if not _multi_worker_originals:
+        return
+    module = _tensorflow_trainer_module()
+    type.__setattr__(module.TensorFlowTrainer, "_maybe_symbolic_build",
+                     _multi_worker_originals.pop("_maybe_symbolic_build"))
+    module.reduce_per_replica = _multi_worker_originals.pop("reduce_per_replica")

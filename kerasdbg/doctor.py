@@ -228,7 +228,9 @@ def _strategy_findings(strategy, model, tpu: bool, replicas: int) -> List[Findin
     compiled = model is not None and getattr(model, "compiled", False)
     spe = int(getattr(model, "steps_per_execution", 1) or 1) if compiled else None
     jit = getattr(model, "jit_compile", None) if compiled else None
-    if compiled and spe == 1 and (tpu or replicas > 1):
+    multi_worker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+    # Not under MultiWorkerMirroredStrategy, where Keras fails spe > 1 (below).
+    if compiled and spe == 1 and (tpu or replicas > 1) and not multi_worker:
         found.append(Finding(
             "warning", "steps_per_execution",
             f"steps_per_execution is 1 under {name} ({replicas} replica(s))",
@@ -252,12 +254,20 @@ def _strategy_findings(strategy, model, tpu: bool, replicas: int) -> List[Findin
                 "MirroredStrategy with jit_compile=True",
                 f"Keras 3 fit fails with: {MIRRORED_JIT_ERROR}",
                 "compile with `jit_compile=False` under MirroredStrategy"))
-    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+    if multi_worker and internals.multi_worker_fit_is_broken() \
+            and not internals.multi_worker_fit_fixed():
         found.append(Finding(
             "error", "Keras: MultiWorkerMirroredStrategy",
             "MultiWorkerMirroredStrategy with Keras 3 fit",
-            f"Keras 3 fit fails with: {MULTI_WORKER_ERROR}",
-            "use a custom training loop under this strategy, or MirroredStrategy on one worker"))
+            f"Keras 3 fit fails on two or more workers with: {MULTI_WORKER_ERROR} "
+            f"({internals.MULTI_WORKER_ISSUE})",
+            "call `kerasdbg.compat.fix_multi_worker_fit()` on every worker before `fit`"))
+    if multi_worker and compiled and spe > 1:
+        found.append(Finding(
+            "error", "Keras: MultiWorkerMirroredStrategy + steps_per_execution",
+            f"MultiWorkerMirroredStrategy with steps_per_execution={spe}",
+            f"Keras 3 fit fails with: {MIRRORED_SPE_ERROR}",
+            "keep steps_per_execution=1 under this strategy"))
     if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
         found.append(Finding(
             "error", "Keras: ParameterServerStrategy", "ParameterServerStrategy with Keras 3 fit",

@@ -5,6 +5,7 @@ import inspect
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from kerasdbg import _keras_internals as internals
 from tests.helpers import make_mlp
@@ -188,3 +189,65 @@ def test_the_first_fit_traces_once_when_the_optimizer_is_built_before_it():
     sub = keras.Sequential([keras.layers.Dense(3)])
     sub.compile(keras.optimizers.Adam(0.01), "mse")
     assert not internals.build_optimizer_before_trace(sub) and not sub.optimizer.built
+
+
+# ------------------------------------------------------------ multi-worker fit
+def test_keras_still_has_the_multi_worker_bug_the_fix_replaces():
+    """Fails loudly when Keras fixes keras-team/keras#20585 or moves the two
+    functions: the fix, its docs and the doctor's finding need a look then."""
+    assert internals.multi_worker_fit_is_broken()
+
+
+def test_the_multi_worker_fix_is_idempotent_undoable_and_changes_nothing_on_one_worker(recwarn):
+    from keras.src.backend.tensorflow import trainer
+
+    import kerasdbg
+
+    build = trainer.TensorFlowTrainer.__dict__["_maybe_symbolic_build"]
+    reduce = trainer.reduce_per_replica
+    try:
+        assert kerasdbg.compat.fix_multi_worker_fit() is True
+        replaced = trainer.TensorFlowTrainer.__dict__["_maybe_symbolic_build"]
+        assert replaced is not build and trainer.reduce_per_replica is not reduce
+        assert kerasdbg.compat.fix_multi_worker_fit() is True  # idempotent
+        assert trainer.TensorFlowTrainer.__dict__["_maybe_symbolic_build"] is replaced
+        # The bug is still read from Keras's own code while the fix is in place.
+        assert internals.multi_worker_fit_is_broken()
+        # One process under MirroredStrategy: the same training as without the fix.
+        trained = []
+        for fixed in (True, False):
+            if not fixed:
+                kerasdbg.compat.undo_multi_worker_fit()
+            strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+            with strategy.scope():
+                model = make_mlp()
+                model.compile(keras.optimizers.SGD(0.05), "mse")
+            history = model.fit(np.ones((16, 6)), np.ones((16, 3)), batch_size=8, epochs=2,
+                                verbose=0, shuffle=False)
+            trained.append((model.get_weights(), history.history))
+        for a, b in zip(trained[0][0], trained[1][0]):
+            np.testing.assert_array_equal(a, b)
+        assert trained[0][1] == trained[1][1]
+        assert trainer.TensorFlowTrainer.__dict__["_maybe_symbolic_build"] is build
+        assert trainer.reduce_per_replica is reduce
+        kerasdbg.compat.undo_multi_worker_fit()  # nothing to undo: no error
+    finally:
+        internals.undo_multi_worker_fit()
+    assert not [w for w in recwarn if "kerasdbg" in str(w.message)]
+
+
+def test_the_multi_worker_fix_says_so_where_keras_has_no_bug(monkeypatch):
+    import kerasdbg
+
+    monkeypatch.setitem(internals._MULTI_WORKER_BUGS, "_maybe_symbolic_build", "not in the code")
+    monkeypatch.setitem(internals._MULTI_WORKER_BUGS, "reduce_per_replica", "not in the code")
+    with pytest.warns(UserWarning, match=r"does not have the multi-worker bug .*20585.*nothing"):
+        assert kerasdbg.compat.fix_multi_worker_fit() is False
+    assert not internals.multi_worker_fit_fixed()
+
+
+def test_set_worker_output_refuses_other_modes():
+    import kerasdbg
+
+    with pytest.raises(ValueError, match=r"set_worker_output.*mode.*chief.*per_worker.*Received.*'all'"):
+        kerasdbg.compat.set_worker_output("all")

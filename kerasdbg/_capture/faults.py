@@ -414,7 +414,9 @@ class Faults:
         """
         if self._nan_row is None:
             return None
-        rows = _buffers.read_replicas(self._nan_row)
+        # Every worker's replicas: a NaN in one worker's shard is found by its
+        # replay alone, and every worker must give the same verdict.
+        rows = _buffers.read_all_workers(self._nan_row)
         hits = [r for r in rows if r[0] > 0]
         if not hits:
             return None

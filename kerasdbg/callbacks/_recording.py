@@ -9,7 +9,7 @@ from typing import Callable, Optional
 
 import keras
 
-from kerasdbg import _events
+from kerasdbg import _events, _workers
 
 
 def selected(name: str, include: Optional[str], exclude: Optional[str]) -> bool:
@@ -19,11 +19,19 @@ def selected(name: str, include: Optional[str], exclude: Optional[str]) -> bool:
     )
 
 
-def open_writer(owner: str, log_dir: str, strict: bool) -> Optional[_events.EventWriter]:
+def open_writer(owner: str, log_dir: str, strict: bool,
+                strategy=None) -> Optional[_events.EventWriter]:
     """The shared event writer of `<log_dir>/train`; when the directory cannot
     be written (no permission, a full disk), a warning naming `owner` and
     the path, and None: the callback records in Python only and training
-    goes on. `strict` raises instead."""
+    goes on. `strict` raises instead.
+
+    Under a multi-worker `strategy`, None on a worker other than the chief
+    (`<log_dir>/worker_<i>/train` with per-worker output): the records are
+    the same on every worker and one writer is enough."""
+    log_dir = _workers.directory(log_dir, strategy, owner)
+    if log_dir is None:
+        return None
     path = os.path.join(log_dir, "train")
     try:
         return _events.writer_for(path)
@@ -57,7 +65,8 @@ class RecordingCallback(keras.callbacks.Callback):
         self._failed = False
         if self.log_dir is None:
             return None
-        return open_writer(type(self).__name__, self.log_dir, self.strict)
+        return open_writer(type(self).__name__, self.log_dir, self.strict,
+                           getattr(self.model, "distribute_strategy", None))
 
     @property
     def destination(self) -> Optional[str]:

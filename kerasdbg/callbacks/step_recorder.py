@@ -12,6 +12,7 @@ from kerasdbg import _qualified
 from kerasdbg import _replay
 from kerasdbg import _step_tensors
 from kerasdbg import _validation as check
+from kerasdbg import _workers
 from kerasdbg import trace as trace_lib
 from kerasdbg.callbacks._recording import RecordingCallback
 
@@ -171,8 +172,11 @@ class StepRecorder(RecordingCallback):
         self._request = None
         # A later fit past the recorded steps leaves the file as it is.
         self._saved = not (steps or initial)
-        self._writer = None if self._saved else trace_lib.TraceWriter(
-            self.path, source="StepRecorder")
+        # Under several workers the chief saves the file; the others record
+        # the same steps (their graphs must match the chief's) and save nothing.
+        target = _workers.file_path(self.path, model.distribute_strategy, "StepRecorder")
+        self._writer = None if self._saved or target is None else trace_lib.TraceWriter(
+            target, source="StepRecorder")
         if steps or initial:
             self._request = _step_tensors.TensorRequest(
                 steps, self.record, layers, self._consume, include=self.include,
@@ -226,7 +230,8 @@ class StepRecorder(RecordingCallback):
     # -------------------------------------------------------- records
     def _consume(self, steps: Dict[int, Dict[str, object]]) -> None:
         for step, tensors in steps.items():
-            self._guarded(self._writer.record, step, **tensors)
+            if self._writer is not None:
+                self._guarded(self._writer.record, step, **tensors)
         if self._request is not None and self._request.complete:
             self._save()
 

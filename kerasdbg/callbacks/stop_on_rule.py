@@ -16,6 +16,7 @@ from kerasdbg import _events
 from kerasdbg import _keras_internals as internals
 from kerasdbg import _layout
 from kerasdbg import _validation as check
+from kerasdbg import _workers
 from kerasdbg import schedule as schedule_lib
 from kerasdbg import stats as stats_lib
 from kerasdbg import _tags
@@ -408,8 +409,11 @@ class StopOnRule(keras.callbacks.Callback):
             owner=type(self).__name__,
         ))
         self._writer = None
+        # Under several workers every one decides, the chief alone prints.
+        self._prints = _workers.writes(getattr(self.model, "distribute_strategy", None))
         if self.log_dir is not None:
-            self._writer = open_writer(type(self).__name__, self.log_dir, self.strict)
+            self._writer = open_writer(type(self).__name__, self.log_dir, self.strict,
+                                       getattr(self.model, "distribute_strategy", None))
             _layout.add(type(self).__name__, self._writer, _layout.loss_lines(), self.strict)
         engine = _capture.engine_for(self.model)
         for request in requests:
@@ -592,7 +596,7 @@ class StopOnRule(keras.callbacks.Callback):
         if self._writer is not None:
             self._writer.write(step, texts={VERDICT_TAG: _tags.verdict_markdown(verdicts)})
             self._writer.flush()
-        if self.verbose:
+        if self.verbose and getattr(self, "_prints", True):
             for verdict in verdicts:
                 print(f"kerasdbg: {verdict.reason}", file=sys.stdout, flush=True)
         # Information (zero by construction) is recorded and printed, never acted on.

@@ -32,6 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 from kerasdbg import _buffers
+from kerasdbg import _workers
 from kerasdbg import _graph_functions as graph_functions
 from kerasdbg import _keras_internals as internals
 from kerasdbg import _layer_sink
@@ -380,6 +381,10 @@ class DebugLayer(keras.layers.Layer):
             if not any((fresh[: buffers.slots] > seen).any() for fresh, seen in zip(ids, last)):
                 return []
         tables = _buffers.read_replicas(buffers.rows)
+        # Replica ids are global: under several workers, this worker's first
+        # replica follows those of the workers before it.
+        worker = _workers.of(getattr(buffers.rows, "distribute_strategy", None))
+        offset = worker.index * len(tables) if worker is not None else 0
         if self.replicas == "first":
             tables = tables[:1]
         if len(self._host.last_id) < len(tables):
@@ -411,7 +416,7 @@ class DebugLayer(keras.layers.Layer):
                 keyed.append((int(ids[row]), replica, LayerRecord(
                     step=int(table[row, 2]),
                     mode=MODES[int(table[row, 1])],
-                    replica=replica,
+                    replica=replica + offset,
                     values=values,
                 )))
             self._host.last_id[replica] = int(ids[rows[-1]])

@@ -15,6 +15,7 @@ import tensorflow as tf
 from kerasdbg import _buffers
 from kerasdbg import _graph_functions as graph_functions
 from kerasdbg import _validation as check
+from kerasdbg import _workers
 from kerasdbg import stats as stats_lib
 from kerasdbg.layers._debug_layer import DebugLayer, LayerRecord
 
@@ -214,6 +215,9 @@ class PrintLayer(DebugLayer):
         }, None
 
     def _record(self, inputs, context):
+        # Under several workers only the chief prints (unless every worker
+        # was asked to write); known here, while the step is traced.
+        self._prints = _workers.writes(tf.distribute.get_strategy())
         if self.printing == "deferred":
             return super()._record(inputs, context)
         return self._print_in_graph(inputs, context)
@@ -238,7 +242,8 @@ class PrintLayer(DebugLayer):
         return " | ".join(parts)
 
     def _consume(self, records: List[LayerRecord]) -> None:
-        self._emit([self._line(r) for r in records])
+        if getattr(self, "_prints", True):
+            self._emit([self._line(r) for r in records])
 
     def _emit(self, lines: List[str]) -> None:
         stream = self.output_stream
@@ -290,6 +295,9 @@ class PrintLayer(DebugLayer):
             pieces += [f"{name}=", stats[i]]
         if self.summarize:
             pieces += ["|", tf.reshape(x, [-1])]  # one line, as in deferred mode
+        if not self._prints:
+            return
+
         def show():
             tf.print(*pieces, summarize=self.summarize, output_stream=target)
 

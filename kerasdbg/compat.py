@@ -1,0 +1,119 @@
+"""Fixes for Keras where its own `fit` fails, and settings for training on
+several machines.
+
+`fix_multi_worker_fit()` makes Keras 3's `fit` work under
+`tf.distribute.MultiWorkerMirroredStrategy` on two or more workers, which it
+does not by itself (keras-team/keras#20585, open upstream): it replaces two
+functions of Keras's TensorFlow trainer, is idempotent, undone by
+`undo_multi_worker_fit()`, and changes nothing under any other strategy.
+
+`set_worker_output()` chooses which workers write kerasdbg's records: only
+the chief (the default), or each worker under its own directory.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from kerasdbg import _validation as check
+from kerasdbg import _workers
+
+UPSTREAM_ISSUE = "https://github.com/keras-team/keras/issues/20585"
+"""The Keras issue that `fix_multi_worker_fit` works around."""
+
+
+def fix_multi_worker_fit() -> bool:
+    """Makes Keras 3's `fit`, `evaluate` and `predict` work under
+    `MultiWorkerMirroredStrategy` with several workers.
+
+    Keras's TensorFlow trainer fails there twice (keras-team/keras#20585):
+    its symbolic build reduces the first batch across workers, which the
+    collective reduce cannot do ("Attempt to convert a value (PerReplica..."),
+    and it averages the scalar logs along an axis they do not have ("Invalid
+    reduction dimension 0 for input with 0 dimensions"). The fix builds from
+    the first local batch (the build needs shapes only) and averages scalar
+    logs over all replicas, as Keras does on one worker. Training is
+    unchanged: two workers reach the weights of one process trained on the
+    same global batches. Under every other strategy, and with one worker,
+    Keras's own code runs.
+
+    Call it once, before `fit`, on every worker. Calling it again changes
+    nothing; `undo_multi_worker_fit()` puts Keras's code back. On a Keras
+    whose `fit` does not have the bug, it changes nothing and warns so.
+    `steps_per_execution > 1` is not fixed: under this strategy Keras fails
+    there with "You must feed a value for placeholder tensor"
+    (keras-team/keras#19246).
+
+    Returns:
+        Whether the fix is in place after the call.
+
+    Raises:
+        RuntimeError: Keras no longer has the functions the fix replaces (an
+            upgrade moved them); nothing was changed.
+
+    Examples:
+        >>> import kerasdbg
+        >>> kerasdbg.compat.fix_multi_worker_fit()
+        True
+        >>> kerasdbg.compat.undo_multi_worker_fit()
+    """
+    from kerasdbg import _keras_internals as internals
+
+    if internals.multi_worker_fit_fixed():
+        return True
+    if not internals.multi_worker_fit_is_broken():
+        import keras
+
+        warnings.warn(
+            f"kerasdbg.compat.fix_multi_worker_fit: Keras {keras.__version__}'s fit does not have "
+            f"the multi-worker bug ({UPSTREAM_ISSUE}); nothing was changed.",
+            UserWarning, stacklevel=2)
+        return False
+    internals.fix_multi_worker_fit()
+    return True
+
+
+def undo_multi_worker_fit() -> None:
+    """Puts back the Keras code that `fix_multi_worker_fit()` replaced;
+    nothing when it is not in place.
+
+    Examples:
+        >>> import kerasdbg
+        >>> kerasdbg.compat.undo_multi_worker_fit()
+    """
+    from kerasdbg import _keras_internals as internals
+
+    internals.undo_multi_worker_fit()
+
+
+def set_worker_output(mode: str) -> None:
+    """Chooses which workers of a multi-worker cluster write kerasdbg's
+    records (TensorBoard events, `StepRecorder` files, printed lines).
+
+    The records that describe a step (gradients after the all-reduce, the
+    weights, the loss) are the same on every worker, so by default only the
+    chief writes them (`"chief"`); the other workers still compute them, keep
+    them in `history` and take the same decisions. `"per_worker"` has every
+    other worker write its own under `<log_dir>/worker_<i>` (e.g. to compare
+    what each worker's taps saw). With one worker this setting changes nothing.
+
+    Args:
+        mode: `"chief"` or `"per_worker"`.
+
+    Raises:
+        ValueError: another `mode`.
+
+    Examples:
+        >>> import kerasdbg
+        >>> kerasdbg.compat.set_worker_output("per_worker")
+        >>> kerasdbg.compat.set_worker_output("chief")
+    """
+    check.one_of("set_worker_output", "mode", mode, _workers.OUTPUTS)
+    _workers.set_output(mode)
+
+
+__all__ = (
+    "fix_multi_worker_fit",
+    "set_worker_output",
+    "undo_multi_worker_fit",
+)

@@ -1,0 +1,177 @@
+"""One worker of a test cluster: `python -m tests.multiworker.worker OUT SCENARIO...`.
+
+Creates a `MultiWorkerMirroredStrategy` from `TF_CONFIG` (one per process:
+TensorFlow configures collectives once), then runs each scenario in turn and
+writes what it saw to `OUT/worker_<i>/<scenario>.json`: weights, histories,
+records, verdicts, printed lines, warnings and the files it wrote. A scenario
+that raises writes its error instead, and the worker goes on.
+"""
+
+import contextlib
+import io
+import json
+import os
+import sys
+import traceback
+import warnings
+
+import numpy as np
+import tensorflow as tf
+
+STRATEGY = tf.distribute.MultiWorkerMirroredStrategy()
+
+import keras  # noqa: E402  (after the strategy: collectives first)
+
+import kerasdbg  # noqa: E402
+from tests.helpers import BATCH, LEARNING_RATE, X, Y  # noqa: E402
+
+TASK = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+OUT = sys.argv[1]
+NAN_ROW = 2 * BATCH + BATCH - 2
+"""A row of the third global batch in the second worker's half of it."""
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (np.ndarray, np.generic)):
+        return _jsonable(value.tolist())
+    if isinstance(value, float) and not np.isfinite(value):
+        return repr(value)
+    return value
+
+
+def _frame(frame):
+    return {column: frame[column].tolist() for column in frame.columns}
+
+
+def _model(layers=()):
+    """tests.helpers.make_mlp as a Functional model, with `layers` after `hidden`."""
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((6,))
+    x = keras.layers.Dense(5, activation="relu", name="hidden")(inputs)
+    for layer in layers:
+        x = layer(x)
+    outputs = keras.layers.Dense(3, name="out")(x)
+    return keras.Model(inputs, outputs)
+
+
+def _compiled(layers=(), spe=1):
+    with STRATEGY.scope():
+        model = _model(layers)
+        model.compile(keras.optimizers.SGD(LEARNING_RATE), "mse", steps_per_execution=spe)
+    return model
+
+
+def _data(x=X, y=Y):
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+
+
+def _files(directory):
+    found = []
+    for root, _, names in os.walk(directory):
+        found += [os.path.relpath(os.path.join(root, n), directory) for n in names]
+    return sorted(found)
+
+
+def _trainable(model):
+    """The trainable weights (debug layers keep buffers of their own)."""
+    return [v.numpy().tolist() for v in model.trainable_variables]
+
+
+def _fit(model, callbacks, data=None, epochs=1):
+    printed = io.StringIO()
+    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(printed):
+        warnings.simplefilter("always")
+        history = model.fit(data if data is not None else _data(), epochs=epochs, verbose=0,
+                            callbacks=callbacks)
+    return {"history": history.history, "printed": printed.getvalue().splitlines(),
+            "warnings": [f"{w.category.__name__}: {w.message}" for w in caught],
+            "final": _trainable(model)}
+
+
+# ------------------------------------------------------------ scenarios
+def plain(spe):
+    model = _compiled(spe=spe)
+    initial = _trainable(model)
+    return dict(_fit(model, []), initial=initial)
+
+
+def instruments(spe, name):
+    log_dir = os.path.join(OUT, name)
+    tap = kerasdbg.layers.TapLayer(name="hidden_tap")
+    printer = kerasdbg.layers.PrintLayer(stats=["mean"], summarize=0, output_stream="stdout",
+                                         name="hidden_print")
+    model = _compiled([tap, printer], spe=spe)
+    initial = _trainable(model)
+    gradients = kerasdbg.callbacks.GradientStatistics(log_dir, every_n_steps=1)
+    weights = kerasdbg.callbacks.WeightStatistics(log_dir, every_n_steps=1)
+    activations = kerasdbg.callbacks.ActivationStatistics(log_dir)
+    stop = kerasdbg.callbacks.StopOnRule(log_dir=log_dir)
+    recorder = kerasdbg.callbacks.StepRecorder(os.path.join(log_dir, "steps.npz"), steps=[1, 2])
+    timer = kerasdbg.callbacks.StepTimer(log_dir)
+    result = _fit(model, [gradients, weights, activations, stop, recorder, timer])
+    return dict(result, initial=initial, gradients=_frame(gradients.history),
+                weights=_frame(weights.history), activations=_frame(activations.history),
+                verdicts=[v.reason for v in stop.verdicts], pid=os.getpid(),
+                files=_files(log_dir))
+
+
+def per_worker_output(spe, name):
+    log_dir = os.path.join(OUT, name)
+    kerasdbg.compat.set_worker_output("per_worker")
+    try:
+        # replicas="all": every worker prints its own replica (replica 0 is the chief's).
+        printer = kerasdbg.layers.PrintLayer(stats=["mean"], summarize=0, output_stream="stdout",
+                                             replicas="all", name="hidden_print")
+        model = _compiled([printer], spe=spe)
+        gradients = kerasdbg.callbacks.GradientStatistics(log_dir, every_n_steps=1)
+        result = _fit(model, [gradients])
+    finally:
+        kerasdbg.compat.set_worker_output("chief")
+    return dict(result, pid=os.getpid(), files=_files(log_dir))
+
+
+def nan_on_one_shard(spe, name):
+    x = X.copy()
+    x[NAN_ROW, 0] = np.nan
+    model = _compiled(spe=spe)
+    initial = _trainable(model)
+    stop = kerasdbg.callbacks.StopOnRule(log_dir=os.path.join(OUT, name))
+    result = _fit(model, [stop], data=_data(x))
+    iterations = int(model.optimizer.iterations.numpy())
+    return dict(result, initial=initial, verdicts=[v.reason for v in stop.verdicts],
+                steps=[v.step for v in stop.verdicts], iterations=iterations,
+                stop_training=bool(model.stop_training))
+
+
+SCENARIOS = {
+    "plain_spe1": lambda: plain(1),
+    "instruments_spe1": lambda: instruments(1, "instruments_spe1"),
+    "per_worker_spe1": lambda: per_worker_output(1, "per_worker_spe1"),
+    "nan_on_one_shard_spe1": lambda: nan_on_one_shard(1, "nan_on_one_shard_spe1"),
+    # Keras fails here; last, in case the failure leaves the collectives unusable.
+    "plain_spe4": lambda: plain(4),
+    "instruments_spe4": lambda: instruments(4, "instruments_spe4"),
+}
+
+
+def main(names):
+    kerasdbg.compat.fix_multi_worker_fit()
+    folder = os.path.join(OUT, f"worker_{TASK}")
+    os.makedirs(folder, exist_ok=True)
+    for name in names:
+        try:
+            result = SCENARIOS[name]()
+        except Exception as error:  # noqa: BLE001 - reported to the test
+            result = {"error": f"{type(error).__name__}: {error}",
+                      "traceback": traceback.format_exc()}
+        with open(os.path.join(folder, f"{name}.json"), "w") as handle:
+            json.dump(_jsonable(result), handle)
+        print(f"worker {TASK}: {name} done", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[2:])
