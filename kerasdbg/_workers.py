@@ -31,6 +31,9 @@ class Worker(NamedTuple):
     index: int
     count: int
     chief: bool
+    position: int
+    """The task's place in the cluster (TensorFlow's order: the chief first,
+    then the workers), which orders the replicas."""
 
     @property
     def label(self) -> str:
@@ -41,7 +44,10 @@ def of(strategy) -> Optional[Worker]:
     """This process's task when `strategy` trains on several workers, else None."""
     extended = getattr(strategy, "extended", None)
     in_multi_worker = getattr(extended, "_in_multi_worker_mode", None)
-    if in_multi_worker is None or not in_multi_worker():
+    try:
+        if in_multi_worker is None or not in_multi_worker():
+            return None
+    except NotImplementedError:  # a strategy of the user's own
         return None
     resolver = getattr(strategy, "cluster_resolver", None)
     task_type = getattr(resolver, "task_type", None) or "worker"
@@ -49,7 +55,8 @@ def of(strategy) -> Optional[Worker]:
     spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
     count = sum(len(spec.get(kind, ())) for kind in ("chief", "worker")) or 1
     chief = task_type == "chief" or (task_type == "worker" and index == 0 and "chief" not in spec)
-    return Worker(task_type, index, count, chief)
+    position = 0 if task_type == "chief" else index + (1 if "chief" in spec else 0)
+    return Worker(task_type, index, count, chief, position)
 
 
 def set_output(mode: str) -> None:
@@ -60,10 +67,15 @@ def output() -> str:
     return _output["mode"]
 
 
-def writes(strategy) -> bool:
-    """Whether this process writes kerasdbg's events, files and printed lines."""
+def writes(strategy, owner: Optional[str] = None) -> bool:
+    """Whether this process writes kerasdbg's events, files and printed lines;
+    with `owner`, a worker that does not says so once."""
     worker = of(strategy)
-    return worker is None or worker.chief or _output["mode"] == "per_worker"
+    if worker is None or worker.chief or _output["mode"] == "per_worker":
+        return True
+    if owner is not None:
+        directory("", strategy, owner)  # the one warning
+    return False
 
 
 def directory(path: str, strategy, owner: str) -> Optional[str]:
@@ -75,8 +87,8 @@ def directory(path: str, strategy, owner: str) -> Optional[str]:
         return path
     if _output["mode"] == "per_worker":
         return os.path.join(path, worker.label)
-    if worker.label not in _told:
-        _told.add(worker.label)
+    if (worker.label, owner) not in _told:
+        _told.add((worker.label, owner))
         warnings.warn(
             f"kerasdbg: {owner} on {worker.label} of {worker.count} writes nothing; the chief "
             "writes the records of the whole cluster. Use "

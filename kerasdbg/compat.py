@@ -31,7 +31,7 @@ def fix_multi_worker_fit() -> bool:
     collective reduce cannot do ("Attempt to convert a value (PerReplica..."),
     and it averages the scalar logs along an axis they do not have ("Invalid
     reduction dimension 0 for input with 0 dimensions"). The fix builds from
-    the first local batch (the build needs shapes only) and averages scalar
+    the first local batch (the build needs shapes only) and averages the
     logs over all replicas, as Keras does on one worker. Training is
     unchanged: two workers reach the weights of one process trained on the
     same global batches. Under every other strategy, and with one worker,

@@ -222,6 +222,13 @@ def _layers(model):
     return [((), layer) for layer in getattr(model, "_flatten_layers", lambda: [])()]
 
 
+def _multi_worker_fit_fails() -> bool:
+    try:
+        return internals.multi_worker_fit_is_broken() and not internals.multi_worker_fit_fixed()
+    except internals.KerasInternalsError:  # a Keras that moved the code: unknown
+        return False
+
+
 def _strategy_findings(strategy, model, tpu: bool, replicas: int) -> List[Finding]:
     found = []
     name = type(strategy).__name__
@@ -254,8 +261,7 @@ def _strategy_findings(strategy, model, tpu: bool, replicas: int) -> List[Findin
                 "MirroredStrategy with jit_compile=True",
                 f"Keras 3 fit fails with: {MIRRORED_JIT_ERROR}",
                 "compile with `jit_compile=False` under MirroredStrategy"))
-    if multi_worker and internals.multi_worker_fit_is_broken() \
-            and not internals.multi_worker_fit_fixed():
+    if multi_worker and _multi_worker_fit_fails():
         found.append(Finding(
             "error", "Keras: MultiWorkerMirroredStrategy",
             "MultiWorkerMirroredStrategy with Keras 3 fit",

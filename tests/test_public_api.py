@@ -6,7 +6,8 @@ import types
 
 import pytest
 
-MODULES = ["kerasdbg", "kerasdbg.callbacks", "kerasdbg.layers", "kerasdbg.rules", "kerasdbg.report"]
+MODULES = ["kerasdbg", "kerasdbg.callbacks", "kerasdbg.layers", "kerasdbg.rules", "kerasdbg.report",
+           "kerasdbg.compat"]
 EXTRA = ["kerasdbg.stats.tensor_statistics", "kerasdbg.stats.histograms", "kerasdbg.reader.Run",
          "kerasdbg.reader.Tensor", "kerasdbg.reader.Run.scalar_table",
          "kerasdbg.reader.Run.tensor_names", "kerasdbg.rules.rule.make_verdict",

@@ -85,6 +85,7 @@ class Faults:
         if self._nan_row is not None:
             self._nan_row.assign(tf.zeros_like(self._nan_row))
         self._late_faults = {}
+        self._source = None
 
     def _freeze(self) -> Optional[Freeze]:
         """The faults that freeze the weights: the union over the requests."""
@@ -414,6 +415,10 @@ class Faults:
         """
         if self._nan_row is None:
             return None
+        # Written once per fit (the first fault): once found, it is kept, and
+        # several workers gather it only until then.
+        if getattr(self, "_source", None) is not None:
+            return self._source
         # Every worker's replicas: a NaN in one worker's shard is found by its
         # replay alone, and every worker must give the same verdict.
         rows = _buffers.read_all_workers(self._nan_row)
@@ -430,8 +435,9 @@ class Faults:
         flags = np.any([r[3:] for r in hits], axis=0)
         paths = channel.paths if channel is not None else []
         variables = [p for p, bad in zip(paths, flags) if bad]
-        return {"step": int(hits[0][0]), "layer": layer, "variables": variables,
-                "optimizer": channel.hook.name if channel is not None else None}
+        self._source = {"step": int(hits[0][0]), "layer": layer, "variables": variables,
+                        "optimizer": channel.hook.name if channel is not None else None}
+        return self._source
 
     def applied_before_fault(self, step: int) -> Optional[Tuple[List[str], str]]:
         """`(earlier, faulty)` when the fault of the train step at `step` was

@@ -384,7 +384,7 @@ class DebugLayer(keras.layers.Layer):
         # Replica ids are global: under several workers, this worker's first
         # replica follows those of the workers before it.
         worker = _workers.of(getattr(buffers.rows, "distribute_strategy", None))
-        offset = worker.index * len(tables) if worker is not None else 0
+        offset = worker.position * len(tables) if worker is not None else 0
         if self.replicas == "first":
             tables = tables[:1]
         if len(self._host.last_id) < len(tables):

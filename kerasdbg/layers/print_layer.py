@@ -215,9 +215,6 @@ class PrintLayer(DebugLayer):
         }, None
 
     def _record(self, inputs, context):
-        # Under several workers only the chief prints (unless every worker
-        # was asked to write); known here, while the step is traced.
-        self._prints = _workers.writes(tf.distribute.get_strategy())
         if self.printing == "deferred":
             return super()._record(inputs, context)
         return self._print_in_graph(inputs, context)
@@ -242,7 +239,10 @@ class PrintLayer(DebugLayer):
         return " | ".join(parts)
 
     def _consume(self, records: List[LayerRecord]) -> None:
-        if getattr(self, "_prints", True):
+        # Under several workers only the chief prints (unless every worker
+        # was asked to write): the strategy of the buffers the records are in.
+        strategy = getattr(getattr(self._buffers, "rows", None), "distribute_strategy", None)
+        if _workers.writes(strategy, f"PrintLayer {self.name!r}"):
             self._emit([self._line(r) for r in records])
 
     def _emit(self, lines: List[str]) -> None:
@@ -295,7 +295,8 @@ class PrintLayer(DebugLayer):
             pieces += [f"{name}=", stats[i]]
         if self.summarize:
             pieces += ["|", tf.reshape(x, [-1])]  # one line, as in deferred mode
-        if not self._prints:
+        # Known while the step is traced under its strategy.
+        if not _workers.writes(tf.distribute.get_strategy(), f"PrintLayer {self.name!r}"):
             return
 
         def show():
