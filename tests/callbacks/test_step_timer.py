@@ -108,8 +108,10 @@ def test_compute_covers_the_whole_step_of_stateless_ops():
     model.compile(keras.optimizers.SGD(0.01), "mse", steps_per_execution=1, jit_compile=False)
     model.fit(data, epochs=3, verbose=0, callbacks=[timer])
     later = timer.history.iloc[2:]
-    assert later.compute_seconds.median() >= 0.7 * later.execution_seconds.median()
-    assert later.input_fraction.median() < 0.2
+    # The fault measured compute as 0.25 of the step and input as 0.75; the
+    # margins leave room for a loaded machine (0.69 seen beside other tests).
+    assert later.compute_seconds.median() >= 0.5 * later.execution_seconds.median()
+    assert later.input_fraction.median() < 0.35
 
 
 def test_get_config_round_trip(tmp_path):
