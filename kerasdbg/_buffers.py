@@ -70,19 +70,29 @@ def read_replicas(buffer: tf.Variable, column: Optional[int] = None) -> List[np.
     return [np.asarray(v.numpy()) for v in copies]
 
 
+def gather_workers(local: np.ndarray, strategy) -> np.ndarray:
+    """`local` (one row per replica of this worker, replica 0 first) of every
+    worker of a multi-worker strategy, one row per replica of the cluster in
+    its order, on every worker; `local` itself otherwise. A collective:
+    every worker must call it at the same point."""
+    worker = _workers.of(strategy)
+    if worker is None:
+        return np.asarray(local)
+    rows = [tf.constant(row) for row in np.asarray(local)]
+    first = worker.position * len(rows)
+    values = strategy.experimental_distribute_values_from_function(
+        lambda context: rows[context.replica_id_in_sync_group - first])
+    return strategy.gather(values, axis=0).numpy().reshape((-1,) + tuple(rows[0].shape))
+
+
 def read_all_workers(buffer: tf.Variable) -> List[np.ndarray]:
-    """`read_replicas(buffer)` of every worker of a multi-worker strategy,
-    gathered onto each (a collective: every worker must call it at the same
-    point); `read_replicas(buffer)` otherwise. Each worker's copies may
-    appear once per local replica."""
+    """`read_replicas(buffer)` of every replica of the cluster under a
+    multi-worker strategy (`gather_workers`), else `read_replicas(buffer)`."""
     rows = read_replicas(buffer)
     strategy = getattr(buffer, "distribute_strategy", None)
     if _workers.of(strategy) is None:
         return rows
-    local = tf.constant(np.stack(rows))
-    values = strategy.experimental_distribute_values_from_function(lambda context: local)
-    gathered = strategy.gather(values, axis=0).numpy()
-    return list(gathered)
+    return list(gather_workers(np.stack(rows), strategy))
 
 
 def run_if(predicate, function: Callable[[], None]) -> None:

@@ -131,6 +131,12 @@ SCALAR_COLLECTIONS = ("step", "epoch")
 """Collections of two-part tags: `step/loss`, `step/frozen` (each optimizer
 step, from `StopOnRule`), `epoch/<log>` (Keras's epoch logs: `epoch/loss`,
 `epoch/val_loss`, ...)."""
+REPLICAS = "replicas"
+"""Tags `replicas/<variable path>/spread`: how far the replicas' copies of a
+trainable variable are apart (from `StopOnRule` when a rule reads them, every
+few steps): the largest relative difference between a replica's checksums
+(sum, sum of squares) and replica 0's; 0 when every replica holds the same
+values."""
 CLASSES = "classes"
 """Tags `classes/<k>/seen` and `classes/<k>/mispredicted`: labels of class `k`
 seen in training so far and how many of them were predicted wrong (from
@@ -148,7 +154,7 @@ def tag_parts(tag: str) -> Optional[Tuple[str, str, str]]:
     else None. Each tag is parsed once (the answer is kept)."""
     collection, _, rest = tag.partition("/")
     tensor, _, statistic = rest.rpartition("/")
-    if collection not in COLLECTIONS + (CLASSES,) or not tensor:
+    if collection not in COLLECTIONS + (CLASSES, REPLICAS) or not tensor:
         return None
     return collection, tensor, statistic
 

@@ -1,4 +1,5 @@
-"""A small MLP, its data, and an independent reference of its SGD training."""
+"""A small MLP, its data, an independent reference of its SGD training, and a
+deliberately broken train step (replicas that drift apart)."""
 
 import keras
 import numpy as np
@@ -43,3 +44,23 @@ def reference_training(initial, steps, x=X, y=Y, batch=BATCH, lr=LEARNING_RATE, 
                     "hidden": hidden.numpy(), "out": output.numpy()})
         weights = after
     return out
+
+
+class PerReplicaUpdates(keras.Model):
+    """A custom train step that, from step `broken_from` on, updates each
+    replica's copy with its own replica's gradient (no all-reduce)."""
+
+    broken_from = 1
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean((self(x, training=True) - y) ** 2)
+        grads = tape.gradient(loss, self.trainable_variables)
+        context = tf.distribute.get_replica_context()
+        reduced = context.all_reduce("MEAN", grads)
+        self.steps_done.assign_add(1)
+        broken = self.steps_done >= self.broken_from
+        for v, g, r in zip(self.trainable_variables, grads, reduced):
+            v.assign_sub(0.1 * tf.where(broken, g, r))
+        return {"loss": loss}

@@ -120,7 +120,7 @@ LAYERS = [
     ("capture", ["kerasdbg._backend.tensorflow", "kerasdbg._keras_internals",
                  "kerasdbg._buffers", "kerasdbg._events", "kerasdbg._layout", "kerasdbg._replay",
                  "kerasdbg._capture", "kerasdbg._step_tensors", "kerasdbg._layer_sink",
-                 "kerasdbg._graph_functions", "kerasdbg._workers"]),
+                 "kerasdbg._graph_functions", "kerasdbg._workers", "kerasdbg._replica_checks"]),
     # what users hold: callbacks, layers and model tools
     ("shells", ["kerasdbg.layers", "kerasdbg.callbacks", "kerasdbg.trace",
                 "kerasdbg.tapping", "kerasdbg.multi_output_model", "kerasdbg.determinism",

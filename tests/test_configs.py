@@ -13,7 +13,7 @@ from kerasdbg.callbacks import (
 )
 from kerasdbg.rules import (
     AllZero, ClassImbalance, DeadReLU, ExplodingTensor, FreezeOnFault, LossNotDecreasing,
-    NaNSource, NonFiniteLoss, Overfit, Overtraining, PoorWeightInitialization, Rule,
+    NaNSource, NonFiniteLoss, Overfit, Overtraining, PoorWeightInitialization, ReplicaConsistency, Rule,
     SaturatedActivation, TensorVariance, UnchangedTensor, VanishingGradient, WeightUpdateRatio,
 )
 
@@ -55,6 +55,7 @@ RULES = [
     Overfit(patience=2, ratio_threshold=0.2),
     Overtraining(patience_train=3, patience_validation=4, delta=0.05),
     PoorWeightInitialization(threshold=5.0, distribution_range=0.01),
+    ReplicaConsistency(tolerance=1e-4, every_n_steps=7),
     SaturatedActivation(layer_fraction=0.7),
     TensorVariance(min_threshold=1e-6, max_threshold=1e6),
     UnchangedTensor(num_steps=5, rtol=1e-4, atol=1e-7),

@@ -16,7 +16,7 @@ from tests.helpers import reference_training
 from tests.multiworker import cluster
 
 SCENARIOS = ["plain_spe1", "instruments_spe1", "per_worker_spe1", "nan_on_one_shard_spe1",
-             "plain_spe4", "instruments_spe4"]
+             "replicas_drift_spe1", "plain_spe4", "instruments_spe4"]
 STEPS = 10  # 80 rows, global batch 8
 KERAS_SPE_ERROR = "You must feed a value for placeholder tensor"
 
@@ -30,6 +30,9 @@ def _workers(results, scenario):
     reports = results[scenario]
     for index, report in enumerate(reports):
         assert "error" not in report, f"worker {index}: {report.get('traceback', report)}"
+        # kerasdbg's own failures warn and training goes on: none is expected here.
+        failures = [w for w in report.get("warnings", []) if w.startswith("RuntimeWarning")]
+        assert not failures, f"worker {index}: {failures}"
     return reports
 
 
@@ -125,6 +128,30 @@ def test_a_nan_in_one_workers_shard_stops_every_worker_alike(results):
     _assert_weights(_weights(chief), reference[-1]["after"])
     _assert_weights(_weights(other), _weights(chief))
     assert other["printed"] == [] and len(chief["printed"]) == len(chief["verdicts"])
+
+
+def test_replicas_that_drift_apart_stop_every_worker_at_the_same_comparison(results):
+    chief, other = _workers(results, "replicas_drift_spe1")
+    # Each worker applies its own gradient from step 3 on; compared at 1, 2, 4.
+    assert chief["steps"] == other["steps"] == [4]
+    assert chief["verdicts"] == other["verdicts"]
+    (reason,) = chief["verdicts"]
+    assert "equal at the previous comparison, step 2" in reason
+    assert "hidden/kernel" in reason and "out/kernel" in reason
+    assert chief["stop_training"] and other["stop_training"]
+
+
+def test_healthy_workers_hold_the_same_weights_by_the_replica_rule(results):
+    chief, other = _workers(results, "instruments_spe1")
+    # The default rules compare the replicas across workers (at step 1 here) and stay quiet.
+    assert not [v for v in chief["verdicts"] + other["verdicts"] if "ReplicaConsistency" in v]
+    import kerasdbg
+
+    spreads = kerasdbg.load_run(chief["log_dir"]).scalars(r"replicas/.*/spread")
+    assert set(spreads["step"]) == {1}
+    assert sorted(spreads["tag"]) == [f"replicas/{p}/spread" for p in sorted(
+        ["hidden/kernel", "hidden/bias", "out/kernel", "out/bias"])]
+    assert (spreads["value"] == 0.0).all()
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(

@@ -12,6 +12,7 @@ import keras
 
 from kerasdbg import _capture
 from kerasdbg import _qualified
+from kerasdbg import _replica_checks
 from kerasdbg import _events
 from kerasdbg import _keras_internals as internals
 from kerasdbg import _layout
@@ -38,7 +39,8 @@ DEFAULT_SUSPEND = (
 )
 _SUSPENDED_HOOKS = ("on_train_batch_end", "on_epoch_end", "on_train_end")
 # The tags StopOnRule writes itself (the statistics callbacks write the rest).
-_OWN_PREFIXES = tuple(f"{c}/" for c in SCALAR_COLLECTIONS + (CLASSES, _tags.FAULTS))
+_OWN_PREFIXES = tuple(f"{c}/" for c in SCALAR_COLLECTIONS + (CLASSES, _tags.FAULTS,
+                                                                _tags.REPLICAS))
 
 
 class StopOnRule(keras.callbacks.Callback):
@@ -365,6 +367,10 @@ class StopOnRule(keras.callbacks.Callback):
         self._pending = {}
         self._done = False
         self._silent = []
+        self._replica_every = None
+        self._replica_step = None
+        self._batches = self._epoch_batches = 0
+        self._replicas = None
         self._loss_checked = False
         self.loss_source = None
         self._last_step = 0
@@ -372,11 +378,14 @@ class StopOnRule(keras.callbacks.Callback):
             self._last_step = int(internals.read(
                 internals.raw_iterations(self.model.optimizer)).numpy())
         rules = self.rules
+        replicas = self.model.distribute_strategy.num_replicas_in_sync
         if self.default_rules:
-            # The activation rules need taps; without them they are left out.
+            # The activation rules need taps, the replica rule several
+            # replicas; without them they are left out.
             taps = find_taps(self.model)
-            rules = [r for r in rules if taps or not any(
-                c == "activations" for c, _ in r.requires)]
+            rules = [r for r in rules if (taps or not any(
+                c == "activations" for c, _ in r.requires)) and (replicas > 1 or not any(
+                    c == _tags.REPLICAS for c, _ in r.requires))]
         self._runner = RuleRunner(self._fault_rules(rules))
         self._local_rules = self._rules_of_one_worker(rules)
         needs = self._needs(rules)
@@ -396,12 +405,23 @@ class StopOnRule(keras.callbacks.Callback):
                     for statistic in sorted(statistics):
                         self._refuse(collection, statistic,
                                      "activations need TapLayers (kerasdbg.insert_taps)")
+            elif collection == _tags.REPLICAS:
+                unknown = sorted(set(statistics) - {"spread"})
+                if unknown:
+                    self._refuse(collection, unknown[0], "replicas/<variable>/spread")
+                elif replicas < 2:
+                    self._refuse(collection, "spread", "replicas/ tags need a strategy with "
+                                 "several replicas")
+                else:
+                    self._replica_every = min(
+                        getattr(r, "every_n_steps", 1) for r in rules
+                        if any(c == _tags.REPLICAS for c, _ in r.requires))
             elif collection == "step":
                 pass  # step/loss, step/frozen and every scalar the train step returns
             elif collection != "epoch":
                 for statistic in sorted(statistics):
                     self._refuse(collection, statistic,
-                                 "gradients/, weights/, activations/, step/, epoch/ tags")
+                                 "gradients/, weights/, activations/, replicas/, step/, epoch/ tags")
         freeze = None
         if self.freeze_on_fault:
             freeze = _capture.Freeze(max_gradient_norm=self.max_gradient_norm)
@@ -530,7 +550,45 @@ class StopOnRule(keras.callbacks.Callback):
         _capture.engine_for(self.model).prepare()
 
     def on_train_batch_end(self, batch, logs=None):
+        self._check_replicas(batch)
         self._evaluate_pending()
+        self._batches = self._epoch_batches + batch + 1
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch_batches = self._batches
+
+    def _check_replicas(self, batch: int) -> None:
+        """At the first step and every `every_n_steps` of the replica rules:
+        each trainable weight's spread across replicas, into that step's
+        record. Every worker reaches here at the same batches (the gather
+        is a collective)."""
+        every = getattr(self, "_replica_every", None)
+        if every is None or self._done:
+            return
+        try:
+            # The optimizer's step; a train step that applies no optimizer
+            # (it assigns the weights itself) counts in batches.
+            step = max([int(internals.read(internals.raw_iterations(o)).numpy())
+                        for _, o in internals.find_optimizers(self.model)] + [0]) \
+                or self._epoch_batches + batch + 1
+            last = self._replica_step
+            self._replica_step = step
+            if step == last or (last is not None and step // every == last // every):
+                return
+            if self._replicas is None:  # variables exist after the first step
+                self._replicas = _replica_checks.checker(self.model)
+            spreads = self._replicas.spreads() if self._replicas is not None else {}
+        except Exception as error:  # noqa: BLE001 - training goes on
+            if self.strict:
+                raise
+            self._replica_every = None
+            warnings.warn(f"StopOnRule could not read its records: the replicas' weights "
+                          f"could not be compared, so ReplicaConsistency will not fire. "
+                          f"Cause: {type(error).__name__}: {error}", RuntimeWarning, stacklevel=3)
+            return
+        row = self._pending.setdefault(step, {})
+        row.update({_tags.statistic(_tags.REPLICAS, path, "spread"): value
+                    for path, value in spreads.items()})
 
     def on_epoch_end(self, epoch, logs=None):
         self._evaluate_pending()

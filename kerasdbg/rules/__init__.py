@@ -13,6 +13,7 @@ from kerasdbg.rules.loss_rules import NonFiniteLoss
 from kerasdbg.rules.loss_rules import Overfit
 from kerasdbg.rules.loss_rules import Overtraining
 from kerasdbg.rules.poor_weight_initialization import PoorWeightInitialization
+from kerasdbg.rules.replica_consistency import ReplicaConsistency
 from kerasdbg.rules.rule import Rule
 from kerasdbg.rules.rule import RuleFired
 from kerasdbg.rules.rule import RuleWarning
@@ -34,6 +35,7 @@ __all__ = (
     "Overfit",
     "Overtraining",
     "PoorWeightInitialization",
+    "ReplicaConsistency",
     "Rule",
     "RuleFired",
     "RuleWarning",

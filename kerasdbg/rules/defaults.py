@@ -9,6 +9,7 @@ from kerasdbg.rules.dead_relu import DeadReLU, SaturatedActivation
 from kerasdbg.rules.exploding_tensor import ExplodingTensor
 from kerasdbg.rules.faults import FreezeOnFault, NaNSource
 from kerasdbg.rules.loss_rules import NonFiniteLoss
+from kerasdbg.rules.replica_consistency import ReplicaConsistency
 from kerasdbg.rules.rule import Rule
 from kerasdbg.rules.unchanged_tensor import UnchangedTensor
 from kerasdbg.rules.vanishing_gradient import VanishingGradient
@@ -20,7 +21,8 @@ def default_rules() -> List[Rule]:
 
     `NonFiniteLoss`, `ExplodingTensor`, `VanishingGradient`, `AllZero`,
     `UnchangedTensor`, `WeightUpdateRatio`, for models with `TapLayer`s
-    `DeadReLU` and `SaturatedActivation`, and the reports of an in-graph
+    `DeadReLU` and `SaturatedActivation`, for models with several replicas
+    `ReplicaConsistency`, and the reports of an in-graph
     fault, `FreezeOnFault` and `NaNSource`. None of them fires on
     a healthy run of the standard models kerasdbg is tested on (see the
     README); the rules with thresholds a model must choose (`TensorVariance`,
@@ -29,8 +31,8 @@ def default_rules() -> List[Rule]:
     Examples:
         >>> from kerasdbg.rules import default_rules
         >>> [rule.name for rule in default_rules()]
-        ['NonFiniteLoss', 'ExplodingTensor', 'VanishingGradient', 'AllZero', 'UnchangedTensor', 'WeightUpdateRatio', 'DeadReLU', 'SaturatedActivation', 'FreezeOnFault', 'NaNSource']
+        ['NonFiniteLoss', 'ExplodingTensor', 'VanishingGradient', 'AllZero', 'UnchangedTensor', 'WeightUpdateRatio', 'DeadReLU', 'SaturatedActivation', 'ReplicaConsistency', 'FreezeOnFault', 'NaNSource']
     """
     return [NonFiniteLoss(), ExplodingTensor(), VanishingGradient(), AllZero(),
             UnchangedTensor(), WeightUpdateRatio(), DeadReLU(), SaturatedActivation(),
-            FreezeOnFault(), NaNSource()]
+            ReplicaConsistency(), FreezeOnFault(), NaNSource()]

@@ -23,7 +23,7 @@ STRATEGY = tf.distribute.MultiWorkerMirroredStrategy()
 import keras  # noqa: E402  (after the strategy: collectives first)
 
 import kerasdbg  # noqa: E402
-from tests.helpers import BATCH, LEARNING_RATE, X, Y  # noqa: E402
+from tests.helpers import BATCH, LEARNING_RATE, X, Y, PerReplicaUpdates  # noqa: E402
 
 TASK = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
 OUT = sys.argv[1]
@@ -116,6 +116,7 @@ def instruments(spe, name):
     return dict(result, initial=initial, gradients=_frame(gradients.history),
                 weights=_frame(weights.history), activations=_frame(activations.history),
                 verdicts=[v.reason for v in stop.verdicts], pid=os.getpid(),
+                log_dir=log_dir,
                 files=_files(log_dir))
 
 
@@ -147,7 +148,27 @@ def nan_on_one_shard(spe, name):
                 stop_training=bool(model.stop_training))
 
 
+def replicas_drift(spe, name):
+    """A train step that applies each worker's own gradient: the replica
+    rule must stop both workers at the same comparison."""
+    with STRATEGY.scope():
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((6,))
+        hidden = keras.layers.Dense(5, activation="relu", name="hidden")(inputs)
+        model = PerReplicaUpdates(inputs, keras.layers.Dense(3, name="out")(hidden))
+        model.broken_from = 3
+        model.steps_done = keras.Variable(0, dtype="int32", trainable=False,
+                                          aggregation="only_first_replica")
+        model.compile(keras.optimizers.SGD(LEARNING_RATE), "mse", steps_per_execution=spe)
+    stop = kerasdbg.callbacks.StopOnRule(
+        [kerasdbg.rules.ReplicaConsistency(every_n_steps=2)], log_dir=os.path.join(OUT, name))
+    result = _fit(model, [stop])
+    return dict(result, verdicts=[v.reason for v in stop.verdicts],
+                steps=[v.step for v in stop.verdicts], stop_training=bool(model.stop_training))
+
+
 SCENARIOS = {
+    "replicas_drift_spe1": lambda: replicas_drift(1, "replicas_drift_spe1"),
     "plain_spe1": lambda: plain(1),
     "instruments_spe1": lambda: instruments(1, "instruments_spe1"),
     "per_worker_spe1": lambda: per_worker_output(1, "per_worker_spe1"),
