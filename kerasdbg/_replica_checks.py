@@ -32,12 +32,13 @@ class ReplicaChecksums:
         self.strategy = model.distribute_strategy
         variables = [v for v in model.trainable_variables if internals.is_float(v)]
         paths = unique_paths(variables)
-        copies = [self.strategy.experimental_local_results(internals.read_handle(v))
-                  for v in variables]
+        handles = [internals.read_handle(v) for v in variables]
+        copies = [self.strategy.experimental_local_results(h) for h in handles]
         local = max((len(c) for c in copies), default=0)
-        # Only mirrored variables: one made outside the strategy's scope has
-        # one copy, which nothing can disagree with.
-        kept = [i for i, c in enumerate(copies) if len(c) == local and local > 1]
+        # Only mirrored variables (a worker may hold one copy of each): one
+        # made outside the strategy's scope has one copy in the cluster.
+        kept = [i for i, (h, c) in enumerate(zip(handles, copies))
+                if isinstance(h, tf.distribute.DistributedValues) and len(c) == local]
         self.paths: List[str] = [paths[i] for i in kept]
         copies = [copies[i] for i in kept]
 
