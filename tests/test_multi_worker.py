@@ -16,7 +16,7 @@ from tests.helpers import reference_training
 from tests.multiworker import cluster
 
 SCENARIOS = ["plain_spe1", "instruments_spe1", "per_worker_spe1", "nan_on_one_shard_spe1",
-             "replicas_drift_spe1", "plain_spe4", "instruments_spe4"]
+             "replicas_drift_spe1", "evaluate_predict_spe1", "plain_spe4", "instruments_spe4"]
 STEPS = 10  # 80 rows, global batch 8
 KERAS_SPE_ERROR = "You must feed a value for placeholder tensor"
 
@@ -128,6 +128,28 @@ def test_a_nan_in_one_workers_shard_stops_every_worker_alike(results):
     _assert_weights(_weights(chief), reference[-1]["after"])
     _assert_weights(_weights(other), _weights(chief))
     assert other["printed"] == [] and len(chief["printed"]) == len(chief["verdicts"])
+
+
+def _forward(weights, x):
+    hidden = np.maximum(x @ weights[0] + weights[1], 0.0)
+    return hidden @ weights[2] + weights[3]
+
+
+def test_evaluate_predict_and_validation_through_the_fix(results):
+    from tests.helpers import X, Y
+
+    chief, other = _workers(results, "evaluate_predict_spe1")
+    first = reference_training(_weights(chief, "initial"), STEPS)[-1]["after"]
+    second = reference_training(first, STEPS)[-1]["after"]
+    _assert_weights(_weights(chief, "after_second"), second)
+    expected = _forward(second, X)
+    for report in (chief, other):
+        # The model after the second fit: evaluate over every row, predict in order.
+        assert report["evaluated"] == pytest.approx(float(np.mean((expected - Y) ** 2)), rel=1e-5)
+        np.testing.assert_allclose(np.array(report["predicted"]), expected, rtol=1e-4, atol=1e-5)
+    # validation_data: Keras's validation of the second fit, the same on both workers.
+    assert chief["validation"] == other["validation"]
+    assert chief["validation"]["val_loss"][0] == pytest.approx(chief["evaluated"], rel=1e-5)
 
 
 def test_replicas_that_drift_apart_stop_every_worker_at_the_same_comparison(results):

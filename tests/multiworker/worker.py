@@ -120,6 +120,19 @@ def instruments(spe, name):
                 files=_files(log_dir))
 
 
+def evaluate_and_predict(spe):
+    """evaluate, predict and validation_data through the fixed trainer."""
+    model = _compiled(spe=spe)
+    initial = _trainable(model)
+    result = _fit(model, [kerasdbg.callbacks.GradientStatistics(every_n_steps=1)],
+                  data=_data(), epochs=1)
+    validation = model.fit(_data(), epochs=1, verbose=0, validation_data=_data()).history
+    return dict(result, initial=initial, after_second=_trainable(model),
+                evaluated=float(model.evaluate(_data(), verbose=0)),
+                predicted=model.predict(_data(), verbose=0).tolist(),
+                validation=validation)
+
+
 def per_worker_output(spe, name):
     log_dir = os.path.join(OUT, name)
     kerasdbg.compat.set_worker_output("per_worker")
@@ -169,6 +182,7 @@ def replicas_drift(spe, name):
 
 SCENARIOS = {
     "replicas_drift_spe1": lambda: replicas_drift(1, "replicas_drift_spe1"),
+    "evaluate_predict_spe1": lambda: evaluate_and_predict(1),
     "plain_spe1": lambda: plain(1),
     "instruments_spe1": lambda: instruments(1, "instruments_spe1"),
     "per_worker_spe1": lambda: per_worker_output(1, "per_worker_spe1"),
