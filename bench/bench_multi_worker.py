@@ -1,13 +1,12 @@
 """What kerasdbg adds under MultiWorkerMirroredStrategy: collectives per step
 and step time, on two worker processes of this machine.
 
-    python bench/bench_multi_worker.py [--rounds 7] [--epochs-steps 30]
+    python bench/bench_multi_worker.py [--rounds 7] [--steps 40]
 
 Starts two workers (TF_CONFIG on 127.0.0.1, one replica each) that train the
 tutorial CNN of the demo with `kerasdbg.compat.fix_multi_worker_fit()`, once
 per configuration, interleaved: every round fits each configuration for one
-epoch, and a configuration's step time is its epoch time over its steps. The
-step time is the median time between batch ends from the 4th step of
+epoch of `--steps` steps. The step time is the median time between batch ends from the 4th step of
 a fit on (the steady step); the ratios are to plain `fit` in the same round,
 with their median (and range) over the rounds, the first round left out.
 The first step of each fit is reported apart: kerasdbg's callbacks install
@@ -19,7 +18,7 @@ configuration's first fit (the ops `Collective*` of every function that fit
 registered, with one replica per worker one op per collective), with the
 bytes of their static input shapes; those kerasdbg adds are the difference
 to plain `fit`. Host-side gathers (the replica comparison, NaN localisation)
-are counted by wrapping `strategy.gather` during the timed fits.
+are counted by wrapping `kerasdbg._buffers.gather_workers` during the timed fits.
 """
 
 from __future__ import annotations
@@ -179,7 +178,10 @@ def worker(out, rounds, steps):
             steps_taken = np.diff(clock.ends)
             times[name].append(float(np.median(steps_taken[3:])))
             first[name].append(float(steps_taken[0]))
-            host[name] = dict(gathers)
+            host.setdefault(name, {"count": 0, "bytes": 0, "fits": 0})
+            host[name]["count"] += gathers["count"]
+            host[name]["bytes"] += gathers["bytes"]
+            host[name]["fits"] += 1
     if task == 0:
         with open(os.path.join(out, "worker_0.json"), "w") as handle:
             json.dump({"collectives": found, "times": times, "first": first,
@@ -225,7 +227,7 @@ def report(result) -> str:
              f"{result['batch']}, {result['steps']} steps per fit, 2 workers x 1 replica, "
              f"{len(result['times']['plain'])} rounds (the first left out)", "",
              f"| configuration | collectives per step | added by kerasdbg | bytes added per step "
-             f"| host gathers per fit | steady step-time ratio to plain, median (range) "
+             f"| host gathers per fit (mean), bytes each | steady step-time ratio to plain, median (range) "
              f"| first step of a fit, s |",
              "|---|---|---|---|---|---|---|"]
     times = result["times"]
@@ -238,7 +240,8 @@ def report(result) -> str:
         gather = result["host_gathers"].get(name, {})
         lines.append(
             f"| {name} | {len(ops)} | {len(added)} ({shapes}) | {nbytes} | "
-            f"{gather.get('count', 0)} ({gather.get('bytes', 0)} bytes) | "
+            f"{gather.get('count', 0) / max(gather.get('fits', 1), 1):.2f}, "
+            f"{gather.get('bytes', 0) // max(gather.get('count', 1), 1)} | "
             f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) | "
             f"{statistics.median(result['first'][name][1:]):.2f} |")
     plain_ms = statistics.median(times["plain"][1:]) * 1e3

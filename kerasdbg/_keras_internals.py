@@ -678,7 +678,8 @@ def fix_multi_worker_fit() -> None:
         # Averaged over replicas element by element, as Keras does on one
         # worker (`tf.reduce_mean(local_results, axis=0)`), for any shape.
         return tf.nest.map_structure(
-            lambda value: strategy.reduce("MEAN", value, axis=None), values)
+            lambda value: value if value is None else strategy.reduce("MEAN", value, axis=None),
+            values)
 
     _multi_worker_originals["_maybe_symbolic_build"] = original_build
     _multi_worker_originals["reduce_per_replica"] = original_reduce

@@ -2,7 +2,7 @@
 `ReplicaConsistency` (read by `StopOnRule` every few steps).
 
 Each copy's checksums (sum and sum of squares, in float64) are computed on
-the device that holds it, by one function traced once per model, so two
+the device that holds it, by one function traced once per fit, so two
 numbers per variable and replica reach the host; under several workers one
 gather brings every worker's to each. Nothing runs inside the train step.
 """
@@ -54,15 +54,37 @@ class ReplicaChecksums:
                 rows.append(tf.stack(sums))
             return tf.stack(rows)
 
+        self._local = local
         self._checksums = tf.function(checksums, autograph=False) if copies else None
 
     def spreads(self) -> Dict[str, float]:
         """`{variable path: spread}`: the largest relative difference of a
         replica's checksums from replica 0's (0 where they are equal, NaN
-        included; inf where only some copies are not finite)."""
+        included; inf where only some copies are not finite).
+
+        Under several workers every worker takes part in the gather even
+        when its own checksums failed (it sends a failure flag), so that all
+        of them raise together instead of one leaving the others waiting.
+
+        Raises:
+            RuntimeError: this worker's or another's checksums failed.
+        """
         if self._checksums is None:
             return {}
-        sums = _buffers.gather_workers(self._checksums().numpy(), self.strategy)
+        count = len(self.paths)
+        try:
+            local, failure = self._checksums().numpy(), None
+            flags = np.zeros((self._local, 1))
+        except Exception as error:  # noqa: BLE001 - said to every worker below
+            local, failure = np.full((self._local, count, 2), np.nan), error
+            flags = np.ones((self._local, 1))
+        payload = np.concatenate([local.reshape(self._local, -1), flags], axis=1)
+        gathered = _buffers.gather_workers(payload, self.strategy)
+        if failure is not None:
+            raise RuntimeError(f"{type(failure).__name__}: {failure}") from failure
+        if gathered[:, -1].any():
+            raise RuntimeError("another worker could not compute its replicas' checksums")
+        sums = gathered[:, :-1].reshape(len(gathered), count, 2)
         return dict(zip(self.paths, spreads(sums).tolist()))
 
 

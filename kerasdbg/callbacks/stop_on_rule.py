@@ -369,6 +369,7 @@ class StopOnRule(keras.callbacks.Callback):
         self._silent = []
         self._replica_every = None
         self._replica_step = None
+        self._iterations = self._start_iterations = None
         self._batches = self._epoch_batches = 0
         self._replicas = None
         self._loss_checked = False
@@ -548,6 +549,15 @@ class StopOnRule(keras.callbacks.Callback):
     # ------------------------------------------------------ evaluation
     def on_train_batch_begin(self, batch, logs=None):
         _capture.engine_for(self.model).prepare()
+        if getattr(self, "_replica_every", None) and self._start_iterations is None:
+            # Where the optimizers' steps stand before this fit's first step.
+            try:
+                self._iterations = [internals.raw_iterations(o)
+                                    for _, o in internals.find_optimizers(self.model)]
+                self._start_iterations = max(
+                    [int(internals.read(v).numpy()) for v in self._iterations] + [0])
+            except Exception:  # noqa: BLE001 - an optimizer not built yet: from 0
+                self._iterations, self._start_iterations = None, 0
 
     def on_train_batch_end(self, batch, logs=None):
         self._check_replicas(batch)
@@ -566,11 +576,15 @@ class StopOnRule(keras.callbacks.Callback):
         if every is None or self._done:
             return
         try:
-            # The optimizer's step; a train step that applies no optimizer
-            # (it assigns the weights itself) counts in batches.
-            step = max([int(internals.read(internals.raw_iterations(o)).numpy())
-                        for _, o in internals.find_optimizers(self.model)] + [0]) \
-                or self._epoch_batches + batch + 1
+            if self._iterations is None:
+                self._iterations = [internals.raw_iterations(o)
+                                    for _, o in internals.find_optimizers(self.model)]
+            # The optimizer's step once it moved in this fit; a train step
+            # that applies no optimizer (it assigns the weights itself)
+            # counts in batches.
+            moved = max([int(internals.read(v).numpy()) for v in self._iterations] + [0])
+            step = moved if moved > (self._start_iterations or 0) \
+                else self._epoch_batches + batch + 1
             last = self._replica_step
             self._replica_step = step
             if step == last or (last is not None and step // every == last // every):

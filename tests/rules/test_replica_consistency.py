@@ -115,7 +115,7 @@ def test_a_train_step_applying_per_replica_gradients_is_caught_at_the_first_step
     # No optimizer applies this step: the steps are counted in batches.
     assert verdict.step == 1 and model.stop_training
     expected = _copies_spread(model)  # stopped after step 1: the copies compared then
-    assert set(verdict.tensors) == {p for p, s in expected.items() if s > 1e-6}
+    assert set(verdict.tensors) == {p for p, s in expected.items() if s > 1e-4}
     for path in verdict.tensors:
         assert verdict.values[path] == pytest.approx(expected[path], rel=1e-9), path
     # The same verdict offline, from what StopOnRule wrote.
@@ -138,3 +138,28 @@ def test_asked_for_with_one_replica_it_says_it_will_not_fire():
     with pytest.warns(RuntimeWarning, match="ReplicaConsistency reads replicas/<name>/spread.*"
                                             "will not fire.*several replicas"):
         model.fit(X, Y, batch_size=8, epochs=1, verbose=0, callbacks=[stop])
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["warns", "strict"])
+def test_checksums_that_fail_warn_once_and_training_goes_on(monkeypatch, strict):
+    built = _replica_checks.ReplicaChecksums.__init__
+
+    def failing(self, model):
+        built(self, model)
+
+        def checksums():
+            raise tf.errors.ResourceExhaustedError(None, None, "out of memory (simulated)")
+        self._checksums = checksums
+
+    monkeypatch.setattr(_replica_checks.ReplicaChecksums, "__init__", failing)
+    model = _model(make_strategy("mirrored"))
+    stop = StopOnRule([ReplicaConsistency(every_n_steps=2)], verbose=False, strict=strict)
+    if strict:
+        with pytest.raises(RuntimeError, match="out of memory"):
+            model.fit(X, Y, batch_size=8, epochs=1, verbose=0, callbacks=[stop])
+        return
+    with pytest.warns(RuntimeWarning, match="replicas' weights could not be compared.*"
+                                            "out of memory") as caught:
+        history = model.fit(X, Y, batch_size=8, epochs=2, verbose=0, callbacks=[stop])
+    assert len(history.history["loss"]) == 2 and stop.verdicts == []
+    assert len([w for w in caught if "could not be compared" in str(w.message)]) == 1
