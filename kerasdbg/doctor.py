@@ -9,6 +9,7 @@ import keras
 import tensorflow as tf
 
 from kerasdbg import _keras_internals as internals
+from kerasdbg import _workers
 from kerasdbg import _validation as check
 
 SEVERITIES = ("error", "warning", "info")
@@ -235,8 +236,10 @@ def _strategy_findings(strategy, model, tpu: bool, replicas: int) -> List[Findin
     compiled = model is not None and getattr(model, "compiled", False)
     spe = int(getattr(model, "steps_per_execution", 1) or 1) if compiled else None
     jit = getattr(model, "jit_compile", None) if compiled else None
-    multi_worker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
-    # Not under MultiWorkerMirroredStrategy, where Keras fails spe > 1 (below).
+    # MultiWorkerMirroredStrategy on several workers (on one, Keras's fit works);
+    # there Keras fails spe > 1, so spe 1 is not a finding either.
+    multi_worker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) \
+        and _workers.of(strategy) is not None
     if compiled and spe == 1 and (tpu or replicas > 1) and not multi_worker:
         found.append(Finding(
             "warning", "steps_per_execution",

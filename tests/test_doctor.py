@@ -161,20 +161,15 @@ def test_keras_mirrored_combinations():
     assert "Keras: MirroredStrategy + jit_compile" not in _checks(model=_model(jit=True))
 
 
-def test_keras_multi_worker_and_parameter_server():
-    """In a separate process: creating these strategies configures collectives for good."""
+def test_keras_multi_worker_on_one_worker_and_parameter_server():
+    """In a separate process: creating these strategies configures collectives for good.
+    On one worker Keras's fit works under MultiWorkerMirroredStrategy: no finding
+    (several workers: tests/test_multi_worker.py)."""
     code = (
         "import tensorflow as tf\n"
         "from kerasdbg.doctor import doctor\n"
-        "import keras, kerasdbg\n"
         "mw = tf.distribute.MultiWorkerMirroredStrategy()\n"
         "print([f.check for f in doctor(strategy=mw, verbose=False)])\n"
-        "kerasdbg.compat.fix_multi_worker_fit()\n"
-        "print([f.check for f in doctor(strategy=mw, verbose=False)])\n"
-        "with mw.scope():\n"
-        "    m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])\n"
-        "    m.compile('sgd', 'mse', steps_per_execution=4)\n"
-        "print([f.check for f in doctor(model=m, strategy=mw, verbose=False)])\n"
         "ps = tf.distribute.experimental.ParameterServerStrategy.__new__(\n"
         "    tf.distribute.experimental.ParameterServerStrategy)\n"
         "found = doctor(strategy=ps, verbose=False)\n"
@@ -183,10 +178,8 @@ def test_keras_multi_worker_and_parameter_server():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=300, check=True)
     lines = result.stdout.strip().splitlines()
-    assert lines[0] == "['Keras: MultiWorkerMirroredStrategy']"
-    assert lines[1] == "[]"  # fixed
-    assert lines[2].startswith("['Keras: MultiWorkerMirroredStrategy + steps_per_execution'")
-    assert lines[3] == ("['Keras: ParameterServerStrategy'] Keras 3 fit does not support it "
+    assert lines[0] == "[]"
+    assert lines[1] == ("['Keras: ParameterServerStrategy'] Keras 3 fit does not support it "
                         "(its trainer has no ClusterCoordinator)")
 
 

@@ -16,7 +16,7 @@ from tests.helpers import reference_training
 from tests.multiworker import cluster
 
 SCENARIOS = ["plain_spe1", "instruments_spe1", "per_worker_spe1", "nan_on_one_shard_spe1",
-             "replicas_drift_spe1", "evaluate_predict_spe1", "plain_spe4", "instruments_spe4"]
+             "replicas_drift_spe1", "evaluate_predict_spe1", "doctor", "plain_spe4", "instruments_spe4"]
 STEPS = 10  # 80 rows, global batch 8
 KERAS_SPE_ERROR = "You must feed a value for placeholder tensor"
 
@@ -150,6 +150,14 @@ def test_evaluate_predict_and_validation_through_the_fix(results):
     # validation_data: Keras's validation of the second fit, the same on both workers.
     assert chief["validation"] == other["validation"]
     assert chief["validation"]["val_loss"][0] == pytest.approx(chief["evaluated"], rel=1e-5)
+
+
+def test_the_doctor_names_the_fix_and_steps_per_execution(results):
+    for report in _workers(results, "doctor"):
+        assert ["Keras: MultiWorkerMirroredStrategy"] == [c for c, _ in report["unfixed"]]
+        assert "kerasdbg.compat.fix_multi_worker_fit()" in report["unfixed"][0][1]
+        assert "Keras: MultiWorkerMirroredStrategy + steps_per_execution" in report["fixed"]
+        assert "Keras: MultiWorkerMirroredStrategy" not in report["fixed"]
 
 
 def test_replicas_that_drift_apart_stop_every_worker_at_the_same_comparison(results):

@@ -133,6 +133,22 @@ def evaluate_and_predict(spe):
                 validation=validation)
 
 
+def doctor_findings():
+    """What `kerasdbg.doctor` says on a worker, without the fix and with it."""
+    from kerasdbg import _keras_internals
+
+    with STRATEGY.scope():
+        model = _model()
+        model.compile("sgd", "mse", steps_per_execution=4)
+    _keras_internals.undo_multi_worker_fit()
+    try:
+        unfixed = [(f.check, f.fix) for f in kerasdbg.doctor(strategy=STRATEGY, verbose=False)]
+    finally:
+        kerasdbg.compat.fix_multi_worker_fit()
+    fixed = [f.check for f in kerasdbg.doctor(model=model, strategy=STRATEGY, verbose=False)]
+    return {"unfixed": unfixed, "fixed": fixed}
+
+
 def per_worker_output(spe, name):
     log_dir = os.path.join(OUT, name)
     kerasdbg.compat.set_worker_output("per_worker")
@@ -183,6 +199,7 @@ def replicas_drift(spe, name):
 SCENARIOS = {
     "replicas_drift_spe1": lambda: replicas_drift(1, "replicas_drift_spe1"),
     "evaluate_predict_spe1": lambda: evaluate_and_predict(1),
+    "doctor": doctor_findings,
     "plain_spe1": lambda: plain(1),
     "instruments_spe1": lambda: instruments(1, "instruments_spe1"),
     "per_worker_spe1": lambda: per_worker_output(1, "per_worker_spe1"),
