@@ -74,7 +74,7 @@ def writes(strategy, owner: Optional[str] = None) -> bool:
     if worker is None or worker.chief or _output["mode"] == "per_worker":
         return True
     if owner is not None:
-        directory("", strategy, owner)  # the one warning
+        _say_silent(worker, owner)
     return False
 
 
@@ -87,14 +87,20 @@ def directory(path: str, strategy, owner: str) -> Optional[str]:
         return path
     if _output["mode"] == "per_worker":
         return os.path.join(path, worker.label)
-    if (worker.label, owner) not in _told:
-        _told.add((worker.label, owner))
-        warnings.warn(
-            f"kerasdbg: {owner} on {worker.label} of {worker.count} writes nothing; the chief "
-            "writes the records of the whole cluster. Use "
-            "kerasdbg.compat.set_worker_output('per_worker') to have every worker write its own.",
-            UserWarning, stacklevel=3)
+    _say_silent(worker, owner)
     return None
+
+
+def _say_silent(worker: Worker, owner: str) -> None:
+    """Once per process and owner: this worker writes nothing, and why."""
+    if (worker.label, owner) in _told:
+        return
+    _told.add((worker.label, owner))
+    warnings.warn(
+        f"kerasdbg: {owner} on {worker.label} of {worker.count} writes nothing; the chief "
+        "writes the records of the whole cluster. Use "
+        "kerasdbg.compat.set_worker_output('per_worker') to have every worker write its own.",
+        UserWarning, stacklevel=4)
 
 
 def file_path(path: str, strategy, owner: str) -> Optional[str]:

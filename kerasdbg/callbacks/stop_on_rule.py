@@ -552,10 +552,7 @@ class StopOnRule(keras.callbacks.Callback):
         if getattr(self, "_replica_every", None) and self._start_iterations is None:
             # Where the optimizers' steps stand before this fit's first step.
             try:
-                self._iterations = [internals.raw_iterations(o)
-                                    for _, o in internals.find_optimizers(self.model)]
-                self._start_iterations = max(
-                    [int(internals.read(v).numpy()) for v in self._iterations] + [0])
+                self._start_iterations = self._optimizer_step()
             except Exception:  # noqa: BLE001 - an optimizer not built yet: from 0
                 self._iterations, self._start_iterations = None, 0
 
@@ -567,6 +564,14 @@ class StopOnRule(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch_batches = self._batches
 
+    def _optimizer_step(self) -> int:
+        """The furthest step of the model's optimizers (0 without one); their
+        step variables are looked up once per fit."""
+        if self._iterations is None:
+            self._iterations = [internals.raw_iterations(o)
+                                for _, o in internals.find_optimizers(self.model)]
+        return max([int(internals.read(v).numpy()) for v in self._iterations] + [0])
+
     def _check_replicas(self, batch: int) -> None:
         """At the first step and every `every_n_steps` of the replica rules:
         each trainable weight's spread across replicas, into that step's
@@ -576,13 +581,10 @@ class StopOnRule(keras.callbacks.Callback):
         if every is None or self._done:
             return
         try:
-            if self._iterations is None:
-                self._iterations = [internals.raw_iterations(o)
-                                    for _, o in internals.find_optimizers(self.model)]
             # The optimizer's step once it moved in this fit; a train step
             # that applies no optimizer (it assigns the weights itself)
             # counts in batches.
-            moved = max([int(internals.read(v).numpy()) for v in self._iterations] + [0])
+            moved = self._optimizer_step()
             step = moved if moved > (self._start_iterations or 0) \
                 else self._epoch_batches + batch + 1
             last = self._replica_step
