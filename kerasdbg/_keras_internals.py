@@ -577,11 +577,16 @@ def dataset_batch_size(dataset):
 # `strategy.reduce("MEAN", ..., axis=None)`, which the collective reduce cannot
 # convert, and `reduce_per_replica` reduces the scalar logs with
 # `strategy.reduce("MEAN", v, axis=0)` ("Invalid reduction dimension 0").
+# With steps_per_execution > 1 its loop runs each step inside a `tf.cond`
+# within the `tf.while_loop`, where collective all-reduces fail ("You must
+# feed a value for placeholder tensor", keras-team/keras#19246): under every
+# MultiWorkerMirroredStrategy and under MirroredStrategy's default reduction.
 MULTI_WORKER_ISSUE = "https://github.com/keras-team/keras/issues/20585"
 _MULTI_WORKER_BUGS = {
     # what the code of each function contains while it has the bug, without blanks
     "_maybe_symbolic_build": 'distribute_strategy.reduce("MEAN",maybe_distributed_data_batch',
     "reduce_per_replica": 'strategy.reduce("MEAN",v,axis=0)',
+    "_make_function": "next_optional_outputs=tf.cond(",
 }
 _multi_worker_originals: dict = {}
 
@@ -597,7 +602,8 @@ def _multi_worker_targets():
     replaces; KerasInternalsError when Keras no longer has them."""
     module = _tensorflow_trainer_module()
     targets = {"_maybe_symbolic_build": module.TensorFlowTrainer,
-               "reduce_per_replica": module}
+               "reduce_per_replica": module,
+               "_make_function": module.TensorFlowTrainer}
     found = {}
     for name, owner in targets.items():
         function = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
@@ -609,13 +615,16 @@ def _multi_worker_targets():
     return found
 
 
-def multi_worker_fit_is_broken() -> bool:
+def multi_worker_fit_is_broken(names=None) -> bool:
     """Whether this Keras's TensorFlow trainer has the code of
-    keras-team/keras#20585 (read from its source, fixed or not)."""
+    keras-team/keras#20585 or #19246 (read from its source, fixed or not);
+    `names` limits the check to some of `_MULTI_WORKER_BUGS`."""
     import inspect
 
     broken = False
     for name, (_, function) in _multi_worker_targets().items():
+        if names is not None and name not in names:
+            continue
         original = _multi_worker_originals.get(name, function)
         try:
             source = "".join(inspect.getsource(original).split())
@@ -642,6 +651,73 @@ def _first_local_values(structure, strategy):
     return tf.nest.map_structure(local, structure)
 
 
+def all_reduces_collectively(strategy) -> bool:
+    """Whether the strategy's gradient all-reduce is a collective op: every
+    multi-worker strategy, and a MirroredStrategy over several devices made
+    without `cross_device_ops` or with `CollectiveAllReduce`."""
+    if _is_multi_worker(strategy):
+        return True
+    if not isinstance(strategy, tf.distribute.MirroredStrategy) or strategy.num_replicas_in_sync < 2:
+        return False
+    chosen = cross_device_ops(strategy)
+    return chosen is None or "Collective" in type(chosen).__name__
+
+
+def _steps_loop(trainer, step_function):
+    """Keras's train or test function for `steps_per_execution > 1`, with the
+    same steps on the same batches, but each step run by the `tf.while_loop`
+    itself instead of by a `tf.cond` in its body (the loop's condition
+    already says a batch is there). Steps run one per iteration:
+    `unrolled_steps_per_execution` is not used."""
+    module = _tensorflow_trainer_module()
+    strategy = trainer.distribute_strategy
+
+    @tf.autograph.experimental.do_not_convert
+    def one_step_on_data(data):
+        outputs = strategy.run(step_function, args=(data,))
+        return module.reduce_per_replica(outputs, strategy, reduction="auto")
+
+    one_step_on_data = tf.function(one_step_on_data, reduce_retracing=True,
+                                   jit_compile=trainer.jit_compile)
+    one_step_on_data = trainer._autoconvert_optionals(one_step_on_data)
+    steps = trainer.steps_per_execution
+
+    @tf.autograph.experimental.do_not_convert
+    def multi_step_on_iterator(iterator):
+        outputs = tf.experimental.Optional.empty(None)  # its spec is set while tracing the body
+
+        def more(step, optional_outputs, next_inputs):
+            return tf.logical_and(tf.less(step, steps), next_inputs.has_value())
+
+        def body(step, optional_outputs, next_inputs):
+            step_outputs = tf.experimental.Optional.from_value(one_step_on_data(next_inputs.get_value()))
+            outputs._element_spec = step_outputs.element_spec
+            # The next batch only when another step is due, as Keras does.
+            next_inputs = tf.cond(tf.less(step + 1, steps),
+                                  iterator.get_next_as_optional, lambda: next_inputs)
+            return step + 1, step_outputs, next_inputs
+
+        _, final_outputs, _ = tf.while_loop(
+            more, body, loop_vars=[tf.constant(0), outputs, iterator.get_next_as_optional()])
+        final_outputs._element_spec = outputs.element_spec
+        return final_outputs
+
+    multi_step_on_iterator = tf.function(multi_step_on_iterator, reduce_retracing=True)
+
+    def function(iterator):
+        if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+            optional_outputs = multi_step_on_iterator(iterator)
+            if not optional_outputs.has_value():
+                raise StopIteration
+            return optional_outputs.get_value()
+        outputs = None
+        for _, data in zip(range(steps), iterator):
+            outputs = one_step_on_data(data)
+        return outputs
+
+    return function
+
+
 def fix_multi_worker_fit() -> None:
     """Replaces the two functions of keras-team/keras#20585 by ones that
     behave as Keras intends under MultiWorkerMirroredStrategy with several
@@ -651,13 +727,16 @@ def fix_multi_worker_fit() -> None:
       first batch (the build needs shapes only: every worker builds the
       same variables, and their values come from the strategy's broadcast);
     - the logs are averaged over all replicas element by element
-      (`axis=None`), as `reduce_per_replica` does on one worker.
+      (`axis=None`), as `reduce_per_replica` does on one worker;
+    - with `steps_per_execution > 1` and a collective all-reduce, the steps
+      run in a loop without a `tf.cond` around each (`_steps_loop`).
     """
     if _multi_worker_originals:
         return
     targets = _multi_worker_targets()
     build_owner, original_build = targets["_maybe_symbolic_build"]
     reduce_owner, original_reduce = targets["reduce_per_replica"]
+    function_owner, original_function = targets["_make_function"]
 
     @functools.wraps(original_build)
     def symbolic_build(self, iterator=None, data_batch=None):
@@ -681,10 +760,19 @@ def fix_multi_worker_fit() -> None:
             lambda value: value if value is None else strategy.reduce("MEAN", value, axis=None),
             values)
 
+    @functools.wraps(original_function)
+    def make_function(self, step_function):
+        if (self.steps_per_execution > 1 and not self.run_eagerly
+                and all_reduces_collectively(self.distribute_strategy)):
+            return _steps_loop(self, step_function)
+        return original_function(self, step_function)
+
     _multi_worker_originals["_maybe_symbolic_build"] = original_build
     _multi_worker_originals["reduce_per_replica"] = original_reduce
+    _multi_worker_originals["_make_function"] = original_function
     type.__setattr__(build_owner, "_maybe_symbolic_build", symbolic_build)
     setattr(reduce_owner, "reduce_per_replica", reduce_per_replica)
+    type.__setattr__(function_owner, "_make_function", make_function)
 
 
 def undo_multi_worker_fit() -> None:
@@ -695,3 +783,5 @@ def undo_multi_worker_fit() -> None:
     type.__setattr__(module.TensorFlowTrainer, "_maybe_symbolic_build",
                      _multi_worker_originals.pop("_maybe_symbolic_build"))
     module.reduce_per_replica = _multi_worker_originals.pop("reduce_per_replica")
+    type.__setattr__(module.TensorFlowTrainer, "_make_function",
+                     _multi_worker_originals.pop("_make_function"))

@@ -80,12 +80,14 @@ class LayerSink:
 
     def flush(self, fit_step=None) -> None:
         """Flushes every layer; `fit_step` is `(iterations variable, value)` after a train call."""
+        layers = []
         for ref in list(self._layers):
             layer = ref()
             if layer is None:
                 self._layers.remove(ref)
             else:
-                layer.flush_unless_idle(fit_step)
+                layers.append(layer)
+        flush_layers(layers, fit_step)
 
     def hook(self, context: internals.StepContext) -> None:
         model = context.model
@@ -111,6 +113,63 @@ class LayerSink:
 
         flushing._kerasdbg_flushes = True
         return flushing
+
+
+def flush_layers(layers, fit_step=None) -> None:
+    """`flush_unless_idle(fit_step)` of every layer in `layers`, those whose
+    records are the cluster's (`DebugLayer.across_workers`) together, in one
+    gather across workers. Under several workers every worker must call it
+    at the same point with the same layers (the kerasdbg callbacks and the
+    model's sink do, after each execution)."""
+    together = []
+    for layer in layers:
+        if layer.across_workers() is None:
+            layer.flush_unless_idle(fit_step)
+        elif fit_step is None or not layer._nothing_selected_since(*fit_step):
+            together.append(layer)
+    if together:
+        _flush_across_workers(together)
+
+
+def _flush_across_workers(layers) -> None:
+    """Hands every layer the new records of all the cluster's replicas: each
+    worker's copies of every layer's ring buffer, in one `gather_workers`
+    (one row per local replica: the buffers flattened, then a failure flag,
+    so a worker that cannot read still joins and every worker fails alike)."""
+    import numpy as np
+
+    from kerasdbg import _buffers
+
+    strategy = layers[0]._buffers.rows.distribute_strategy
+    shapes = [tuple(layer._buffers.rows.shape) for layer in layers]
+    sizes = [int(np.prod(shape)) for shape in shapes]
+    local_replicas = len(strategy.extended.worker_devices)
+    packed = np.zeros((local_replicas, sum(sizes) + 1))
+    failure = None
+    try:
+        copies = [_buffers.read_replicas(layer._buffers.rows) for layer in layers]
+        for replica in range(local_replicas):
+            packed[replica, :-1] = np.concatenate(
+                [np.ravel(layer_copies[replica]) for layer_copies in copies])
+    except Exception as error:  # noqa: BLE001 - said by every layer below
+        failure = error
+        packed[:, -1] = 1.0
+    try:
+        cluster = _buffers.gather_workers(packed, strategy)
+    except Exception as error:  # noqa: BLE001 - the host side must not stop fit
+        for layer in layers:
+            layer._fail(error)
+        return
+    if cluster[:, -1].any():
+        failure = failure or RuntimeError("another worker could not read its buffers")
+        for layer in layers:
+            layer._fail(failure)
+        return
+    start = 0
+    for layer, shape, size in zip(layers, shapes, sizes):
+        tables = [row[start:start + size].reshape(shape) for row in cluster]
+        start += size
+        layer._deliver(lambda layer=layer, tables=tables: layer._records(tables, 0))
 
 
 def current_fit_step(model):

@@ -3,9 +3,11 @@ several machines.
 
 `fix_multi_worker_fit()` makes Keras 3's `fit` work under
 `tf.distribute.MultiWorkerMirroredStrategy` on two or more workers, which it
-does not by itself (keras-team/keras#20585, open upstream): it replaces two
-functions of Keras's TensorFlow trainer, is idempotent, undone by
-`undo_multi_worker_fit()`, and changes nothing under any other strategy.
+does not by itself (keras-team/keras#20585, open upstream), and with
+`steps_per_execution > 1` under a collective all-reduce
+(keras-team/keras#19246): it replaces three functions of Keras's TensorFlow
+trainer, is idempotent, undone by `undo_multi_worker_fit()`, and changes
+nothing under any other strategy.
 
 `set_worker_output()` chooses which workers write kerasdbg's records: only
 the chief (the default), or each worker under its own directory.
@@ -19,7 +21,10 @@ from kerasdbg import _validation as check
 from kerasdbg import _workers
 
 UPSTREAM_ISSUE = "https://github.com/keras-team/keras/issues/20585"
-"""The Keras issue that `fix_multi_worker_fit` works around."""
+"""The Keras issue of multi-worker `fit` that `fix_multi_worker_fit` works around."""
+
+LOOP_ISSUE = "https://github.com/keras-team/keras/issues/19246"
+"""The Keras issue of `steps_per_execution > 1` under a collective all-reduce."""
 
 
 def fix_multi_worker_fit() -> bool:
@@ -32,17 +37,23 @@ def fix_multi_worker_fit() -> bool:
     and it averages the scalar logs along an axis they do not have ("Invalid
     reduction dimension 0 for input with 0 dimensions"). The fix builds from
     the first local batch (the build needs shapes only) and averages the
-    logs over all replicas, as Keras does on one worker. Training is
-    unchanged: two workers reach the weights of one process trained on the
-    same global batches. Under every other strategy, and with one worker,
-    Keras's own code runs.
+    logs over all replicas, as Keras does on one worker.
+
+    With `steps_per_execution > 1`, Keras runs each step inside a `tf.cond`
+    within its `tf.while_loop`, where a collective all-reduce fails ("You
+    must feed a value for placeholder tensor", keras-team/keras#19246): under
+    this strategy, and under `MirroredStrategy` with its default
+    `cross_device_ops`. The fix runs the same steps on the same batches in a
+    loop whose own condition says a batch is there, without the `tf.cond`
+    (and without `unrolled_steps_per_execution`, a speed setting).
+
+    Training is unchanged: two workers reach the weights of one process
+    trained on the same global batches, at every `steps_per_execution`.
+    Under every other strategy, and with one worker, Keras's own code runs.
 
     Call it once, before `fit`, on every worker. Calling it again changes
     nothing; `undo_multi_worker_fit()` puts Keras's code back. On a Keras
-    whose `fit` does not have the bug, it changes nothing and warns so.
-    `steps_per_execution > 1` is not fixed: under this strategy Keras fails
-    there with "You must feed a value for placeholder tensor"
-    (keras-team/keras#19246).
+    whose `fit` has neither bug, it changes nothing and warns so.
 
     Returns:
         Whether the fix is in place after the call.
@@ -66,7 +77,7 @@ def fix_multi_worker_fit() -> bool:
 
         warnings.warn(
             f"kerasdbg.compat.fix_multi_worker_fit: Keras {keras.__version__}'s fit does not have "
-            f"the multi-worker bug ({UPSTREAM_ISSUE}); nothing was changed.",
+            f"the multi-worker bugs ({UPSTREAM_ISSUE}, {LOOP_ISSUE}); nothing was changed.",
             UserWarning, stacklevel=2)
         return False
     internals.fix_multi_worker_fit()

@@ -223,9 +223,11 @@ def _layers(model):
     return [((), layer) for layer in getattr(model, "_flatten_layers", lambda: [])()]
 
 
-def _multi_worker_fit_fails() -> bool:
+def _keras_fails(names=None) -> bool:
+    """Whether Keras's trainer has the code that fails (all of
+    `_MULTI_WORKER_BUGS`, or `names`) and `fix_multi_worker_fit` is not in place."""
     try:
-        return internals.multi_worker_fit_is_broken() and not internals.multi_worker_fit_fixed()
+        return internals.multi_worker_fit_is_broken(names) and not internals.multi_worker_fit_fixed()
     except internals.KerasInternalsError:  # a Keras that moved the code: unknown
         return False
 
@@ -236,47 +238,42 @@ def _strategy_findings(strategy, model, tpu: bool, replicas: int) -> List[Findin
     compiled = model is not None and getattr(model, "compiled", False)
     spe = int(getattr(model, "steps_per_execution", 1) or 1) if compiled else None
     jit = getattr(model, "jit_compile", None) if compiled else None
-    # MultiWorkerMirroredStrategy on several workers (on one, Keras's fit works);
-    # there Keras fails spe > 1, so spe 1 is not a finding either.
+    # MultiWorkerMirroredStrategy on several workers (on one, Keras's fit works).
     multi_worker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) \
         and _workers.of(strategy) is not None
-    if compiled and spe == 1 and (tpu or replicas > 1) and not multi_worker:
+    collective = multi_worker or (replicas > 1 and internals.all_reduces_collectively(strategy))
+    # Under a collective all-reduce, Keras fails steps_per_execution > 1 unless fixed.
+    loop_fails = collective and _keras_fails(["_make_function"])
+    if compiled and spe == 1 and (tpu or replicas > 1) and not (multi_worker and _keras_fails()):
         found.append(Finding(
             "warning", "steps_per_execution",
             f"steps_per_execution is 1 under {name} ({replicas} replica(s))",
             "each step then returns to Python: on a TPU or several replicas the host round trip "
             "dominates small steps",
             "compile with `steps_per_execution=32` (or more), after the workarounds below"))
-    if isinstance(strategy, tf.distribute.MirroredStrategy) and replicas > 1:
-        ops = internals.cross_device_ops(strategy)
-        collective = ops is None or "Collective" in type(ops).__name__
-        if compiled and spe and spe > 1 and collective:
-            found.append(Finding(
-                "error", "Keras: MirroredStrategy + steps_per_execution",
-                f"MirroredStrategy with the default collective all-reduce and "
-                f"steps_per_execution={spe}",
-                f"Keras 3 fit fails with: {MIRRORED_SPE_ERROR}",
-                "create the strategy with `cross_device_ops=tf.distribute.ReductionToOneDevice()`, "
-                "or keep steps_per_execution=1"))
-        if jit is True:
-            found.append(Finding(
-                "error", "Keras: MirroredStrategy + jit_compile",
-                "MirroredStrategy with jit_compile=True",
-                f"Keras 3 fit fails with: {MIRRORED_JIT_ERROR}",
-                "compile with `jit_compile=False` under MirroredStrategy"))
-    if multi_worker and _multi_worker_fit_fails():
+    if compiled and spe and spe > 1 and loop_fails:
+        kind = "MultiWorkerMirroredStrategy" if multi_worker else "MirroredStrategy"
+        found.append(Finding(
+            "error", f"Keras: {kind} + steps_per_execution",
+            f"{kind} with the collective all-reduce and steps_per_execution={spe}",
+            f"Keras 3 fit fails with: {MIRRORED_SPE_ERROR}",
+            "call `kerasdbg.compat.fix_multi_worker_fit()` before `fit` (it runs the steps "
+            "without the failing `tf.cond`)"
+            + ("" if multi_worker else ", or create the strategy with "
+               "`cross_device_ops=tf.distribute.ReductionToOneDevice()`")))
+    if isinstance(strategy, tf.distribute.MirroredStrategy) and replicas > 1 and jit is True:
+        found.append(Finding(
+            "error", "Keras: MirroredStrategy + jit_compile",
+            "MirroredStrategy with jit_compile=True",
+            f"Keras 3 fit fails with: {MIRRORED_JIT_ERROR}",
+            "compile with `jit_compile=False` under MirroredStrategy"))
+    if multi_worker and _keras_fails(["_maybe_symbolic_build", "reduce_per_replica"]):
         found.append(Finding(
             "error", "Keras: MultiWorkerMirroredStrategy",
             "MultiWorkerMirroredStrategy with Keras 3 fit",
             f"Keras 3 fit fails on two or more workers with: {MULTI_WORKER_ERROR} "
             f"({internals.MULTI_WORKER_ISSUE})",
             "call `kerasdbg.compat.fix_multi_worker_fit()` on every worker before `fit`"))
-    if multi_worker and compiled and spe > 1:
-        found.append(Finding(
-            "error", "Keras: MultiWorkerMirroredStrategy + steps_per_execution",
-            f"MultiWorkerMirroredStrategy with steps_per_execution={spe}",
-            f"Keras 3 fit fails with: {MIRRORED_SPE_ERROR}",
-            "keep steps_per_execution=1 under this strategy"))
     if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
         found.append(Finding(
             "error", "Keras: ParameterServerStrategy", "ParameterServerStrategy with Keras 3 fit",
@@ -327,10 +324,12 @@ def doctor(
       a shuffle after an expensive map;
     - a loss with the SUM_OVER_BATCH_SIZE reduction used in a custom loop
       (pass it as `loss`) under several replicas;
-    - the strategy combinations Keras 3 fit fails on (MirroredStrategy with
-      steps_per_execution > 1 and the collective all-reduce; MirroredStrategy
-      with jit_compile; MultiWorkerMirroredStrategy; ParameterServerStrategy),
-      each with the error Keras raises.
+    - the strategy combinations Keras 3 fit fails on (steps_per_execution > 1
+      with the collective all-reduce of MirroredStrategy or
+      MultiWorkerMirroredStrategy, and MultiWorkerMirroredStrategy itself,
+      unless `kerasdbg.compat.fix_multi_worker_fit()` is in place;
+      MirroredStrategy with jit_compile; ParameterServerStrategy), each with
+      the error Keras raises.
 
     Args:
         model: the model, compiled for its `steps_per_execution` and

@@ -155,6 +155,15 @@ def test_keras_mirrored_combinations():
                                         "feature width"]
     assert "You must feed a value for placeholder tensor" in found[0].why
     assert "ReductionToOneDevice" in found[0].fix
+    assert "kerasdbg.compat.fix_multi_worker_fit()" in found[0].fix
+    # With the fix in place Keras's fit runs there: no finding.
+    from kerasdbg import _keras_internals
+
+    _keras_internals.fix_multi_worker_fit()
+    try:
+        assert [f.check for f in doctor(model=model, verbose=False)] == ["feature width"]
+    finally:
+        _keras_internals.undo_multi_worker_fit()
     found = doctor(model=_model(strategy="mirrored", spe=2, jit=True), verbose=False)
     assert [f.check for f in found] == ["Keras: MirroredStrategy + jit_compile"]
     assert "Trying to access resource" in found[0].why

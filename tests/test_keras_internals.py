@@ -205,10 +205,12 @@ def test_the_multi_worker_fix_is_idempotent_undoable_and_changes_nothing_on_one_
 
     build = trainer.TensorFlowTrainer.__dict__["_maybe_symbolic_build"]
     reduce = trainer.reduce_per_replica
+    make = trainer.TensorFlowTrainer.__dict__["_make_function"]
     try:
         assert kerasdbg.compat.fix_multi_worker_fit() is True
         replaced = trainer.TensorFlowTrainer.__dict__["_maybe_symbolic_build"]
         assert replaced is not build and trainer.reduce_per_replica is not reduce
+        assert trainer.TensorFlowTrainer.__dict__["_make_function"] is not make
         assert kerasdbg.compat.fix_multi_worker_fit() is True  # idempotent
         assert trainer.TensorFlowTrainer.__dict__["_maybe_symbolic_build"] is replaced
         # The bug is still read from Keras's own code while the fix is in place.
@@ -230,10 +232,62 @@ def test_the_multi_worker_fix_is_idempotent_undoable_and_changes_nothing_on_one_
         assert trained[0][1] == trained[1][1]
         assert trainer.TensorFlowTrainer.__dict__["_maybe_symbolic_build"] is build
         assert trainer.reduce_per_replica is reduce
+        assert trainer.TensorFlowTrainer.__dict__["_make_function"] is make
         kerasdbg.compat.undo_multi_worker_fit()  # nothing to undo: no error
     finally:
         internals.undo_multi_worker_fit()
     assert not [w for w in recwarn if "kerasdbg" in str(w.message)]
+
+
+def test_the_fix_runs_steps_per_execution_under_the_collective_all_reduce(recwarn):
+    """Keras fails MirroredStrategy's default (collective) all-reduce with
+    steps_per_execution > 1 (keras-team/keras#19246, tests/test_engine.py);
+    with the fix, the same training as the reference, partial last execution
+    included (10 steps in executions of 4, 4 and 2), with kerasdbg's
+    statistics equal to the reference's gradients."""
+    from kerasdbg.callbacks import GradientStatistics
+    from tests.helpers import BATCH, LEARNING_RATE, X, Y, reference_training
+
+    internals.fix_multi_worker_fit()
+    try:
+        strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+        assert internals.all_reduces_collectively(strategy)
+        with strategy.scope():
+            model = make_mlp()
+            model.compile(keras.optimizers.SGD(LEARNING_RATE), "mse", steps_per_execution=4)
+        initial = model.get_weights()
+        statistics = GradientStatistics(every_n_steps=1)
+        history = model.fit(X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                            callbacks=[statistics])
+    finally:
+        internals.undo_multi_worker_fit()
+    reference = reference_training(initial, len(X) // BATCH)
+    assert int(model.optimizer.iterations.numpy()) == len(reference)
+    for actual, expected in zip(model.get_weights(), reference[-1]["after"]):
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
+    assert history.history["loss"][0] == pytest.approx(np.mean([r["loss"] for r in reference]),
+                                                       rel=1e-5)
+    frame = statistics.history
+    assert frame["step"].tolist() == list(range(1, len(reference) + 1))
+    np.testing.assert_allclose(
+        frame["sequential/hidden/kernel/l2_norm"], [np.linalg.norm(r["grads"][0]) for r in reference],
+        rtol=1e-5)
+    assert not [w for w in recwarn if "kerasdbg" in str(w.message)]
+
+
+@pytest.mark.parametrize("name, collective", [
+    ("default", False), ("one_device", False), ("mirrored", False), ("mirrored_collective", True),
+    ("mirrored_one_device", False)])
+def test_the_fix_replaces_keras_steps_loop_only_under_a_collective_all_reduce(name, collective):
+    strategies = {
+        "default": lambda: tf.distribute.get_strategy(),
+        "one_device": lambda: tf.distribute.OneDeviceStrategy("CPU:0"),
+        "mirrored": lambda: tf.distribute.MirroredStrategy(
+            ["CPU:0", "CPU:1"], cross_device_ops=tf.distribute.ReductionToOneDevice()),
+        "mirrored_collective": lambda: tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"]),
+        "mirrored_one_device": lambda: tf.distribute.MirroredStrategy(["CPU:0"]),
+    }
+    assert internals.all_reduces_collectively(strategies[name]()) is collective
 
 
 def test_the_multi_worker_fix_says_so_where_keras_has_no_bug(monkeypatch):
@@ -241,7 +295,8 @@ def test_the_multi_worker_fix_says_so_where_keras_has_no_bug(monkeypatch):
 
     monkeypatch.setitem(internals._MULTI_WORKER_BUGS, "_maybe_symbolic_build", "not in the code")
     monkeypatch.setitem(internals._MULTI_WORKER_BUGS, "reduce_per_replica", "not in the code")
-    with pytest.warns(UserWarning, match=r"does not have the multi-worker bug .*20585.*nothing"):
+    monkeypatch.setitem(internals._MULTI_WORKER_BUGS, "_make_function", "not in the code")
+    with pytest.warns(UserWarning, match=r"does not have the multi-worker bugs .*20585.*19246.*nothing"):
         assert kerasdbg.compat.fix_multi_worker_fit() is False
     assert not internals.multi_worker_fit_fixed()
 

@@ -164,8 +164,7 @@ class ActivationStatistics(RecordingCallback):
             self._writer.flush()
 
     def _flush(self, fit_step=None):
-        for tap in self._taps:
-            tap.flush_unless_idle(fit_step)
+        _layer_sink.flush_layers(self._taps, fit_step)
 
     # ----------------------------------------------------------- records
     def _consume(self, tap: TapLayer, rows) -> None:

@@ -17,6 +17,7 @@ from kerasdbg import _events
 from kerasdbg import _keras_internals as internals
 from kerasdbg import _layout
 from kerasdbg import _validation as check
+from kerasdbg import _layer_sink
 from kerasdbg import _workers
 from kerasdbg import schedule as schedule_lib
 from kerasdbg import stats as stats_lib
@@ -388,7 +389,6 @@ class StopOnRule(keras.callbacks.Callback):
                 c == "activations" for c, _ in r.requires)) and (replicas > 1 or not any(
                     c == _tags.REPLICAS for c, _ in r.requires))]
         self._runner = RuleRunner(self._fault_rules(rules))
-        self._local_rules = self._rules_of_one_worker(rules)
         needs = self._needs(rules)
         requests = []
         for collection, statistics in needs.items():
@@ -543,8 +543,7 @@ class StopOnRule(keras.callbacks.Callback):
 
     def _gather(self) -> None:
         _capture.engine_for(self.model).collect()
-        for tap in self._taps:
-            tap.flush()
+        _layer_sink.flush_layers(self._taps)
 
     # ------------------------------------------------------ evaluation
     def on_train_batch_begin(self, batch, logs=None):
@@ -676,14 +675,6 @@ class StopOnRule(keras.callbacks.Callback):
                 print(f"kerasdbg: {verdict.reason}", file=sys.stdout, flush=True)
         # Information (zero by construction) is recorded and printed, never acted on.
         verdicts = [v for v in verdicts if v.severity == "fault"]
-        if getattr(self, "_local_rules", None):
-            # Judged on this worker's batch alone: acting could stop one worker
-            # while the others wait for it in the next all-reduce.
-            for verdict in verdicts:
-                if verdict.rule in self._local_rules:
-                    warnings.warn(f"{verdict.reason} (on this worker's batch only: not acted on "
-                                  "under several workers)", RuleWarning, stacklevel=3)
-            verdicts = [v for v in verdicts if v.rule not in self._local_rules]
         if not verdicts:
             return
         engine = _capture.engine_for(self.model)
@@ -705,20 +696,6 @@ class StopOnRule(keras.callbacks.Callback):
             raise RuleFired(verdicts)
         self.model.stop_training = True
         self._suspend_others()
-
-    def _rules_of_one_worker(self, rules) -> set:
-        """Under several workers, the names of the rules that read what one
-        worker alone sees (its taps' activations), said once; else empty."""
-        if _workers.of(getattr(self.model, "distribute_strategy", None)) is None \
-                or self.action == "warn":
-            return set()
-        local = {r.name for r in rules if any(c == "activations" for c, _ in r.requires)}
-        if local:
-            warnings.warn(
-                f"StopOnRule: under several workers, {', '.join(sorted(local))} judge each "
-                "worker's own activations, so their verdicts only warn: acting on one worker "
-                "alone would leave the others waiting for it.", RuleWarning, stacklevel=3)
-        return local
 
     def _suspend_others(self) -> None:
         callbacks = internals.running_callbacks(self.model)

@@ -25,7 +25,7 @@ for itself, so a step is never counted once per replica (a counter with
 from __future__ import annotations
 
 import warnings
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import keras
 import numpy as np
@@ -152,6 +152,11 @@ class DebugLayer(keras.layers.Layer):
 
     kerasdbg_debug_layer = True
     """Marks kerasdbg's debug layers for the replays (`_replay.is_debug_layer`)."""
+
+    follows_chief = False
+    """Whether, under several workers, every worker reads the records of the
+    whole cluster (the same ones everywhere, so rules on them decide alike)
+    instead of its own replicas' (`_layer_sink.flush_layers`)."""
 
     def __init__(
         self,
@@ -360,10 +365,24 @@ class DebugLayer(keras.layers.Layer):
         after each eager call; call it yourself after steps of your own
         `tf.function`.
         """
-        if self._buffers is None:
+        if self._buffers is None or self.across_workers() is not None:
+            # Under several workers such a layer's records arrive only
+            # through `_layer_sink.flush_layers` (a collective), in step on
+            # every worker.
             return
+        self._deliver(self._read)
+
+    def across_workers(self):
+        """The worker this process is (`_workers.Worker`) when this layer's
+        records are the cluster's, read on every worker alike
+        (`follows_chief` under several workers), else None."""
+        if not self.follows_chief or self._buffers is None:
+            return None
+        return _workers.of(getattr(self._buffers.rows, "distribute_strategy", None))
+
+    def _deliver(self, read: Callable[[], List[LayerRecord]]) -> None:
         try:
-            records = self._read()
+            records = read()
             if records:
                 self._consume(records)
         except Exception as error:  # noqa: BLE001 - the host side must not stop fit
@@ -385,6 +404,12 @@ class DebugLayer(keras.layers.Layer):
         # replica follows those of the workers before it.
         worker = _workers.of(getattr(buffers.rows, "distribute_strategy", None))
         offset = worker.position * len(tables) if worker is not None else 0
+        return self._records(tables, offset)
+
+    def _records(self, tables: List[np.ndarray], offset: int = 0) -> List[LayerRecord]:
+        """The new records of `tables` (the buffers of consecutive replicas,
+        the first one being replica `offset`), in call order."""
+        buffers = self._buffers
         if self.replicas == "first":
             tables = tables[:1]
         if len(self._host.last_id) < len(tables):

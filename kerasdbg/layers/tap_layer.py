@@ -56,7 +56,12 @@ class TapLayer(DebugLayer):
     slice of the batch by default; `replicas="all"` records every replica and
     `latest`/`history` then aggregate them (means and fractions weighted by
     size, std pooled, min/max/counts over all; histograms and sample rows stay
-    replica 0's).
+    replica 0's). Under several workers (`MultiWorkerMirroredStrategy`) every
+    worker reads the records of the cluster's replicas (replica 0 is the
+    chief's first), gathered after each execution in one host collective for
+    all taps of the model, so every worker holds the same records and the
+    rules on them decide alike; `flush()` then does nothing, since a read on
+    one worker alone would leave the others behind.
 
     Records of `fit` go to `history` and `latest` and to every
     `ActivationStatistics` callback on the model; those of `evaluate`,
@@ -107,6 +112,8 @@ class TapLayer(DebugLayer):
         >>> tap.latest
         {'step': 1, 'mode': 'call', 'mean': 1.5, 'max': 4.0, 'dead_fraction': 0.5}
     """
+
+    follows_chief = True
 
     def __init__(
         self,

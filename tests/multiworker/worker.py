@@ -143,10 +143,12 @@ def doctor_findings():
     _keras_internals.undo_multi_worker_fit()
     try:
         unfixed = [(f.check, f.fix) for f in kerasdbg.doctor(strategy=STRATEGY, verbose=False)]
+        unfixed_spe4 = [f.check for f in kerasdbg.doctor(model=model, strategy=STRATEGY,
+                                                         verbose=False)]
     finally:
         kerasdbg.compat.fix_multi_worker_fit()
     fixed = [f.check for f in kerasdbg.doctor(model=model, strategy=STRATEGY, verbose=False)]
-    return {"unfixed": unfixed, "fixed": fixed}
+    return {"unfixed": unfixed, "unfixed_spe4": unfixed_spe4, "fixed": fixed}
 
 
 def per_worker_output(spe, name):
@@ -177,6 +179,31 @@ def nan_on_one_shard(spe, name):
                 stop_training=bool(model.stop_training))
 
 
+def dead_relu(spe, name):
+    """A ReLU layer three of whose five units never fire (a bias of -50):
+    the taps' records are the cluster's, so DeadReLU stops every worker at
+    one step."""
+    def bias(shape, dtype=None):
+        return tf.constant([-50.0, -50.0, -50.0, 0.0, 0.0], dtype=dtype)
+
+    with STRATEGY.scope():
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((6,))
+        hidden = keras.layers.Dense(5, activation="relu", name="hidden",
+                                    bias_initializer=bias)(inputs)
+        tapped = kerasdbg.layers.TapLayer(activation="relu", min_examples=8,
+                                          name="hidden_tap")(hidden)
+        model = keras.Model(inputs, keras.layers.Dense(3, name="out")(tapped))
+        model.compile(keras.optimizers.SGD(LEARNING_RATE), "mse", steps_per_execution=spe)
+    stop = kerasdbg.callbacks.StopOnRule(log_dir=os.path.join(OUT, name))
+    activations = kerasdbg.callbacks.ActivationStatistics()
+    result = _fit(model, [activations, stop])
+    return dict(result, verdicts=[v.reason for v in stop.verdicts],
+                steps=[v.step for v in stop.verdicts], stop_training=bool(model.stop_training),
+                iterations=int(model.optimizer.iterations.numpy()),
+                activations=_frame(activations.history))
+
+
 def replicas_drift(spe, name):
     """A train step that applies each worker's own gradient: the replica
     rule must stop both workers at the same comparison."""
@@ -204,9 +231,13 @@ SCENARIOS = {
     "instruments_spe1": lambda: instruments(1, "instruments_spe1"),
     "per_worker_spe1": lambda: per_worker_output(1, "per_worker_spe1"),
     "nan_on_one_shard_spe1": lambda: nan_on_one_shard(1, "nan_on_one_shard_spe1"),
-    # Keras fails here; last, in case the failure leaves the collectives unusable.
     "plain_spe4": lambda: plain(4),
     "instruments_spe4": lambda: instruments(4, "instruments_spe4"),
+    "nan_on_one_shard_spe4": lambda: nan_on_one_shard(4, "nan_on_one_shard_spe4"),
+    "replicas_drift_spe4": lambda: replicas_drift(4, "replicas_drift_spe4"),
+    "evaluate_predict_spe4": lambda: evaluate_and_predict(4),
+    "dead_relu_spe1": lambda: dead_relu(1, "dead_relu_spe1"),
+    "dead_relu_spe4": lambda: dead_relu(4, "dead_relu_spe4"),
 }
 
 
