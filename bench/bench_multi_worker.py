@@ -1,13 +1,14 @@
 """What kerasdbg adds under MultiWorkerMirroredStrategy: collectives per step
 and step time, on two worker processes of this machine.
 
-    python bench/bench_multi_worker.py [--rounds 7] [--steps 40]
+    python bench/bench_multi_worker.py [--rounds 7] [--steps 40] [--spe 1]
 
 Starts two workers (TF_CONFIG on 127.0.0.1, one replica each) that train the
 tutorial CNN of the demo with `kerasdbg.compat.fix_multi_worker_fit()`, once
 per configuration, interleaved: every round fits each configuration for one
 epoch of `--steps` steps. The step time is the median time between batch ends from the 4th step of
-a fit on (the steady step); the ratios are to plain `fit` in the same round,
+a fit on (the steady step; with `--spe` N > 1, between the ends of executions from the second
+on, divided by N); the ratios are to plain `fit` in the same round,
 with their median (and range) over the rounds, the first round left out.
 The first step of each fit is reported apart: kerasdbg's callbacks install
 their capture for the fit and remove it after, so each `fit` with them
@@ -62,7 +63,7 @@ def launch(args) -> dict:
                                          "task": {"type": "worker", "index": index}}))
         processes.append(subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--worker", out,
-             "--rounds", str(args.rounds), "--steps", str(args.steps)],
+             "--rounds", str(args.rounds), "--steps", str(args.steps), "--spe", str(args.spe)],
             env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []
     try:
@@ -80,7 +81,7 @@ def launch(args) -> dict:
 
 
 # ------------------------------------------------------------ one worker
-def worker(out, rounds, steps):
+def worker(out, rounds, steps, spe):
     import numpy as np
     import tensorflow as tf
 
@@ -106,7 +107,8 @@ def worker(out, rounds, steps):
             model = make_model()
             if name in ("taps", "all"):
                 model = kerasdbg.insert_taps(model)
-            model.compile(keras.optimizers.SGD(0.01), "sparse_categorical_crossentropy")
+            model.compile(keras.optimizers.SGD(0.01), "sparse_categorical_crossentropy",
+                          steps_per_execution=spe)
         log_dir = os.path.join(logs, name)
         callbacks = []
         if name in ("gradients", "all"):
@@ -176,7 +178,7 @@ def worker(out, rounds, steps):
             gathers.update(count=0, bytes=0)
             model.fit(data, epochs=1, verbose=0, callbacks=callbacks + [clock])
             steps_taken = np.diff(clock.ends)
-            times[name].append(float(np.median(steps_taken[3:])))
+            times[name].append(float(np.median(steps_taken[3 if spe == 1 else 1:])) / spe)
             first[name].append(float(steps_taken[0]))
             host.setdefault(name, {"count": 0, "bytes": 0, "fits": 0})
             host[name]["count"] += gathers["count"]
@@ -186,7 +188,7 @@ def worker(out, rounds, steps):
         with open(os.path.join(out, "worker_0.json"), "w") as handle:
             json.dump({"collectives": found, "times": times, "first": first,
                        "host_gathers": host,
-                       "steps": steps, "batch": batch,
+                       "steps": steps, "batch": batch, "spe": spe,
                        "parameters": int(sum(np.prod(v.shape) for v in models["plain"][0].trainable_variables))},
                       handle)
 
@@ -224,11 +226,12 @@ def added_by_kerasdbg(ops, plain):
 def report(result) -> str:
     plain = step_collectives(result["collectives"]["plain"])
     lines = [f"CNN of the demo, {result['parameters']} parameters, global batch "
-             f"{result['batch']}, {result['steps']} steps per fit, 2 workers x 1 replica, "
+             f"{result['batch']}, {result['steps']} steps per fit, steps_per_execution "
+             f"{result['spe']}, 2 workers x 1 replica, "
              f"{len(result['times']['plain'])} rounds (the first left out)", "",
              f"| configuration | collectives per step | added by kerasdbg | bytes added per step "
              f"| host gathers per fit (mean), bytes each | steady step-time ratio to plain, median (range) "
-             f"| first step of a fit, s |",
+             f"| first execution of a fit, s |",
              "|---|---|---|---|---|---|---|"]
     times = result["times"]
     for name in CONFIGS:
@@ -254,9 +257,11 @@ def main():
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, default=7, help="at least 2 (the first is left out)")
     parser.add_argument("--steps", type=int, default=40, help="steps per fit, at least 5")
+    parser.add_argument("--spe", type=int, default=1,
+                        help="steps_per_execution (with N > 1, --steps at least 3 N)")
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.rounds, args.steps)
+        worker(args.worker, args.rounds, args.steps, args.spe)
         return
     print(report(launch(args)))
 

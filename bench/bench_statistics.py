@@ -35,10 +35,13 @@ mean step time of the plain fits right before and after it (a shared
 machine's speed drifts by 10-20% over minutes; the neighbours cancel most
 of it), and its extra trace seconds over theirs.
 
-`--memory` measures instead the peak resident memory (RSS) of a process that
+`--memory` measures instead the resident memory (RSS) of a process that
 builds the model and runs one `fit` per configuration given, each in a fresh
-process, and prints each one's peak minus plain's, in MB and in copies of the
-model's weights.
+process, and prints each one's minus plain's, in MB and in copies of the
+model's weights: the peak of the whole process; the TensorFlow variables the
+fit created (counted from the variables: the state kerasdbg keeps); the
+resident memory before the first step; its peak after the first step (the
+trace and the first execution); and the resident memory at the end.
 
 Usage:
     python bench/bench_statistics.py                       # everything
@@ -186,8 +189,57 @@ def report(model_name, spe, results, configs):
               f" {np.median(extra):14.2f}")
 
 
+class _MemoryProbe(keras.callbacks.Callback):
+    """Resident memory (VmRSS) and its peak so far (VmHWM), in MB, before
+    the first step (after every callback's `on_train_begin`), after it (the
+    trace and the first execution) and at the end of the fit."""
+
+    def __init__(self):
+        super().__init__()
+        self.phases = {}
+
+    @staticmethod
+    def _read():
+        found = {}
+        with open("/proc/self/status") as status:
+            for line in status:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    found[key] = int(value.split()[0]) / 1024
+        return found
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.phases.setdefault("before_first_step", self._read())
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.phases.setdefault("after_first_step", self._read())
+
+    def on_train_end(self, logs=None):
+        self.phases["end"] = self._read()
+
+
+def _variable_megabytes():
+    """The bytes of every TensorFlow variable alive in the process, in MB
+    (counted from the variables themselves, not from the process's memory)."""
+    import gc
+
+    import tensorflow as tf
+
+    seen, total = set(), 0
+    for thing in gc.get_objects():
+        if isinstance(thing, tf.Variable) and id(thing) not in seen:
+            seen.add(id(thing))
+            if thing.shape.is_fully_defined():
+                total += thing.shape.num_elements() * thing.dtype.size
+    return total / 2**20
+
+
 def peak_memory(model_name, config, steps):
-    """Runs one fit in this process; prints the peak RSS (MB) and the weights' size (MB)."""
+    """Runs one fit in this process; prints, as JSON, the memory of each
+    phase (`_MemoryProbe`), the variables created by the fit (MB) and the
+    weights' size (MB)."""
+    import json
+
     keras.utils.set_random_seed(0)
     model, shape, batch = _model(model_name)
     model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -195,25 +247,50 @@ def peak_memory(model_name, config, steps):
     y = np.random.default_rng(1).integers(0, 10, batch * steps)
     fitted = kerasdbg.insert_taps(model, tap=TapLayer(every_n_steps=TAP_EVERY)) if (
         config.startswith("taps")) else model
+    probe = _MemoryProbe()
+    variables_before = _variable_megabytes()
     with tempfile.TemporaryDirectory() as log_dir:
+        callbacks = _callbacks(config, log_dir)
         fitted.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
-                   callbacks=_callbacks(config, log_dir))
+                   callbacks=callbacks + [probe])
+        # While the callbacks are alive: the variables they keep.
+        variables = _variable_megabytes() - variables_before
     weights = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables) / 2**20
-    print(f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.1f} {weights:.1f}")
+    print(json.dumps({"phases": probe.phases, "variables": variables, "weights": weights,
+                      "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 
 def memory(model_name, configs, steps):
-    peaks = {}
+    import json
+
+    found = {}
     for config in configs:
         out = subprocess.run([sys.executable, __file__, "--peak-memory", model_name, config,
                               str(steps)], capture_output=True, text=True, check=True)
-        peak, weights = map(float, out.stdout.split()[-2:])
-        peaks[config] = peak
-    print(f"\n{model_name}: peak RSS of one fit of {steps} steps; weights {weights:.1f} MB")
+        found[config] = json.loads(out.stdout.strip().splitlines()[-1])
+    weights = found["plain"]["weights"]
+    plain = found["plain"]
+    print(f"\n{model_name}: memory of one fit of {steps} steps, in MB; weights {weights:.1f} MB. "
+          "Each column is the configuration's value minus plain's (in weight copies).")
+    print(f"  {'configuration':16s} {'peak':>15s} {'variables':>15s} {'before step 1':>15s} "
+          f"{'peak at step 1':>15s} {'end (resident)':>15s}")
+
+    def cell(value):
+        return f"{value:7.1f} ({value / weights:4.1f})"
+
+    print(f"  {'plain':16s} {plain['peak']:15.1f} {plain['variables']:15.1f} "
+          f"{plain['phases']['before_first_step']['VmRSS']:15.1f} "
+          f"{plain['phases']['after_first_step']['VmHWM']:15.1f} "
+          f"{plain['phases']['end']['VmRSS']:15.1f}")
     for config in configs:
-        extra = peaks[config] - peaks["plain"]
-        print(f"  {config:22s} {peaks[config]:9.1f} MB  extra {extra:8.1f} MB "
-              f"= {extra / weights:5.2f} weight copies")
+        if config == "plain":
+            continue
+        mine = found[config]
+        print(f"  {config:16s} {cell(mine['peak'] - plain['peak']):>15s} "
+              f"{cell(mine['variables'] - plain['variables']):>15s} "
+              f"{cell(mine['phases']['before_first_step']['VmRSS'] - plain['phases']['before_first_step']['VmRSS']):>15s} "
+              f"{cell(mine['phases']['after_first_step']['VmHWM'] - plain['phases']['after_first_step']['VmHWM']):>15s} "
+              f"{cell(mine['phases']['end']['VmRSS'] - plain['phases']['end']['VmRSS']):>15s}")
 
 
 def main():

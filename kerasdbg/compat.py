@@ -102,11 +102,12 @@ def set_worker_output(mode: str) -> None:
     records (TensorBoard events, `StepRecorder` files, printed lines).
 
     The records that describe a step (gradients after the all-reduce, the
-    weights, the loss) are the same on every worker, so by default only the
-    chief writes them (`"chief"`); the other workers still compute them, keep
-    them in `history` and take the same decisions. `"per_worker"` has every
-    other worker write its own under `<log_dir>/worker_<i>` (e.g. to compare
-    what each worker's taps saw). With one worker this setting changes nothing.
+    weights, the loss, the taps' records of the cluster's replicas) are the
+    same on every worker, so by default only the chief writes them
+    (`"chief"`); the other workers still compute them, keep them in
+    `history` and take the same decisions. `"per_worker"` has every other
+    worker write its own under `<log_dir>/worker_<i>`, and `PrintLayer` print
+    each worker's own replicas. With one worker this setting changes nothing.
 
     Args:
         mode: `"chief"` or `"per_worker"`.
