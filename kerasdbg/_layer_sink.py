@@ -132,28 +132,42 @@ def flush_layers(layers, fit_step=None) -> None:
 
 
 def _flush_across_workers(layers) -> None:
-    """Hands every layer the new records of all the cluster's replicas: each
-    worker's copies of every layer's ring buffer, in one `gather_workers`
-    (one row per local replica: the buffers flattened, then a failure flag,
-    so a worker that cannot read still joins and every worker fails alike)."""
+    """Hands every layer the new records of all the cluster's replicas, in
+    one `gather_workers` for all layers: one row per local replica, holding
+    each layer's ring-buffer rows of the calls since its last gather, then a
+    failure flag (so a worker that cannot read still joins, and every worker
+    fails alike). Every worker calls each layer equally often, so the slots
+    of those calls are the same everywhere."""
     import numpy as np
 
     from kerasdbg import _buffers
 
     strategy = layers[0]._buffers.rows.distribute_strategy
-    shapes = [tuple(layer._buffers.rows.shape) for layer in layers]
-    sizes = [int(np.prod(shape)) for shape in shapes]
     local_replicas = len(strategy.extended.worker_devices)
+    slots = []
+    for layer in layers:
+        calls = int(layer.calls.numpy())  # this worker's first replica: the same count everywhere
+        last = getattr(layer._host, "gathered_calls", 0)
+        last = last if last <= calls else 0  # counters reset (a model built again)
+        fresh = min(calls - last, layer._buffers.slots)
+        slots.append(np.arange(calls - fresh, calls) % layer._buffers.slots)
+        layer._host.gathered_calls = calls
+    widths = [layer._buffers.width for layer in layers]
+    sizes = [len(rows) * width for rows, width in zip(slots, widths)]
     packed = np.zeros((local_replicas, sum(sizes) + 1))
     failure = None
     try:
-        copies = [_buffers.read_replicas(layer._buffers.rows) for layer in layers]
-        for replica in range(local_replicas):
-            packed[replica, :-1] = np.concatenate(
-                [np.ravel(layer_copies[replica]) for layer_copies in copies])
+        for layer, rows, size, start in zip(layers, slots, sizes, np.cumsum([0] + sizes)):
+            if not size:
+                continue
+            copies = _buffers.read_replicas(layer._buffers.rows)
+            for replica in range(local_replicas):
+                packed[replica, start:start + size] = np.ravel(copies[replica][rows])
     except Exception as error:  # noqa: BLE001 - said by every layer below
         failure = error
         packed[:, -1] = 1.0
+    if packed.shape[1] == 1 and failure is None:
+        return  # no layer was called since the last gather (the same on every worker)
     try:
         cluster = _buffers.gather_workers(packed, strategy)
     except Exception as error:  # noqa: BLE001 - the host side must not stop fit
@@ -166,10 +180,11 @@ def _flush_across_workers(layers) -> None:
             layer._fail(failure)
         return
     start = 0
-    for layer, shape, size in zip(layers, shapes, sizes):
-        tables = [row[start:start + size].reshape(shape) for row in cluster]
+    for layer, rows, width, size in zip(layers, slots, widths, sizes):
+        tables = [row[start:start + size].reshape(len(rows), width) for row in cluster]
         start += size
-        layer._deliver(lambda layer=layer, tables=tables: layer._records(tables, 0))
+        if size:
+            layer._deliver(lambda layer=layer, tables=tables: layer._records(tables, 0))
 
 
 def current_fit_step(model):

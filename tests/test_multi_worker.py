@@ -19,7 +19,7 @@ SCENARIOS = ["plain_spe1", "instruments_spe1", "per_worker_spe1", "nan_on_one_sh
              "replicas_drift_spe1", "evaluate_predict_spe1", "doctor", "plain_spe4",
              "instruments_spe4", "nan_on_one_shard_spe4", "replicas_drift_spe4",
              "evaluate_predict_spe4", "dead_relu_spe1", "dead_relu_spe4",
-             "instruments_spe4_xla"]
+             "tap_read_fails_spe1", "instruments_spe4_xla"]
 XLA_ERROR = "Collectives are not yet implemented for CPU devices when compiling with XLA"
 SPE = pytest.mark.parametrize("spe", [1, 4], ids=["spe1", "spe4"])
 STEPS = 10  # 80 rows, global batch 8
@@ -127,6 +127,22 @@ def test_rules_on_the_taps_stop_every_worker_at_the_same_step(results, spe):
     assert chief["activations"]["hidden_tap/dead_fraction"] == [0.0] + [0.6] * (
         chief["iterations"] - 1)
     assert not [w for w in chief["warnings"] + other["warnings"] if "only warn" in w]
+
+
+def test_a_worker_that_cannot_read_its_taps_stops_them_on_every_worker(results):
+    reports = results["tap_read_fails_spe1"]
+    for report in reports:
+        assert "error" not in report, report.get("traceback")
+        # Warned once, on both workers; training went on to the reference weights.
+        said = [w for w in report["warnings"] if "stopped recording" in w]
+        assert len(said) == 1 and "'hidden_tap'" in said[0], report["warnings"]
+        assert report["activations"]["step"] == []
+    chief, other = reports
+    assert any("the test's read failure" in w for w in other["warnings"])
+    assert any("another worker could not read" in w for w in chief["warnings"])
+    reference = reference_training(_weights(chief, "initial"), STEPS)
+    _assert_weights(_weights(chief), reference[-1]["after"])
+    _assert_weights(_weights(other), _weights(chief))
 
 
 def test_per_worker_output_gives_every_worker_its_own_directory(results):

@@ -205,6 +205,31 @@ def dead_relu(spe, name):
                 activations=_frame(activations.history))
 
 
+def tap_read_fails(spe, name):
+    """Worker 1 cannot read its tap's buffers: both workers' taps stop
+    recording together (no worker waits in a gather the other left) and
+    training goes on."""
+    from kerasdbg import _buffers
+
+    tap = kerasdbg.layers.TapLayer(name="hidden_tap")
+    model = _compiled([tap], spe=spe)
+    initial = _trainable(model)
+    original = _buffers.read_replicas
+
+    def failing(buffer, column=None):
+        if TASK == 1 and tap._buffers is not None and buffer is tap._buffers.rows:
+            raise OSError("the test's read failure")
+        return original(buffer, column)
+
+    _buffers.read_replicas = failing
+    try:
+        activations = kerasdbg.callbacks.ActivationStatistics()
+        result = _fit(model, [activations])
+    finally:
+        _buffers.read_replicas = original
+    return dict(result, initial=initial, activations=_frame(activations.history))
+
+
 def replicas_drift(spe, name):
     """A train step that applies each worker's own gradient: the replica
     rule must stop both workers at the same comparison."""
@@ -239,6 +264,7 @@ SCENARIOS = {
     "evaluate_predict_spe4": lambda: evaluate_and_predict(4),
     # TensorFlow fails this on CPU; run last, in case it leaves the collectives unusable.
     "instruments_spe4_xla": lambda: instruments(4, "instruments_spe4_xla", jit=True),
+    "tap_read_fails_spe1": lambda: tap_read_fails(1, "tap_read_fails_spe1"),
     "dead_relu_spe1": lambda: dead_relu(1, "dead_relu_spe1"),
     "dead_relu_spe4": lambda: dead_relu(4, "dead_relu_spe4"),
 }
