@@ -263,6 +263,9 @@ def main():
     parser.add_argument("--spe", type=int, default=1,
                         help="steps_per_execution (with N > 1, --steps at least 3 N)")
     args = parser.parse_args()
+    if args.spe > 1 and (args.steps % args.spe or args.steps < 3 * args.spe):
+        parser.error(f"--steps must be a multiple of --spe and at least 3 x --spe; "
+                     f"received --steps {args.steps} --spe {args.spe}")
     if args.worker:
         worker(args.worker, args.rounds, args.steps, args.spe)
         return

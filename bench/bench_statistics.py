@@ -245,10 +245,10 @@ def peak_memory(model_name, config, steps):
     model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     x = np.random.default_rng(0).normal(size=(batch * steps, *shape)).astype("float32")
     y = np.random.default_rng(1).integers(0, 10, batch * steps)
+    variables_before = _variable_megabytes()  # before the taps: their buffers count
     fitted = kerasdbg.insert_taps(model, tap=TapLayer(every_n_steps=TAP_EVERY)) if (
         config.startswith("taps")) else model
     probe = _MemoryProbe()
-    variables_before = _variable_megabytes()
     with tempfile.TemporaryDirectory() as log_dir:
         callbacks = _callbacks(config, log_dir)
         fitted.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,

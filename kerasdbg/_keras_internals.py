@@ -598,8 +598,8 @@ def _tensorflow_trainer_module():
 
 
 def _multi_worker_targets():
-    """`{name: (owner, current function)}` of the two functions the fix
-    replaces; KerasInternalsError when Keras no longer has them."""
+    """`{name: (owner, current function)}` of the functions the fix may
+    replace; KerasInternalsError when Keras no longer has the first two."""
     module = _tensorflow_trainer_module()
     targets = {"_maybe_symbolic_build": module.TensorFlowTrainer,
                "reduce_per_replica": module,
@@ -607,6 +607,8 @@ def _multi_worker_targets():
     found = {}
     for name, owner in targets.items():
         function = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
+        if name == "_make_function" and function is None:
+            continue  # optional: a Keras without it has another loop (not replaced)
         if function is None or not hasattr(module, "_collective_all_reduce_multi_worker"):
             raise KerasInternalsError(
                 f"Keras {keras.__version__} has no `{name}` in its TensorFlow trainer; "
@@ -653,11 +655,16 @@ def _first_local_values(structure, strategy):
 
 def all_reduces_collectively(strategy) -> bool:
     """Whether the strategy's gradient all-reduce is a collective op: every
-    multi-worker strategy, and a MirroredStrategy over several devices made
-    without `cross_device_ops` or with `CollectiveAllReduce`."""
+    MultiWorkerMirroredStrategy with several replicas, and a MirroredStrategy
+    over several devices made without `cross_device_ops` or with
+    `CollectiveAllReduce`."""
     if _is_multi_worker(strategy):
         return True
-    if not isinstance(strategy, tf.distribute.MirroredStrategy) or strategy.num_replicas_in_sync < 2:
+    if strategy is None or strategy.num_replicas_in_sync < 2:
+        return False
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return True  # one worker with several local devices: collective too
+    if not isinstance(strategy, tf.distribute.MirroredStrategy):
         return False
     chosen = cross_device_ops(strategy)
     return chosen is None or "Collective" in type(chosen).__name__
@@ -679,7 +686,8 @@ def _steps_loop(trainer, step_function):
 
     one_step_on_data = tf.function(one_step_on_data, reduce_retracing=True,
                                    jit_compile=trainer.jit_compile)
-    one_step_on_data = trainer._autoconvert_optionals(one_step_on_data)
+    # (Keras versions before `_autoconvert_optionals` pass the data as is.)
+    one_step_on_data = getattr(trainer, "_autoconvert_optionals", lambda f: f)(one_step_on_data)
     steps = trainer.steps_per_execution
 
     @tf.autograph.experimental.do_not_convert
@@ -719,9 +727,11 @@ def _steps_loop(trainer, step_function):
 
 
 def fix_multi_worker_fit() -> None:
-    """Replaces the two functions of keras-team/keras#20585 by ones that
+    """Replaces the two functions of keras-team/keras#20585, and Keras's
+    loop of keras-team/keras#19246 where it still has it, by ones that
     behave as Keras intends under MultiWorkerMirroredStrategy with several
-    workers, and exactly as before under every other strategy; idempotent.
+    workers (and the loop under any collective all-reduce), and exactly as
+    before under every other strategy; idempotent.
 
     - the symbolic build takes the first local replica's values of the
       first batch (the build needs shapes only: every worker builds the
@@ -736,7 +746,10 @@ def fix_multi_worker_fit() -> None:
     targets = _multi_worker_targets()
     build_owner, original_build = targets["_maybe_symbolic_build"]
     reduce_owner, original_reduce = targets["reduce_per_replica"]
-    function_owner, original_function = targets["_make_function"]
+    # The steps loop only where Keras still has the `tf.cond` that fails.
+    function_owner, original_function = targets["_make_function"] if (
+        "_make_function" in targets and multi_worker_fit_is_broken(["_make_function"])) \
+        else (None, None)
 
     @functools.wraps(original_build)
     def symbolic_build(self, iterator=None, data_batch=None):
@@ -769,19 +782,21 @@ def fix_multi_worker_fit() -> None:
 
     _multi_worker_originals["_maybe_symbolic_build"] = original_build
     _multi_worker_originals["reduce_per_replica"] = original_reduce
-    _multi_worker_originals["_make_function"] = original_function
     type.__setattr__(build_owner, "_maybe_symbolic_build", symbolic_build)
     setattr(reduce_owner, "reduce_per_replica", reduce_per_replica)
-    type.__setattr__(function_owner, "_make_function", make_function)
+    if original_function is not None:
+        _multi_worker_originals["_make_function"] = original_function
+        type.__setattr__(function_owner, "_make_function", make_function)
 
 
 def undo_multi_worker_fit() -> None:
-    """Puts Keras's two functions back; nothing when they are not replaced."""
+    """Puts Keras's functions back; nothing when they are not replaced."""
     if not _multi_worker_originals:
         return
     module = _tensorflow_trainer_module()
     type.__setattr__(module.TensorFlowTrainer, "_maybe_symbolic_build",
                      _multi_worker_originals.pop("_maybe_symbolic_build"))
     module.reduce_per_replica = _multi_worker_originals.pop("reduce_per_replica")
-    type.__setattr__(module.TensorFlowTrainer, "_make_function",
-                     _multi_worker_originals.pop("_make_function"))
+    if "_make_function" in _multi_worker_originals:
+        type.__setattr__(module.TensorFlowTrainer, "_make_function",
+                         _multi_worker_originals.pop("_make_function"))

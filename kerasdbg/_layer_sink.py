@@ -26,6 +26,7 @@ import weakref
 from typing import List
 
 import keras
+import tensorflow as tf
 
 from kerasdbg import _keras_internals as internals
 
@@ -78,8 +79,9 @@ class LayerSink:
         if not any(ref() is layer for ref in self._layers):
             self._layers.append(weakref.ref(layer))
 
-    def flush(self, fit_step=None) -> None:
-        """Flushes every layer; `fit_step` is `(iterations variable, value)` after a train call."""
+    def flush(self, fit_step=None, alone: bool = False) -> None:
+        """Flushes every layer; `fit_step` is `(iterations variable, value)`
+        after a train call; `alone`: see `flush_layers`."""
         layers = []
         for ref in list(self._layers):
             layer = ref()
@@ -87,7 +89,7 @@ class LayerSink:
                 self._layers.remove(ref)
             else:
                 layers.append(layer)
-        flush_layers(layers, fit_step)
+        flush_layers(layers, fit_step, alone)
 
     def hook(self, context: internals.StepContext) -> None:
         model = context.model
@@ -106,68 +108,70 @@ class LayerSink:
 
         @functools.wraps(function)
         def flushing(*args, **kwargs):
+            ended = True  # returned, or the data ended (on every worker alike)
             try:
                 return function(*args, **kwargs)
+            except (StopIteration, tf.errors.OutOfRangeError):
+                raise
+            except BaseException:
+                ended = False
+                raise
             finally:
-                self.flush(current_fit_step(target()) if mode == "fit" else None)
+                self.flush(current_fit_step(target()) if mode == "fit" else None, alone=not ended)
 
         flushing._kerasdbg_flushes = True
         return flushing
 
 
-def flush_layers(layers, fit_step=None) -> None:
+def flush_layers(layers, fit_step=None, alone: bool = False) -> None:
     """`flush_unless_idle(fit_step)` of every layer in `layers`, those whose
     records are the cluster's (`DebugLayer.across_workers`) together, in one
-    gather across workers. Under several workers every worker must call it
-    at the same point with the same layers (the kerasdbg callbacks and the
-    model's sink do, after each execution)."""
-    together = []
+    gather across workers, first. Under several workers every worker must
+    call it at the same point with the same layers and `fit_step` (the
+    kerasdbg callbacks and the model's sink do, after each execution);
+    `alone=True` leaves those layers out (after a step that failed on this
+    worker, whose peers may never reach the gather)."""
+    together, local = [], []
     for layer in layers:
-        if layer.across_workers() is None:
+        (local if layer.across_workers() is None else together).append(layer)
+    try:
+        if together and not alone:
+            # The idle test depends on `fit_step` only: the same on every worker.
+            chosen = [layer for layer in together
+                      if fit_step is None or not layer._nothing_selected_since(*fit_step)]
+            if chosen:
+                _flush_across_workers(chosen)
+    finally:
+        for layer in local:
             layer.flush_unless_idle(fit_step)
-        elif fit_step is None or not layer._nothing_selected_since(*fit_step):
-            together.append(layer)
-    if together:
-        _flush_across_workers(together)
 
 
 def _flush_across_workers(layers) -> None:
     """Hands every layer the new records of all the cluster's replicas, in
     one `gather_workers` for all layers: one row per local replica, holding
-    each layer's ring-buffer rows of the calls since its last gather, then a
-    failure flag (so a worker that cannot read still joins, and every worker
-    fails alike). Every worker calls each layer equally often, so the slots
-    of those calls are the same everywhere."""
+    every layer's whole ring buffer (its size is fixed, so every worker
+    sends rows of one shape whatever it recorded), then a failure flag (a
+    worker that cannot read still joins, and every worker fails alike)."""
     import numpy as np
 
     from kerasdbg import _buffers
 
     strategy = layers[0]._buffers.rows.distribute_strategy
+    shapes = [tuple(layer._buffers.rows.shape) for layer in layers]
+    sizes = [int(np.prod(shape)) for shape in shapes]
     local_replicas = len(strategy.extended.worker_devices)
-    slots = []
-    for layer in layers:
-        calls = int(layer.calls.numpy())  # this worker's first replica: the same count everywhere
-        last = getattr(layer._host, "gathered_calls", 0)
-        last = last if last <= calls else 0  # counters reset (a model built again)
-        fresh = min(calls - last, layer._buffers.slots)
-        slots.append(np.arange(calls - fresh, calls) % layer._buffers.slots)
-        layer._host.gathered_calls = calls
-    widths = [layer._buffers.width for layer in layers]
-    sizes = [len(rows) * width for rows, width in zip(slots, widths)]
     packed = np.zeros((local_replicas, sum(sizes) + 1))
     failure = None
     try:
-        for layer, rows, size, start in zip(layers, slots, sizes, np.cumsum([0] + sizes)):
-            if not size:
-                continue
+        start = 0
+        for layer, size in zip(layers, sizes):
             copies = _buffers.read_replicas(layer._buffers.rows)
             for replica in range(local_replicas):
-                packed[replica, start:start + size] = np.ravel(copies[replica][rows])
+                packed[replica, start:start + size] = np.ravel(copies[replica])
+            start += size
     except Exception as error:  # noqa: BLE001 - said by every layer below
         failure = error
         packed[:, -1] = 1.0
-    if packed.shape[1] == 1 and failure is None:
-        return  # no layer was called since the last gather (the same on every worker)
     try:
         cluster = _buffers.gather_workers(packed, strategy)
     except Exception as error:  # noqa: BLE001 - the host side must not stop fit
@@ -180,11 +184,10 @@ def _flush_across_workers(layers) -> None:
             layer._fail(failure)
         return
     start = 0
-    for layer, rows, width, size in zip(layers, slots, widths, sizes):
-        tables = [row[start:start + size].reshape(len(rows), width) for row in cluster]
+    for layer, shape, size in zip(layers, shapes, sizes):
+        tables = [row[start:start + size].reshape(shape) for row in cluster]
         start += size
-        if size:
-            layer._deliver(lambda layer=layer, tables=tables: layer._records(tables, 0))
+        layer._deliver(lambda layer=layer, tables=tables: layer._records(tables, 0))
 
 
 def current_fit_step(model):

@@ -7,7 +7,7 @@ does not by itself (keras-team/keras#20585, open upstream), and with
 `steps_per_execution > 1` under a collective all-reduce
 (keras-team/keras#19246): it replaces three functions of Keras's TensorFlow
 trainer, is idempotent, undone by `undo_multi_worker_fit()`, and changes
-nothing under any other strategy.
+nothing elsewhere.
 
 `set_worker_output()` chooses which workers write kerasdbg's records: only
 the chief (the default), or each worker under its own directory.
@@ -48,8 +48,9 @@ def fix_multi_worker_fit() -> bool:
     (and without `unrolled_steps_per_execution`, a speed setting).
 
     Training is unchanged: two workers reach the weights of one process
-    trained on the same global batches, at every `steps_per_execution`.
-    Under every other strategy, and with one worker, Keras's own code runs.
+    trained on the same global batches (tested at `steps_per_execution` 1
+    and 4). Elsewhere (another strategy, one worker without the collective
+    all-reduce, `steps_per_execution=1` for the loop) Keras's own code runs.
 
     Call it once, before `fit`, on every worker. Calling it again changes
     nothing; `undo_multi_worker_fit()` puts Keras's code back. On a Keras
@@ -107,7 +108,9 @@ def set_worker_output(mode: str) -> None:
     (`"chief"`); the other workers still compute them, keep them in
     `history` and take the same decisions. `"per_worker"` has every other
     worker write its own under `<log_dir>/worker_<i>`, and `PrintLayer` print
-    each worker's own replicas. With one worker this setting changes nothing.
+    on every worker (its own replicas with `replicas="all"`; with "first",
+    replica 0 is the chief's, so only the chief prints). With one worker this
+    setting changes nothing.
 
     Args:
         mode: `"chief"` or `"per_worker"`.

@@ -250,7 +250,10 @@ def _strategy_findings(strategy, model, tpu: bool, replicas: int) -> List[Findin
             f"steps_per_execution is 1 under {name} ({replicas} replica(s))",
             "each step then returns to Python: on a TPU or several replicas the host round trip "
             "dominates small steps",
-            "compile with `steps_per_execution=32` (or more), after the workarounds below"))
+            "compile with `steps_per_execution=32` (or more), after "
+            + ("`kerasdbg.compat.fix_multi_worker_fit()` (without it Keras fails "
+               "steps_per_execution > 1 under this collective all-reduce)" if loop_fails
+               else "the workarounds below")))
     if compiled and spe and spe > 1 and loop_fails:
         kind = "MultiWorkerMirroredStrategy" if multi_worker else "MirroredStrategy"
         found.append(Finding(

@@ -12,7 +12,7 @@ global batches in one process.
 import numpy as np
 import pytest
 
-from tests.helpers import reference_training
+from tests.helpers import BATCH, reference_training
 from tests.multiworker import cluster
 
 SCENARIOS = ["plain_spe1", "instruments_spe1", "per_worker_spe1", "nan_on_one_shard_spe1",
@@ -81,6 +81,19 @@ def test_statistics_describe_the_all_reduced_gradients_on_every_worker(results, 
         np.testing.assert_allclose(
             chief["weights"][f"{path}/l2_norm"], [np.linalg.norm(r["after"][i]) for r in reference],
             rtol=1e-5, err_msg=path)
+    # The taps record replica 0, the chief's half of each global batch (rows
+    # 0-3 of 8), on both workers: the reference's ReLU outputs of those rows.
+    activations = chief["activations"]
+    half = BATCH // 2
+    np.testing.assert_allclose(activations["hidden_tap/mean"],
+                               [r["hidden"][:half].mean() for r in reference], rtol=1e-5)
+    np.testing.assert_allclose(activations["hidden_wide_tap/max"],
+                               [r["hidden"][:half].max() for r in reference], rtol=1e-5)
+    np.testing.assert_allclose(chief["wide_rows"], reference[-1]["hidden"][:2], rtol=1e-5)
+    assert sum(chief["wide_histogram"]) == half * 5  # 4 rows x 5 units, last step
+    assert other["activations"] == activations
+    assert other["wide_rows"] == chief["wide_rows"]
+    assert other["wide_histogram"] == chief["wide_histogram"]
     # The same records, history and (no) verdicts on both workers.
     assert other["gradients"] == gradients
     assert other["weights"] == chief["weights"]

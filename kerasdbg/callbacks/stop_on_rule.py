@@ -16,8 +16,8 @@ from kerasdbg import _replica_checks
 from kerasdbg import _events
 from kerasdbg import _keras_internals as internals
 from kerasdbg import _layout
-from kerasdbg import _validation as check
 from kerasdbg import _layer_sink
+from kerasdbg import _validation as check
 from kerasdbg import _workers
 from kerasdbg import schedule as schedule_lib
 from kerasdbg import stats as stats_lib
@@ -112,8 +112,8 @@ class StopOnRule(keras.callbacks.Callback):
     written once to a shared log directory.
 
     Every replica and every worker reaches the same decision from gradients,
-    weights and loss, which are read after the cross-replica sum; activation
-    statistics are pooled over the replicas of this process.
+    weights and loss, which are read after the cross-replica sum, and from
+    the taps' records, which are the cluster's on every worker.
 
     Args:
         rules: a `kerasdbg.rules.Rule` or a sequence of them; None for
@@ -542,8 +542,11 @@ class StopOnRule(keras.callbacks.Callback):
             )
 
     def _gather(self) -> None:
-        _capture.engine_for(self.model).collect()
-        _layer_sink.flush_layers(self._taps)
+        try:
+            _capture.engine_for(self.model).collect()
+        finally:
+            # A collective under several workers: reached on every worker.
+            _layer_sink.flush_layers(self._taps)
 
     # ------------------------------------------------------ evaluation
     def on_train_batch_begin(self, batch, logs=None):

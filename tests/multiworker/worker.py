@@ -105,7 +105,10 @@ def instruments(spe, name, jit=False):
     tap = kerasdbg.layers.TapLayer(name="hidden_tap")
     printer = kerasdbg.layers.PrintLayer(stats=["mean"], summarize=0, output_stream="stdout",
                                          name="hidden_print")
-    model = _compiled([tap, printer], spe=spe, jit=jit)
+    # A wider buffer in the same gather: histogram and sample rows.
+    wide = kerasdbg.layers.TapLayer(stats=["max"], histogram=True, sample_rows=2,
+                                    name="hidden_wide_tap")
+    model = _compiled([tap, printer, wide], spe=spe, jit=jit)
     initial = _trainable(model)
     gradients = kerasdbg.callbacks.GradientStatistics(log_dir, every_n_steps=1)
     weights = kerasdbg.callbacks.WeightStatistics(log_dir, every_n_steps=1)
@@ -117,6 +120,8 @@ def instruments(spe, name, jit=False):
     return dict(result, initial=initial, gradients=_frame(gradients.history),
                 weights=_frame(weights.history), activations=_frame(activations.history),
                 verdicts=[v.reason for v in stop.verdicts], pid=os.getpid(),
+                wide_rows=np.asarray(wide.latest_rows).tolist(),
+                wide_histogram=np.asarray(wide.latest_histogram[0]).tolist(),
                 log_dir=log_dir,
                 files=_files(log_dir))
 
