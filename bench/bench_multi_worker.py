@@ -127,7 +127,10 @@ def worker(out, rounds, steps, spe):
     def collectives(names):
         found = []
         for name in sorted(names):
-            definition = context.context().get_function_def(name)
+            try:
+                definition = context.context().get_function_def(name)
+            except tf.errors.NotFoundError:  # a function TensorFlow already dropped
+                continue
             if not any(n.op.startswith("Collective") for n in definition.node_def):
                 continue
             try:

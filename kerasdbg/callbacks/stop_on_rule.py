@@ -545,8 +545,9 @@ class StopOnRule(keras.callbacks.Callback):
         try:
             _capture.engine_for(self.model).collect()
         finally:
-            # A collective under several workers: reached on every worker.
-            _layer_sink.flush_layers(self._taps)
+            # A collective under several workers: reached on every worker;
+            # taps the model's sink already read at this step are skipped.
+            _layer_sink.flush_layers(self._taps, _layer_sink.current_fit_step(self.model))
 
     # ------------------------------------------------------ evaluation
     def on_train_batch_begin(self, batch, logs=None):
