@@ -152,12 +152,12 @@ class ActivationStatistics(RecordingCallback):
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     def on_epoch_end(self, epoch, logs=None):
-        self._flush()
+        self._flush(_layer_sink.current_fit_step(self.model))
         if self._writer is not None:
             self._writer.flush()
 
     def on_train_end(self, logs=None):
-        self._flush()
+        self._flush(_layer_sink.current_fit_step(self.model))
         for tap in self._taps:
             tap.remove_listener(self._consume)
         if self._writer is not None:
