@@ -16,8 +16,14 @@ step measured in the same process (interleaved rounds, medians):
   the difference from the previous and from the initial weights, and the
   copy of the weights for the next step.
 
+`--memory` measures instead what each pass adds to the peak resident memory
+(VmHWM) of a fresh process that holds the tensors (and, for the update
+ratio and distance, the two weight copies): its temporaries and its traced
+function, in MB and in copies of the model's weights.
+
 Usage:
     python bench/bench_passes.py --models cnn resnet50 --repeats 7
+    python bench/bench_passes.py --models resnet50 --memory
 """
 
 from __future__ import annotations
@@ -57,12 +63,80 @@ def _pass_time(function, *args):
     return (time.perf_counter() - started) / CALLS
 
 
+def _peak_mb():
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def pass_memory(name, label):
+    """In this (fresh) process: the tensors of `name`'s weights, then one
+    pass; prints the peak before and after it, and the weights' MB."""
+    model, _, _ = _model(name)
+    tensors = [tf.constant(np.random.default_rng(2).normal(size=w.shape).astype("float32"))
+               for w in model.trainable_weights]
+    weights = sum(int(np.prod(t.shape)) * 4 for t in tensors) / 2**20
+    functions = _passes(tensors)
+    before = _peak_mb()
+    for _ in range(3):
+        tf.nest.map_structure(lambda t: t.numpy(), functions[label](tensors))
+    print(before, _peak_mb(), weights)
+
+
+def _passes(tensors):
+    previous = [tf.Variable(t) for t in tensors]
+    initial = [tf.Variable(t) for t in tensors]
+
+    @tf.function
+    def norms(ts):
+        return graph_functions.statistics_table(ts, NORM_STATISTICS)
+
+    @tf.function
+    def everything(ts):
+        return graph_functions.statistics_table(ts, STATISTICS)
+
+    @tf.function
+    def update_and_distance(ts):
+        moved = [t - p for t, p in zip(ts, previous)]
+        away = [t - i for t, i in zip(ts, initial)]
+        table = graph_functions.statistics_table(moved + away, ("l2_norm",))
+        for p, t in zip(previous, ts):
+            p.assign(t)
+        return table
+
+    return {"norms": norms, "all statistics": everything,
+            "update ratio and distance": update_and_distance}
+
+
+def memory(name):
+    import subprocess
+
+    print(f"\n{name}: what one pass adds to the peak resident memory")
+    for label in ("norms", "all statistics", "update ratio and distance"):
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--memory-pass", name,
+                              label], capture_output=True, text=True, check=True)
+        before, after, weights = map(float, out.stdout.split()[-3:])
+        print(f"  {label:28s} {after - before:8.1f} MB  {(after - before) / weights:5.2f} "
+              f"weight copies (weights {weights:.1f} MB)")
+
+
 def main():
+    if len(sys.argv) == 4 and sys.argv[1] == "--memory-pass":
+        pass_memory(sys.argv[2], sys.argv[3])
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["cnn", "resnet50"], choices=["cnn", "resnet50"])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--steps", type=int, default=24, help="plain steps timed per round")
+    parser.add_argument("--memory", action="store_true",
+                        help="peak memory of each pass alone, each in a fresh process")
     args = parser.parse_args()
+    if args.memory:
+        for name in args.models:
+            memory(name)
+        return
     for name in args.models:
         keras.utils.set_random_seed(0)
         model, shape, batch = _model(name)
@@ -72,30 +146,11 @@ def main():
         _plain_step(model, x, y, batch)  # trace
         tensors = [tf.constant(np.random.default_rng(2).normal(size=w.shape).astype("float32"))
                    for w in model.trainable_weights]
-        previous = [tf.Variable(t) for t in tensors]
-        initial = [tf.Variable(t) for t in tensors]
         elements = sum(int(np.prod(t.shape)) for t in tensors)
-
-        @tf.function
-        def norms(ts):
-            return graph_functions.statistics_table(ts, NORM_STATISTICS)
-
-        @tf.function
-        def everything(ts):
-            return graph_functions.statistics_table(ts, STATISTICS)
-
-        @tf.function
-        def update_and_distance(ts):
-            moved = [t - p for t, p in zip(ts, previous)]
-            away = [t - i for t, i in zip(ts, initial)]
-            table = graph_functions.statistics_table(moved + away, ("l2_norm",))
-            for p, t in zip(previous, ts):
-                p.assign(t)
-            return table
-
-        passes = {f"norms of {len(tensors)} tensors": norms,
-                  f"all statistics of {len(tensors)} tensors": everything,
-                  "update ratio and distance": update_and_distance}
+        functions = _passes(tensors)
+        passes = {f"norms of {len(tensors)} tensors": functions["norms"],
+                  f"all statistics of {len(tensors)} tensors": functions["all statistics"],
+                  "update ratio and distance": functions["update ratio and distance"]}
         times = {"plain step": []} | {label: [] for label in passes}
         for _ in range(args.repeats):
             times["plain step"].append(_plain_step(model, x, y, batch))
