@@ -192,10 +192,11 @@ def test_the_first_fit_traces_once_when_the_optimizer_is_built_before_it():
 
 
 # ------------------------------------------------------------ multi-worker fit
-def test_keras_still_has_the_multi_worker_bug_the_fix_replaces():
-    """Fails loudly when Keras fixes keras-team/keras#20585 or moves the two
-    functions: the fix, its docs and the doctor's finding need a look then."""
-    assert internals.multi_worker_fit_is_broken()
+@pytest.mark.parametrize("name", sorted(internals._MULTI_WORKER_BUGS))
+def test_keras_still_has_the_multi_worker_bug_the_fix_replaces(name):
+    """Fails loudly when Keras fixes keras-team/keras#20585 or #19246 or moves
+    the functions: the fix, its docs and the doctor's findings need a look then."""
+    assert internals.multi_worker_fit_is_broken([name])
 
 
 def test_the_multi_worker_fix_is_idempotent_undoable_and_changes_nothing_on_one_worker(recwarn):
@@ -211,8 +212,10 @@ def test_the_multi_worker_fix_is_idempotent_undoable_and_changes_nothing_on_one_
         replaced = trainer.TensorFlowTrainer.__dict__["_maybe_symbolic_build"]
         assert replaced is not build and trainer.reduce_per_replica is not reduce
         assert trainer.TensorFlowTrainer.__dict__["_make_function"] is not make
+        made = trainer.TensorFlowTrainer.__dict__["_make_function"]
         assert kerasdbg.compat.fix_multi_worker_fit() is True  # idempotent
         assert trainer.TensorFlowTrainer.__dict__["_maybe_symbolic_build"] is replaced
+        assert trainer.TensorFlowTrainer.__dict__["_make_function"] is made
         # The bug is still read from Keras's own code while the fix is in place.
         assert internals.multi_worker_fit_is_broken()
         # One process under MirroredStrategy: the same training as without the fix.
@@ -272,7 +275,51 @@ def test_the_fix_runs_steps_per_execution_under_the_collective_all_reduce(recwar
     np.testing.assert_allclose(
         frame["sequential/hidden/kernel/l2_norm"], [np.linalg.norm(r["grads"][0]) for r in reference],
         rtol=1e-5)
+    assert model.train_function.__qualname__.startswith("_steps_loop.")
     assert not [w for w in recwarn if "kerasdbg" in str(w.message)]
+
+
+def test_the_steps_loop_ends_with_a_dataset_of_unknown_length_and_in_evaluate():
+    """A dataset whose length is unknown ends inside an execution (the empty
+    Optional): 10 steps in executions of 4, 4 and 2, as the reference; and
+    `evaluate` with spe 4 under the collective all-reduce."""
+    from tests.helpers import BATCH, LEARNING_RATE, X, Y, reference_training
+
+    data = tf.data.Dataset.from_tensor_slices((X, Y)).filter(lambda x, y: True).batch(BATCH)
+    assert data.cardinality().numpy() == tf.data.UNKNOWN_CARDINALITY
+    internals.fix_multi_worker_fit()
+    try:
+        with tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"]).scope():
+            model = make_mlp()
+            model.compile(keras.optimizers.SGD(LEARNING_RATE), "mse", steps_per_execution=4)
+        initial = model.get_weights()
+        model.fit(data, epochs=1, verbose=0)
+        evaluated = model.evaluate(data, verbose=0)
+    finally:
+        internals.undo_multi_worker_fit()
+    reference = reference_training(initial, len(X) // BATCH)
+    assert int(model.optimizer.iterations.numpy()) == len(reference)
+    after = reference[-1]["after"]
+    for actual, expected in zip(model.get_weights(), after):
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
+    outputs = np.maximum(X @ after[0] + after[1], 0.0) @ after[2] + after[3]
+    assert evaluated == pytest.approx(float(np.mean((outputs - Y) ** 2)), rel=1e-5)
+
+
+def test_the_fix_leaves_keras_loop_where_it_works():
+    internals.fix_multi_worker_fit()
+    try:
+        for strategy, spe in ((tf.distribute.MirroredStrategy(
+                ["CPU:0", "CPU:1"], cross_device_ops=tf.distribute.ReductionToOneDevice()), 4),
+                (tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"]), 1),
+                (tf.distribute.get_strategy(), 4)):
+            with strategy.scope():
+                model = make_mlp()
+                model.compile("sgd", "mse", steps_per_execution=spe)
+            model.make_train_function()
+            assert model.train_function.__qualname__.startswith("TensorFlowTrainer._make_function.")
+    finally:
+        internals.undo_multi_worker_fit()
 
 
 @pytest.mark.parametrize("name, collective", [
