@@ -163,8 +163,8 @@ class ActivationStatistics(RecordingCallback):
         if self._writer is not None:
             self._writer.flush()
 
-    def _flush(self, fit_step=None):
-        _layer_sink.flush_layers(self._taps, fit_step)
+    def _flush(self, fit_step=None, alone: bool = False):
+        _layer_sink.flush_layers(self._taps, fit_step, alone)
 
     # ----------------------------------------------------------- records
     def _consume(self, tap: TapLayer, rows) -> None:
@@ -194,8 +194,10 @@ class ActivationStatistics(RecordingCallback):
     # ----------------------------------------------------------- results
     @property
     def history(self) -> pd.DataFrame:
-        """Recorded steps, one row each: `step`, then `<tap name>/<stat>`."""
-        self._flush()
+        """Recorded steps, one row each: `step`, then `<tap name>/<stat>`.
+        Under several workers, what the reads after each execution delivered
+        (reading it on one worker alone must not wait for the others)."""
+        self._flush(alone=True)
         columns = ["step"]
         for tap in self._taps:
             columns += [f"{tap.name}/{s}" for s in (*tap.stats, *tap.health)]
@@ -204,8 +206,9 @@ class ActivationStatistics(RecordingCallback):
 
     @property
     def latest(self) -> Dict[str, float]:
-        """The last recorded step as `{"step": ..., "<tap>/<stat>": ...}`."""
-        self._flush()
+        """The last recorded step as `{"step": ..., "<tap>/<stat>": ...}`
+        (under several workers, as `history`)."""
+        self._flush(alone=True)
         if not self._steps:
             return {}
         step = max(self._steps)

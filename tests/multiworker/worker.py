@@ -203,7 +203,14 @@ def dead_relu(spe, name):
         model.compile(keras.optimizers.SGD(LEARNING_RATE), "mse", steps_per_execution=spe)
     stop = kerasdbg.callbacks.StopOnRule(log_dir=os.path.join(OUT, name))
     activations = kerasdbg.callbacks.ActivationStatistics()
-    result = _fit(model, [activations, stop])
+    class ChiefReads(keras.callbacks.Callback):
+        """Reads the records on the chief alone, mid-fit: must not wait for worker 1."""
+
+        def on_train_batch_end(self, batch, logs=None):
+            if TASK == 0:
+                self.seen = len(activations.history) + len(activations.latest)
+
+    result = _fit(model, [activations, stop, ChiefReads()])
     return dict(result, verdicts=[v.reason for v in stop.verdicts],
                 steps=[v.step for v in stop.verdicts], stop_training=bool(model.stop_training),
                 iterations=int(model.optimizer.iterations.numpy()),
