@@ -773,6 +773,13 @@ def fix_multi_worker_fit() -> None:
             lambda value: value if value is None else strategy.reduce("MEAN", value, axis=None),
             values)
 
+    _multi_worker_originals["_maybe_symbolic_build"] = original_build
+    _multi_worker_originals["reduce_per_replica"] = original_reduce
+    type.__setattr__(build_owner, "_maybe_symbolic_build", symbolic_build)
+    setattr(reduce_owner, "reduce_per_replica", reduce_per_replica)
+    if original_function is None:
+        return
+
     @functools.wraps(original_function)
     def make_function(self, step_function):
         if (self.steps_per_execution > 1 and not self.run_eagerly
@@ -780,13 +787,8 @@ def fix_multi_worker_fit() -> None:
             return _steps_loop(self, step_function)
         return original_function(self, step_function)
 
-    _multi_worker_originals["_maybe_symbolic_build"] = original_build
-    _multi_worker_originals["reduce_per_replica"] = original_reduce
-    type.__setattr__(build_owner, "_maybe_symbolic_build", symbolic_build)
-    setattr(reduce_owner, "reduce_per_replica", reduce_per_replica)
-    if original_function is not None:
-        _multi_worker_originals["_make_function"] = original_function
-        type.__setattr__(function_owner, "_make_function", make_function)
+    _multi_worker_originals["_make_function"] = original_function
+    type.__setattr__(function_owner, "_make_function", make_function)
 
 
 def undo_multi_worker_fit() -> None:

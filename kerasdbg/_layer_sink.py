@@ -111,10 +111,8 @@ class LayerSink:
             ended = True  # returned, or the data ended (on every worker alike)
             try:
                 return function(*args, **kwargs)
-            except (StopIteration, tf.errors.OutOfRangeError):
-                raise
-            except BaseException:
-                ended = False
+            except BaseException as error:
+                ended = isinstance(error, (StopIteration, tf.errors.OutOfRangeError))
                 raise
             finally:
                 self.flush(current_fit_step(target()) if mode == "fit" else None, alone=not ended)

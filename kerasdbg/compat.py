@@ -45,7 +45,9 @@ def fix_multi_worker_fit() -> bool:
     this strategy, and under `MirroredStrategy` with its default
     `cross_device_ops`. The fix runs the same steps on the same batches in a
     loop whose own condition says a batch is there, without the `tf.cond`
-    (and without `unrolled_steps_per_execution`, a speed setting).
+    (and without `unrolled_steps_per_execution`, a speed setting). A train
+    step of your own that runs an all-reduce inside a `tf.cond` of its own
+    still fails there (seen with two optimizers applied in one train step).
 
     Training is unchanged: two workers reach the weights of one process
     trained on the same global batches (tested at `steps_per_execution` 1

@@ -60,8 +60,19 @@ def only_upstream_failure(strategy_name: str, jit: bool, collective: bool = Fals
         raise AssertionError(f"not the known Keras failure of this combination: {error}") from error
 
 
+_COLLECTIVE_STRATEGY = []
+
+
 def make_strategy(name: str, collective: bool = False):
-    """The strategies of the execution matrix, by name."""
+    """The strategies of the execution matrix, by name.
+
+    With `collective`, the one MirroredStrategy of this process that keeps
+    the default (collective) all-reduce: each new such strategy numbers its
+    collectives from the same instance keys, and TensorFlow fails a
+    collective whose dtype differs from the one a former strategy ran at
+    that key ("Collective instance 100 expected type 0 and data_type 2 but
+    got type 0 and data_type 1"; plain Keras too: a float64 model's fit, then
+    a float32 one's on a new strategy)."""
     if name == "default":
         return tf.distribute.get_strategy()
     if name == "one_device":
@@ -69,7 +80,9 @@ def make_strategy(name: str, collective: bool = False):
     if name == "mirrored":
         devices = ["/cpu:0", "/cpu:1"]
         if collective:
-            return tf.distribute.MirroredStrategy(devices)
+            if not _COLLECTIVE_STRATEGY:
+                _COLLECTIVE_STRATEGY.append(tf.distribute.MirroredStrategy(devices))
+            return _COLLECTIVE_STRATEGY[0]
         # Keras fails MirroredStrategy + steps_per_execution > 1 with the default
         # collective all-reduce (keras-team/keras#19246); ReductionToOneDevice works.
         return tf.distribute.MirroredStrategy(

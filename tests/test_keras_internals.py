@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 from kerasdbg import _keras_internals as internals
+from tests.conftest import make_strategy
 from tests.helpers import make_mlp
 
 
@@ -223,7 +224,7 @@ def test_the_multi_worker_fix_is_idempotent_undoable_and_changes_nothing_on_one_
         for fixed in (True, False):
             if not fixed:
                 kerasdbg.compat.undo_multi_worker_fit()
-            strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+            strategy = make_strategy("mirrored", collective=True)
             with strategy.scope():
                 model = make_mlp()
                 model.compile(keras.optimizers.SGD(0.05), "mse")
@@ -253,7 +254,7 @@ def test_the_fix_runs_steps_per_execution_under_the_collective_all_reduce(recwar
 
     internals.fix_multi_worker_fit()
     try:
-        strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+        strategy = make_strategy("mirrored", collective=True)
         assert internals.all_reduces_collectively(strategy)
         with strategy.scope():
             model = make_mlp()
@@ -289,7 +290,7 @@ def test_the_steps_loop_ends_with_a_dataset_of_unknown_length_and_in_evaluate():
     assert data.cardinality().numpy() == tf.data.UNKNOWN_CARDINALITY
     internals.fix_multi_worker_fit()
     try:
-        with tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"]).scope():
+        with make_strategy("mirrored", collective=True).scope():
             model = make_mlp()
             model.compile(keras.optimizers.SGD(LEARNING_RATE), "mse", steps_per_execution=4)
         initial = model.get_weights()
@@ -311,7 +312,7 @@ def test_the_fix_leaves_keras_loop_where_it_works():
     try:
         for strategy, spe in ((tf.distribute.MirroredStrategy(
                 ["CPU:0", "CPU:1"], cross_device_ops=tf.distribute.ReductionToOneDevice()), 4),
-                (tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"]), 1),
+                (make_strategy("mirrored", collective=True), 1),
                 (tf.distribute.get_strategy(), 4)):
             with strategy.scope():
                 model = make_mlp()
