@@ -16,6 +16,7 @@ from kerasdbg import _keras_internals as internals
 from kerasdbg import _layout
 from kerasdbg import _validation as check
 from kerasdbg.callbacks._recording import RecordingCallback
+from kerasdbg.rules.rule import DiagnosisWarning
 
 COLUMNS = ("step", "steps", "execution_seconds", "step_seconds", "input_seconds",
            "compute_seconds", "input_fraction", "examples", "examples_per_second")
@@ -38,7 +39,9 @@ class StepTimer(RecordingCallback):
 
     Warns once when training is input-bound: the median input fraction of
     the executions after the first `warmup` (whose time includes tracing) is
-    above `input_bound_threshold`.
+    above `input_bound_threshold`. The warning is a diagnosis,
+    `kerasdbg.rules.DiagnosisWarning`, not a `RuntimeWarning` (a failure of
+    kerasdbg): a busy machine can make any run input-bound.
 
     TensorBoard tags (events under `<log_dir>/train`, at the last step of each
     execution): `time/execution_seconds`, `time/step_seconds`,
@@ -201,4 +204,4 @@ class StepTimer(RecordingCallback):
                 f"{len(self._rows)}; threshold {self.input_bound_threshold:g}). Speed up the "
                 "input pipeline: `.prefetch(tf.data.AUTOTUNE)`, `num_parallel_calls` on maps, "
                 "`.cache()`; `kerasdbg.doctor(model, data)` checks its order.",
-                RuntimeWarning, stacklevel=3)
+                DiagnosisWarning, stacklevel=3)

@@ -22,6 +22,7 @@ from kerasdbg import _workers
 from kerasdbg import schedule as schedule_lib
 from kerasdbg import stats as stats_lib
 from kerasdbg import _tags
+from kerasdbg.callbacks._copies import CopiedAsNew
 from kerasdbg.callbacks._recording import open_writer
 from kerasdbg.callbacks.activation_statistics import find_taps
 from kerasdbg.rules._runner import RuleRunner, check_rules, rule_config, rule_from_config
@@ -44,7 +45,7 @@ _OWN_PREFIXES = tuple(f"{c}/" for c in SCALAR_COLLECTIONS + (CLASSES, _tags.FAUL
                                                                 _tags.REPLICAS))
 
 
-class StopOnRule(keras.callbacks.Callback):
+class StopOnRule(CopiedAsNew, keras.callbacks.Callback):
     """Evaluates rules at every optimizer step of `fit` and acts when one fires.
 
     The callback records what its rules read (their `requires`): gradient and
@@ -69,7 +70,8 @@ class StopOnRule(keras.callbacks.Callback):
       current epoch still runs.
     - "raise": raises `kerasdbg.rules.RuleFired` carrying the verdicts, after
       restoring the model's train step; no other callback runs.
-    - "warn": issues a `kerasdbg.rules.RuleWarning` and training goes on.
+    - "warn": issues a `kerasdbg.rules.RuleWarning` (a `DiagnosisWarning`,
+      not printed as well) and training goes on.
     - a callable: called as `action(verdicts, model)`.
 
     Verdicts of severity "info" (tensors that are zero by construction in a
@@ -676,7 +678,9 @@ class StopOnRule(keras.callbacks.Callback):
             self._writer.flush()
         if self.verbose and getattr(self, "_prints", True):
             for verdict in verdicts:
-                print(f"kerasdbg: {verdict.reason}", file=sys.stdout, flush=True)
+                # With "warn" a fault is said once, by its RuleWarning.
+                if self.action != "warn" or verdict.severity != "fault":
+                    print(f"kerasdbg: {verdict.reason}", file=sys.stdout, flush=True)
         # Information (zero by construction) is recorded and printed, never acted on.
         verdicts = [v for v in verdicts if v.severity == "fault"]
         if not verdicts:

@@ -14,6 +14,7 @@ from kerasdbg.rules.loss_rules import Overfit
 from kerasdbg.rules.loss_rules import Overtraining
 from kerasdbg.rules.poor_weight_initialization import PoorWeightInitialization
 from kerasdbg.rules.replica_consistency import ReplicaConsistency
+from kerasdbg.rules.rule import DiagnosisWarning
 from kerasdbg.rules.rule import Rule
 from kerasdbg.rules.rule import RuleFired
 from kerasdbg.rules.rule import RuleWarning
@@ -27,6 +28,7 @@ __all__ = (
     "AllZero",
     "ClassImbalance",
     "DeadReLU",
+    "DiagnosisWarning",
     "ExplodingTensor",
     "FreezeOnFault",
     "LossNotDecreasing",

@@ -65,9 +65,32 @@ class RuleFired(RuntimeError):
         super().__init__("\n".join(v.reason for v in self.verdicts))
 
 
-class RuleWarning(RuntimeWarning):
+class DiagnosisWarning(UserWarning):
+    """What kerasdbg found about the training: a diagnosis, never a failure.
+
+    kerasdbg's own failures (an instrument that could not record, a callback
+    that could not read) are `RuntimeWarning`s; what it diagnoses in the
+    training (a rule's verdict with `StopOnRule(action="warn")`, `StepTimer`'s
+    "training is input-bound") is a `DiagnosisWarning`, so a test or a
+    sweep that treats kerasdbg's failures as errors is not failed by a
+    finding about the model or the machine.
+
+    Examples:
+        >>> import warnings
+        >>> from kerasdbg.rules import DiagnosisWarning, RuleWarning
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("error", RuntimeWarning)  # kerasdbg's failures
+        ...     warnings.simplefilter("ignore", DiagnosisWarning)  # its findings
+        ...     warnings.warn("StepTimer: training is input-bound", DiagnosisWarning)
+        >>> issubclass(RuleWarning, DiagnosisWarning), issubclass(DiagnosisWarning, RuntimeWarning)
+        (True, False)
+    """
+
+
+class RuleWarning(DiagnosisWarning):
     """Issued by `StopOnRule(action="warn")` for each verdict; its message is
-    the verdict's reason.
+    the verdict's reason. A `DiagnosisWarning`, not a `RuntimeWarning` (which
+    is kerasdbg failing).
 
     Examples:
         >>> import warnings
@@ -76,7 +99,7 @@ class RuleWarning(RuntimeWarning):
         ...     warnings.simplefilter("ignore", RuleWarning)  # e.g. in a sweep
         ...     warnings.warn("NonFiniteLoss at step 5: the loss is nan", RuleWarning)
         >>> issubclass(RuleWarning, RuntimeWarning)
-        True
+        False
     """
 
 

@@ -173,6 +173,21 @@ def test_warn_skips_the_frozen_steps_and_training_goes_on():
                                    optimizer="sgd"))
 
 
+def test_warn_says_each_verdict_once_as_a_diagnosis_not_a_failure(capsys):
+    """With "warn" a verdict is a RuleWarning (a DiagnosisWarning, never the
+    RuntimeWarning of a kerasdbg failure), and is not printed as well."""
+    model = _model(optimizer="sgd")
+    stop = StopOnRule(NonFiniteLoss(), action="warn", verbose=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit(model, _with_batch(FAULT, np.nan), [stop])
+    said = [w for w in caught if "NonFiniteLoss at step 7" in str(w.message)]
+    assert len(said) == 1 and said[0].category is RuleWarning
+    assert issubclass(RuleWarning, kerasdbg.rules.DiagnosisWarning)
+    assert not issubclass(RuleWarning, RuntimeWarning)
+    assert "NonFiniteLoss at step 7" not in capsys.readouterr().out
+
+
 def test_a_callable_action_gets_the_verdicts_and_the_model():
     seen = []
     model = _model()

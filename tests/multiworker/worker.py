@@ -90,6 +90,11 @@ def _fit(model, callbacks, data=None, epochs=1):
                             callbacks=callbacks)
     return {"history": history.history, "printed": printed.getvalue().splitlines(),
             "warnings": [f"{w.category.__name__}: {w.message}" for w in caught],
+            # kerasdbg's failures; its diagnoses (DiagnosisWarning, e.g. StepTimer's
+            # input-bound on a busy machine) are findings, not failures.
+            "failures": [f"{w.category.__name__}: {w.message}" for w in caught
+                         if issubclass(w.category, RuntimeWarning)
+                         and not issubclass(w.category, kerasdbg.rules.DiagnosisWarning)],
             "final": _trainable(model)}
 
 
