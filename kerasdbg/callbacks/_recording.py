@@ -10,6 +10,7 @@ from typing import Callable, Optional
 import keras
 
 from kerasdbg import _events, _workers
+from kerasdbg.callbacks._copies import CopiedAsNew
 
 
 def selected(name: str, include: Optional[str], exclude: Optional[str]) -> bool:
@@ -45,7 +46,7 @@ def open_writer(owner: str, log_dir: str, strict: bool,
         return None
 
 
-class RecordingCallback(keras.callbacks.Callback):
+class RecordingCallback(CopiedAsNew, keras.callbacks.Callback):
     """Base of the callbacks that hand records to a writer and to `history`.
 
     Subclasses keep `log_dir` (or another `destination`) and `strict` as

@@ -64,6 +64,11 @@ class RuleFired(RuntimeError):
         self.verdicts = list(verdicts)
         super().__init__("\n".join(v.reason for v in self.verdicts))
 
+    def __reduce__(self):
+        # Pickled with its verdicts (an error raised in a worker process
+        # reaches the parent pickled), not with its message as `args`.
+        return type(self), (self.verdicts,)
+
 
 class DiagnosisWarning(UserWarning):
     """What kerasdbg found about the training: a diagnosis, never a failure.

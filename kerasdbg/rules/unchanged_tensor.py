@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import math
 from typing import Sequence
 
@@ -66,7 +67,9 @@ class UnchangedTensor(Rule):
         return tuple((c, s) for c in self.collections for s in COMPARED)
 
     def reset(self):
-        self._windows = collections.defaultdict(lambda: collections.deque(maxlen=self.num_steps))
+        # A partial, not a lambda: a rule deep-copies and pickles (KerasTuner copies callbacks).
+        self._windows = collections.defaultdict(
+            functools.partial(collections.deque, maxlen=self.num_steps))
         self._checked = set()  # tensors whose window was full once
         self._construction = Construction()
 
