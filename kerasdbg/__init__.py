@@ -77,3 +77,78 @@ class _Package(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _Package
+
+
+# ------------------------------------------------- the layers and Keras's loader
+# A `.keras` file that holds a TapLayer or a PrintLayer names their classes by
+# the names under which `kerasdbg.layers` registers them with Keras; Keras does
+# not import a package outside its own to find a class. So the layers are
+# registered as soon as Keras and TensorFlow are both loaded: at once when they
+# already are, else right after their import ends, through the finder below.
+# `import kerasdbg` alone imports neither (the rules run without them).
+_REGISTRATION_NEEDS = ("keras", "tensorflow")
+
+
+def _loaded(name: str, finishing: str) -> bool:
+    """Whether module `name` is fully imported (`finishing` is the one whose
+    import is ending now: its spec still says it is initializing)."""
+    module = sys.modules.get(name)
+    if module is None:
+        return False
+    return name == finishing or not getattr(getattr(module, "__spec__", None),
+                                            "_initializing", False)
+
+
+def _register_layers(finishing: str = "") -> None:
+    """Imports `kerasdbg.layers` (which registers TapLayer and PrintLayer with
+    Keras's serialization) once Keras and TensorFlow are loaded; a failure
+    warns, it never fails the user's import."""
+    if not all(_loaded(name, finishing) for name in _REGISTRATION_NEEDS):
+        return
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _RegisterLayersOnImport)]
+    try:
+        if sys.modules["keras"].config.backend() != "tensorflow":
+            return  # kerasdbg's layers run on TensorFlow only
+        importlib.import_module("kerasdbg.layers")
+    except Exception as error:  # noqa: BLE001 - never break the user's `import keras`
+        import warnings
+
+        warnings.warn(
+            "kerasdbg could not register TapLayer and PrintLayer with Keras, so a model "
+            "file that holds them loads only after `import kerasdbg.layers`. "
+            f"Cause: {type(error).__name__}: {error}", RuntimeWarning, stacklevel=2)
+
+
+class _RegisterLayersOnImport:
+    """A finder on `sys.meta_path` that finds nothing itself: it takes the
+    spec the other finders give for `keras` and `tensorflow` and has their
+    loader call `_register_layers` when the module's code has run."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in _REGISTRATION_NEEDS:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        execute = getattr(loader, "exec_module", None)
+        # A loader object of this module alone (not a class such as BuiltinImporter).
+        if execute is not None and not isinstance(loader, type):
+            def exec_module(module):
+                execute(module)
+                _register_layers(finishing=name)
+
+            loader.exec_module = exec_module
+        return spec
+
+
+if all(name in sys.modules for name in _REGISTRATION_NEEDS):
+    _register_layers()
+if not all(_loaded(name, "") for name in _REGISTRATION_NEEDS):
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _RegisterLayersOnImport)]
+    sys.meta_path.insert(0, _RegisterLayersOnImport())
