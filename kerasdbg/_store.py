@@ -70,16 +70,28 @@ class StoreWriter:
 
     def __init__(self, events_path: str):
         self.path = store_path(events_path)
+        self._events_path = events_path
         os.makedirs(self.path, exist_ok=True)
-        # The marker says the store is whole: the reader uses a store only with it,
-        # and a store being dropped loses it first.
-        with open(os.path.join(self.path, MARKER), "w") as stream:
-            json.dump({"format": FORMAT}, stream)
         self._sets: Dict[tuple, str] = {}  # key -> data file
         self._pending: Dict[str, List[bytes]] = {}  # data file -> rows
         self._sizes: Dict[str, int] = {}
         self._texts: List[str] = []
         self._count = 0
+        self._written: Dict[str, int] = {}  # set name -> rows appended
+        self._lines = 0  # text lines appended
+        # The marker says the store is whole: the reader uses a store only with it,
+        # and a store being dropped loses it first.
+        self._mark(0)
+
+    def _mark(self, events_bytes: int) -> None:
+        """(Re)writes the marker, whole (a rename is atomic), with what the
+        store covers (`Coverage`): the first `events_bytes` bytes of the event
+        file hold the events of the rows counted in it, and no other."""
+        temporary = os.path.join(self.path, f".{MARKER}.tmp")
+        with open(temporary, "w") as stream:
+            json.dump({"format": FORMAT, "events_bytes": int(events_bytes),
+                       "rows": self._written, "texts": self._lines}, stream)
+        os.replace(temporary, os.path.join(self.path, MARKER))
 
     def _data(self, key: tuple, prefix: str, header: dict) -> str:
         data = self._sets.get(key)
@@ -106,6 +118,8 @@ class StoreWriter:
         if rows:
             with open(data, "ab") as stream:
                 stream.write(b"".join(rows))
+            name = os.path.basename(data)[:-4]
+            self._written[name] = self._written.get(name, 0) + len(rows)
 
     def scalars(self, step: int, wall_time: float, values: Mapping[str, float]) -> None:
         """Appends one row of the tag set `values` holds."""
@@ -135,12 +149,17 @@ class StoreWriter:
                                            "tag": tag, "text": text}) + "\n")
 
     def flush(self) -> None:
+        """Appends the rows kept in memory, then says in the marker how much
+        of the event file they cover: call it right after flushing the event
+        file, whose size then counts the events of every row."""
         for data in list(self._pending):
             self._write(data)
         if self._texts:
             lines, self._texts = self._texts, []
             with open(os.path.join(self.path, "texts.jsonl"), "a", encoding="utf-8") as stream:
                 stream.write("".join(lines))
+            self._lines += len(lines)
+        self._mark(os.path.getsize(self._events_path))
 
     def close(self) -> None:
         self.flush()
@@ -174,20 +193,87 @@ def usable(path: str) -> bool:
     return True
 
 
-class _Set(NamedTuple):
+class Coverage(NamedTuple):
+    """What part of its event file a store stands for, as its marker says
+    (written at each flush, after the rows)."""
+
+    events_bytes: int
+    """The first bytes of the event file: they hold the events of the rows
+    counted here, and no event of another row (0 for a store of kerasdbg
+    0.1.0, whose marker says nothing: its rows may stand for any event)."""
+    rows: Dict[str, int]
+    """Set name (`s0`, `h1`) -> its rows at that flush."""
+    texts: int
+    """Text lines at that flush."""
+
+
+def coverage(path: str) -> Optional[Coverage]:
+    """The `Coverage` of a store, or None when its marker cannot be read.
+
+    Examples:
+        >>> import json, os, tempfile
+        >>> from kerasdbg._store import MARKER, coverage
+        >>> store = tempfile.mkdtemp()
+        >>> with open(os.path.join(store, MARKER), "w") as stream:
+        ...     json.dump({"format": 1, "events_bytes": 512, "rows": {"s0": 4}, "texts": 1},
+        ...               stream)
+        >>> coverage(store)
+        Coverage(events_bytes=512, rows={'s0': 4}, texts=1)
+    """
+    try:
+        with open(os.path.join(path, MARKER)) as stream:
+            marker = json.load(stream)
+        return Coverage(int(marker.get("events_bytes", 0)),
+                        {str(k): int(v) for k, v in marker.get("rows", {}).items()},
+                        int(marker.get("texts", 0)))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+
+
+class Table(NamedTuple):
+    """One tag set: its header (`kind`, `columns`, `bins` of histograms) and
+    its complete rows, in blocks in the order written. A row holds the step,
+    the wall time, then per column its value (scalars) or its range and bin
+    counts (histograms)."""
+
+    name: str
+    """The set's name in its store (`s0`); "" for rows that no header of
+    the store describes."""
     kind: str
     columns: List[str]
     bins: List[int]
-    data: str
+    blocks: List[np.ndarray]
+
+    @property
+    def width(self) -> int:
+        return row_width(self.kind, self.columns, self.bins)
+
+    @property
+    def rows(self) -> int:
+        return sum(len(block) for block in self.blocks)
+
+    def column(self, index: int) -> np.ndarray:
+        """Column `index` of every row (0: the steps, 1: the wall times)."""
+        if not self.blocks:
+            return np.zeros(0)
+        return np.concatenate([np.asarray(block[:, index]) for block in self.blocks])
 
 
-def _sets(path: str) -> Iterator[_Set]:
-    """The complete tag sets of one store (a set whose header is missing or
-    unreadable is left out: its writer stopped before its first row)."""
+def row_width(kind: str, columns: Sequence[str], bins: Sequence[int]) -> int:
+    """The float64 values of one row of a set."""
+    return _ROW_HEAD + (len(columns) if kind == "scalars" else sum(2 + b for b in bins))
+
+
+def tables(path: str) -> List[Table]:
+    """The tag sets of one store, each with its complete rows as one read-only
+    memory map (no block when none was written). A set whose header is
+    missing or unreadable is left out: its writer stopped before its first
+    row."""
     try:
         names = sorted(os.listdir(path))
     except OSError:
-        return
+        return []
+    out = []
     for name in names:
         if not name.endswith(".json") or name.startswith(".") or name == MARKER:
             continue
@@ -198,8 +284,10 @@ def _sets(path: str) -> Iterator[_Set]:
             continue
         if header.get("format") != FORMAT:
             continue
-        yield _Set(header["kind"], list(header["columns"]), list(header.get("bins", [])),
-                   os.path.join(path, name[:-5] + ".f64"))
+        kind, columns, bins = header["kind"], list(header["columns"]), list(header.get("bins", []))
+        rows = _rows(os.path.join(path, name[:-5] + ".f64"), row_width(kind, columns, bins))
+        out.append(Table(name[:-5], kind, columns, bins, [] if rows is None else [rows]))
+    return out
 
 
 def _rows(data: str, width: int) -> Optional[np.ndarray]:
@@ -214,97 +302,9 @@ def _rows(data: str, width: int) -> Optional[np.ndarray]:
     return np.memmap(data, np.float64, mode="r", shape=(rows, width))
 
 
-def sequences(path: str) -> Iterator[Tuple[str, List[str], np.ndarray, np.ndarray]]:
-    """`(kind, tags, steps, wall_times)` of each set of a store (the tags of
-    a set share its rows), the text's per tag."""
-    for entry in _sets(path):
-        width = _ROW_HEAD + (len(entry.columns) if entry.kind == "scalars"
-                             else sum(2 + b for b in entry.bins))
-        rows = _rows(entry.data, width)
-        if rows is not None:
-            yield entry.kind, entry.columns, np.array(rows[:, 0]), np.array(rows[:, 1])
-    by_tag: Dict[str, List[Tuple[int, float]]] = {}
-    for line in _text_lines(path):
-        by_tag.setdefault(line["tag"], []).append((int(line["step"]), float(line["wall_time"])))
-    for tag, written in by_tag.items():
-        yield "text", [tag], np.array([s for s, _ in written], np.float64), np.array(
-            [w for _, w in written])
-
-
-def scalar_sets(path: str) -> Iterator[Tuple[List[str], np.ndarray]]:
-    """`(tags, rows)` of each scalar set of a store: `rows` a read-only memory
-    map of its complete rows (step, wall time, one value per tag)."""
-    for entry in _sets(path):
-        if entry.kind == "scalars":
-            rows = _rows(entry.data, _ROW_HEAD + len(entry.columns))
-            if rows is not None:
-                yield entry.columns, rows
-
-
-def tags(path: str, kind: str) -> List[str]:
-    """The tags of `kind` ("scalars", "histograms" or "text") in a store."""
-    found = set()
-    if kind == "text":
-        found.update(t["tag"] for t in _text_lines(path))
-    else:
-        for entry in _sets(path):
-            width = _ROW_HEAD + (len(entry.columns) if entry.kind == "scalars"
-                                 else sum(2 + b for b in entry.bins))
-            # A set whose rows were not flushed yet (or never: a crash) has no tag yet.
-            if entry.kind == kind and _rows(entry.data, width) is not None:
-                found.update(entry.columns)
-    return sorted(found)
-
-
-def scalars(path: str, wanted) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """`(tag, step, wall_time, value)` arrays of the scalars whose tag
-    `wanted(tag)` accepts, in the order they were written within each set."""
-    tags_out, steps, walls, values = [], [], [], []
-    for entry in _sets(path):
-        if entry.kind != "scalars":
-            continue
-        columns = [i for i, tag in enumerate(entry.columns) if wanted(tag)]
-        if not columns:
-            continue
-        rows = _rows(entry.data, _ROW_HEAD + len(entry.columns))
-        if rows is None:
-            continue
-        block = np.asarray(rows[:, [_ROW_HEAD + i for i in columns]])  # rows x columns
-        count = len(rows)
-        tags_out.append(np.repeat(np.array([entry.columns[i] for i in columns], object), count))
-        steps.append(np.tile(np.asarray(rows[:, 0]), len(columns)))
-        walls.append(np.tile(np.asarray(rows[:, 1]), len(columns)))
-        values.append(block.T.ravel())
-        del rows
-    if not tags_out:
-        empty = np.zeros(0)
-        return np.zeros(0, object), empty, empty, empty
-    return (np.concatenate(tags_out), np.concatenate(steps), np.concatenate(walls),
-            np.concatenate(values))
-
-
-def histograms(path: str, wanted) -> List[Tuple[str, int, float, np.ndarray, np.ndarray]]:
-    """`(tag, step, wall_time, edges, counts)` of the histograms `wanted` accepts."""
-    out = []
-    for entry in _sets(path):
-        if entry.kind != "histograms" or not any(wanted(t) for t in entry.columns):
-            continue
-        rows = _rows(entry.data, _ROW_HEAD + sum(2 + b for b in entry.bins))
-        if rows is None:
-            continue
-        offset = _ROW_HEAD
-        for tag, bins in zip(entry.columns, entry.bins):
-            if wanted(tag):
-                for row in rows:
-                    low, high = row[offset], row[offset + 1]
-                    out.append((tag, int(row[0]), float(row[1]),
-                                np.linspace(low, high, bins + 1),
-                                np.array(row[offset + 2: offset + 2 + bins])))
-            offset += 2 + bins
-    return out
-
-
-def _text_lines(path: str) -> List[dict]:
+def text_lines(path: str) -> List[dict]:
+    """The complete lines of a store's texts (`step`, `wall_time`, `tag`,
+    `text`), in the order written: a line cut by a crash ends them."""
     lines = []
     try:
         with open(os.path.join(path, "texts.jsonl"), encoding="utf-8") as stream:
@@ -318,10 +318,78 @@ def _text_lines(path: str) -> List[dict]:
     return lines
 
 
-def texts(path: str, wanted) -> List[Tuple[str, int, float, str]]:
+def sequences(sets: Sequence[Table], lines: Sequence[dict]
+              ) -> Iterator[Tuple[str, List[str], np.ndarray, np.ndarray]]:
+    """`(kind, tags, steps, wall_times)` of each set (the tags of a set share
+    its rows), the texts' per tag."""
+    for table in sets:
+        if table.rows:
+            yield table.kind, table.columns, table.column(0), table.column(1)
+    by_tag: Dict[str, List[Tuple[int, float]]] = {}
+    for line in lines:
+        by_tag.setdefault(line["tag"], []).append((int(line["step"]), float(line["wall_time"])))
+    for tag, written in by_tag.items():
+        yield "text", [tag], np.array([s for s, _ in written], np.float64), np.array(
+            [w for _, w in written])
+
+
+def tags(sets: Sequence[Table], lines: Sequence[dict], kind: str) -> List[str]:
+    """The tags of `kind` ("scalars", "histograms" or "text") with a value."""
+    if kind == "text":
+        return sorted({line["tag"] for line in lines})
+    # A set whose rows were not written yet (or never: a crash) has no tag yet.
+    return sorted({tag for table in sets if table.kind == kind and table.rows
+                   for tag in table.columns})
+
+
+def scalars(sets: Sequence[Table], wanted) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`(tag, step, wall_time, value)` arrays of the scalars whose tag
+    `wanted(tag)` accepts, in the order they were written within each set;
+    only the matching columns are copied."""
+    tags_out, steps, walls, values = [], [], [], []
+    for table in sets:
+        if table.kind != "scalars" or not table.rows:
+            continue
+        columns = [i for i, tag in enumerate(table.columns) if wanted(tag)]
+        if not columns:
+            continue
+        block = np.concatenate([np.asarray(b[:, [_ROW_HEAD + i for i in columns]])
+                                for b in table.blocks])  # rows x columns
+        count = len(block)
+        tags_out.append(np.repeat(np.array([table.columns[i] for i in columns], object), count))
+        steps.append(np.tile(table.column(0), len(columns)))
+        walls.append(np.tile(table.column(1), len(columns)))
+        values.append(block.T.ravel())
+    if not tags_out:
+        empty = np.zeros(0)
+        return np.zeros(0, object), empty, empty, empty
+    return (np.concatenate(tags_out), np.concatenate(steps), np.concatenate(walls),
+            np.concatenate(values))
+
+
+def histograms(sets: Sequence[Table], wanted) -> List[Tuple[str, int, float, np.ndarray, np.ndarray]]:
+    """`(tag, step, wall_time, edges, counts)` of the histograms `wanted` accepts."""
+    out = []
+    for table in sets:
+        if table.kind != "histograms" or not any(wanted(t) for t in table.columns):
+            continue
+        offset = _ROW_HEAD
+        for tag, bins in zip(table.columns, table.bins):
+            if wanted(tag):
+                for block in table.blocks:
+                    for row in block:
+                        low, high = row[offset], row[offset + 1]
+                        out.append((tag, int(row[0]), float(row[1]),
+                                    np.linspace(low, high, bins + 1),
+                                    np.array(row[offset + 2: offset + 2 + bins])))
+            offset += 2 + bins
+    return out
+
+
+def texts(lines: Sequence[dict], wanted) -> List[Tuple[str, int, float, str]]:
     """`(tag, step, wall_time, text)` of the texts `wanted` accepts."""
     return [(t["tag"], int(t["step"]), float(t["wall_time"]), t["text"])
-            for t in _text_lines(path) if wanted(t["tag"])]
+            for t in lines if wanted(t["tag"])]
 
 
 def matcher(tag_or_regex: str):

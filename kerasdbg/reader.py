@@ -2,8 +2,12 @@
 
 An event file that kerasdbg wrote has an analysis store beside it
 (`kerasdbg._store`): fixed-width rows per set of tags, read through a memory
-map, column by column, so a query reads only what it asks for. Every other
-event file (TensorBoard's own callback, runs written before the store
+map, column by column, so a query reads only what it asks for. The store is
+an index, written at each flush of the event writer: the steps the event
+file holds beyond it (a process killed between two flushes, a fit still
+running) are read from the event file's tail (`kerasdbg._event_tail`), so
+every step the event file holds is read, wherever the process died. Every
+other event file (TensorBoard's own callback, runs written before the store
 existed) is read with TensorBoard's own event reading
 (`plugin_event_accumulator`), which migrates legacy summaries, understands the
 plugins' metadata and stops cleanly at a truncated last record.
@@ -23,6 +27,7 @@ from tensorboard.backend.event_processing import io_wrapper, plugin_event_accumu
 from tensorboard.util import tensor_util
 
 from kerasdbg import _store
+from kerasdbg._event_tail import EventSource
 
 _KINDS = {"scalars": "scalars", "histograms": "histograms", "text": "text"}
 REDUCTIONS = ("mean", "std", "min", "max", "l2_norm", "norm")
@@ -34,7 +39,8 @@ class Run:
 
     A log directory holds one or more runs (`train`, `validation`, ...) as
     TensorBoard sees them. Each call re-reads the files, so steps written since
-    the last call appear.
+    the last call appear: every step the event files hold, also those of a
+    fit still running or of a process killed before its last flush.
 
     Args:
         log_dir: the directory given to the callbacks (or any TensorBoard log
@@ -69,11 +75,13 @@ class Run:
         self.log_dir = log_dir
         self._dropped: Dict[tuple, set] = {}
         self._accumulators: Dict[str, plugin_event_accumulator.EventAccumulator] = {}
+        self._event_sources: Dict[str, EventSource] = {}
 
-    def _sources(self) -> Dict[str, Tuple[List[str], List[str]]]:
-        """run name -> (stores, other event files), as TensorBoard names runs
-        (a directory holding event files, by its path relative to `log_dir`)."""
-        runs: Dict[str, Tuple[List[str], List[str]]] = {}
+    def _sources(self) -> Dict[str, Tuple[List[EventSource], List[str]]]:
+        """run name -> (event files with a store, other event files), as
+        TensorBoard names runs (a directory holding event files, by its path
+        relative to `log_dir`); the former refreshed (their tails read)."""
+        runs: Dict[str, Tuple[List[EventSource], List[str]]] = {}
         seen = set()
         # Symbolic links followed, as TensorBoard does (once each: no cycle).
         for directory, subdirectories, files in os.walk(self.log_dir, followlinks=True):
@@ -91,11 +99,20 @@ class Run:
                 path = os.path.join(directory, name)
                 store = _store.store_path(path)
                 if _store.usable(store):
-                    stores.append(store)
+                    stores.append(self._event_source(path, store))
                 else:  # no store, or one of a later version or half removed
                     others.append(path)
             runs[os.path.relpath(directory, self.log_dir)] = (stores, others)
         return runs
+
+    def _event_source(self, path: str, store: str) -> EventSource:
+        """An event file and its store, with what the event file gained since
+        the last call read."""
+        source = self._event_sources.get(path)
+        if source is None or source.store != store:
+            source = self._event_sources[path] = EventSource(path, store)
+        source.refresh()
+        return source
 
     def _accumulator(self, path: str) -> plugin_event_accumulator.EventAccumulator:
         """TensorBoard's reader of one event file, reloaded (it reads what was
@@ -122,8 +139,9 @@ class Run:
     def _tags(self, kind: str, run: Optional[str]):
         for name, stores, others in self._selected(run):
             tags = set()
-            for store in stores:
-                tags.update(_store.tags(store, kind))
+            for source in stores:
+                tags.update(_store.tags(source.tables() if kind != "text" else [],
+                                        source.text_lines() if kind == "text" else [], kind))
             for path in others:
                 tags.update(_plugin_tags(self._accumulator(path), kind))
             for tag in sorted(tags):
@@ -177,18 +195,19 @@ class Run:
             steps.append(event[0])
         return kept
 
-    def _read(self, kind: str, stores: List[str], others: List[str], wanted) -> list:
+    def _read(self, kind: str, stores: List[EventSource], others: List[str], wanted) -> list:
         """`(tag, step, wall_time, value)` rows of `kind` from stores and
         event files: value a float, `(edges, counts)` or a text."""
         rows: list = []
-        for store in stores:
+        for source in stores:
             if kind == "scalars":
-                tags, steps, walls, values = _store.scalars(store, wanted)
+                tags, steps, walls, values = _store.scalars(source.tables(), wanted)
                 rows += zip(tags, steps.astype(np.int64), walls, values)
             elif kind == "histograms":
-                rows += [(t, s, w, (e, c)) for t, s, w, e, c in _store.histograms(store, wanted)]
+                rows += [(t, s, w, (e, c))
+                         for t, s, w, e, c in _store.histograms(source.tables(), wanted)]
             else:
-                rows += _store.texts(store, wanted)
+                rows += _store.texts(source.text_lines(), wanted)
         for path in others:
             accumulator = self._accumulator(path)
             for tag in _plugin_tags(accumulator, kind):
@@ -222,8 +241,9 @@ class Run:
         for name, stores, others in self._selected(run):
             # The tags of a store that were written in the same sets share their steps.
             shared: Dict[str, list] = {}
-            for store in stores:
-                for kind, tags, steps, walls in _store.sequences(store):
+            for source in stores:
+                for kind, tags, steps, walls in _store.sequences(source.tables(),
+                                                                 source.text_lines()):
                     for tag in tags:
                         shared.setdefault((kind, tag), []).append((steps, walls))
             groups: Dict[tuple, list] = {}
@@ -264,12 +284,12 @@ class Run:
         frame = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
         return frame.sort_values(["run", "tag", "step"], kind="stable").reset_index(drop=True)
 
-    def _scalar_frame(self, name: str, stores: List[str], others: List[str],
+    def _scalar_frame(self, name: str, stores: List[EventSource], others: List[str],
                       wanted) -> pd.DataFrame:
         """The scalars of one run, column arrays from the stores (no row objects)."""
         parts = []
-        for store in stores:
-            tags, steps, walls, values = _store.scalars(store, wanted)
+        for source in stores:
+            tags, steps, walls, values = _store.scalars(source.tables(), wanted)
             if len(tags):
                 parts.append(pd.DataFrame({"tag": tags, "step": steps.astype(np.int64),
                                            "wall_time": walls, "value": values}))
@@ -304,10 +324,11 @@ class Run:
         rollback keeps the later writes (per set of tags written together)."""
         streams = []
         for name, stores, others in self._selected(run):
-            for store in stores:
-                for tags, rows in _store.scalar_sets(store):
-                    keep = _kept(np.asarray(rows[:, 0]))
-                    streams.append(_set_records(tags, rows, np.flatnonzero(keep)))
+            for source in stores:
+                for table in source.tables():
+                    if table.kind == "scalars" and table.rows:
+                        keep = _kept(table.column(0))
+                        streams.append(_set_records(table, np.flatnonzero(keep)))
             rows = self._read("scalars", [], others, lambda t: True)
             if rows:
                 frame = _keep_latest(pd.DataFrame({
@@ -459,11 +480,15 @@ class Run:
         return self._frame("text", tag_or_regex, run, convert)
 
 
-def _set_records(tags: List[str], rows: np.ndarray, kept: np.ndarray):
-    """`(step, {tag: value})` of the kept rows of one store set, in order."""
-    for index in kept:
-        row = rows[index].tolist()
-        yield int(row[0]), dict(zip(tags, row[2:]))
+def _set_records(table: _store.Table, kept: np.ndarray):
+    """`(step, {tag: value})` of the kept rows (indices, increasing) of one
+    store set, in order."""
+    start = 0
+    for block in table.blocks:
+        for index in kept[(kept >= start) & (kept < start + len(block))]:
+            row = block[index - start].tolist()
+            yield int(row[0]), dict(zip(table.columns, row[2:]))
+        start += len(block)
 
 
 def _plugin_tags(accumulator, kind: str) -> List[str]:
