@@ -23,7 +23,7 @@ from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 import numpy as np
 import pandas as pd
-from tensorboard.backend.event_processing import io_wrapper, plugin_event_accumulator
+from tensorboard.backend.event_processing import plugin_event_accumulator
 from tensorboard.util import tensor_util
 
 from kerasdbg import _store
@@ -91,7 +91,7 @@ class Run:
                 continue
             seen.add(real)
             subdirectories[:] = sorted(d for d in subdirectories if d != _store.DIRECTORY)
-            events = sorted(f for f in files if io_wrapper.IsSummaryEventsFile(f))
+            events = sorted(f for f in files if _is_events_file(f))
             if not events:
                 continue
             stores, others = [], []
@@ -478,6 +478,12 @@ class Run:
             return {"text": value.decode("utf-8") if isinstance(value, bytes) else str(value)}
 
         return self._frame("text", tag_or_regex, run, convert)
+
+
+def _is_events_file(name: str) -> bool:
+    """TensorBoard's test of an event file name (`io_wrapper.IsSummaryEventsFile`),
+    without the TensorFlow import (seconds) that its `tf.compat.as_str_any` costs."""
+    return "tfevents" in name and not name.endswith(".profile-empty")
 
 
 def _set_records(table: _store.Table, kept: np.ndarray):

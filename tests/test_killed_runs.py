@@ -1,0 +1,156 @@
+"""A run killed with SIGKILL is read up to the last step its event files hold.
+
+A child process trains a small model with the instruments on an endless
+dataset and is killed (`kill -9`) at several points: before the analysis
+store was ever flushed (it holds no row), between two flushes (it holds the
+first epochs), and at the first step. What TensorBoard's own reader
+(`EventAccumulator`) reads from the event files is the expected value:
+`load_run`, `kerasdbg report` and `kerasdbg check` must see every step of it.
+"""
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing import event_accumulator
+
+from kerasdbg import _store, load_run
+from kerasdbg.cli import main
+
+_CHILD = r"""
+import os, sys
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+import numpy as np
+import keras
+import tensorflow as tf
+from kerasdbg.callbacks import GradientStatistics, StopOnRule, WeightStatistics
+
+log_dir, steps_per_epoch = sys.argv[1], int(sys.argv[2])
+
+
+class Progress(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        print(int(self.model.optimizer.iterations.numpy()), flush=True)
+
+
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu", name="d1"),
+                          keras.layers.Dense(1, name="d2")], name="m")
+model.compile("sgd", "mse")
+x = np.random.default_rng(0).random((256, 4)).astype("float32")
+data = tf.data.Dataset.from_tensor_slices((x, x.sum(1, keepdims=True))).repeat().batch(4)
+model.fit(data, steps_per_epoch=steps_per_epoch, epochs=10**6, verbose=0,
+          callbacks=[GradientStatistics(log_dir), WeightStatistics(log_dir),
+                     StopOnRule(log_dir=log_dir, verbose=False), Progress()])
+"""
+
+TIMEOUT = 120  # seconds for the child to reach its step
+
+
+def _train_and_kill(log_dir, steps_per_epoch, kill_at):
+    """Runs the child until it reports step `kill_at`, then SIGKILLs it."""
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, log_dir, str(steps_per_epoch)],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        step = 0
+        while step < kill_at:
+            line = child.stdout.readline()
+            assert line, f"the child ended before step {kill_at} (exit {child.poll()})"
+            assert time.monotonic() < deadline, f"the child did not reach step {kill_at}"
+            step = int(line)
+        child.send_signal(signal.SIGKILL)
+        assert child.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=30)
+        child.stdout.close()
+    return step
+
+
+def _tensorboard_scalars(run_dir):
+    """tag -> [(step, value)] as TensorBoard's own reader reads the event files."""
+    accumulator = event_accumulator.EventAccumulator(run_dir, size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)]
+            for tag in accumulator.Tags()["scalars"]}
+
+
+def _last_step(expected, pattern):
+    import re
+
+    return max(step for tag, points in expected.items() if re.fullmatch(pattern, tag)
+               for step, _ in points)
+
+
+def _stored_steps(run_dir):
+    """The steps the analysis stores hold (their complete rows)."""
+    steps = set()
+    for store in glob.glob(os.path.join(run_dir, _store.DIRECTORY, "*")):
+        for table in _store.tables(store):
+            steps.update(table.column(0).astype(int).tolist())
+    return steps
+
+
+@pytest.mark.parametrize("steps_per_epoch, kill_at, stored", [
+    (10**6, 60, False),  # one long epoch: the store was never flushed
+    (100, 250, True),  # the store flushed at each epoch's end, then 50 steps more
+], ids=["before-the-first-store-flush", "between-two-store-flushes"])
+def test_a_killed_run_reads_every_step_its_event_files_hold(
+        tmp_path, capsys, steps_per_epoch, kill_at, stored):
+    log_dir = str(tmp_path / "logs")
+    _train_and_kill(log_dir, steps_per_epoch, kill_at)
+    run_dir = os.path.join(log_dir, "train")
+    expected = _tensorboard_scalars(run_dir)
+    last = _last_step(expected, r"step/loss")
+    # The case is real: the event file holds steps the store does not.
+    in_store = _stored_steps(run_dir)
+    assert bool(in_store) == stored and last > max(in_store, default=0) and last >= 40
+
+    run = load_run(log_dir)
+    assert run.tags() == sorted(expected)
+    frame = run.scalars(".*")
+    for tag, points in expected.items():
+        rows = frame[frame.tag == tag]
+        assert rows.step.tolist() == [step for step, _ in points], tag
+        # The event file holds float32 values; the store float64.
+        np.testing.assert_array_equal(rows.value.to_numpy(np.float32),
+                                      np.array([v for _, v in points], np.float32), err_msg=tag)
+
+    assert main(["report", log_dir, "--out", str(tmp_path / "report")]) == 0
+    out = capsys.readouterr().out
+    shown = _last_step(expected, r"step/loss|gradients/.*(global_norm|l2_norm)")
+    assert f"steps recorded: {shown} (1-{shown})" in out
+
+    # A rule that fires at every step it can read: its last firing is the last step.
+    code = main(["check", log_dir, "--rule", "ExplodingTensor:threshold=1e-30", "--all-steps"])
+    out = capsys.readouterr().out.splitlines()
+    assert code == 1
+    fired = [int(line.split(" at step ")[1].split(":")[0]) for line in out]
+    assert fired[-1] == _last_step(expected, r"gradients/.*/max")
+    assert main(["check", log_dir]) in (0, 1)  # every default rule the run feeds
+    assert "`rules` must hold at least one rule" not in capsys.readouterr().err
+
+
+def test_a_run_killed_at_its_first_step_says_what_it_holds(tmp_path, capsys):
+    log_dir = str(tmp_path / "logs")
+    _train_and_kill(log_dir, 10**6, 1)
+    expected = _tensorboard_scalars(os.path.join(log_dir, "train"))
+    run = load_run(log_dir)
+    assert run.runs == ["train"] and run.tags() == sorted(expected)
+    report = main(["report", log_dir, "--out", str(tmp_path / "report")])
+    report_err = capsys.readouterr().err
+    check = main(["check", log_dir])
+    check_err = capsys.readouterr().err
+    if expected:  # the first steps reached the event file before the kill
+        assert report == 0 and check in (0, 1)
+    else:  # nothing reached it: both say so alike
+        assert report == check == 2
+        assert "holds no kerasdbg tags" in report_err and "holds no kerasdbg tags" in check_err
+    assert "`rules` must hold at least one rule" not in check_err
