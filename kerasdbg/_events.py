@@ -18,6 +18,7 @@ on the first write of each tag.
 from __future__ import annotations
 
 import atexit
+import errno
 import itertools
 import math
 import os
@@ -25,7 +26,7 @@ import shutil
 import socket
 import time
 import warnings
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -37,7 +38,72 @@ from tensorboard.plugins.text import metadata as text_metadata
 from kerasdbg import _store
 
 _FILE_IDS = itertools.count()
+# A full disk or a read-only file system: the event file beside the store cannot go on either.
+_FILE_SYSTEM_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 FLUSH_SECONDS = 30.0
+
+EVENTS = "TensorBoard events to"
+STORE = "the analysis store"
+_CONSEQUENCES = {
+    EVENTS: "the records stay in Python only (`history`), and training goes on.",
+    STORE: "the event file goes on, and load_run reads it instead (slower on large runs); "
+           "training goes on.",
+}
+
+
+def failure_message(owners: Sequence[str], what: str, path: str, error: BaseException,
+                    consequence: Optional[str] = None) -> str:
+    """The words of a failure to write: who (`owners`, the callbacks that lost
+    records), what and where, what happens now, and the cause."""
+    consequence = consequence or _CONSEQUENCES.get(what, "training goes on.")
+    head = f"kerasdbg could not write {what} {path!r}"
+    if owners:
+        head = f"{', '.join(owners)} could not record: {head[0].lower()}{head[1:]}"
+    return f"{head}; {consequence} Cause: {type(error).__name__}: {error}"
+
+
+class RecordingError(RuntimeError):
+    """A kerasdbg instrument with `strict=True` could not write its records.
+
+    Raised in place of the warning that a failure to write gives otherwise
+    (a full disk, a directory that became read-only or was removed): it
+    names the callbacks that lost records and the path, and its `__cause__`
+    is the error of the operating system or TensorFlow. What was written
+    before stays readable, and no file is left open.
+
+    Attributes:
+        owners: the names of the callbacks writing there.
+        path: the file or directory that could not be written.
+
+    Examples:
+        >>> from kerasdbg import RecordingError
+        >>> error = RecordingError(["GradientStatistics"], "TensorBoard events to",
+        ...                        "logs/train", OSError(28, "No space left on device"))
+        >>> str(error)  # doctest: +ELLIPSIS
+        "GradientStatistics could not record: kerasdbg could not write TensorBoard events to 'logs/train'; ... Cause: OSError: [Errno 28] No space left on device"
+        >>> error.owners, error.path
+        (['GradientStatistics'], 'logs/train')
+    """
+
+    def __init__(self, owners: Sequence[str], what: str, path: str, cause: BaseException,
+                 consequence: Optional[str] = None):
+        self.owners = list(owners)
+        self.path = path
+        self._cause = cause
+        super().__init__(failure_message(
+            self.owners, what, path, cause,
+            consequence or "the fit stops (`strict=True`)."))
+
+    # Keras's traceback filter re-raises what ends `fit` `from None`, which
+    # would clear the cause (keras/src/utils/traceback_utils.py): it is kept.
+    @property
+    def __cause__(self) -> BaseException:
+        return self._cause
+
+    @__cause__.setter
+    def __cause__(self, value: Optional[BaseException]) -> None:
+        if value is not None:
+            self._cause = value
 
 _SCALAR_SHAPE = tensor_shape_pb2.TensorShapeProto()
 
@@ -62,27 +128,16 @@ class EventWriter:
         log_dir: the run directory (e.g. `<log_dir>/train`); created if needed.
     """
 
-    def __init__(self, log_dir: str):
-        tf.io.gfile.makedirs(log_dir)
+    def __init__(self, log_dir: str, tolerant: bool = False):
         self.log_dir = log_dir
         # The name TensorBoard looks for ("tfevents"), unique per writer.
         name = "events.out.tfevents.%010d.%s.%d.%d.kerasdbg" % (
             time.time(), socket.gethostname(), os.getpid(), next(_FILE_IDS)
         )
         self.path = os.path.join(log_dir, name)
-        self._writer = tf.io.TFRecordWriter(self.path)
+        self._writer = None
         # The analysis store beside the event file (local directories only).
         self._store: Optional[_store.StoreWriter] = None
-        if "://" not in self.path:
-            try:
-                self._store = _store.StoreWriter(self.path)
-            except OSError as error:
-                self._drop_store(error)
-        self._writer.write(
-            event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString()
-        )
-        self._writer.flush()
-        self._last_flush = time.monotonic()
         self._described = set()
         # tag -> (step, value) of the last scalar written with `unique=True`.
         self._unique: Dict[str, Tuple[int, float]] = {}
@@ -91,6 +146,99 @@ class EventWriter:
         # step, and setting 80 floats costs 40 us where making 80 protos
         # costs 100 us.
         self._templates: Dict[Tuple[str, ...], summary_pb2.Summary] = {}
+        # The callbacks writing here (key -> (name, strict)), told of a failure once.
+        self._owners: Dict[Hashable, Tuple[str, bool]] = {}
+        self._told: Dict[str, set] = {EVENTS: set(), STORE: set()}
+        # what -> (path, error) of the sinks that failed.
+        self.failures: Dict[str, Tuple[str, BaseException]] = {}
+        self._last_flush = time.monotonic()
+        try:
+            tf.io.gfile.makedirs(log_dir)
+            self._writer = tf.io.TFRecordWriter(self.path)
+            if "://" not in self.path:
+                try:
+                    self._store = _store.StoreWriter(self.path)
+                except OSError as error:
+                    self._drop_store(error, report=False)
+            self._writer.write(event_pb2.Event(
+                wall_time=time.time(), file_version="brain.Event:2").SerializeToString())
+            self._writer.flush()
+        except Exception as error:  # noqa: BLE001 - tf.errors of every kind
+            self._fail(error, report=False)
+            if not tolerant:
+                raise
+
+    # ------------------------------------------------------------ owners
+    def attach(self, key: Hashable, owner: str, strict: bool = False) -> None:
+        """Registers a callback writing here for this fit: a failure names
+        it, once, and raises a `RecordingError` when one of them is `strict`.
+        Attaching a strict callback to a writer that failed raises at once.
+
+        Args:
+            key: the callback (or anything standing for it).
+            owner: its name, for messages.
+            strict: whether it raises on a failure. Defaults to `False`.
+        """
+        self._owners[key] = (owner, bool(strict))
+        if strict and self.failures:
+            self._report()
+
+    def detach(self, key: Hashable) -> None:
+        """Ends a callback's fit here (a failure not said yet is said now)."""
+        self._report()
+        self._owners.pop(key, None)
+
+    def owns(self, key: Hashable) -> bool:
+        return key in self._owners
+
+    @property
+    def failed(self) -> bool:
+        """Whether the event file failed (the writer then writes nothing)."""
+        return EVENTS in self.failures
+
+    def _names(self) -> List[str]:
+        return list(dict.fromkeys(name for name, _ in self._owners.values()))
+
+    def _report(self) -> None:
+        """Says each failure once to the callbacks not told yet, in one
+        warning naming all of them; raises when one of them is strict."""
+        for what, (path, error) in self.failures.items():
+            told = self._told[what]
+            keys = [k for k in self._owners if k not in told]
+            if not keys:
+                continue
+            told.update(keys)
+            names = self._names()
+            if any(strict for _, strict in self._owners.values()):
+                raise RecordingError(names, what, path, error)
+            untold = list(dict.fromkeys(self._owners[k][0] for k in keys))
+            warnings.warn(failure_message(untold, what, path, error),
+                          RuntimeWarning, stacklevel=4)
+
+    def _fail(self, error: BaseException, report: bool = True) -> None:
+        """The event file could not be written: close everything (no handle
+        is left open; what was flushed stays readable), write nothing more,
+        and say so (`report`)."""
+        if EVENTS not in self.failures:
+            writer, self._writer = self._writer, None
+            self.failures[EVENTS] = (self.log_dir, error)
+            if writer is not None:
+                try:
+                    writer.close()
+                except Exception:  # noqa: BLE001 - closing what already failed
+                    pass
+            # What the store flushed stays (its marker says how much of the
+            # event file it covers; the reader reads the rest from the event
+            # file): every step written up to the failure stays readable.
+            store, self._store = self._store, None
+            if store is not None:
+                store.abandon()
+            if _WRITERS.get(_key(self.log_dir)) is self:
+                del _WRITERS[_key(self.log_dir)]
+        if report and not self._owners:
+            raise error  # written directly, not by a callback: the caller decides
+        if report:
+            self._report()
 
     def _metadata(self, tag: str, plugin) -> Optional[summary_pb2.SummaryMetadata]:
         if tag in self._described:
@@ -119,6 +267,10 @@ class EventWriter:
                 this step with the same value (several `StopOnRule`s in one
                 log directory each record `step/loss`). Defaults to `False`.
         """
+        if self.failures:
+            self._report()
+            if self._writer is None:
+                return
         scalars = dict(scalars)
         if unique:
             for tag in list(scalars):
@@ -149,7 +301,11 @@ class EventWriter:
             )
         if not event.summary.value:
             return
-        self._writer.write(event.SerializeToString())
+        try:
+            self._writer.write(event.SerializeToString())
+        except Exception as error:  # noqa: BLE001 - tf.errors of every kind
+            self._fail(error)
+            return
         if self._store is not None:
             try:
                 if scalars:
@@ -178,25 +334,48 @@ class EventWriter:
         return summary
 
     def flush(self) -> None:
-        self._writer.flush()
+        """Writes what is buffered (the event file, then the store)."""
+        if self._writer is not None:
+            try:
+                self._writer.flush()
+            except Exception as error:  # noqa: BLE001 - tf.errors of every kind
+                self._fail(error)
+                return
         if self._store is not None:
             try:
                 self._store.flush()
             except OSError as error:
                 self._drop_store(error)
         self._last_flush = time.monotonic()
+        if self.failures:
+            self._report()
 
     def close(self) -> None:
-        self._writer.close()
+        """Flushes and closes the event file and the store (a failure is
+        said as `flush`'s)."""
+        self.flush()
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            try:
+                writer.close()
+            except Exception as error:  # noqa: BLE001 - tf.errors of every kind
+                self._fail(error)
         if self._store is not None:
             try:
                 self._store.close()
             except OSError as error:
                 self._drop_store(error)
+        if _WRITERS.get(_key(self.log_dir)) is self:
+            del _WRITERS[_key(self.log_dir)]
 
-    def _drop_store(self, error: OSError) -> None:
+    def _drop_store(self, error: OSError, report: bool = True) -> None:
         """An analysis store that could not be written is removed, whole, so
-        that the reader reads the event file instead; the event file goes on."""
+        that the reader reads the event file instead; the event file goes on,
+        unless the file system is full or read-only: then the writer stops
+        (one failure, not two)."""
+        if getattr(error, "errno", None) in _FILE_SYSTEM_ERRORS:
+            self._fail(error, report=report)
+            return
         store, self._store = self._store, None
         path = _store.store_path(self.path)
         if store is not None:
@@ -207,25 +386,38 @@ class EventWriter:
             except OSError:
                 pass
             shutil.rmtree(path, ignore_errors=True)
-        warnings.warn(
-            f"kerasdbg could not write the analysis store {path!r} ({type(error).__name__}: "
-            f"{error}); the event file goes on, and load_run reads it instead (slower on "
-            "large runs).", RuntimeWarning, stacklevel=3)
+        self.failures.setdefault(STORE, (path, error))
+        if not report:
+            return
+        if not self._owners:
+            warnings.warn(failure_message([], STORE, path, error), RuntimeWarning, stacklevel=3)
+            self._told[STORE].add(None)
+            return
+        self._report()
 
     def write_summary(self, step: int, summary: summary_pb2.Summary) -> None:
         """Writes one event holding `summary` as given, its values carrying
         their own plugin metadata (the custom-scalars layout of
         `kerasdbg._layout`), and flushes it. Event file only: the values are
-        for TensorBoard's plugins, not records.
+        for TensorBoard's plugins, not records. A failure is said at the next
+        `write`, `flush` or `detach`, once for every callback of the fit
+        (raised at once when one is strict).
 
         Args:
             step: the step of the event.
             summary: the values, with their `metadata`.
         """
+        if self._writer is None:
+            return
         event = event_pb2.Event(wall_time=time.time(), step=int(step))
         event.summary.CopyFrom(summary)
-        self._writer.write(event.SerializeToString())
-        self.flush()
+        try:
+            self._writer.write(event.SerializeToString())
+            self._writer.flush()
+        except Exception as error:  # noqa: BLE001 - tf.errors of every kind
+            strict = any(strict for _, strict in self._owners.values())
+            self._fail(error, report=strict or not self._owners)
+        self._last_flush = time.monotonic()
 
 
 def _same(old: Optional[Tuple[int, float]], new: Tuple[int, float]) -> bool:
@@ -237,13 +429,26 @@ def _same(old: Optional[Tuple[int, float]], new: Tuple[int, float]) -> bool:
 _WRITERS: Dict[str, EventWriter] = {}
 
 
-def writer_for(log_dir: str) -> EventWriter:
-    """One writer per directory in this process (shared by callbacks)."""
-    key = log_dir if "://" in log_dir else os.path.abspath(log_dir)
-    writer = _WRITERS.get(key)
-    if writer is None or not tf.io.gfile.exists(writer.path):
-        # A new writer also when the directory was removed under the old one.
-        writer = _WRITERS[key] = EventWriter(key)
+def _key(log_dir: str) -> str:
+    return log_dir if "://" in log_dir else os.path.abspath(log_dir)
+
+
+def writer_for(log_dir: str, key: Optional[Hashable] = None) -> EventWriter:
+    """One writer per directory in this process (shared by callbacks).
+
+    A writer whose directory was removed, or whose event file failed, is
+    replaced by a new one when a callback opens it for a new fit (`key`
+    already writing there, or no callback left). A writer that cannot be
+    opened is returned failed: the callbacks of the fit attach to it, and
+    the failure is said once for all of them."""
+    path = _key(log_dir)
+    writer = _WRITERS.get(path)
+    stale = writer is None or (
+        (writer.failed and (key is None or writer.owns(key) or not writer._owners))
+        or (not writer.failed and not tf.io.gfile.exists(writer.path)))
+    if stale:
+        # Kept also when it failed: the other callbacks of this fit share the failure.
+        writer = _WRITERS[path] = EventWriter(path, tolerant=True)
     return writer
 
 

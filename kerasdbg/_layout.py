@@ -170,9 +170,13 @@ def add(owner: str, writer: Optional[_events.EventWriter], lines: Iterable[Line]
         return
     try:
         writer.write_summary(0, summary(layout(merged)))
+    except _events.RecordingError:
+        raise
     except Exception as error:  # noqa: BLE001 - a layout must not stop fit
         if strict:
-            raise
+            raise _events.RecordingError(
+                [owner], "the TensorBoard custom-scalars layout to", writer.log_dir,
+                error) from error
         if not run.failed:
             run.failed = True
             # Worded as the callbacks' other failures to record (`_guarded`).

@@ -164,6 +164,11 @@ class StoreWriter:
     def close(self) -> None:
         self.flush()
 
+    def abandon(self) -> None:
+        """Forgets the rows not written yet (its event file failed); what was
+        flushed stays, whole rows that the reader reads."""
+        self._pending, self._sizes, self._texts = {}, {}, []
+
     def drop(self) -> None:
         """Removes the store, its marker first (then no reader uses what is left)."""
         self._pending, self._sizes, self._texts = {}, {}, []

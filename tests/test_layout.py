@@ -240,8 +240,12 @@ def test_strict_raises_when_the_layout_cannot_be_written(tmp_path, monkeypatch, 
         raise OSError("No space left on device")
 
     monkeypatch.setattr(_events.EventWriter, "write_summary", fail)
-    with pytest.raises(OSError, match="No space left on device"):
+    with pytest.raises(_events.RecordingError, match=re.escape(
+            "could not record: kerasdbg could not write the TensorBoard custom-scalars layout "
+            f"to {str(tmp_path / 'logs' / 'train')!r}; the fit stops (`strict=True`). Cause: "
+            "OSError: No space left on device")) as raised:
         _fit(_tapped_model(), [callback(str(tmp_path / "logs"))])
+    assert isinstance(raised.value.__cause__, OSError)
 
 
 # ------------------------------------------------------------ at ResNet50 scale

@@ -688,7 +688,7 @@ def test_6_a_log_dir_that_is_a_file_is_refused_at_construction(tmp_path, make):
 @pytest.mark.parametrize("name", ["GradientStatistics", "StopOnRule"])
 def test_6_a_log_dir_that_fails_at_run_time_warns_once_and_training_goes_on(
         tmp_path, monkeypatch, error, name):
-    def failing(path):
+    def failing(path, key=None):
         raise error
 
     def make(**kwargs):
@@ -709,8 +709,11 @@ def test_6_a_log_dir_that_fails_at_run_time_warns_once_and_training_goes_on(
     assert len(history.history["loss"]) == 1
     if name == "GradientStatistics":
         assert len(callback.history) == 4
-    with pytest.raises(type(error)):
+    with pytest.raises(kerasdbg.RecordingError, match=re.escape(
+            f"{name} could not record: kerasdbg could not write TensorBoard events to {where!r}; "
+            "the fit stops (`strict=True`).")) as raised:
         model.fit(X, Y, batch_size=8, epochs=1, verbose=0, callbacks=[make(strict=True)])
+    assert raised.value.__cause__ is error
     _plain_state(model)
 
 

@@ -15,7 +15,7 @@ from kerasdbg import _events
 from kerasdbg import _layout
 from kerasdbg import _tags
 from kerasdbg import _keras_internals as internals
-from kerasdbg.callbacks._recording import RecordingCallback, selected
+from kerasdbg.callbacks._recording import RecordingCallback, release_writer, selected
 from kerasdbg import _validation as check
 from kerasdbg import schedule as schedule_lib
 from kerasdbg import stats as stats_lib
@@ -143,8 +143,7 @@ class StatisticsCallback(RecordingCallback):
     def on_train_end(self, logs=None):
         if self._request is not None:
             _capture.engine_for(self.model).detach(self._request)
-        if self._writer is not None:
-            self._writer.flush()
+        release_writer(self, self._writer)
 
     # -------------------------------------------------------- records
     def _consume(self, records: List[_capture.Record]) -> None:

@@ -14,7 +14,7 @@ from kerasdbg import _keras_internals as internals
 from kerasdbg import _layer_sink
 from kerasdbg import _layout
 from kerasdbg import _validation as check
-from kerasdbg.callbacks._recording import RecordingCallback, selected
+from kerasdbg.callbacks._recording import RecordingCallback, release_writer, selected
 from kerasdbg.layers.tap_layer import TapLayer
 
 
@@ -160,8 +160,7 @@ class ActivationStatistics(RecordingCallback):
         self._flush(_layer_sink.current_fit_step(self.model))
         for tap in self._taps:
             tap.remove_listener(self._consume)
-        if self._writer is not None:
-            self._writer.flush()
+        release_writer(self, self._writer)
 
     def _flush(self, fit_step=None, alone: bool = False):
         _layer_sink.flush_layers(self._taps, fit_step, alone)

@@ -24,7 +24,7 @@ from kerasdbg import stats as stats_lib
 from kerasdbg import _tags
 from kerasdbg.callbacks._copies import CopiedAsNew
 from kerasdbg.callbacks._copies import CopiedAsNew
-from kerasdbg.callbacks._recording import open_writer
+from kerasdbg.callbacks._recording import open_writer, release_writer
 from kerasdbg.callbacks.activation_statistics import find_taps
 from kerasdbg.rules._runner import RuleRunner, check_rules, rule_config, rule_from_config
 from kerasdbg.rules.defaults import default_rules
@@ -437,7 +437,7 @@ class StopOnRule(CopiedAsNew, keras.callbacks.Callback):
         # Under several workers every one decides, the chief alone prints.
         self._prints = _workers.writes(getattr(self.model, "distribute_strategy", None))
         if self.log_dir is not None:
-            self._writer = open_writer(type(self).__name__, self.log_dir, self.strict,
+            self._writer = open_writer(self, self.log_dir, self.strict,
                                        getattr(self.model, "distribute_strategy", None))
             _layout.add(type(self).__name__, self._writer, _layout.loss_lines(), self.strict)
         engine = _capture.engine_for(self.model)
@@ -638,8 +638,7 @@ class StopOnRule(CopiedAsNew, keras.callbacks.Callback):
         for tap in self._taps:
             tap.remove_listener(self._take_tap)
         self._taps = []
-        if self._writer is not None:
-            self._writer.flush()
+        release_writer(self, self._writer)
 
     def _evaluate_pending(self) -> None:
         if self._runner is None:

@@ -224,9 +224,12 @@ def test_unwritable_path_warns_and_training_goes_on(tmp_path):
     assert len(history.history["loss"]) == 2
     model = make_mlp()
     _compile(model)
-    with pytest.raises(OSError):
+    with pytest.raises(kerasdbg.RecordingError, match=re.escape(
+            f"StepRecorder could not record: kerasdbg could not write its records to "
+            f"{str(folder)!r}; the fit stops (`strict=True`). Cause: ")) as raised:
         model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0,
                   callbacks=[StepRecorder(str(folder), steps=[0], strict=True)])
+    assert isinstance(raised.value.__cause__, OSError)
 
 
 def test_get_config_round_trip(tmp_path):
