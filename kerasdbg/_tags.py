@@ -46,6 +46,22 @@ def step_scalar(name: str) -> str:
     return f"{STEP}/{name}"
 
 
+_LOSS_NAME = re.compile(r"(?:^|[^a-z])loss(?:$|[^a-z])", re.IGNORECASE)
+
+
+def is_loss_name(name: str) -> bool:
+    """Whether a scalar's name says it is a loss: `loss`, `d_loss`,
+    `g_loss`, `total_loss`, `kl_loss`, `loss_real` (not `glossary`)."""
+    return bool(_LOSS_NAME.search(name))
+
+
+def step_losses(record: Mapping[str, float]) -> Dict[str, float]:
+    """`{name: value}` of the tags `step/<name>` whose name says it is a loss."""
+    start = f"{STEP}/"
+    return {tag[len(start):]: float(value) for tag, value in record.items()
+            if tag.startswith(start) and is_loss_name(tag[len(start):])}
+
+
 def column(tag: str, kind: str) -> str:
     """The `history` column of `tag` in a callback recording `kind`: the tag
     without its `<kind>/` prefix (other tags keep theirs)."""

@@ -10,7 +10,7 @@ EXAMPLES = """examples:
   kerasdbg demo --out runs/demo      train the demo and write TensorBoard logs
   kerasdbg tags runs/demo/healthy    list the scalar tags of a log directory
   kerasdbg report runs/demo/lr_too_high --out report/   plots and a summary in report.html
-  kerasdbg check runs/demo/lr_too_high                      every rule the run can feed
+  kerasdbg check runs/demo/lr_too_high                      the default rules, as StopOnRule()
   kerasdbg check LOG_DIR --rule DeadReLU:layer_fraction=0.3 --rule ExplodingTensor
   kerasdbg compare tf1.npz keras.npz                        two step traces, tensor by tensor
 """
@@ -119,7 +119,8 @@ def _parser() -> argparse.ArgumentParser:
         help="run rules on a recorded log directory; exit status 1 when one fires",
         description="Evaluates rules on every recorded step of a log directory and prints "
         "each rule's first firing. Exit status: 0 when none fires, 1 when one does, 2 on bad "
-        "input. Without --rule, every built-in rule the run holds statistics for. "
+        "input. Without --rule, the default rules (kerasdbg.rules.default_rules(), those of "
+        "StopOnRule()) the run holds statistics for; any other rule with --rule. "
         "Example: kerasdbg check runs/demo/lr_too_high --rule ExplodingTensor",
     )
     check.add_argument("log_dir")
@@ -221,12 +222,22 @@ def _check(args) -> int:
         if args.rule:
             chosen = [parse_rule(text) for text in args.rule]
         else:
-            # Every rule that has defaults for all its arguments.
-            chosen = [getattr(rules_lib, n)() for n in _rule_names() if n != "TensorVariance"]
+            # The default rules, as StopOnRule(): one verdict per run, online or offline.
+            chosen = rules_lib.default_rules()
         run = load_run(args.log_dir)
+        # What `report` says of a directory it cannot read: no event file, other
+        # runs, no value yet, no kerasdbg tag.
+        tags = require_run(run, args.run)
         if not args.rule:
-            present = recorded_pairs(run.tags(run=args.run))
+            present = recorded_pairs(tags)
             chosen = [rule for rule in chosen if can_check(rule, present)]
+            if not chosen:
+                print(f"kerasdbg check: run {args.run!r} of {args.log_dir!r} holds none of the "
+                      "statistics the default rules read (record them with GradientStatistics, "
+                      "WeightStatistics, TapLayer + ActivationStatistics or "
+                      "StopOnRule(log_dir=...)), or name a rule with --rule. Its tags: "
+                      f"{', '.join(tags[:10])}", file=sys.stderr)
+                return 2
         verdicts = check_run(run, chosen, run=args.run, first_only=not args.all_steps)
     except (ValueError, KeyError, FileNotFoundError) as error:
         message = error.args[0] if isinstance(error, KeyError) else error

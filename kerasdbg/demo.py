@@ -60,7 +60,7 @@ def train(log_dir: str, learning_rate: float, epochs: int, optimizer: str = "ada
     from kerasdbg.callbacks import ActivationStatistics, GradientStatistics, StopOnRule
     from kerasdbg.callbacks import WeightStatistics
     from kerasdbg.layers import TapLayer
-    from kerasdbg.rules import DeadReLU, ExplodingTensor, NonFiniteLoss, RuleWarning
+    from kerasdbg.rules import RuleWarning, default_rules
 
     keras.utils.set_random_seed(0)
     images, labels = make_data()
@@ -75,11 +75,15 @@ def train(log_dir: str, learning_rate: float, epochs: int, optimizer: str = "ada
     )
     gradients = GradientStatistics(log_dir, histogram_every_n_steps=2)
     weights = WeightStatistics(log_dir, histogram_every_n_steps=2)
+    # The default rules (those of `StopOnRule()` and `kerasdbg check`; one replica).
+    rules = default_rules(without=["replicas"])
     # Stop at a non-finite loss or gradient: the faulty step does not reach the
     # weights, and the first layer whose output held NaN/Inf is named.
-    stop = StopOnRule([NonFiniteLoss(), ExplodingTensor()], log_dir=log_dir, verbose=False)
-    # Dead ReLU units are worth knowing about, not worth stopping for: warn.
-    watch = StopOnRule(DeadReLU(), action="warn", log_dir=log_dir, verbose=False)
+    stop = StopOnRule([r for r in rules if r.watches_nonfinite], log_dir=log_dir, verbose=False)
+    # The others (dead ReLU units, update ratios) are worth knowing about, not
+    # worth stopping for: warn.
+    watch = StopOnRule([r for r in rules if not r.watches_nonfinite], action="warn",
+                       log_dir=log_dir, verbose=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuleWarning)  # the demo prints the verdicts itself
         model.fit(

@@ -91,5 +91,4 @@ def recorded_pairs(tags) -> set:
 
 def can_check(rule: Rule, present) -> bool:
     """Whether a run holding the `(collection, statistic)` pairs `present` feeds `rule`."""
-    needed = tuple(rule.requires)
-    return not needed or any(need in present for need in needed)
+    return rule.can_check(present)

@@ -23,7 +23,7 @@ from kerasdbg import _keras_internals as internals
 from kerasdbg.callbacks import GradientStatistics, StepRecorder, StepTimer, StopOnRule
 from kerasdbg.callbacks import WeightStatistics
 from kerasdbg.rules import ExplodingTensor, FreezeOnFault, NaNSource, NonFiniteLoss
-from kerasdbg.rules import VanishingGradient
+from kerasdbg.rules import LossNotDecreasing, VanishingGradient
 from tests.examples.capture import capture_applies
 
 RNG = np.random.default_rng(3)
@@ -348,19 +348,22 @@ def test_2_a_named_loss_and_a_missing_one(tmp_path):
     named = StopOnRule(NonFiniteLoss(), loss="g_loss", verbose=False, freeze_on_fault=False)
     model.fit(x, Y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[named])
     assert [(v.rule, v.step) for v in named.verdicts] == [("NonFiniteLoss", 3), ("NaNSource", 3)]
-    # Not named: the rule has nothing to read, says so once and never fires; the loss
-    # that was not captured is absent from the records, not NaN.
+    # Not named: no single loss, so NonFiniteLoss watches each scalar named a loss
+    # (g_loss, not doubled); a rule that needs one loss says so once and never fires.
+    # The loss that was not captured is absent from the records, not NaN.
     keras.utils.set_random_seed(2)
     model = OwnLoss("g_loss")
     model.compile(optimizer=keras.optimizers.SGD(0.1))
-    silent = StopOnRule(NonFiniteLoss(), log_dir=str(tmp_path), freeze_on_fault=False,
-                        locate_nan=False)
+    silent = StopOnRule([NonFiniteLoss(), LossNotDecreasing()], log_dir=str(tmp_path),
+                        freeze_on_fault=False, locate_nan=False)
     with pytest.warns(RuntimeWarning, match=re.escape(
-            "StopOnRule: NonFiniteLoss reads step/loss, which this model does not give: the "
+            "StopOnRule: LossNotDecreasing reads step/loss, which this model does not give: the "
             "train step neither calls `compute_loss` nor returns a `loss`; name the scalar to "
             "read with StopOnRule(loss=...), one of: doubled, g_loss. They will not fire.")):
-        model.fit(X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[silent])
-    assert silent.verdicts == [] and silent.loss_source is None
+        model.fit(x, Y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[silent])
+    assert [(v.rule, v.step, v.tensors) for v in silent.verdicts] == [
+        ("NonFiniteLoss", 3, ("step/g_loss",))]
+    assert silent.loss_source == "the train step's 'g_loss'"
     assert "step/loss" not in kerasdbg.load_run(str(tmp_path)).tags()
 
 

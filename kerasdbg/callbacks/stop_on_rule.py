@@ -27,7 +27,7 @@ from kerasdbg.callbacks._copies import CopiedAsNew
 from kerasdbg.callbacks._recording import open_writer, release_writer
 from kerasdbg.callbacks.activation_statistics import find_taps
 from kerasdbg.rules._runner import RuleRunner, check_rules, rule_config, rule_from_config
-from kerasdbg.rules.defaults import default_rules
+from kerasdbg.rules.defaults import default_rules, reads_any
 from kerasdbg.rules.faults import FreezeOnFault, NaNSource
 from kerasdbg.rules.rule import CLASSES, SCALAR_COLLECTIONS, Rule, RuleFired, RuleWarning
 from kerasdbg.rules.rule import Verdict, tag_pattern
@@ -86,7 +86,10 @@ class StopOnRule(CopiedAsNew, keras.callbacks.Callback):
     often returns the running mean of a `keras.metrics.Mean` tracker (the
     keras.io VAE, GAN examples): recorded per step, it is still a mean since
     the epoch began, and a NaN stays in it once it came. `loss_source` says
-    which was read. When a rule reads the loss and the model gives none, the
+    which was read. When there is no single loss (a GAN returning `d_loss`
+    and `g_loss`), `NonFiniteLoss` watches every scalar the train step
+    returns whose name says it is a loss, and says which once (printed, as
+    information). When a rule reads the loss and the model gives none, the
     rule says so once in a warning and never fires; a loss that was not
     captured is absent from the records, never NaN.
 
@@ -386,11 +389,10 @@ class StopOnRule(CopiedAsNew, keras.callbacks.Callback):
         replicas = self.model.distribute_strategy.num_replicas_in_sync
         if self.default_rules:
             # The activation rules need taps, the replica rule several
-            # replicas; without them they are left out.
-            taps = find_taps(self.model)
-            rules = [r for r in rules if (taps or not any(
-                c == "activations" for c, _ in r.requires)) and (replicas > 1 or not any(
-                    c == _tags.REPLICAS for c, _ in r.requires))]
+            # replicas; without them they are left out (as `default_rules(without)`).
+            without = ([] if find_taps(self.model) else ["activations"]) + (
+                [] if replicas > 1 else [_tags.REPLICAS])
+            rules = [r for r in rules if not reads_any(r, without)]
         self._runner = RuleRunner(self._fault_rules(rules))
         needs = self._needs(rules)
         requests = []
@@ -521,6 +523,21 @@ class StopOnRule(CopiedAsNew, keras.callbacks.Callback):
                    if ("step", "loss") in tuple(r.requires) and r not in self._silent]
         if LOSS_TAG in values or not readers:
             return
+        losses = [] if self.loss else [n for n in returned if _tags.is_loss_name(n)]
+        if losses:
+            # No single loss: the rules that can (NonFiniteLoss) watch each loss
+            # the train step returns; said once, as information.
+            watching = [r for r in readers if r.can_check({("step", n) for n in losses})]
+            readers = [r for r in readers if r not in watching]
+            if watching:
+                self.loss_source = f"the train step's {', '.join(map(repr, losses))}"
+                if self.verbose and getattr(self, "_prints", True):
+                    print(f"kerasdbg: {type(self).__name__}: the train step returns no single "
+                          f"loss; {', '.join(r.name for r in watching)} watch"
+                          f"{'es' if len(watching) == 1 else ''} each of its losses: "
+                          f"{', '.join(losses)}", file=sys.stdout, flush=True)
+            if not readers:
+                return
         if self.loss:
             why = (f"the train step returns no scalar {self.loss!r} (`loss`); it returns: "
                    f"{', '.join(returned) or 'none'}")

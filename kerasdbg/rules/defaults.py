@@ -1,8 +1,14 @@
-"""`default_rules`: the rules `StopOnRule()` watches when given none."""
+"""`default_rules`: the one default rule set, online and offline.
+
+`StopOnRule()` watches these rules when given none, and `kerasdbg check`
+evaluates them on a recorded run when given no `--rule`, so a run gets one
+verdict whichever way it is asked for (the report and TensorBoard show what
+`StopOnRule` recorded).
+"""
 
 from __future__ import annotations
 
-from typing import List
+from typing import Iterable, List
 
 from kerasdbg.rules.all_zero import AllZero
 from kerasdbg.rules.dead_relu import DeadReLU, SaturatedActivation
@@ -16,7 +22,21 @@ from kerasdbg.rules.vanishing_gradient import VanishingGradient
 from kerasdbg.rules.weight_update_ratio import WeightUpdateRatio
 
 
-def default_rules() -> List[Rule]:
+def reads_any(rule: Rule, collections: Iterable[str]) -> bool:
+    """Whether `rule` reads a tag of one of `collections` (`"activations"`,
+    `"replicas"`, ...).
+
+    Examples:
+        >>> from kerasdbg.rules import DeadReLU
+        >>> from kerasdbg.rules.defaults import reads_any
+        >>> reads_any(DeadReLU(), ["activations"]), reads_any(DeadReLU(), ["replicas"])
+        (True, False)
+    """
+    collections = set(collections)
+    return any(collection in collections for collection, _ in rule.requires)
+
+
+def default_rules(without: Iterable[str] = ()) -> List[Rule]:
     """New instances of the rules meant for any model, with their defaults.
 
     `NonFiniteLoss`, `ExplodingTensor`, `VanishingGradient`, `AllZero`,
@@ -24,15 +44,31 @@ def default_rules() -> List[Rule]:
     `DeadReLU` and `SaturatedActivation`, for models with several replicas
     `ReplicaConsistency`, and the reports of an in-graph
     fault, `FreezeOnFault` and `NaNSource`. None of them fires on
-    a healthy run of the standard models kerasdbg is tested on (see the
-    README); the rules with thresholds a model must choose (`TensorVariance`,
-    `ClassImbalance`, the loss-trend rules) are left out.
+    a healthy run of the standard models kerasdbg is tested on (Keras
+    applications with their default initializers, the keras.io examples);
+    the rules with thresholds a model must choose (`TensorVariance`,
+    `ClassImbalance`, `PoorWeightInitialization`, the loss-trend rules) are
+    left out.
+
+    The same set, whichever way it is asked for: `StopOnRule()` (which
+    leaves out the rules that read what its model cannot give, as
+    `without`), `kerasdbg check` without `--rule` (which leaves out the rules
+    the run holds nothing for).
+
+    Args:
+        without: leave out the rules that read one of these collections:
+            `"activations"` for a model without `TapLayer`s, `"replicas"` for
+            one replica. Defaults to `()`.
 
     Examples:
         >>> from kerasdbg.rules import default_rules
         >>> [rule.name for rule in default_rules()]
         ['NonFiniteLoss', 'ExplodingTensor', 'VanishingGradient', 'AllZero', 'UnchangedTensor', 'WeightUpdateRatio', 'DeadReLU', 'SaturatedActivation', 'ReplicaConsistency', 'FreezeOnFault', 'NaNSource']
+        >>> [rule.name for rule in default_rules(without=["activations", "replicas"])][3:]
+        ['UnchangedTensor', 'WeightUpdateRatio', 'FreezeOnFault', 'NaNSource']
     """
-    return [NonFiniteLoss(), ExplodingTensor(), VanishingGradient(), AllZero(),
-            UnchangedTensor(), WeightUpdateRatio(), DeadReLU(), SaturatedActivation(),
-            ReplicaConsistency(), FreezeOnFault(), NaNSource()]
+    rules = [NonFiniteLoss(), ExplodingTensor(), VanishingGradient(), AllZero(),
+             UnchangedTensor(), WeightUpdateRatio(), DeadReLU(), SaturatedActivation(),
+             ReplicaConsistency(), FreezeOnFault(), NaNSource()]
+    without = tuple(without)
+    return [rule for rule in rules if not reads_any(rule, without)]

@@ -10,7 +10,9 @@ from __future__ import annotations
 import collections
 import math
 from typing import Optional
+
 from kerasdbg import _validation as check
+from kerasdbg._tags import is_loss_name, step_losses, step_scalar
 from kerasdbg.rules.rule import Rule
 
 TRAIN_LOSS = "epoch/loss"
@@ -25,6 +27,11 @@ class NonFiniteLoss(Rule):
     execution). Reads `step/loss`. With `StopOnRule`, the weights are frozen
     at that step by default, so they stay those before the faulty step.
 
+    A train step with no single loss (a GAN's `d_loss` and `g_loss`, and no
+    `loss`) is watched through every scalar it returns whose name says it is
+    a loss (`step/<name>` with "loss" as a word of the name): the verdict
+    names the one that is not finite.
+
     Examples:
         >>> from kerasdbg.rules import NonFiniteLoss
         >>> rule = NonFiniteLoss()
@@ -32,16 +39,32 @@ class NonFiniteLoss(Rule):
         True
         >>> rule.check(5, {"step/loss": float("inf")}).reason
         'NonFiniteLoss at step 5: the loss is inf'
+        >>> NonFiniteLoss().check(3, {"step/d_loss": float("nan"), "step/g_loss": 0.7}).reason
+        'NonFiniteLoss at step 3: the loss d_loss is nan (no single loss: d_loss, g_loss watched)'
     """
 
     requires = (("step", "loss"),)
     watches_nonfinite = True
 
+    def can_check(self, present):
+        return super().can_check(present) or any(
+            collection == "step" and is_loss_name(name) for collection, name in present)
+
     def check(self, step, record):
         loss = record.get("step/loss")
-        if loss is None or math.isfinite(loss):
+        if loss is not None:
+            if math.isfinite(loss):
+                return None
+            return self.verdict(step, f"the loss is {loss:g}", {"step/loss": loss})
+        # No single loss: each loss the train step returns.
+        losses = step_losses(record)
+        bad = {name: value for name, value in losses.items() if not math.isfinite(value)}
+        if not bad:
             return None
-        return self.verdict(step, f"the loss is {loss:g}", {"step/loss": loss})
+        said = ", ".join(f"{name} is {value:g}" for name, value in bad.items())
+        return self.verdict(
+            step, f"the loss {said} (no single loss: {', '.join(losses)} watched)",
+            {step_scalar(name): value for name, value in bad.items()})
 
 
 class LossNotDecreasing(Rule):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Collection, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from kerasdbg._tags import CLASSES, COLLECTIONS, SCALAR_COLLECTIONS, Record, StepRecord  # noqa: F401
 from kerasdbg._tags import tag_parts, tag_pattern, values_of  # noqa: F401
@@ -164,6 +164,14 @@ class Rule:
     @property
     def name(self) -> str:
         return type(self).__name__
+
+    def can_check(self, present: Collection[Tuple[str, str]]) -> bool:
+        """Whether a run that records the `(collection, statistic)` pairs
+        `present` (`("step", "<name>")` for a tag `step/<name>`) gives this
+        rule something to read: any pair of `requires` by default, online and
+        offline alike."""
+        needed = tuple(self.requires)
+        return not needed or any(need in present for need in needed)
 
     def check(self, step: int, record: Record) -> Optional[Verdict]:
         """The verdict on step `step`, or None when the rule does not fire."""

@@ -188,6 +188,42 @@ def test_warn_says_each_verdict_once_as_a_diagnosis_not_a_failure(capsys):
     assert "NonFiniteLoss at step 7" not in capsys.readouterr().out
 
 
+def test_a_gan_without_a_single_loss_is_guarded_through_each_of_its_losses(tmp_path, capsys):
+    """The keras.io GAN returns d_loss and g_loss, no `loss`: NonFiniteLoss
+    watches both, says so once as information (no RuntimeWarning), and its
+    verdict names the loss that went NaN (d_loss: the NaN is in the real
+    images, which only the discriminator's loss sees), online and offline."""
+    from tests.examples import ports
+
+    port = ports.make("gan", steps=STEPS)
+    x = port.x.copy()
+    x[(FAULT - 1) * port.batch_size] = np.nan
+    stop = StopOnRule(NonFiniteLoss(), log_dir=str(tmp_path))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        port.model.fit(x, batch_size=port.batch_size, epochs=1, shuffle=False, verbose=0,
+                       callbacks=[stop])
+    assert not [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)
+                and "StopOnRule" in str(w.message)]
+    printed = capsys.readouterr().out
+    said = "the train step returns no single loss; NonFiniteLoss watches each of its losses"
+    assert printed.count(said) == 1, printed
+    assert stop.loss_source == "the train step's 'd_loss', 'g_loss'"
+    faults = [v for v in stop.verdicts if v.rule == "NonFiniteLoss"]
+    assert [(v.step, v.tensors) for v in faults] == [(FAULT, ("step/d_loss",))]
+    assert faults[0].reason == (f"NonFiniteLoss at step {FAULT}: the loss d_loss is nan "
+                                "(no single loss: d_loss, g_loss watched)")
+    # The independent reader: what TensorBoard holds for the two losses.
+    run = kerasdbg.load_run(str(tmp_path))
+    d_loss = run.scalars("step/d_loss").set_index("step").value
+    g_loss = run.scalars("step/g_loss").set_index("step").value
+    assert np.isnan(d_loss[FAULT]) and np.isfinite(d_loss.loc[:FAULT - 1]).all()
+    assert np.isfinite(g_loss[FAULT])
+    # Offline, the same verdict at the same step.
+    offline = kerasdbg.check_run(str(tmp_path), [NonFiniteLoss()])
+    assert [(v.step, v.reason) for v in offline] == [(FAULT, faults[0].reason)]
+
+
 def test_a_callable_action_gets_the_verdicts_and_the_model():
     seen = []
     model = _model()
@@ -356,9 +392,12 @@ def test_bad_arguments_are_refused_with_the_received_value():
         StopOnRule("NonFiniteLoss")
     with pytest.raises(ValueError, match=r"at least one rule. Received: rules=\[\]"):
         StopOnRule([])
-    with pytest.raises(ValueError, match="`action` must be one of 'stop', 'raise', 'warn'. "
-                                         "Received: action='halt'"):
+    with pytest.raises(ValueError, match="`action` must be one of 'stop', 'raise', 'warn' or a "
+                                         "callable. Received: action='halt'"):
         StopOnRule(NonFiniteLoss(), action="halt")
+    with pytest.raises(TypeError, match="`action` must be one of 'stop', 'raise', 'warn' or a "
+                                        "callable. Received: action=42 of type int"):
+        StopOnRule(NonFiniteLoss(), action=42)
     with pytest.raises(ValueError, match="needs freeze_on_fault=True"):
         StopOnRule(NonFiniteLoss(), freeze_on_fault=False, max_gradient_norm=10.0)
     with pytest.raises(TypeError, match="`suspend` must hold keras.callbacks.Callback classes"):
