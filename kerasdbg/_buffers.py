@@ -10,6 +10,7 @@ written with `assign(tensor_scatter_nd_update(...))` because
 
 from __future__ import annotations
 
+import re
 import weakref
 from typing import Callable, List, Optional
 
@@ -21,15 +22,30 @@ from kerasdbg import _workers
 
 def on_read_variable(initial_value, name: str, shapeless: bool = False) -> tf.Variable:
     """A non-trainable buffer each replica writes for itself; a `shapeless`
-    one takes a value of any shape at each assignment (not under XLA)."""
+    one takes a value of any shape at each assignment (not under XLA).
+
+    `name` may hold a user's layer name: what TensorFlow refuses in an op
+    name (a leading `_` or `-`, spaces, other characters) becomes `_`, and
+    the name starts with `kerasdbg_` where it would not start validly."""
     return tf.Variable(
         initial_value,
         trainable=False,
-        name=name,
+        name=variable_name(name),
         shape=tf.TensorShape(None) if shapeless else None,
         synchronization=tf.VariableSynchronization.ON_READ,
         aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
     )
+
+
+def variable_name(name: str) -> str:
+    """`name` as TensorFlow accepts it for a variable created anywhere (the
+    root of a graph included): `[A-Za-z0-9.][A-Za-z0-9_.-]*`."""
+    name = _INVALID.sub("_", str(name))
+    return name if _VALID_START.match(name) else f"kerasdbg_{name}"
+
+
+_INVALID = re.compile(r"[^A-Za-z0-9_.\-]")
+_VALID_START = re.compile(r"[A-Za-z0-9.]")
 
 
 def write_row(buffer: tf.Variable, row, value) -> None:

@@ -27,12 +27,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import types
 from typing import Callable, List, Optional, Tuple
 
 import keras
 import tensorflow as tf
 
 REDUCE_METHOD = "_all_reduce_sum_gradients"
+UPDATE_METHOD = "_distributed_tf_update_step"
+ITERATIONS_ATTRIBUTE = "_iterations"
 VAR_KEY_METHOD = "_var_key"
 
 
@@ -81,6 +84,29 @@ def patch(obj, name: str, function) -> None:
             "instance; another tool may be instrumenting the same optimizer."
         )
     object.__setattr__(obj, name, function)
+
+
+def name_scope_depth() -> int:
+    """How many scopes Keras's own name-scope stack holds now (this thread)."""
+    from keras.src.backend.common import global_state
+
+    stack = global_state.get_global_attribute("name_scope_stack")
+    return len(stack) if stack else 0
+
+
+def drop_name_scopes(depth: int) -> None:
+    """Drops the scopes above `depth` from Keras's name-scope stack.
+
+    A Keras `name_scope` whose TensorFlow scope refuses its name stays on
+    Keras's stack (it is pushed before TensorFlow checks the name), and every
+    variable Keras creates afterwards in this thread is named under it; after
+    a failure inside a scope, this puts the stack back.
+    """
+    from keras.src.backend.common import global_state
+
+    stack = global_state.get_global_attribute("name_scope_stack")
+    if stack and len(stack) > depth:
+        del stack[depth:]
 
 
 def unpatch(obj, name: str) -> None:
@@ -136,7 +162,7 @@ def raw_iterations(optimizer):
     """The variable counting the optimizer's `apply` calls that updated (or, with
     gradient accumulation, accumulated): `optimizer.iterations` is this count
     divided by `gradient_accumulation_steps` there, and a tensor, not a variable."""
-    return inner_optimizer(optimizer)._iterations
+    return getattr(inner_optimizer(optimizer), ITERATIONS_ATTRIBUTE)
 
 
 def step_counters(model) -> list:
@@ -240,12 +266,24 @@ def merge_call(function: Callable[[], object]):
 
 
 def _routed_methods() -> List[Tuple[type, str]]:
-    """The class methods `optimizer_routes` replaces."""
+    """The class methods `optimizer_routes` replaces: the `apply` of every
+    optimizer class that defines one as a function (Keras's own, and one that
+    another tool or a test put on a class, such as a wrapper of the function
+    it saved from `AdamW.apply` first, which no route further up would see),
+    and the TensorFlow optimizer's reduction and update."""
     from keras.src.backend.tensorflow.optimizer import TFOptimizer
     from keras.src.optimizers.base_optimizer import BaseOptimizer
 
-    return [(BaseOptimizer, "apply"), (keras.optimizers.LossScaleOptimizer, "apply"),
-            (TFOptimizer, REDUCE_METHOD)]
+    classes, pending = [], [BaseOptimizer]
+    while pending:
+        cls = pending.pop(0)
+        if cls in classes:
+            continue
+        classes.append(cls)
+        pending.extend(type.__subclasses__(cls))
+    applies = [(cls, "apply") for cls in classes
+               if isinstance(cls.__dict__.get("apply"), types.FunctionType)]
+    return applies + [(TFOptimizer, REDUCE_METHOD), (TFOptimizer, UPDATE_METHOD)]
 
 
 _ROUTES_LOCK = threading.Lock()
@@ -254,25 +292,29 @@ _ROUTES_ORIGINALS: dict = {}
 
 
 @contextlib.contextmanager
-def optimizer_routes(apply_route, reduce_route):
+def optimizer_routes(apply_route, reduce_route, update_route):
     """While active, every optimizer's `apply` runs as
-    `apply_route(optimizer, original_apply, grads, trainable_variables)` and
+    `apply_route(optimizer, original_apply, grads, trainable_variables)`,
     its `_all_reduce_sum_gradients` as `reduce_route(optimizer,
-    original_reduce, grads_and_vars)`, where the originals are bound methods.
+    original_reduce, grads_and_vars)` and its `_distributed_tf_update_step`
+    as `update_route(optimizer, original_update, distribution,
+    grads_and_vars, learning_rate)`, where the originals are bound methods.
 
     Class-level and reference-counted: the replicas of a `MirroredStrategy`
     trace their steps at the same time in several threads, and routes that
     do not recognise the optimizer call the original. Only kerasdbg's own
-    two routes are ever passed.
+    three routes are ever passed. Where several classes of an optimizer's
+    hierarchy define `apply`, each is routed, and the route passes the
+    calls that the first one made on to the original.
     """
     global _ROUTES_DEPTH
+    routes = {REDUCE_METHOD: reduce_route, UPDATE_METHOD: update_route}
     with _ROUTES_LOCK:
         if _ROUTES_DEPTH == 0:
             for cls, name in _routed_methods():
                 original = cls.__dict__[name]
                 _ROUTES_ORIGINALS[(cls, name)] = original
-                route = reduce_route if name == REDUCE_METHOD else apply_route
-                type.__setattr__(cls, name, _routed(original, route, name))
+                type.__setattr__(cls, name, _routed(original, routes.get(name, apply_route), name))
         _ROUTES_DEPTH += 1
     try:
         yield
@@ -301,12 +343,58 @@ def _routed(original, route, name):
         @functools.wraps(original)
         def routed(self, grads_and_vars):
             return route(self, functools.partial(original, self), grads_and_vars)
+    elif name == UPDATE_METHOD:
+        @functools.wraps(original)
+        def routed(self, distribution, grads_and_vars, learning_rate):
+            return route(self, functools.partial(original, self), distribution, grads_and_vars,
+                         learning_rate)
     else:
         @functools.wraps(original)
-        def routed(self, grads, trainable_variables=None):
+        def routed(self, grads, trainable_variables=None, *args, **kwargs):
+            if args or kwargs:  # an `apply` of another signature: not one kerasdbg knows
+                return original(self, grads, trainable_variables, *args, **kwargs)
             return route(self, functools.partial(original, self), grads, trainable_variables)
     routed._kerasdbg_route = True
     return routed
+
+
+def _unrouted(cls, name: str):
+    """`cls.<name>` as it is outside a trace (the function a route wraps)."""
+    function = getattr(cls, name, None)
+    return function.__wrapped__ if getattr(function, "_kerasdbg_route", False) else function
+
+
+def update_gateable(optimizer, variables) -> bool:
+    """Whether every write that `optimizer.apply` derives from the gradients
+    happens in `_distributed_tf_update_step`, so that a condition there can
+    skip the update and leave the rest of `apply` as Keras traces it.
+
+    True for Keras's own `apply` (not a mixed-precision `LossScaleOptimizer`,
+    not one another tool replaced) and `update_step` of an optimizer without EMA, gradient
+    accumulation, variable constraints or variables overwritten with their
+    gradient, whose `_backend_apply_gradients`, `_backend_update_step` and
+    `_distributed_tf_update_step` are the TensorFlow backend's.
+    """
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    if optimizer is not inner_optimizer(optimizer) or not isinstance(optimizer, TFOptimizer):
+        return False
+    cls = type(optimizer)
+    for owner, name in ((BaseOptimizer, "apply"), (BaseOptimizer, "_backend_apply_gradients"),
+                        (BaseOptimizer, "_overwrite_variables_directly_with_gradients"),
+                        (TFOptimizer, "_backend_update_step"), (TFOptimizer, UPDATE_METHOD)):
+        if _unrouted(cls, name) is not _unrouted(owner, name):
+            return False
+    # Keras's own update steps read the step count and write only the
+    # variables and the optimizer's slots (`_route_update` relies on both).
+    if not getattr(_unrouted(cls, "update_step"), "__module__", "").startswith("keras."):
+        return False
+    if getattr(optimizer, "use_ema", False) or getattr(optimizer, "gradient_accumulation_steps",
+                                                        None):
+        return False
+    return not any(getattr(v, "overwrite_with_gradient", False)
+                   or getattr(v, "constraint", None) is not None for v in variables)
 
 
 _FIT_WRAPPED = "_kerasdbg_after_fit"

@@ -210,6 +210,16 @@ def call_layer_by_layer(model, inputs, training, on_output, path: Path = ()):
         on_output(qualified_name(path, layer), outputs)
         return outputs
 
+    if not path:
+        # Under a scope of kerasdbg's own: a layer's scope is its name, which
+        # Keras accepts inside a model's scope but TensorFlow refuses at the
+        # root of a graph ("'_d' is not a valid root scope name").
+        with keras.name_scope("kerasdbg_replay"):
+            return _call_graph(model, inputs, on_output, path, call)
+    return _call_graph(model, inputs, on_output, path, call)
+
+
+def _call_graph(model, inputs, on_output, path: Path, call):
     if isinstance(model, keras.Sequential):
         originals = _model_inputs(model)
         if originals:

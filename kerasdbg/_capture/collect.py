@@ -219,12 +219,28 @@ class Collector:
                     histograms=histograms, tags=row_tags, histogram_tags=histogram_tags,
                     optimizer=name, applied=bool(meta[row, 3]))))
 
+    def _bypassed(self, model) -> str:
+        """Why the optimizers whose `apply` did not pass through kerasdbg
+        (`Engine.bypassed`) are not recorded; "" when there is none."""
+        names = {id(o): n for n, o in internals.find_optimizers(model)}
+        said = []
+        for key, optimizer in self.engine.bypassed.items():
+            name = names.get(key, getattr(optimizer, "name", "?"))
+            own = vars(optimizer).get("apply")
+            how = (f"the optimizer holds an `apply` of its own ({_qualname(own)}), which calls "
+                   "`apply` as it was before kerasdbg's route" if own is not None else
+                   "something calls a copy of `apply` it saved before kerasdbg's route")
+            said.append(f"{name} ({type(optimizer).__name__}) applied gradients without its "
+                        f"`apply` passing through kerasdbg: {how}")
+        return "; ".join(said)
+
     def _diagnose(self) -> None:
         """After the first execution with steps: says once, for each request
         that recorded nothing by construction, why."""
         model = self.engine._model()
         applied = [h for h in self.engine.hooks.values() if h.channels]
         found = [name for name, _ in internals.find_optimizers(model)]
+        bypassed = self._bypassed(model)
         silent: Dict[tuple, List[Request]] = {}
         for request in self.engine.requests:
             if not request.per_variable:
@@ -234,7 +250,9 @@ class Collector:
                 continue
             if any(id(request) in c.slots for c in self.engine.channels):
                 continue
-            if not self.engine.channels:
+            if bypassed:
+                why = bypassed
+            elif not self.engine.channels:
                 if not model.trainable_variables:
                     why = (f"the model {model.name!r} has no trainable variables, so no "
                            "optimizer applied gradients")
@@ -253,6 +271,13 @@ class Collector:
                        f"include={request.include!r}, exclude={request.exclude!r}: "
                        f"{listing}")
             silent.setdefault((request.owner, why), []).append(request)
+        watching = [r for r in self.engine.requests if r.per_variable]
+        if bypassed and not silent and watching:
+            # The others are recorded; this one is not.
+            message = f"kerasdbg records nothing of an optimizer this fit: {bypassed}."
+            if any(r.strict for r in watching):
+                raise ValueError(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=5)
         # One message per callback and cause, whatever its number of requests.
         for (owner, why), requests in silent.items():
             if any(r.for_rules for r in requests):
@@ -265,3 +290,7 @@ class Collector:
                 raise ValueError(message)
             # The frame it named from `Engine` (one more between: `Engine.collect`).
             warnings.warn(message, RuntimeWarning, stacklevel=5)
+
+
+def _qualname(function) -> str:
+    return getattr(function, "__qualname__", None) or type(function).__name__

@@ -24,6 +24,7 @@ from kerasdbg import _events
 from kerasdbg import _keras_internals as internals
 from kerasdbg._capture.channels import Channel, Hook
 from kerasdbg._capture.collect import Collector
+from kerasdbg._capture import faults as faults_module
 from kerasdbg._capture.faults import Faults
 from kerasdbg._capture.quantities import Quantities, _several_replicas
 from kerasdbg._capture.requests import (
@@ -46,6 +47,8 @@ class _StepState:
         self.y = self.y_pred = None
         self.fault = None
         self.first_step = None  # the step of the first optimizer apply
+        self.frozen_before = None  # whether an earlier step froze the weights
+        self.localizations: List[Callable[[], None]] = []  # for the step's end
         # The applies traced so far, in order, and the index among them of the
         # first whose own fault test failed (-1: none), in-graph.
         self.order: List["Channel"] = []
@@ -60,6 +63,7 @@ class _ApplyContext:
         self.channel = channel
         self.step = None
         self.frozen = None
+        self.frozen_before = None
         self.loss = None
         self.step_slots = None
         self.clipped = None
@@ -71,6 +75,9 @@ _TLS = threading.local()
 # (replica id, id(inner optimizer)) -> the apply being traced: the reduction
 # may run in another thread than `apply` (a merge_call under Mirrored).
 _CONTEXTS: Dict[Tuple[Optional[int], int], _ApplyContext] = {}
+# (replica id or None in a cross-replica context, id(inner optimizer)) -> the
+# flag that skips the update of the apply being traced (see `_route_update`).
+_GATES = faults_module.GATES
 
 
 def _route_apply(optimizer, original, grads, trainable_variables=None):
@@ -100,7 +107,40 @@ def _route_reduce(optimizer, original, grads_and_vars):
     if context is not None:
         engine = context.state.engine
         engine._guard(lambda: engine.quantities.record_applied(context, reduced))
+    else:
+        state = getattr(_TLS, "state", None)
+        if state is not None and not state.in_apply:
+            # The optimizer reduces the gradients it applies, but its `apply`
+            # did not pass through `_route_apply`: something calls a copy of
+            # it that it saved (an instance attribute `apply`, say).
+            state.engine.bypassed.setdefault(id(optimizer), optimizer)
     return reduced
+
+
+def _route_update(optimizer, original, distribution, grads_and_vars, learning_rate):
+    """The update of the variables, skipped where the apply being traced
+    has a freeze gate (`Faults.apply_unless_frozen`)."""
+    gate = _GATES.get((internals.replica_id(), id(optimizer)))
+    if gate is None:
+        return original(distribution, grads_and_vars, learning_rate)
+
+    # The step count as the update reads it, read before the condition: a
+    # condition that reads `iterations` would hold back `apply`'s count of
+    # the step (written after it) until the batch is known, where plain Keras
+    # counts it without the batch.
+    iterations = internals.raw_iterations(optimizer)
+    step_count = internals.read(iterations)
+
+    def update():
+        object.__setattr__(optimizer, internals.ITERATIONS_ATTRIBUTE, step_count)
+        try:
+            original(distribution, grads_and_vars, learning_rate)
+        finally:
+            object.__setattr__(optimizer, internals.ITERATIONS_ATTRIBUTE, iterations)
+        return tf.constant(True)
+
+    tf.cond(gate, lambda: tf.constant(False), update)
+    return None
 
 
 _ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -163,6 +203,9 @@ class Engine:
         self.hooks: Dict[int, Hook] = {}
         self.channels: List[Channel] = []
         self._shadowed: Dict[str, object] = {}
+        # Optimizers that reduced gradients in the traced step without their
+        # `apply` passing through the route, by id.
+        self.bypassed: Dict[int, object] = {}
         self._lock = threading.Lock()
         self._several: Optional[bool] = None
         # The "step" buffer: [row, train id, loss, loss captured, frozen,
@@ -336,6 +379,7 @@ class Engine:
         object.__setattr__(model, "compute_loss", compute_loss)
         self.installed = True
         self._several = None
+        self.bypassed = {}
         on_fit_end(model, self, self._after_failed_fit)
         model.make_train_function(force=True)
 
@@ -356,9 +400,11 @@ class Engine:
         """Runs trace-time instrumentation; a failure warns unless strict."""
         if self._failed or not self._prepared:
             return None
+        depth = internals.name_scope_depth()
         try:
             return function()
         except Exception as error:  # noqa: BLE001 - any failure of ours
+            internals.drop_name_scopes(depth)
             if any(r.strict for r in self.requests):
                 raise
             self._failed = True
@@ -386,7 +432,7 @@ class Engine:
         previous = getattr(_TLS, "state", None)
         _TLS.state = state
         try:
-            with internals.optimizer_routes(_route_apply, _route_reduce):
+            with internals.optimizer_routes(_route_apply, _route_reduce, _route_update):
                 logs = step_function(data)
         finally:
             _TLS.state = previous
@@ -490,7 +536,8 @@ class Engine:
             applied = None
             if before is not None and context.frozen is not None:
                 applied = self._guard(lambda: self.faults.apply_unless_frozen(
-                    original, optimizer, grads, trainable_variables, context.frozen))
+                    original, optimizer, grads, trainable_variables, context.frozen,
+                    context.frozen_before))
             result = None
             if applied is None:
                 result = original(grads, trainable_variables)
@@ -557,7 +604,7 @@ class Engine:
         model = self._model()
         if self._several is None and state.applies:
             self._several = len(state.applies) > 1
-        frozen = self.faults.end_step(model)
+        frozen = self.faults.end_step(model, state)
         row = self._row(state.train_id)
         if self._step_values is not None:
             self._write_step(state, logs, frozen, row)

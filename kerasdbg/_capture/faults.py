@@ -31,11 +31,17 @@ from kerasdbg._capture.quantities import _all_finite, _dense, _several_replicas
 from kerasdbg._capture.requests import Freeze
 
 if TYPE_CHECKING:
-    from kerasdbg._capture.engine import Engine, _ApplyContext
+    from kerasdbg._capture.engine import Engine, _ApplyContext, _StepState
 
 
 MAX_FLAGGED = 4096
 """Variables of one optimizer whose non-finite gradient NaN localisation can name."""
+
+
+GATES: Dict[Tuple[Optional[int], int], object] = {}
+"""(replica id, or None in a cross-replica context; id of the inner
+optimizer) -> the fault flag that skips the variables' update of the apply
+being traced (`Faults.apply_unless_frozen`, read by the engine's update route)."""
 
 
 _REPLAYS = "_kerasdbg_replays"
@@ -154,6 +160,7 @@ class Faults:
         step = context.step
         loss, nonfinite, fault, frozen = self._step_loss_and_fault(context, optimizer, grads)
         context.loss, context.frozen = loss, frozen
+        context.frozen_before = state.frozen_before
         position = tf.constant(len(state.order), tf.int64)
         state.order.append(channel)
         if fault is not None:
@@ -161,7 +168,16 @@ class Faults:
             earlier = tf.constant(-1, tf.int64) if state.first_fault is None else state.first_fault
             state.first_fault = tf.where(tf.logical_and(fault, earlier < 0), position, earlier)
         if nonfinite is not None and self._localizes():
-            self._localize(context, step, nonfinite, grads)
+            if frozen is None:
+                self._localize(context, step, nonfinite, grads)
+            else:
+                # After the applies, at the end of the step: the replay reads
+                # the weights, and an update written after that read would
+                # wait for the batch, where plain Keras's writes of `apply`
+                # that need no batch (its step count) do not. A fault skips
+                # the update, so the weights it reads are the same.
+                state.localizations.append(
+                    lambda: self._localize(context, step, nonfinite, grads))
 
     def _step_loss_and_fault(self, context: _ApplyContext, optimizer, grads):
         """`(loss, nonfinite, fault, frozen)` of the apply, each None if unused.
@@ -220,7 +236,11 @@ class Faults:
             fault = tf.logical_or(fault, over)
         if freeze is None:
             return loss, nonfinite, fault, None
-        frozen = tf.logical_or(self._frozen.read_value() > 0, fault)
+        before = self._frozen.read_value() > 0
+        if state.frozen_before is None:
+            # As the last train step left it: known before this step's batch.
+            state.frozen_before = before
+        frozen = tf.logical_or(before, fault)
         self._frozen.assign(tf.cast(frozen, tf.int64))
         return loss, nonfinite, fault, frozen
 
@@ -327,8 +347,20 @@ class Faults:
         _buffers.run_if(tf.logical_and(frozen, saved), restore)
         _buffers.run_if(tf.logical_not(frozen), save)
 
-    def apply_unless_frozen(self, original_apply, optimizer, grads, trainable_variables, frozen):
+    def apply_unless_frozen(self, original_apply, optimizer, grads, trainable_variables, frozen,
+                            frozen_before):
         """Applies the update unless `frozen`; a frozen step only counts itself.
+
+        `frozen_before` says whether an earlier train step froze the weights:
+        read before this step's batch is known, it chooses between counting
+        the step and Keras's own `apply`. Where the optimizer allows it
+        (`update_gateable`), the fault of this step (`frozen`, from the
+        gradients) skips only the variables' update inside that `apply`
+        (`_route_update`): what Keras does in `apply` independently of the
+        gradients (the step count, the learning rate, weight decay) runs as
+        in plain Keras, also in the call that meets the end of a dataset of
+        unknown length, where no batch comes and plain Keras still counts a
+        step (the update waits for the batch). Elsewhere `frozen` chooses.
 
         Strategies that need `merge_call` (Mirrored, OneDevice) get the
         `tf.cond` in cross-replica context, as `LossScaleOptimizer` does.
@@ -338,6 +370,10 @@ class Faults:
         scaled = inner is not optimizer
         # Built here, not inside a branch (a LossScaleOptimizer builds in apply).
         internals.ensure_built(optimizer, trainable_variables)
+        variables = (internals.optimizer_variables(inner) if trainable_variables is None
+                     else list(trainable_variables))
+        gated = frozen_before is not None and internals.update_gateable(optimizer, variables)
+        choice = frozen_before if gated else frozen
 
         def count_step(grads, trainable_variables):
             # The gradient statistics of a frozen step are recorded too: the
@@ -351,6 +387,16 @@ class Faults:
             getattr(inner, internals.REDUCE_METHOD)(list(zip(grads, variables)))
             internals.raw_iterations(optimizer).assign_add(1)
 
+        def apply(gate, grads, trainable_variables):
+            if not gated:
+                return original_apply(grads, trainable_variables)
+            key = (internals.replica_id(), id(inner))
+            GATES[key] = gate
+            try:
+                return original_apply(grads, trainable_variables)
+            finally:
+                GATES.pop(key, None)
+
         def branch(function):
             def run():
                 function()
@@ -360,30 +406,44 @@ class Faults:
 
         if tf.__internal__.distribute.strategy_supports_no_merge_call():
             tf.cond(
-                frozen, branch(lambda: count_step(grads, trainable_variables)),
-                branch(lambda: original_apply(grads, trainable_variables)),
+                choice, branch(lambda: count_step(grads, trainable_variables)),
+                branch(lambda: apply(frozen, grads, trainable_variables)),
             )
             return True
 
-        def cross_replica(distribution, frozen, grads, trainable_variables):
-            flag = distribution.experimental_local_results(frozen)[0]
+        def cross_replica(distribution, choice, frozen, grads, trainable_variables):
+            flag = distribution.experimental_local_results(choice)[0]
+
+            def update():
+                # The update runs in a cross-replica context (Keras's merge_call).
+                key = (None, id(inner))
+                GATES[key] = distribution.experimental_local_results(frozen)[0]
+                try:
+                    distribution.extended.call_for_each_replica(
+                        original_apply, args=(grads, trainable_variables))
+                finally:
+                    GATES.pop(key, None)
+
             tf.cond(
                 flag,
                 branch(lambda: distribution.extended.call_for_each_replica(
                     count_step, args=(grads, trainable_variables))),
-                branch(lambda: distribution.extended.call_for_each_replica(
+                branch(update if gated else lambda: distribution.extended.call_for_each_replica(
                     original_apply, args=(grads, trainable_variables))),
             )
 
         tf.distribute.get_replica_context().merge_call(
-            cross_replica, args=(frozen, grads, trainable_variables)
+            cross_replica, args=(choice, frozen, grads, trainable_variables)
         )
         return True
 
-    def end_step(self, model):
-        """At the end of the train step: whether the weights are frozen (None
-        when no fault freezes them); a frozen step puts back the state
-        variables, any other saves them."""
+    def end_step(self, model, state: "_StepState"):
+        """At the end of the train step: the NaN localisations left to it,
+        then whether the weights are frozen (None when no fault freezes
+        them); a frozen step puts back the state variables, any other saves
+        them (after the replay, which updates them too)."""
+        for localize in state.localizations:
+            localize()
         freeze = self._freeze()
         frozen = None
         if freeze is not None:
