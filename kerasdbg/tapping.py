@@ -29,7 +29,9 @@ def insert_taps(
 
     The new model calls the original layers (the weights are shared: training
     one trains the other) and adds, after each output of each selected layer,
-    a `TapLayer` (or the layer `tap` makes) named `<layer>_tap`. Sequential,
+    a `TapLayer` (or the layer `tap` makes) named `<layer>_tap`; a layer with
+    several outputs (a list, a tuple, a dict) gets one tap per output, named
+    by its place in the structure (`<layer>_tap_0`, `<layer>_tap_<key>`). Sequential,
     Functional and nested models are supported; a nested model is rebuilt with
     its taps inside (and keeps its name) only where it holds a selected layer.
     The model's output names are kept, so loss dicts and logs do not change.
@@ -157,14 +159,17 @@ class _TapReplay(_replay.SelectionReplay):
     def after_call(self, layer, path, outputs):
         if not self.is_selected(layer, path):
             return outputs
-        flat = keras.tree.flatten(outputs)
+        flat = keras.tree.flatten_with_path(outputs)
         base = _replay.qualified_name(path, layer).replace("/", "_") + "_tap"
         tapped = []
-        for index, tensor in enumerate(flat):
+        for place, tensor in flat:
             if not isinstance(tensor, keras.KerasTensor):
                 tapped.append(tensor)
                 continue
-            tap_name = self._unique(base if len(flat) == 1 else f"{base}_{index}")
+            # One tap per output, named by its place in the structure: the
+            # key of a dict, the index in a list or tuple (`<layer>_tap_a_0`).
+            suffix = "_".join(str(key).replace("/", "_") for key in place)
+            tap_name = self._unique(base if len(flat) == 1 else f"{base}_{suffix}")
             tapped.append(_make_tap(self._tap, layer, tap_name)(tensor))
         return keras.tree.pack_sequence_as(outputs, tapped)
 

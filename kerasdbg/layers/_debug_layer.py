@@ -203,10 +203,34 @@ class DebugLayer(keras.layers.Layer):
         super().build(input_shape)
 
     def __call__(self, inputs, *args, **kwargs):
+        self._check_single(inputs)
         # Arrays become tensors of their own dtype (inputs are not autocast).
         if isinstance(inputs, (np.ndarray, np.generic, list, float, int)):
             inputs = tf.convert_to_tensor(inputs)
         return super().__call__(inputs, *args, **kwargs)
+
+    def _check_single(self, inputs) -> None:
+        """Raises when `inputs` is a structure of tensors (the outputs of a
+        layer with several outputs: a dict, a list, a tuple): a debug layer
+        records one tensor, said when the model is built."""
+        if not isinstance(inputs, (dict, list, tuple)):
+            return
+        leaves = keras.tree.flatten(inputs)
+        if isinstance(inputs, list) and not any(_is_tensor(leaf) for leaf in leaves):
+            return  # a (nested) list of numbers: one tensor
+        if isinstance(inputs, dict):
+            received = f"a dict with keys {sorted(map(str, inputs))}"
+            example = f"outputs[{sorted(inputs, key=str)[0]!r}]"
+        else:
+            received = f"a {type(inputs).__name__} of {len(inputs)}"
+            example = "outputs[0]"
+        raise TypeError(
+            f"{type(self).__name__} {self.name!r}: `inputs` must be one tensor: the layer "
+            "records one tensor and returns it. For a layer with several outputs, put one "
+            f"{type(self).__name__} on each (`{type(self).__name__}(name=...)({example})`), or "
+            "let `kerasdbg.insert_taps(model, layers=...)` put one after each output, named "
+            f"by its place in the structure (`<layer>_tap_<key>`). Received: inputs={received}"
+        )
 
     def compute_output_shape(self, input_shape):
         return input_shape
@@ -460,3 +484,8 @@ class DebugLayer(keras.layers.Layer):
                 RuntimeWarning,
                 stacklevel=3,
             )
+
+
+def _is_tensor(value) -> bool:
+    return isinstance(value, (keras.KerasTensor, tf.Tensor, tf.Variable, keras.Variable,
+                              np.ndarray))
