@@ -95,7 +95,8 @@ def _parser() -> argparse.ArgumentParser:
     tags = commands.add_parser(
         "tags",
         help="list the tags of a log directory",
-        description="Lists the tags of a log directory. Example: kerasdbg tags runs/demo/healthy",
+        description="Lists the tags of a log directory. Exit status 2 on a missing or empty "
+        "directory, or when no tag matches. Example: kerasdbg tags runs/demo/healthy",
     )
     tags.add_argument("log_dir")
     tags.add_argument("--kind", choices=["scalars", "histograms", "text"], default="scalars")
@@ -108,7 +109,8 @@ def _parser() -> argparse.ArgumentParser:
         "activation health: the 10 largest as lines and all of them as a heatmap), the "
         "epoch logs (a plot for several epochs, a table for one), and prints a short "
         "summary (first non-finite step, largest and smallest gradients). "
-        "Exit status 2 on a missing, empty or not-a-run directory. "
+        "Exit status 2 on a missing, empty or not-a-run directory, or when the report "
+        "cannot be written. "
         "Example: kerasdbg report runs/demo/lr_too_high --out report/",
     )
     report.add_argument("log_dir")
@@ -186,22 +188,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 2
         from kerasdbg.demo import run_demo
 
-        run_demo(args.out, epochs=args.epochs)
+        try:
+            run_demo(args.out, epochs=args.epochs)
+        except OSError as error:
+            print(f"kerasdbg demo: {error}", file=sys.stderr)
+            return 2
         return 0
     if args.command == "tags":
-        from kerasdbg.reader import load_run
-
-        try:
-            run = load_run(args.log_dir)
-        except FileNotFoundError as error:
-            print(error, file=sys.stderr)
-            return 2
-        found = run.tags(args.pattern, kind=args.kind)
-        if not found:
-            print(f"kerasdbg tags: no {args.kind} tags in {args.log_dir}", file=sys.stderr)
-            return 1
-        print("\n".join(found))
-        return 0
+        return _tags(args)
     if args.command == "check":
         return _check(args)
     if args.command == "compare":
@@ -213,10 +207,32 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 
+def _tags(args) -> int:
+    from kerasdbg.reader import load_run
+    from kerasdbg.report import NotARunError, require_run
+
+    try:
+        run = load_run(args.log_dir)
+        if not run.runs:
+            require_run(run)  # says that the directory holds no event file
+    except (FileNotFoundError, NotARunError) as error:
+        print(f"kerasdbg tags: {error}", file=sys.stderr)
+        return 2
+    found = run.tags(args.pattern, kind=args.kind)
+    if not found:
+        matching = f" matching {args.pattern!r}" if args.pattern is not None else ""
+        print(f"kerasdbg tags: no {args.kind} tags{matching} in {args.log_dir!r}. Runs: "
+              f"{', '.join(run.runs)}", file=sys.stderr)
+        return 2
+    print("\n".join(found))
+    return 0
+
+
 def _check(args) -> int:
     from kerasdbg import rules as rules_lib
     from kerasdbg.reader import load_run
     from kerasdbg.offline import can_check, check_run, recorded_pairs
+    from kerasdbg.report import require_run
 
     try:
         if args.rule:

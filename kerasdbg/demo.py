@@ -13,6 +13,7 @@ downloaded.
 from __future__ import annotations
 
 import os
+import tempfile
 import warnings
 from typing import Dict
 
@@ -135,13 +136,29 @@ def summarize(name: str, gradients) -> str:
     return "\n".join(lines)
 
 
+def _writable(out: str) -> None:
+    """Makes `out` and writes a file in it, or says in one line why it cannot."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as error:
+        raise OSError(f"run_demo: `out` must be a directory it can write in "
+                      f"({error.strerror or error}). Received: out={out!r}") from error
+
+
 def run_demo(out: str = "runs/demo", epochs: int = 3) -> Dict[str, str]:
     """Writes the demo's log directories under `out` and prints how to open them.
 
     Returns:
         The run name -> log directory.
+
+    Raises:
+        OSError: `out` cannot be made or written in (before any training).
     """
     from kerasdbg.report import write_report
+
+    _writable(out)
 
     runs = {
         "healthy": dict(learning_rate=1e-3, optimizer="adam"),

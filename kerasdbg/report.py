@@ -16,8 +16,8 @@ from kerasdbg import _tags
 from kerasdbg.reader import Run, load_run
 from kerasdbg.rules.rule import CLASSES, COLLECTIONS, SCALAR_COLLECTIONS
 
-__all__ = ("NotARunError", "collect", "first_positive_step", "mean_norms", "summary",
-           "write_report")
+__all__ = ("NotARunError", "collect", "first_positive_step", "mean_norms", "require_run",
+           "summary", "write_report")
 
 KERASDBG_PREFIXES = tuple(f"{c}/" for c in COLLECTIONS + SCALAR_COLLECTIONS + (CLASSES,))
 """Tags that kerasdbg writes start with one of these."""
@@ -118,19 +118,7 @@ def collect(log_dir: str, run_name: str = "train",
         NotARunError: it holds no event files, or none with kerasdbg tags.
     """
     run = load_run(log_dir)
-    if not run.runs:
-        raise NotARunError(
-            f"{log_dir!r} holds no TensorBoard event files; give the log_dir of the "
-            "kerasdbg callbacks (e.g. GradientStatistics(log_dir))"
-        )
-    if run_name not in run.runs:
-        raise NotARunError(f"{log_dir!r} has no run {run_name!r}. Runs: {', '.join(run.runs)}")
-    tags = run.tags(run=run_name)
-    if not any(t.startswith(KERASDBG_PREFIXES) for t in tags):
-        raise NotARunError(
-            f"run {run_name!r} of {log_dir!r} holds no kerasdbg tags (gradients/, weights/, "
-            f"activations/, step/, epoch/). Its tags: {', '.join(tags[:10]) or '(none)'}"
-        )
+    require_run(run, run_name)
     parts = [
         ("loss", r"step/loss|epoch/loss|epoch/val_loss"),
         ("global_norm", r"gradients/(.+/)?global_norm"),
@@ -160,6 +148,61 @@ def collect(log_dir: str, run_name: str = "train",
     if progress:
         progress(total, total, "read")
     return data
+
+
+def require_run(run: Run, run_name: str = "train") -> List[str]:
+    """The scalar tags of a run that kerasdbg can read back (`report`,
+    `check`); else a `NotARunError` that says what the directory holds: no
+    event file, other runs (and, for a directory of log directories, which
+    ones to give), no value yet (a fit that has just started, a process
+    killed before its first steps reached the event file), or no kerasdbg
+    tag.
+
+    Args:
+        run: the log directory, from `load_run`.
+        run_name: the run of the log directory. Defaults to `"train"`.
+
+    Raises:
+        NotARunError: the message says why.
+
+    Examples:
+        >>> import tempfile
+        >>> from kerasdbg import load_run
+        >>> from kerasdbg.report import NotARunError, require_run
+        >>> try:
+        ...     require_run(load_run(tempfile.mkdtemp()))
+        ... except NotARunError as error:
+        ...     print(str(error).split("; ")[0].split("' ")[1])
+        holds no TensorBoard event files
+    """
+    log_dir = run.log_dir
+    if not run.runs:
+        raise NotARunError(
+            f"{log_dir!r} holds no TensorBoard event files; give the log_dir of the "
+            "kerasdbg callbacks (e.g. GradientStatistics(log_dir))"
+        )
+    if run_name not in run.runs:
+        # A directory of log directories (`runs/demo` of `runs/demo/healthy/train`).
+        nested = sorted({os.path.join(log_dir, name[:-len(run_name) - 1]) for name in run.runs
+                         if name.endswith("/" + run_name)})
+        hint = (f" It holds the log directories {', '.join(nested)}: give one of them."
+                if nested else "")
+        raise NotARunError(
+            f"{log_dir!r} has no run {run_name!r}. Runs: {', '.join(run.runs)}.{hint}")
+    tags = run.tags(run=run_name)
+    if not tags and not run.tags(kind="histograms", run=run_name) \
+            and not run.tags(kind="text", run=run_name):
+        raise NotARunError(
+            f"run {run_name!r} of {log_dir!r} holds no values yet: its event files hold no "
+            "step (a fit that has just started, or a process killed before its first steps "
+            "were written)"
+        )
+    if not any(t.startswith(KERASDBG_PREFIXES) for t in tags):
+        raise NotARunError(
+            f"run {run_name!r} of {log_dir!r} holds no kerasdbg tags (gradients/, weights/, "
+            f"activations/, step/, epoch/). Its tags: {', '.join(tags[:10]) or '(none)'}"
+        )
+    return tags
 
 
 def first_positive_step(table: pd.DataFrame) -> Optional[int]:
@@ -311,9 +354,11 @@ def _pyplot():
 
 
 def _save(plt, figure, path: str) -> str:
-    figure.tight_layout()
-    figure.savefig(path, dpi=96)
-    plt.close(figure)
+    try:
+        figure.tight_layout()
+        figure.savefig(path, dpi=96)
+    finally:  # a write that failed (a full disk) leaves no figure open
+        plt.close(figure)
     return path
 
 
@@ -494,6 +539,9 @@ def write_report(log_dir: str, out: Optional[str] = None, run_name: str = "train
     Raises:
         FileNotFoundError: `log_dir` is not a directory.
         NotARunError: it holds nothing kerasdbg can report on.
+        NotADirectoryError: `out` is a file.
+        OSError: a file of the report could not be written (a full disk, a
+            directory without write permission); the error names it.
 
     Examples:
         >>> import keras, numpy as np, os, tempfile
@@ -524,8 +572,18 @@ _STYLE = (
 )
 
 
+def _out(log_dir: str, out: Optional[str]) -> str:
+    """Where the report goes: `out`, or `<log_dir>/report`; a file is refused."""
+    out = out or os.path.join(log_dir, "report")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise NotADirectoryError(
+            f"write_report: `out` must be a directory (made if missing), not a file. "
+            f"Received: out={out!r}")
+    return out
+
+
 def _write(data: Dict[str, object], out: Optional[str]) -> str:
-    out = out or os.path.join(data["log_dir"], "report")
+    out = _out(data["log_dir"], out)
     os.makedirs(out, exist_ok=True)
     sections = []
 
@@ -606,13 +664,21 @@ def _write(data: Dict[str, object], out: Optional[str]) -> str:
 
 
 def main_report(log_dir: str, out: Optional[str], run_name: str) -> int:
-    """The `kerasdbg report` command: exit status 0, or 2 on bad input."""
+    """The `kerasdbg report` command: exit status 0, or 2 on bad input or
+    when the report cannot be written."""
     try:
+        out = _out(log_dir, out)
         data = collect(log_dir, run_name, _progress(sys.stderr))
-    except (FileNotFoundError, NotARunError) as error:
+    except (FileNotFoundError, NotADirectoryError, NotARunError) as error:
         print(f"kerasdbg report: {error}", file=sys.stderr)
         return 2
-    page = _write(data, out)
+    try:
+        page = _write(data, out)
+    except OSError as error:
+        where = f" ({error.filename})" if error.filename else ""
+        print(f"kerasdbg report: could not write the report in {out!r}: "
+              f"{error.strerror or error}{where}", file=sys.stderr)
+        return 2
     print(summary(data))
     print(f"report: {page}")
     return 0

@@ -4,10 +4,11 @@ import contextlib
 import io
 import os
 import re
+import subprocess
 
 import pytest
 
-from kerasdbg import cli, load_run
+from kerasdbg import _events, cli, load_run
 
 
 @pytest.fixture(scope="module")
@@ -76,3 +77,87 @@ def test_help_explains_each_command(capsys):
         cli.main(["--help"])
     text = capsys.readouterr().out
     assert "demo" in text and "tags" in text and "example" in text.lower()
+
+
+# ------------------------------------------------- directories that are not a run
+def _log_dir(path, steps=(1, 2)):
+    """A log directory of one `train` run holding a few kerasdbg values."""
+    writer = _events.EventWriter(os.path.join(str(path), "train"))
+    for step in steps:
+        writer.write(step, {"gradients/global_norm": float(step), "step/loss": 1.0 / step})
+    writer.close()
+    return str(path)
+
+
+def _error(capsys, argv):
+    code = cli.main(argv)
+    captured = capsys.readouterr()
+    return code, captured.err.strip().splitlines()[-1]
+
+
+def test_check_says_what_report_says_of_a_directory_that_is_not_a_run(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    parent = tmp_path / "parent"  # a directory of log directories
+    _log_dir(parent / "a")
+    _log_dir(parent / "b")
+    started = tmp_path / "started"  # a run whose process died before its first step was written
+    _events.EventWriter(str(started / "train")).close()
+    for directory, message in [
+        (empty, "holds no TensorBoard event files; give the log_dir of the kerasdbg callbacks"),
+        (parent, f"has no run 'train'. Runs: a/train, b/train. It holds the log directories "
+                 f"{parent / 'a'}, {parent / 'b'}: give one of them."),
+        (started, "holds no values yet: its event files hold no step (a fit that has just "
+                  "started, or a process killed before its first steps were written)"),
+    ]:
+        check = _error(capsys, ["check", str(directory)])
+        report = _error(capsys, ["report", str(directory), "--out", str(tmp_path / "out")])
+        assert check[0] == report[0] == 2, directory
+        assert message in check[1] and check[1].startswith("kerasdbg check: "), check
+        assert check[1].replace("kerasdbg check: ", "") == \
+            report[1].replace("kerasdbg report: ", ""), directory
+        assert "must hold at least one rule" not in check[1]
+
+
+def test_tags_exits_2_on_the_mistakes_the_other_commands_exit_2_on(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    code, message = _error(capsys, ["tags", str(tmp_path / "empty")])
+    assert code == 2 and "holds no TensorBoard event files" in message
+    code, message = _error(capsys, ["tags", str(tmp_path / "missing")])
+    assert code == 2 and "`log_dir` is not a directory" in message
+    log_dir = _log_dir(tmp_path / "run")
+    code, message = _error(capsys, ["tags", log_dir, "--pattern", "^nope"])
+    assert code == 2 and message == (f"kerasdbg tags: no scalars tags matching '^nope' in "
+                                     f"{log_dir!r}. Runs: train")
+    code, message = _error(capsys, ["tags", log_dir, "--kind", "histograms"])
+    assert code == 2 and "no histograms tags in" in message
+    assert cli.main(["tags", log_dir]) == 0
+    assert capsys.readouterr().out.split() == ["gradients/global_norm", "step/loss"]
+
+
+@contextlib.contextmanager
+def _read_only_directory(path):
+    """A read-only tmpfs at `path` (the fault injected for real: root writes through
+    permission bits, not through a read-only mount)."""
+    os.makedirs(path)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,ro", "tmpfs", str(path)],
+                             capture_output=True, text=True, timeout=30)
+    if mounted.returncode:
+        pytest.fail(f"this test needs root to mount a tmpfs: {mounted.stderr.strip()!r}")
+    try:
+        yield str(path)
+    finally:
+        subprocess.run(["umount", str(path)], capture_output=True, timeout=30, check=True)
+
+
+def test_demo_refuses_an_out_it_cannot_write_in_one_line_before_training(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with _read_only_directory(tmp_path / "read_only") as read_only:
+        for out, cause in [(str(afile / "demo"), "Not a directory"),
+                           (os.path.join(read_only, "demo"), "Read-only file system")]:
+            assert cli.main(["demo", "--out", out]) == 2
+            captured = capsys.readouterr()
+            assert captured.out == ""  # nothing trained
+            assert captured.err == (f"kerasdbg demo: run_demo: `out` must be a directory it can "
+                                    f"write in ({cause}). Received: out={out!r}\n")

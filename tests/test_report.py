@@ -1,5 +1,6 @@
 """`kerasdbg report`: the HTML page, its plots and the summary, against GradientTape."""
 
+import contextlib
 import html.parser
 import os
 import re
@@ -379,3 +380,62 @@ def test_report_plots_all_lines_of_a_few_variables_and_keeps_markdown_cells_whol
     assert rows[0][3]["text"] == "|values| above 10 in gradients"
     assert rows[0][2]["code"] == tensors[:5]
     assert rows[0][2]["text"].endswith("… and 4 more")
+
+
+# ------------------------------------------------------- where the report goes
+def _small_run(log_dir):
+    writer = _events.EventWriter(os.path.join(log_dir, "train"))
+    for step in (1, 2, 3):
+        writer.write(step, {"gradients/global_norm": float(step), "step/loss": 1.0 / step,
+                            "gradients/m/d/kernel/l2_norm": float(step)})
+    writer.close()
+    return log_dir
+
+
+@contextlib.contextmanager
+def _tmpfs(path, options):
+    """A tmpfs mounted at `path` (the fault injected for real, as root)."""
+    os.makedirs(path)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                             capture_output=True, text=True, timeout=30)
+    if mounted.returncode:
+        pytest.fail(f"this test needs root to mount a tmpfs: {mounted.stderr.strip()!r}")
+    try:
+        yield str(path)
+    finally:
+        subprocess.run(["umount", str(path)], capture_output=True, timeout=30, check=True)
+
+
+def test_report_out_an_existing_file_is_refused_with_a_message(tmp_path, capsys):
+    log_dir = _small_run(str(tmp_path / "logs"))
+    afile = tmp_path / "afile"
+    afile.write_text("kept")
+    assert cli.main(["report", log_dir, "--out", str(afile)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"kerasdbg report: write_report: `out` must be a directory (made if missing), not a "
+        f"file. Received: out={str(afile)!r}"]
+    with pytest.raises(NotADirectoryError, match=re.escape(
+            f"write_report: `out` must be a directory (made if missing), not a file. "
+            f"Received: out={str(afile)!r}")):
+        write_report(log_dir, out=str(afile))
+    assert afile.read_text() == "kept"
+
+
+@pytest.mark.parametrize("options, cause", [
+    ("size=64k", "No space left on device"), ("size=1m,ro", "Read-only file system")],
+    ids=["full", "read-only"])
+def test_report_into_a_full_or_read_only_directory_says_so_in_one_line(
+        tmp_path, capsys, options, cause):
+    log_dir = _small_run(str(tmp_path / "logs"))
+    with _tmpfs(tmp_path / "disk", options) as disk:
+        if "ro" not in options:  # fill it up: the report's first plot does not fit
+            with open(os.path.join(disk, "filler"), "wb") as stream:
+                stream.write(b"\0" * (60 << 10))
+        out = os.path.join(disk, "report")
+        assert cli.main(["report", log_dir, "--out", out]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert lines[-1].startswith(f"kerasdbg report: could not write the report in {out!r}: "
+                                    f"{cause}"), lines
+        assert "Traceback" not in "\n".join(lines)
+        with pytest.raises(OSError, match=cause):
+            write_report(log_dir, out=out)

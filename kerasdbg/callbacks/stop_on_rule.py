@@ -209,8 +209,12 @@ class StopOnRule(CopiedAsNew, keras.callbacks.Callback):
         self.first_steps = None if first_steps is None else self.schedule.first_steps
         self.default_rules = rules is None
         self.rules = default_rules() if rules is None else check_rules(owner, rules)
-        if not callable(action):
-            check.one_of(owner, "action", action, ACTIONS)
+        if not callable(action) and (isinstance(action, bool) or action not in ACTIONS):
+            allowed = f"must be one of {', '.join(map(repr, ACTIONS))} or a callable"
+            if not isinstance(action, str):
+                raise TypeError(f"{owner}: `action` {allowed}. Received: action={action!r} "
+                                f"of type {type(action).__name__}")
+            raise ValueError(f"{owner}: `action` {allowed}. Received: action={action!r}")
         self.action = action
         self.start_step = check.non_negative_int(owner, "start_step", start_step)
         watches = any(getattr(r, "watches_nonfinite", False) for r in self.rules)

@@ -31,7 +31,17 @@ def _check_stream(owner: str, value):
         return value
     if isinstance(value, (str, os.PathLike)):
         value = os.fspath(value)
+        if value in STREAMS or value.startswith("logging:") or "://" in value:
+            return value
         if value:
+            # A file path: found wrong now, not at the first print of a fit.
+            directory = os.path.dirname(os.path.abspath(value))
+            wrong = (f"{value!r} is a directory" if os.path.isdir(value) else
+                     None if os.path.isdir(directory) else f"{directory!r} does not exist")
+            if wrong:
+                raise ValueError(
+                    f"{owner}: `output_stream` must be a stream name or a file path in an "
+                    f"existing directory; {wrong}. Received: output_stream={value!r}")
             return value
     raise TypeError(
         f"{owner}: `output_stream` must be one of {', '.join(STREAMS)}, "

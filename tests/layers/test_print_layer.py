@@ -1,6 +1,7 @@
 """PrintLayer: modes of Keras, outputs, immediate mode, arguments, saving."""
 
 import logging
+import os
 import re
 
 import keras
@@ -135,8 +136,11 @@ def test_saved_model_keeps_config_and_counters(tmp_path):
         ({"message": 3}, TypeError, "PrintLayer: `message` must be None or a str. Received: message=3"),
         ({"output_stream": 3}, TypeError, "PrintLayer: `output_stream` must be one of stderr, stdout, logging"),
         ({"printing": "immediate", "output_stream": "logging:x"}, ValueError, "printing='immediate' prints with tf.print"),
+        ({"output_stream": "/no/such/directory/print.txt"}, ValueError, "PrintLayer: `output_stream` must be a stream name or a file path in an existing directory; '/no/such/directory' does not exist. Received: output_stream='/no/such/directory/print.txt'"),
+        ({"output_stream": os.sep}, ValueError, f"PrintLayer: `output_stream` must be a stream name or a file path in an existing directory; {os.sep!r} is a directory. Received: output_stream={os.sep!r}"),
     ],
-    ids=["every", "printing", "replicas", "stats", "summarize", "message", "stream", "immediate-logger"],
+    ids=["every", "printing", "replicas", "stats", "summarize", "message", "stream", "immediate-logger",
+         "path-in-a-missing-directory", "path-of-a-directory"],
 )
 def test_bad_arguments_are_refused(kwargs, error, message):
     with pytest.raises(error, match=re.escape(message)):
