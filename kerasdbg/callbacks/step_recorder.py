@@ -37,6 +37,9 @@ class StepRecorder(RecordingCallback):
     `optimizer.iterations` after the update, from 1; step 0 records the
     weights before training (when `fit` starts at step 0). The file is
     written once every requested step is recorded, and at the end of `fit`.
+    Steps asked for that the fit did not reach are said at the end of `fit`,
+    once, with the steps it ran; a fit that reached none of them writes no
+    file (rather than an empty one).
 
     It records the first optimizer the train step applies to the selected
     variables (`model.optimizer` with Keras's `train_step`; with several
@@ -128,6 +131,9 @@ class StepRecorder(RecordingCallback):
         self._request: Optional[_step_tensors.TensorRequest] = None
         self._writer: Optional[trace_lib.TraceWriter] = None
         self._saved = False
+        self._start = 0
+        self._wanted: List[int] = []
+        self._recorded: set = set()
 
     def get_config(self) -> dict:
         """The constructor's arguments, JSON-able: a callable `layers` by its
@@ -170,8 +176,14 @@ class StepRecorder(RecordingCallback):
         initial = 0 in self._steps and start == 0 and "weights" in self.record
         steps = [s for s in self._steps if s > start]
         self._request = None
+        self._start = start
+        self._wanted = ([0] if initial else []) + steps
+        self._recorded: set = set()
         # A later fit past the recorded steps leaves the file as it is.
         self._saved = not (steps or initial)
+        if self._saved and not os.path.exists(self.path):
+            # Every step asked is behind this fit's first one (a model trained before).
+            self._say_missing(start, start)
         # Under several workers the chief saves the file; the others record
         # the same steps (their graphs must match the chief's) and save nothing.
         target = _workers.file_path(self.path, model.distribute_strategy, "StepRecorder")
@@ -224,11 +236,39 @@ class StepRecorder(RecordingCallback):
     def on_train_end(self, logs=None):
         if self._request is not None:
             _capture.engine_for(self.model).detach(self._request)
-        if not self._saved:
+        missing = [s for s in self._wanted if s not in self._recorded]
+        if missing:
+            end = max(int(internals.read(internals.raw_iterations(o)).numpy())
+                      for _, o in internals.find_optimizers(self.model))
+            self._say_missing(self._start, end, missing)
+        # No file rather than an empty one when no step asked for was reached.
+        if not self._saved and self._recorded:
             self._save()
+
+    def _say_missing(self, start: int, end: int, missing: Optional[List[int]] = None) -> None:
+        """Says once, at the end of the fit, which steps asked for were not
+        recorded, the steps the fit ran, and what the file holds."""
+        asked = list(self._steps) if missing is None else missing
+        ran = f"steps {start + 1}-{end}" if end > start else "no step"
+        if end == start + 1:
+            ran = f"step {end}"
+        if not self._recorded:
+            written = f"it wrote no file to {self.path!r}"
+            if os.path.exists(self.path):
+                written += " (the file there is from an earlier fit)"
+            message = (f"StepRecorder records nothing this fit: it was asked for step(s) "
+                       f"{', '.join(map(str, asked))} (`steps`={self.steps!r}) and this fit ran "
+                       f"{ran} (the optimizer's steps, from 1; 0 is the initial weights); "
+                       f"{written}.")
+        else:
+            message = (f"StepRecorder did not record step(s) {', '.join(map(str, asked))} "
+                       f"(`steps`={self.steps!r}): this fit ran {ran}. {self.path!r} holds "
+                       f"step(s) {', '.join(map(str, sorted(self._recorded)))}.")
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     # -------------------------------------------------------- records
     def _consume(self, steps: Dict[int, Dict[str, object]]) -> None:
+        self._recorded.update(steps)
         for step, tensors in steps.items():
             if self._writer is not None:
                 self._guarded(self._writer.record, step, **tensors)

@@ -285,3 +285,32 @@ def test_file_is_written_when_the_last_step_arrives(tmp_path):
                   callbacks=[StepRecorder(path, steps=2), Boom()])
     assert os.path.isfile(path)
     assert kerasdbg.load_trace(path).steps == [1, 2]
+
+
+def test_steps_the_fit_does_not_reach_are_said_and_no_empty_file_is_written(tmp_path):
+    path = str(tmp_path / "never.npz")
+    model = make_mlp()
+    _compile(model)
+    steps = len(X) // BATCH
+    with pytest.warns(RuntimeWarning, match=re.escape(
+            "StepRecorder records nothing this fit: it was asked for step(s) 1000 "
+            f"(`steps`=[1000]) and this fit ran steps 1-{steps} (the optimizer's steps, from 1; "
+            f"0 is the initial weights); it wrote no file to {path!r}.")) as caught:
+        model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0,
+                  callbacks=[StepRecorder(path, steps=[1000])])
+    assert len([w for w in caught if "StepRecorder" in str(w.message)]) == 1
+    assert not os.path.exists(path)
+
+
+def test_steps_partly_reached_are_said_and_the_file_holds_the_others(tmp_path):
+    path = str(tmp_path / "part.npz")
+    model = make_mlp()
+    _compile(model)
+    steps = len(X) // BATCH
+    with pytest.warns(RuntimeWarning, match=re.escape(
+            f"StepRecorder did not record step(s) 1000 (`steps`=[2, 1000]): this fit ran steps "
+            f"1-{steps}. {path!r} holds step(s) 2.")):
+        model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0,
+                  callbacks=[StepRecorder(path, steps=[2, 1000], record=["loss"])])
+    assert np.load(path)["loss@2"].shape == ()
+    assert "loss@1000" not in np.load(path).files
