@@ -237,7 +237,9 @@ class StepRecorder(RecordingCallback):
         if self._request is not None:
             _capture.engine_for(self.model).detach(self._request)
         missing = [s for s in self._wanted if s not in self._recorded]
-        if missing:
+        # A request that found no variable to record was said by the engine already.
+        said = self._request is not None and not self._request.variables
+        if missing and not said:
             end = max(int(internals.read(internals.raw_iterations(o)).numpy())
                       for _, o in internals.find_optimizers(self.model))
             self._say_missing(self._start, end, missing)
