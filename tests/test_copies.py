@@ -281,6 +281,16 @@ def test_a_copied_rule_continues_its_window_until_reset():
     assert rule.check(3, {"weights/m/d/kernel/l2_norm": 2.0}) is None  # the original is apart
 
 
+def test_a_print_layer_copy_with_a_stream_object_prints_to_stderr():
+    """As in a saved model: an object stream cannot be saved, and the copy says so."""
+    import io
+
+    layer = kerasdbg.layers.PrintLayer(output_stream=io.StringIO(), name="print")
+    with pytest.warns(UserWarning, match="cannot be saved; the saved layer prints to stderr"):
+        duplicate = copy.deepcopy(layer)
+    assert duplicate.output_stream == "stderr"
+
+
 def test_rule_fired_and_verdicts_pickle():
     """A `RuleFired` raised in a worker process reaches the parent pickled."""
     verdict = kerasdbg.rules.AllZero().check(3, {"weights/m/d/bias/zero_fraction": 1.0})
@@ -322,15 +332,16 @@ def test_layer_copies_work_in_a_model(tmp_path, name, phase):
     if phase != "fresh":
         _fit(_model(layer), fail=phase == "after_failed_fit")
     for how, duplicate in _copies(layer).items():
-        if how == "copy":
-            continue  # a shallow copy of a layer shares its variables (Keras's too)
+        # Keras copies a layer, shallow or deep, through its saving format.
         assert type(duplicate) is type(layer), how
         assert duplicate.get_config() == config, how
         assert duplicate is not layer
         if phase != "fresh":
-            # Keras copies a layer through its saving format: the config and
-            # the weights (the call counters), not the records.
+            # The config and the weights (the call counters), not the records.
+            assert duplicate.calls is not layer.calls, how
             np.testing.assert_array_equal(duplicate.calls.numpy(), layer.calls.numpy())
+            if name == "TapLayer":
+                assert len(layer.history) and not len(duplicate.history), how
         model = _model(duplicate)
         lines = _lines(print_path)
         _fit(model)

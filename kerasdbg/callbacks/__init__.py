@@ -1,4 +1,10 @@
-"""Keras callbacks of kerasdbg."""
+"""Keras callbacks of kerasdbg.
+
+A copy of a callback (`copy.deepcopy`, which KerasTuner makes for each trial,
+`copy.copy` or `pickle`) is the callback built again from the arguments its
+constructor received: the same configuration and nothing of a run (no model,
+no event writer; `history`, `latest` and `verdicts` empty until it runs).
+"""
 
 from kerasdbg.callbacks.activation_statistics import ActivationStatistics
 from kerasdbg.callbacks.gradient_statistics import GradientStatistics
