@@ -61,6 +61,7 @@ class Construction:
         magnitudes: Optional[Mapping[str, float]] = None,
         exact: Optional[Set[str]] = None,
         step: int = 0,
+        defer_first: bool = False,
     ) -> Tuple[Dict[str, float], Dict[str, float]]:
         """`(faults, new)`: the failing tensors that are faults, and those
         exempted from now on as zero by construction (report them once).
@@ -75,6 +76,11 @@ class Construction:
                 when a healthy sibling is enough.
             exact: the failing tensors that are exactly zero (default: all).
             step: the step, kept with each exemption.
+            defer_first: a tensor failing at its first chance is no fault
+                yet: it is one if it fails at its next chance too (at their
+                initial weights healthy networks have steps like no other:
+                a zero-initialised output layer zeroes every other gradient
+                at the first step only).
         """
         tensors = list(tensors)
         if first_chance is None:
@@ -132,5 +138,6 @@ class Construction:
                 if (collection, tensor) not in self.reported:
                     self.reported.add((collection, tensor))
                     new[tensor] = value
-        faults = {t: v for t, v in failing.items() if (collection, t) not in self.exempt}
+        faults = {t: v for t, v in failing.items() if (collection, t) not in self.exempt
+                  and not (defer_first and t in first_chance)}
         return faults, new

@@ -21,7 +21,10 @@ class AllZero(Rule):
     so weights that stay at their zero initial value) are not a fault: all
     zero from the first step the rule sees them while another variable of
     their layer is not, or while most variables are not. Each is reported
-    once, as an "info" verdict (see `VanishingGradient`).
+    once, as an "info" verdict (see `VanishingGradient`). A gradient all
+    zero at the first step the rule sees it fires only when it is all zero
+    at its next recorded step too: a zero-initialised output layer (keras.io's
+    DDIM) makes every other gradient exactly 0 at the first step only.
 
     Args:
         zero_fraction: the fraction (0-1) of zeros that fires. Defaults to
@@ -31,8 +34,11 @@ class AllZero(Rule):
 
     Examples:
         >>> from kerasdbg.rules import AllZero
-        >>> AllZero().check(1, {"gradients/m/d/kernel/zero_fraction": 1.0}).reason
-        'AllZero at step 1: zero_fraction at or above 1 in gradients: m/d/kernel=1'
+        >>> rule = AllZero()
+        >>> rule.check(1, {"gradients/m/d/kernel/zero_fraction": 1.0}) is None  # the first
+        True
+        >>> rule.check(2, {"gradients/m/d/kernel/zero_fraction": 1.0}).reason
+        'AllZero at step 2: zero_fraction at or above 1 in gradients: m/d/kernel=1'
     """
 
     def __init__(self, *, zero_fraction: float = 1.0, collections: Sequence[str] = COLLECTIONS,
@@ -64,7 +70,10 @@ class AllZero(Rule):
                 if not math.isnan(value) and value >= self.zero_fraction
             }
             if collection != "activations":
-                bad, exempt = self._construction.split(collection, bad, fractions, step=step)
+                # A gradient all zero at the first step only is not a fault: a
+                # zero-initialised output layer zeroes every other one then.
+                bad, exempt = self._construction.split(
+                    collection, bad, fractions, step=step, defer_first=collection == "gradients")
                 self.note(step, f"zero by construction, not a fault (all zero in {collection} "
                           "from the first step while its layer is not)", exempt)
             verdict = self.verdict_on(

@@ -1,4 +1,4 @@
-"""`VanishingGradient`: gradients whose mean magnitude is below a threshold."""
+"""`VanishingGradient`: gradients too small for the optimizer to move the weights."""
 
 from __future__ import annotations
 
@@ -10,28 +10,44 @@ from kerasdbg.rules.rule import Rule, values_of
 
 
 class VanishingGradient(Rule):
-    """Fires when the mean |gradient| of variables falls below `threshold`.
+    """Fires when a variable's gradient has vanished and its weights stopped moving.
 
-    Reads `gradients/<variable>/mean_abs` (record it with
-    `GradientStatistics(stats=[..., "mean_abs"])`, one of the defaults) and,
-    when recorded, `zero_fraction`: the mean is then taken over the non-zero
-    elements, so the rows of an embedding that the batch did not touch do
-    not count as vanishing. NaN values are left to `ExplodingTensor`.
+    A variable's gradient has vanished at a step when both hold:
 
-    Gradients that are zero by construction in a healthy network are not a
-    fault: rounding noise, 1000 times below another variable of their layer
-    at every step the rule has seen (the bias of a layer followed by a
-    normalization, the key bias of `MultiHeadAttention`), or exactly zero
-    from the first step while most variables learn (an output head the loss
-    does not use). Each is reported once, as an "info" verdict, and watched
-    again once it learns. A gradient that was healthy and then vanished, or
-    a whole layer too small (a deep sigmoid stack), is a fault.
+    - its mean |gradient| over the elements the batch touched is below
+      `threshold`: `gradients/<variable>/mean_abs` divided by the fraction
+      of non-zero elements (`zero_fraction`), so the rows of an `Embedding`
+      table that the batch did not use do not make the mean small;
+    - the optimizer does not move the weights: `weights/<variable>/
+      update_ratio` (||update|| / ||weights||) is below `update_threshold`.
+      A small gradient that Adam, RMSprop or a large learning rate still
+      turns into a real update is not vanishing (keras.io's CycleGAN, whose
+      instance-norm scales start at N(0, 0.02), trains its convolutions with
+      gradients of 1e-9 to 1e-12). Where the ratio is not recorded at the
+      step (or is infinite: weights that were zero), the gradient decides.
+
+    A variable that meets them at the first step the rule sees it is not a
+    fault unless it meets them again at its next recorded step: a
+    zero-initialised output layer (keras.io's DDIM) makes every other
+    gradient exactly 0 at the first step only. Gradients that are zero by
+    construction in a healthy network are not a fault either: rounding noise
+    1000 times below another variable of their layer at every step the rule
+    has seen (the bias of a layer followed by a normalization, the key bias
+    of `MultiHeadAttention`), or exactly zero from the first step while most
+    variables learn (an output head the loss does not use). Each is reported
+    once, as an "info" verdict, and watched again once it learns. A gradient
+    that was healthy and then vanished, or a whole layer that does not learn
+    (the first layers of a deep sigmoid stack under SGD), is a fault.
+    NaN values are left to `ExplodingTensor`.
 
     Args:
-        threshold: the mean |gradient| below which a variable's gradient has
-            vanished (SageMaker Debugger's default). Defaults to `1e-7`.
+        threshold: the mean |gradient| below which a variable's gradient
+            may have vanished (SageMaker Debugger's default). Defaults to `1e-7`.
         require: "any" fires when any variable's gradient vanished, "all"
             only when every variable's did. Defaults to `"any"`.
+        update_threshold: the update/weight ratio below which the weights
+            do not move (at 1e-8 per step, a hundred million steps change
+            them by 100%). Defaults to `1e-8`.
 
     Examples:
         >>> from kerasdbg.rules import VanishingGradient
@@ -40,8 +56,12 @@ class VanishingGradient(Rule):
         ...                "gradients/m/d2/kernel/mean_abs": 0.1}) is None
         True
         >>> rule.check(2, {"gradients/m/d1/kernel/mean_abs": 2e-9,
+        ...                "weights/m/d1/kernel/update_ratio": 4e-11,
         ...                "gradients/m/d2/kernel/mean_abs": 0.1}).reason
-        'VanishingGradient at step 2: mean |gradient| below 1e-07 for 1 of 2 variables: m/d1/kernel=2e-09'
+        'VanishingGradient at step 2: mean |gradient| below 1e-07 and update/weight ratio below 1e-08 for 1 of 2 variables: m/d1/kernel=2e-09'
+        >>> rule.check(3, {"gradients/m/d1/kernel/mean_abs": 2e-9,  # Adam still moves it
+        ...                "weights/m/d1/kernel/update_ratio": 1e-4}) is None
+        True
         >>> rule = VanishingGradient()  # a bias followed by BatchNormalization:
         >>> rule.check(1, {"gradients/m/conv/kernel/mean_abs": 0.01,
         ...                "gradients/m/conv/bias/mean_abs": 3e-11}) is None
@@ -50,12 +70,16 @@ class VanishingGradient(Rule):
         VanishingGradient at step 1: zero by construction, not a fault (mean |gradient| below 1e-07, and at every step 1000 times below another variable of its layer or exactly 0 from the first): m/conv/bias=3e-11
     """
 
-    requires = (("gradients", "mean_abs"),)
+    requires = (("gradients", "mean_abs"), ("gradients", "zero_fraction"),
+                ("weights", "update_ratio"))
 
-    def __init__(self, threshold: float = 1e-7, require: str = "any"):
+    def __init__(self, threshold: float = 1e-7, require: str = "any",
+                 update_threshold: float = 1e-8):
         owner = type(self).__name__
         self.threshold = check.number(owner, "threshold", threshold, minimum=0.0)
         self.require = check.one_of(owner, "require", require, ("any", "all"))
+        self.update_threshold = check.number(owner, "update_threshold", update_threshold,
+                                             minimum=0.0)
         self.reset()
 
     def reset(self):
@@ -63,22 +87,31 @@ class VanishingGradient(Rule):
 
     def check(self, step, record):
         values = {k: v for k, v in values_of(record, "gradients", "mean_abs") if not math.isnan(v)}
+        if not values:
+            return None
         zeros = dict(values_of(record, "gradients", "zero_fraction"))
+        ratios = dict(values_of(record, "weights", "update_ratio"))
         # Over the non-zero elements: untouched embedding rows are no gradient at all.
         magnitudes = {k: v / (1.0 - zeros[k]) if 0.0 < zeros.get(k, 0.0) < 1.0 else v
                       for k, v in values.items()}
-        low = {k: values[k] for k, v in magnitudes.items() if v < self.threshold}
+        low = {k: values[k] for k, v in magnitudes.items() if v < self.threshold
+               and not self._moves(ratios.get(k))}
         low, exempt = self._construction.split(
             "gradients", low, values, magnitudes=magnitudes,
-            exact={k for k in low if values[k] == 0.0}, step=step)
+            exact={k for k in low if values[k] == 0.0}, step=step, defer_first=True)
         self.note(step, f"zero by construction, not a fault (mean |gradient| below "
                   f"{self.threshold:g}, and at every step 1000 times below another variable "
                   "of its layer or exactly 0 from the first)", exempt)
         if self.require == "all" and len(low) < len(values):
             return None
         return self.verdict_on(
-            step, f"mean |gradient| below {self.threshold:g} for {len(low)} of {len(values)} "
-            "variables", low)
+            step, f"mean |gradient| below {self.threshold:g} and update/weight ratio below "
+            f"{self.update_threshold:g} for {len(low)} of {len(values)} variables", low)
+
+    def _moves(self, ratio) -> bool:
+        """Whether the optimizer moved the weights (False when not known)."""
+        return ratio is not None and math.isfinite(ratio) and ratio >= self.update_threshold
 
     def get_config(self):
-        return {"threshold": self.threshold, "require": self.require}
+        return {"threshold": self.threshold, "require": self.require,
+                "update_threshold": self.update_threshold}
