@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import List, Optional
 
@@ -181,6 +182,9 @@ def _compare(args) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Runs the `kerasdbg` command; returns its exit status."""
+    # TensorFlow's start-up lines (CPU features, absl) say nothing to a user of
+    # the command; a value the user set is kept.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     args = _parser().parse_args(argv)
     if args.command == "demo":
         if args.epochs < 1:

@@ -190,19 +190,23 @@ def require_run(run: Run, run_name: str = "train") -> List[str]:
         raise NotARunError(
             f"{log_dir!r} has no run {run_name!r}. Runs: {', '.join(run.runs)}.{hint}")
     tags = run.tags(run=run_name)
+    if any(t.startswith(KERASDBG_PREFIXES) for t in tags):
+        return tags
+    # Another training in the same directory is a run of its own (`train-2`).
+    others = [name for name in run.runs if name != run_name
+              and any(t.startswith(KERASDBG_PREFIXES) for t in run.tags(run=name))]
+    elsewhere = f" Runs with kerasdbg tags: {', '.join(others)}." if others else ""
     if not tags and not run.tags(kind="histograms", run=run_name) \
             and not run.tags(kind="text", run=run_name):
         raise NotARunError(
             f"run {run_name!r} of {log_dir!r} holds no values yet: its event files hold no "
             "step (a fit that has just started, or a process killed before its first steps "
-            "were written)"
+            f"were written).{elsewhere}"
         )
-    if not any(t.startswith(KERASDBG_PREFIXES) for t in tags):
-        raise NotARunError(
-            f"run {run_name!r} of {log_dir!r} holds no kerasdbg tags (gradients/, weights/, "
-            f"activations/, step/, epoch/). Its tags: {', '.join(tags[:10]) or '(none)'}"
-        )
-    return tags
+    raise NotARunError(
+        f"run {run_name!r} of {log_dir!r} holds no kerasdbg tags (gradients/, weights/, "
+        f"activations/, step/, epoch/). Its tags: {', '.join(tags[:10]) or '(none)'}.{elsewhere}"
+    )
 
 
 def first_positive_step(table: pd.DataFrame) -> Optional[int]:

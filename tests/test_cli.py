@@ -161,3 +161,19 @@ def test_demo_refuses_an_out_it_cannot_write_in_one_line_before_training(tmp_pat
             assert captured.out == ""  # nothing trained
             assert captured.err == (f"kerasdbg demo: run_demo: `out` must be a directory it can "
                                     f"write in ({cause}). Received: out={out!r}\n")
+
+
+def test_check_and_report_name_the_other_runs_that_hold_kerasdbg_tags(tmp_path, capsys):
+    """Another training in the same directory is a run of its own (`train-2`)."""
+    writer = _events.EventWriter(str(tmp_path / "train"))
+    writer.write(0, {"epoch_loss": 0.5})  # Keras's TensorBoard callback alone
+    writer.close()
+    writer = _events.EventWriter(str(tmp_path / "train-2"))
+    writer.write(1, {"gradients/global_norm": 1.0, "step/loss": 0.5})
+    writer.close()
+    for command in ("check", "report"):
+        code, message = _error(capsys, [command, str(tmp_path), "--run", "train"])
+        assert code == 2 and message.endswith(
+            "holds no kerasdbg tags (gradients/, weights/, activations/, step/, epoch/). Its "
+            "tags: epoch_loss. Runs with kerasdbg tags: train-2."), message
+    assert cli.main(["check", str(tmp_path), "--run", "train-2"]) in (0, 1)
