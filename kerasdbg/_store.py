@@ -16,8 +16,11 @@ values to a store next to its event file (`<run>/kerasdbg-store/<id>/`):
 
 Rows are appended (buffered, flushed with the event file), never rewritten,
 so a crash leaves complete rows followed at most by part of one row (or of
-one line), which the reader ignores: what was written up to the last
-complete row stays readable. A query reads only the files whose columns it
+one line), which the reader ignores. The marker, `store.json`, rewritten
+whole at each flush, says how much of the event file the rows stand for
+(`Coverage`): the store is an index, never the only copy of a step, and the
+reader reads the steps of the event file beyond it from the event file
+(`kerasdbg._event_tail`). A query reads only the files whose columns it
 needs, through a memory map, and copies only the matching columns.
 """
 
