@@ -20,13 +20,15 @@ from __future__ import annotations
 import atexit
 import errno
 import itertools
+import json
 import math
 import os
+import re
 import shutil
 import socket
 import time
 import warnings
-from typing import Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Hashable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -210,6 +212,8 @@ class EventWriter:
             told.update(keys)
             names = self._names()
             if any(strict for _, strict in self._owners.values()):
+                # The fit ends here, without `on_train_end`: the next one starts anew.
+                self._owners.clear()
                 raise RecordingError(names, what, path, error)
             untold = list(dict.fromkeys(self._owners[k][0] for k in keys))
             warnings.warn(failure_message(untold, what, path, error),
@@ -424,6 +428,126 @@ def _same(old: Optional[Tuple[int, float]], new: Tuple[int, float]) -> bool:
     if old is None or old[0] != new[0]:
         return False
     return old[1] == new[1] or (math.isnan(old[1]) and math.isnan(new[1]))
+
+
+# ------------------------------------------------------------------ runs
+RUN_MARKER = "kerasdbg-run.json"
+"""The file in a run directory that names the training writing it (`Training`)."""
+PROCESS = "%s:%d:%d" % (socket.gethostname(), os.getpid(), time.time_ns())
+"""This process, as a run's marker names it (the time: a pid is reused)."""
+
+
+class Training(NamedTuple):
+    """Which training writes a run: what tells a continued training (the same
+    run) from another one (a run of its own)."""
+
+    model: str
+    """A token of the model object, unique in its process."""
+    name: str
+    """The model's name, for messages."""
+    fresh: bool
+    """Whether it starts at optimizer step 0 (not a continued or resumed training)."""
+    fingerprint: Optional[str] = None
+    """Of the weights and the optimizer's configuration at step 0 (`fresh` only)."""
+    process: str = PROCESS
+
+
+def _marker(run: str) -> dict:
+    try:
+        with open(os.path.join(run, RUN_MARKER)) as stream:
+            marker = json.load(stream)
+        return marker if isinstance(marker, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _holds_events(run: str) -> bool:
+    """Whether kerasdbg wrote events there (those of Keras's `TensorBoard`
+    callback, which writes `<log_dir>/train` too, are of the same training)."""
+    try:
+        return any("tfevents" in name and name.endswith(".kerasdbg") for name in os.listdir(run))
+    except OSError:
+        return False
+
+
+def _same_training(marker: dict, training: Training) -> bool:
+    """Whether a run's marker names `training`: the same model object in this
+    process, or, started from step 0, the same weights and optimizer (a
+    training restarted from scratch, in another process)."""
+    same_model = marker.get("process") == training.process and marker.get("model") == training.model
+    if not training.fresh:
+        return same_model
+    if marker.get("fingerprint") != training.fingerprint:
+        return False
+    return same_model or marker.get("process") != training.process
+
+
+def run_directory(log_dir: str, training: Training, base: str = "train") -> Tuple[str, str]:
+    """The run directory of `training` under `log_dir`, and a note when it is
+    not `<log_dir>/<base>` because that one holds another training (else "").
+
+    The run is `<base>` while it is free or holds this training; another
+    training (another model, or an optimizer that restarted at step 0 with
+    other weights) gets `<base>-2`, `<base>-3`, ... A training that does not
+    start at step 0 (a second `fit` continuing the optimizer's steps, a
+    `BackupAndRestore` resume) continues the run its model wrote in this
+    process, else the latest run. Each run's marker (`RUN_MARKER`) names its
+    training.
+
+    Args:
+        log_dir: the callbacks' `log_dir`.
+        training: the training about to write.
+        base: the run's name. Defaults to `"train"`.
+    """
+    first = os.path.join(log_dir, base)
+    if "://" in log_dir:
+        return first, ""
+    numbered = []
+    try:
+        for name in os.listdir(log_dir):
+            match = re.fullmatch(re.escape(base) + r"-(\d+)", name)
+            if match and int(match.group(1)) >= 2:
+                numbered.append((int(match.group(1)), os.path.join(log_dir, name)))
+    except OSError:
+        pass
+    runs = [first] + [path for _, path in sorted(numbered)]
+    markers = {run: _marker(run) for run in runs}
+    chosen = next((run for run in reversed(runs) if _same_training(markers[run], training)), None)
+    if chosen is None and not training.fresh:
+        used = [run for run in runs if _holds_events(run) or markers[run]]
+        chosen = used[-1] if used else first
+    if chosen is None:
+        chosen = next((run for run in runs if not _holds_events(run) and not markers[run]), None)
+    if chosen is None:
+        chosen = os.path.join(log_dir, f"{base}-{max([1] + [k for k, _ in numbered]) + 1}")
+    note = ""
+    if chosen != first and not _same_training(markers.get(chosen, {}), training):
+        other = markers[first]
+        whose = (f"model {other.get('name')!r}" if other.get("name") else "an earlier training")
+        if other.get("process") and other.get("process") != training.process:
+            whose += " of another process"
+        note = (f"{first!r} holds another training ({whose}); this one (model "
+                f"{training.name!r}) writes its records to {chosen!r}.")
+    _mark(chosen, markers.get(chosen, {}), training)
+    return chosen, note
+
+
+def _mark(run: str, marker: dict, training: Training) -> None:
+    """Writes the run's marker (whole: a rename): this training's process and
+    model; the fingerprint of the training that started the run is kept."""
+    fingerprint = training.fingerprint if training.fresh else marker.get("fingerprint")
+    updated = {"format": 1, "process": training.process, "model": training.model,
+               "name": training.name, "fingerprint": fingerprint}
+    if updated == marker:
+        return
+    try:
+        os.makedirs(run, exist_ok=True)
+        temporary = os.path.join(run, f".{RUN_MARKER}.{os.getpid()}.tmp")
+        with open(temporary, "w") as stream:
+            json.dump(updated, stream)
+        os.replace(temporary, os.path.join(run, RUN_MARKER))
+    except OSError:
+        pass  # a directory that cannot be written: its writer says so
 
 
 _WRITERS: Dict[str, EventWriter] = {}

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
+import sys
+import uuid
 import warnings
+import weakref
 from typing import Callable, Optional
 
 import keras
+import numpy as np
 
 from kerasdbg import _events, _workers
+from kerasdbg import _keras_internals as internals
 from kerasdbg.callbacks._copies import CopiedAsNew
 
 
@@ -39,6 +46,7 @@ def open_writer(callback, log_dir: str, strict: bool,
         return None
     path = os.path.join(log_dir, "train")
     try:
+        path = run_of(callback.model, log_dir)
         writer = _events.writer_for(path, key=callback)
         writer.attach(callback, owner, strict)
         return writer
@@ -52,6 +60,77 @@ def open_writer(callback, log_dir: str, strict: bool,
             f"{type(error).__name__}: {error}. It keeps its records in Python only; "
             "training goes on.", RuntimeWarning, stacklevel=3)
         return None
+
+
+# model -> a token naming it in run markers (a model is never compared by value).
+_TOKENS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# model -> (the fit's callback list, weakly; the fingerprint): computed once per fit.
+_FINGERPRINTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _token(model) -> str:
+    try:
+        token = _TOKENS.get(model)
+        if token is None:
+            token = _TOKENS[model] = uuid.uuid4().hex
+        return token
+    except TypeError:  # not weakly referable
+        return f"id{id(model)}"
+
+
+def _resuming(callbacks) -> bool:
+    """Whether a `BackupAndRestore` of this fit will restore a backup (after
+    this callback's `on_train_begin`, when it comes later in the list)."""
+    for callback in getattr(callbacks, "callbacks", None) or ():
+        if isinstance(callback, keras.callbacks.BackupAndRestore):
+            if os.path.exists(str(getattr(callback, "_weights_path", ""))):
+                return True
+    return False
+
+
+def _fingerprint(model) -> str:
+    """Of the model's weights and its optimizers' configurations."""
+    digest = hashlib.sha256()
+    for variable in model.weights:
+        value = np.asarray(internals.read(variable))
+        digest.update(f"{variable.path}{value.shape}{value.dtype}".encode())
+        digest.update(np.ascontiguousarray(value).tobytes())
+    for name, optimizer in internals.find_optimizers(model):
+        try:
+            config = optimizer.get_config()
+        except Exception:  # noqa: BLE001 - an optimizer of the user's own
+            config = {}
+        digest.update(json.dumps([name, type(optimizer).__name__, config], sort_keys=True,
+                                 default=lambda o: type(o).__name__).encode())
+    return digest.hexdigest()[:32]
+
+
+def run_of(model, log_dir: str) -> str:
+    """The run directory of `model`'s training under `log_dir`
+    (`_events.run_directory`): `<log_dir>/train`, or `<log_dir>/train-<k>`
+    when that holds another training, said once (printed, as information)."""
+    if model is None:
+        return os.path.join(log_dir, "train")
+    steps = [int(np.asarray(internals.read(internals.raw_iterations(o))))
+             for _, o in internals.find_optimizers(model)]
+    step = max(steps) if steps else 0
+    callbacks = internals.running_callbacks(model)
+    fresh = step == 0 and not _resuming(callbacks)
+    fingerprint = None
+    if fresh:
+        cached = _FINGERPRINTS.get(model) if callbacks is not None else None
+        if cached is not None and cached[0]() is callbacks:
+            fingerprint = cached[1]
+        else:
+            fingerprint = _fingerprint(model)
+            if callbacks is not None:
+                _FINGERPRINTS[model] = (weakref.ref(callbacks), fingerprint)
+    training = _events.Training(model=_token(model), name=str(getattr(model, "name", "")),
+                                fresh=fresh, fingerprint=fingerprint)
+    path, note = _events.run_directory(log_dir, training)
+    if note and _workers.writes(getattr(model, "distribute_strategy", None)):
+        print(f"kerasdbg: {note}", file=sys.stdout, flush=True)
+    return path
 
 
 def release_writer(callback, writer: Optional[_events.EventWriter]) -> None:
