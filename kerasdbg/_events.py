@@ -40,8 +40,9 @@ from tensorboard.plugins.text import metadata as text_metadata
 from kerasdbg import _store
 
 _FILE_IDS = itertools.count()
-# A full disk or a read-only file system: the event file beside the store cannot go on either.
-_FILE_SYSTEM_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+# A full disk, a read-only file system, a run directory removed: the event
+# file beside the store cannot go on either.
+_FILE_SYSTEM_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.ENOENT)
 FLUSH_SECONDS = 30.0
 
 EVENTS = "TensorBoard events to"
@@ -342,6 +343,10 @@ class EventWriter:
         if self._writer is not None:
             try:
                 self._writer.flush()
+                if "://" not in self.path and not os.path.exists(self.path):
+                    # Removed during the fit: what it writes would be lost unseen.
+                    raise FileNotFoundError(errno.ENOENT, "the event file was removed",
+                                            self.path)
             except Exception as error:  # noqa: BLE001 - tf.errors of every kind
                 self._fail(error)
                 return

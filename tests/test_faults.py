@@ -6,6 +6,7 @@ Keras, `strict=True` raises a `RecordingError`, and no file is left open."""
 import contextlib
 import os
 import re
+import shutil
 import subprocess
 import warnings
 
@@ -212,3 +213,32 @@ def test_a_read_only_log_dir_warns_once_for_every_callback(tmp_path):
             _fit(model, [StopOnRule(log_dir=log_dir, verbose=False, strict=True)], epochs=1)
         assert raised.value.__cause__ is not None
         assert open_files_under(disk) == []
+
+
+class _RemoveAt(keras.callbacks.Callback):
+    def __init__(self, path, step):
+        super().__init__()
+        self.path, self.step = path, step
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.model.optimizer.iterations.numpy() == self.step:
+            shutil.rmtree(self.path)
+
+
+def test_a_log_dir_removed_during_the_fit_warns_once_and_the_next_fit_writes_again(tmp_path):
+    log_dir = str(tmp_path / "logs")
+    model = _cnn()
+    grads, weights = GradientStatistics(log_dir), WeightStatistics(log_dir)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit(model, [grads, weights, _RemoveAt(log_dir, 10)], epochs=2)
+    failures = _kerasdbg_failures(caught)
+    assert len(failures) == 1, failures
+    assert failures[0].startswith(
+        "GradientStatistics, WeightStatistics could not record: kerasdbg could not write "
+        f"TensorBoard events to '{log_dir}/train'; the records stay in Python only")
+    assert "No such file or directory" in failures[0]
+    assert len(grads.history) == 2 * STEPS_PER_EPOCH
+    _fit(model, [grads, weights], epochs=1)  # no warning: written again
+    written = _event_steps(os.path.join(log_dir, "train"), "gradients/global_norm")
+    assert written == list(range(2 * STEPS_PER_EPOCH + 1, 3 * STEPS_PER_EPOCH + 1))
