@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 import kerasdbg
-from kerasdbg.callbacks import StopOnRule
+from kerasdbg.callbacks import GradientStatistics, StopOnRule, WeightStatistics
 from kerasdbg.offline import can_check, recorded_pairs
 from kerasdbg.rules import VanishingGradient, default_rules
 
@@ -127,11 +127,17 @@ def _fit(case, tmp_path):
     keras.utils.set_random_seed(0)
     model, x, y = CASES[case]()
     stop = StopOnRule(log_dir=str(tmp_path), verbose=False)
-    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[stop])
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+              callbacks=[stop, *_recorders(tmp_path)])
     run = kerasdbg.load_run(str(tmp_path))
     present = recorded_pairs(run.tags())
     rules = [rule for rule in default_rules() if can_check(rule, present)]
     return stop, kerasdbg.check_run(run, rules)
+
+
+def _recorders(tmp_path):
+    """The statistics callbacks, for `check_run` (StopOnRule writes only step/ and epoch/)."""
+    return [GradientStatistics(str(tmp_path)), WeightStatistics(str(tmp_path))]
 
 
 def _faults(verdicts):
@@ -142,8 +148,10 @@ def _faults(verdicts):
 def test_a_real_vanishing_gradient_fires_where_the_first_layers_stop_changing(tmp_path):
     reference = _reference("sigmoid_mlp")
     # The first layers' gradients vanished and SGD does not move their weights.
-    vanished = {path for path, r in reference[1].items() if "kernel" in path
-                and r["touched"] < 1e-7 and r["ratio"] < 1e-8}
+    # (With a margin: float32 in the step against float64 here.)
+    kernels = {path: r for path, r in reference[1].items() if path.endswith("kernel")}
+    vanished = {p for p, r in kernels.items() if r["touched"] < 0.5e-7 and r["ratio"] < 0.5e-8}
+    alive = {p for p, r in kernels.items() if r["touched"] > 2e-7 or r["ratio"] > 2e-8}
     assert {"deep/d0/kernel", "deep/d1/kernel", "deep/d2/kernel"} <= vanished
     assert all(reference[0][f"deep/d{i}/kernel"]["ratio"] < 1e-8 for i in range(3))
     assert reference[1]["deep/out/kernel"]["ratio"] > 1e-3  # the last layers learn
@@ -154,7 +162,8 @@ def test_a_real_vanishing_gradient_fires_where_the_first_layers_stop_changing(tm
     # (The weights that do not move are WeightUpdateRatio's too.)
     assert [(rule, step) for rule, step, _ in faults] == [("VanishingGradient", 2),
                                                           ("WeightUpdateRatio", 2)]
-    assert {t for t in faults[0][2] if t.endswith("kernel")} == vanished
+    named = {t for t in faults[0][2] if t.endswith("kernel")}
+    assert vanished <= named and not named & alive, (named, kernels)
     assert _faults(offline) == faults
 
 
