@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 # name -> (module, attribute or None for the module itself, needs TensorFlow)
 _EXPORTS = {
     "MultiOutputModel": ("kerasdbg.multi_output_model", "MultiOutputModel", True),
-    "RecordingError": ("kerasdbg._events", "RecordingError", True),
+    "RecordingError": ("kerasdbg.errors", "RecordingError", False),
     "TraceWriter": ("kerasdbg.trace", "TraceWriter", True),
     "callbacks": ("kerasdbg.callbacks", None, True),
     "check_run": ("kerasdbg.offline", "check_run", True),

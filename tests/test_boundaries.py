@@ -114,7 +114,7 @@ LAYERS = [
     # the statistics (against kerasdbg._backend.ops) and the rules
     ("foundation", ["kerasdbg._validation", "kerasdbg._qualified", "kerasdbg._tags",
                     "kerasdbg.schedule", "kerasdbg._backend", "kerasdbg.stats",
-                    "kerasdbg._store"]),
+                    "kerasdbg._store", "kerasdbg.errors"]),
     ("rules", ["kerasdbg.rules"]),
     # TensorFlow's capture: Keras internals, buffers, the engine, event files
     ("capture", ["kerasdbg._backend.tensorflow", "kerasdbg._keras_internals",
