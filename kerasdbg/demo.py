@@ -147,6 +147,18 @@ def _writable(out: str) -> None:
                       f"({error.strerror or error}). Received: out={out!r}") from error
 
 
+def _write_failure(error: Exception, out: str) -> Exception:
+    """A failure of Keras's `TensorBoard` callback to write under `out` (a disk
+    that filled up: kerasdbg's own instruments warn and go on, Keras's stop
+    the fit) as an OSError of one line; any other error as it is."""
+    message = str(getattr(error, "message", error))
+    if out not in message and os.path.abspath(out) not in message:
+        return error
+    cause = message.strip().splitlines()[0].split("} ")[-1]
+    return OSError(f"run_demo: Keras's TensorBoard callback could not write under {out!r}: "
+                   f"{type(error).__name__}: {cause}")
+
+
 def run_demo(out: str = "runs/demo", epochs: int = 3) -> Dict[str, str]:
     """Writes the demo's log directories under `out` and prints how to open them.
 
@@ -154,7 +166,8 @@ def run_demo(out: str = "runs/demo", epochs: int = 3) -> Dict[str, str]:
         The run name -> log directory.
 
     Raises:
-        OSError: `out` cannot be made or written in (before any training).
+        OSError: `out` cannot be made or written in (said before any
+            training), or filled up during it.
     """
     from kerasdbg.report import write_report
 
@@ -168,7 +181,13 @@ def run_demo(out: str = "runs/demo", epochs: int = 3) -> Dict[str, str]:
     print(f"kerasdbg demo: training a small CNN twice ({epochs} epochs each) ...")
     for name, settings in runs.items():
         log_dir = os.path.join(out, name)
-        gradients, verdicts, stopped, model = train(log_dir, epochs=epochs, **settings)
+        try:
+            gradients, verdicts, stopped, model = train(log_dir, epochs=epochs, **settings)
+        except Exception as error:  # noqa: BLE001 - tf.errors of every kind
+            failure = _write_failure(error, out)
+            if failure is error:
+                raise
+            raise failure from error
         print(summarize(name, gradients))
         print(dead_units(model))
         for verdict in verdicts:
@@ -179,7 +198,11 @@ def run_demo(out: str = "runs/demo", epochs: int = 3) -> Dict[str, str]:
             step = int(model.optimizer.iterations.numpy())
             print(f"    stopped by StopOnRule after step {step}; the weights are those before "
                   "the fault (frozen there)")
-        print(f"    report: {write_report(log_dir)}")
+        try:
+            print(f"    report: {write_report(log_dir)}")
+        except OSError as error:
+            raise OSError(f"run_demo: could not write the report of {log_dir!r} "
+                          f"({error.strerror or error})") from error
         dirs[name] = log_dir
     absolute = os.path.abspath(out)
     print(f"\nTensorBoard logs written to {absolute}")

@@ -4,11 +4,11 @@ import contextlib
 import io
 import os
 import re
-import subprocess
 
 import pytest
 
 from kerasdbg import _events, cli, load_run
+from tests.test_faults import tmpfs
 
 
 @pytest.fixture(scope="module")
@@ -135,25 +135,10 @@ def test_tags_exits_2_on_the_mistakes_the_other_commands_exit_2_on(tmp_path, cap
     assert capsys.readouterr().out.split() == ["gradients/global_norm", "step/loss"]
 
 
-@contextlib.contextmanager
-def _read_only_directory(path):
-    """A read-only tmpfs at `path` (the fault injected for real: root writes through
-    permission bits, not through a read-only mount)."""
-    os.makedirs(path)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,ro", "tmpfs", str(path)],
-                             capture_output=True, text=True, timeout=30)
-    if mounted.returncode:
-        pytest.fail(f"this test needs root to mount a tmpfs: {mounted.stderr.strip()!r}")
-    try:
-        yield str(path)
-    finally:
-        subprocess.run(["umount", str(path)], capture_output=True, timeout=30, check=True)
-
-
 def test_demo_refuses_an_out_it_cannot_write_in_one_line_before_training(tmp_path, capsys):
     afile = tmp_path / "afile"
     afile.write_text("")
-    with _read_only_directory(tmp_path / "read_only") as read_only:
+    with tmpfs(str(tmp_path / "read_only"), size="64k", read_only=True) as read_only:
         for out, cause in [(str(afile / "demo"), "Not a directory"),
                            (os.path.join(read_only, "demo"), "Read-only file system")]:
             assert cli.main(["demo", "--out", out]) == 2
@@ -177,3 +162,52 @@ def test_check_and_report_name_the_other_runs_that_hold_kerasdbg_tags(tmp_path, 
             "holds no kerasdbg tags (gradients/, weights/, activations/, step/, epoch/). Its "
             "tags: epoch_loss. Runs with kerasdbg tags: train-2."), message
     assert cli.main(["check", str(tmp_path), "--run", "train-2"]) in (0, 1)
+
+
+def test_check_gives_the_verdicts_stop_on_rule_gave_during_the_demo(demo, capsys):
+    """One verdict per run: `kerasdbg check` (the default rules) says what the demo's
+    StopOnRules (the same default rules) wrote to TensorBoard, step for step, and
+    nothing on the healthy run."""
+    from kerasdbg._tags import verdict_rows
+
+    out, _ = demo
+    assert cli.main(["check", str(out / "healthy")]) == 0
+    said = capsys.readouterr()
+    assert said.out == "" and " 0 of " in said.err
+    broken = load_run(str(out / "lr_too_high"))
+    online = sorted((row["step"], row["rule"], row["reason"])
+                    for text in broken.texts("rules/verdicts").text
+                    for row in verdict_rows(text))
+    assert cli.main(["check", str(out / "lr_too_high")]) == 1
+    printed = capsys.readouterr().out.splitlines()
+    offline = sorted((int(m.group(2)), m.group(1), m.group(0).removeprefix("(info) "))
+                     for m in (re.match(r"(?:\(info\) )?(\w+) at step (\d+): .*", line)
+                               for line in printed))
+    assert offline == online
+    assert {"NonFiniteLoss", "NaNSource"} <= {rule for _, rule, _ in online}
+
+
+def test_a_disk_that_fills_up_under_the_demo_is_said_in_one_line(tmp_path):
+    """Keras's TensorBoard callback (in the demo beside kerasdbg's instruments) stops the
+    fit on a full disk; the demo says so in one line."""
+    import tensorflow as tf
+
+    from kerasdbg.demo import _write_failure
+
+    with tmpfs(str(tmp_path / "disk"), size="64k") as disk:
+        out = os.path.join(disk, "demo")
+        os.makedirs(os.path.join(out, "healthy"))
+        with pytest.raises(OSError, match="No space left on device"):  # fill it up
+            with open(os.path.join(disk, "filler"), "wb") as stream:
+                for _ in range(64):
+                    stream.write(b"\0" * 4096)
+                    stream.flush()
+        with pytest.raises(tf.errors.OpError) as raised:  # what Keras's callback meets
+            tf.summary.create_file_writer(os.path.join(out, "healthy", "validation"))
+        error = _write_failure(raised.value, out)
+        assert isinstance(error, OSError) and "\n" not in str(error)
+        assert re.fullmatch(
+            rf"run_demo: Keras's TensorBoard callback could not write under {re.escape(repr(out))}"
+            r": \w+Error: .*No space left on device.*", str(error)), str(error)
+        other = ValueError("not about the disk")
+        assert _write_failure(other, out) is other

@@ -1,6 +1,5 @@
 """`kerasdbg report`: the HTML page, its plots and the summary, against GradientTape."""
 
-import contextlib
 import html.parser
 import os
 import re
@@ -21,6 +20,7 @@ from kerasdbg.callbacks import WeightStatistics
 from kerasdbg.report import NotARunError, write_report
 from kerasdbg.rules import NonFiniteLoss, RuleWarning
 from tests.helpers import BATCH, LEARNING_RATE, X, Y, make_mlp, reference_training
+from tests.test_faults import tmpfs
 from tests.test_tensorboard import _chromium
 
 STEPS = len(X) // BATCH
@@ -392,20 +392,6 @@ def _small_run(log_dir):
     return log_dir
 
 
-@contextlib.contextmanager
-def _tmpfs(path, options):
-    """A tmpfs mounted at `path` (the fault injected for real, as root)."""
-    os.makedirs(path)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
-                             capture_output=True, text=True, timeout=30)
-    if mounted.returncode:
-        pytest.fail(f"this test needs root to mount a tmpfs: {mounted.stderr.strip()!r}")
-    try:
-        yield str(path)
-    finally:
-        subprocess.run(["umount", str(path)], capture_output=True, timeout=30, check=True)
-
-
 def test_report_out_an_existing_file_is_refused_with_a_message(tmp_path, capsys):
     log_dir = _small_run(str(tmp_path / "logs"))
     afile = tmp_path / "afile"
@@ -421,14 +407,14 @@ def test_report_out_an_existing_file_is_refused_with_a_message(tmp_path, capsys)
     assert afile.read_text() == "kept"
 
 
-@pytest.mark.parametrize("options, cause", [
-    ("size=64k", "No space left on device"), ("size=1m,ro", "Read-only file system")],
+@pytest.mark.parametrize("read_only, cause", [
+    (False, "No space left on device"), (True, "Read-only file system")],
     ids=["full", "read-only"])
 def test_report_into_a_full_or_read_only_directory_says_so_in_one_line(
-        tmp_path, capsys, options, cause):
+        tmp_path, capsys, read_only, cause):
     log_dir = _small_run(str(tmp_path / "logs"))
-    with _tmpfs(tmp_path / "disk", options) as disk:
-        if "ro" not in options:  # fill it up: the report's first plot does not fit
+    with tmpfs(str(tmp_path / "disk"), size="64k", read_only=read_only) as disk:
+        if not read_only:  # fill it up: the report's first plot does not fit
             with open(os.path.join(disk, "filler"), "wb") as stream:
                 stream.write(b"\0" * (60 << 10))
         out = os.path.join(disk, "report")
