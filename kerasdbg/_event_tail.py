@@ -33,6 +33,7 @@ them as float64.
 
 from __future__ import annotations
 
+import os
 import struct
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -141,6 +142,10 @@ class EventSource:
         self._rows: Dict[tuple, List[list]] = {}
         self._arrays: Dict[tuple, np.ndarray] = {}
         self._texts: List[dict] = []
+        # Events of a set (and text values) left out while reading because the
+        # store holds their rows beyond its marker (a store of 0.1.0: all).
+        self._dropped: Dict[tuple, int] = {}
+        self._dropped_texts = 0
 
     def refresh(self) -> None:
         """Reads the records the event file gained."""
@@ -148,8 +153,17 @@ class EventSource:
         if self._coverage is None or coverage.events_bytes != self._coverage.events_bytes:
             # A flush since: the store now holds what was read, read on from its end.
             self._rows, self._arrays, self._texts = {}, {}, []
+            self._dropped, self._dropped_texts = {}, 0
             self._position = coverage.events_bytes
         self._coverage = coverage
+        try:
+            if os.path.getsize(self.events_path) <= self._position:
+                return  # nothing new (a complete run: its store holds everything)
+        except OSError:
+            return
+        # The rows each set holds beyond the marker: its first events of the tail.
+        held = {_key(t): t.rows - coverage.rows.get(t.name, 0) for t in _store.tables(self.store)}
+        held_texts = len(_store.text_lines(self.store)) - coverage.texts
         for data, end in records(self.events_path, self._position):
             try:
                 event = event_pb2.Event.FromString(data)
@@ -157,9 +171,16 @@ class EventSource:
                 break  # not an event: the end of what is readable, as a damaged record
             self._position = end
             if event.HasField("summary"):
-                self._add(event)
+                self._add(event, held, held_texts)
 
-    def _add(self, event) -> None:
+    def _keep(self, key: tuple, row: list, held: Dict[tuple, int]) -> None:
+        """A set's row, unless the store holds it."""
+        if self._dropped.get(key, 0) < held.get(key, 0) and not self._rows.get(key):
+            self._dropped[key] = self._dropped.get(key, 0) + 1
+        else:
+            self._rows.setdefault(key, []).append(row)
+
+    def _add(self, event, held: Dict[tuple, int], held_texts: int) -> None:
         """One event's values, as the event writer put them: the scalars in
         the order of their set, then the histograms, then the texts."""
         step, wall = float(event.step), event.wall_time
@@ -182,6 +203,9 @@ class EventSource:
                 low, high = (array[0, 0], array[-1, 1]) if len(array) else (np.nan, np.nan)
                 buckets += [low, high, *array[:, 2]]
             elif plugin == "text" or (not plugin and tensor.dtype == types_pb2.DT_STRING):
+                if self._dropped_texts < held_texts and not self._texts:
+                    self._dropped_texts += 1
+                    continue
                 text = tensor_util.make_ndarray(tensor).reshape(-1)
                 text = text[0] if text.size else b""
                 self._texts.append({
@@ -189,9 +213,9 @@ class EventSource:
                     "text": text.decode("utf-8") if isinstance(text, bytes) else str(text)})
             # Another plugin's value (the custom-scalars layout) is not a record.
         if scalars:
-            self._rows.setdefault(("scalars", tuple(scalars)), []).append(values)
+            self._keep(("scalars", tuple(scalars)), values, held)
         if histograms:
-            self._rows.setdefault(("histograms", tuple(histograms)), []).append(buckets)
+            self._keep(("histograms", tuple(histograms)), buckets, held)
 
     def _tail(self, key: tuple, skip: int) -> Optional[np.ndarray]:
         """The tail's rows of a set from row `skip` on (None when none)."""
@@ -211,8 +235,10 @@ class EventSource:
         for table in _store.tables(self.store):
             key = _key(table)
             seen.add(key)
-            # The rows written since the marker stand for the set's first events of the tail.
-            tail = self._tail(key, table.rows - coverage.rows.get(table.name, 0))
+            # The rows written since the marker stand for the set's first events of the
+            # tail, those not left out while reading.
+            tail = self._tail(key, table.rows - coverage.rows.get(table.name, 0)
+                              - self._dropped.get(key, 0))
             out.append(table if tail is None else table._replace(blocks=table.blocks + [tail]))
         for key in self._rows:
             tail = None if key in seen else self._tail(key, 0)
@@ -229,4 +255,4 @@ class EventSource:
         """The store's text lines, then the tail's."""
         lines = _store.text_lines(self.store)
         coverage = self._coverage or _store.Coverage(0, {}, 0)
-        return lines + self._texts[max(len(lines) - coverage.texts, 0):]
+        return lines + self._texts[max(len(lines) - coverage.texts - self._dropped_texts, 0):]
