@@ -236,7 +236,7 @@ def _check(args) -> int:
     from kerasdbg import rules as rules_lib
     from kerasdbg.reader import load_run
     from kerasdbg.offline import can_check, check_run, recorded_pairs
-    from kerasdbg.report import require_run
+    from kerasdbg.report import other_trainings, require_run
 
     try:
         if args.rule:
@@ -258,6 +258,9 @@ def _check(args) -> int:
                       "StopOnRule(log_dir=...)), or name a rule with --rule. Its tags: "
                       f"{', '.join(tags[:10])}", file=sys.stderr)
                 return 2
+        note = other_trainings(run, args.run)
+        if note:
+            print(f"kerasdbg check: {note}", file=sys.stderr)
         verdicts = check_run(run, chosen, run=args.run, first_only=not args.all_steps)
     except (ValueError, KeyError, FileNotFoundError) as error:
         message = error.args[0] if isinstance(error, KeyError) else error

@@ -147,6 +147,28 @@ def _writable(out: str) -> None:
                       f"({error.strerror or error}). Received: out={out!r}") from error
 
 
+def _runs(log_dir: str) -> list:
+    from kerasdbg.reader import load_run
+
+    return load_run(log_dir).runs if os.path.isdir(log_dir) else []
+
+
+def new_run(log_dir: str, before: list) -> str:
+    """The run a training wrote in `log_dir`, whose runs were `before` it: a
+    demo run again in the same `--out` is another training, a run of its own
+    (`train-2`, ...), and its report is of that run.
+
+    Examples:
+        >>> import os, tempfile
+        >>> from kerasdbg.demo import new_run
+        >>> new_run(tempfile.mkdtemp(), [])
+        'train'
+    """
+    kept = set(before)
+    new = [name for name in _runs(log_dir) if name not in kept and name.startswith("train-")]
+    return new[-1] if new else "train"
+
+
 def _write_failure(error: Exception, out: str) -> Exception:
     """A failure of Keras's `TensorBoard` callback to write under `out` (a disk
     that filled up: kerasdbg's own instruments warn and go on, Keras's stop
@@ -181,6 +203,7 @@ def run_demo(out: str = "runs/demo", epochs: int = 3) -> Dict[str, str]:
     print(f"kerasdbg demo: training a small CNN twice ({epochs} epochs each) ...")
     for name, settings in runs.items():
         log_dir = os.path.join(out, name)
+        before = _runs(log_dir)
         try:
             gradients, verdicts, stopped, model = train(log_dir, epochs=epochs, **settings)
         except Exception as error:  # noqa: BLE001 - tf.errors of every kind
@@ -199,7 +222,7 @@ def run_demo(out: str = "runs/demo", epochs: int = 3) -> Dict[str, str]:
             print(f"    stopped by StopOnRule after step {step}; the weights are those before "
                   "the fault (frozen there)")
         try:
-            print(f"    report: {write_report(log_dir)}")
+            print(f"    report: {write_report(log_dir, run_name=new_run(log_dir, before))}")
         except OSError as error:
             raise OSError(f"run_demo: could not write the report of {log_dir!r} "
                           f"({error.strerror or error})") from error

@@ -16,8 +16,8 @@ from kerasdbg import _tags
 from kerasdbg.reader import Run, load_run
 from kerasdbg.rules.rule import CLASSES, COLLECTIONS, SCALAR_COLLECTIONS
 
-__all__ = ("NotARunError", "collect", "first_positive_step", "mean_norms", "require_run",
-           "summary", "write_report")
+__all__ = ("NotARunError", "collect", "first_positive_step", "mean_norms", "other_trainings",
+           "require_run", "summary", "write_report")
 
 KERASDBG_PREFIXES = tuple(f"{c}/" for c in COLLECTIONS + SCALAR_COLLECTIONS + (CLASSES,))
 """Tags that kerasdbg writes start with one of these."""
@@ -207,6 +207,25 @@ def require_run(run: Run, run_name: str = "train") -> List[str]:
         f"run {run_name!r} of {log_dir!r} holds no kerasdbg tags (gradients/, weights/, "
         f"activations/, step/, epoch/). Its tags: {', '.join(tags[:10]) or '(none)'}.{elsewhere}"
     )
+
+
+def other_trainings(run: Run, run_name: str = "train") -> str:
+    """A note naming the other trainings of a log directory (`train-2`, ...:
+    another training in a used log directory is a run of its own), or "".
+
+    Examples:
+        >>> import tempfile
+        >>> from kerasdbg import load_run
+        >>> from kerasdbg.report import other_trainings
+        >>> other_trainings(load_run(tempfile.mkdtemp()))
+        ''
+    """
+    others = [name for name in run.runs
+              if name != run_name and re.fullmatch(r"train(-\d+)?", name)]
+    if not others:
+        return ""
+    return (f"{run.log_dir!r} holds other trainings as runs of their own: {', '.join(others)} "
+            f"(--run {others[-1]}); this is run {run_name!r}")
 
 
 def first_positive_step(table: pd.DataFrame) -> Optional[int]:
@@ -676,6 +695,9 @@ def main_report(log_dir: str, out: Optional[str], run_name: str) -> int:
     except (FileNotFoundError, NotADirectoryError, NotARunError) as error:
         print(f"kerasdbg report: {error}", file=sys.stderr)
         return 2
+    note = other_trainings(load_run(log_dir), run_name)
+    if note:
+        print(f"kerasdbg report: {note}", file=sys.stderr)
     try:
         page = _write(data, out)
     except OSError as error:

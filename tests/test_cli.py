@@ -211,3 +211,34 @@ def test_a_disk_that_fills_up_under_the_demo_is_said_in_one_line(tmp_path):
             r": \w+Error: .*No space left on device.*", str(error)), str(error)
         other = ValueError("not about the disk")
         assert _write_failure(other, out) is other
+
+
+def test_the_demo_run_again_in_the_same_out_reports_its_own_training(tmp_path):
+    """Another training in a used log directory is a run of its own (`train-2`)."""
+    from kerasdbg.demo import new_run
+
+    log_dir = str(tmp_path / "healthy")
+    before = []
+    assert new_run(log_dir, before) == "train"
+    _log_dir(log_dir)  # the first demo
+    before = load_run(log_dir).runs
+    assert new_run(log_dir, before) == "train"  # nothing new yet
+    writer = _events.EventWriter(os.path.join(log_dir, "train-2"))  # the second one
+    writer.write(1, {"gradients/global_norm": 2.0})
+    writer.close()
+    assert new_run(log_dir, before) == "train-2"
+
+
+def test_check_and_report_say_which_training_they_read_when_there_are_several(tmp_path, capsys):
+    for run in ("train", "train-2"):
+        writer = _events.EventWriter(str(tmp_path / run))
+        writer.write(1, {"gradients/global_norm": 1.0, "step/loss": 0.5})
+        writer.close()
+    note = (f"{str(tmp_path)!r} holds other trainings as runs of their own: train-2 "
+            "(--run train-2); this is run 'train'")
+    assert cli.main(["check", str(tmp_path)]) in (0, 1)
+    assert f"kerasdbg check: {note}" in capsys.readouterr().err
+    assert cli.main(["report", str(tmp_path), "--out", str(tmp_path / "report")]) == 0
+    assert f"kerasdbg report: {note}" in capsys.readouterr().err
+    assert cli.main(["check", str(tmp_path), "--run", "train-2"]) in (0, 1)
+    assert "this is run 'train-2'" in capsys.readouterr().err
