@@ -167,8 +167,11 @@ class TraceWriter:
                 np.savez(handle, **self._arrays, **{META_KEY: np.array(json.dumps(meta))})
             os.replace(partial, self.path)
         finally:
-            if os.path.exists(partial):
+            # No partial file left (a full disk); the error of the write is the one raised.
+            try:
                 os.remove(partial)
+            except OSError:
+                pass
         return self.path
 
     def __enter__(self) -> "TraceWriter":
