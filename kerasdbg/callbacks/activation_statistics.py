@@ -24,7 +24,7 @@ def find_taps(model) -> List[TapLayer]:
     while stack:
         layer = stack.pop()
         if isinstance(layer, TapLayer):
-            taps.append(layer)
+            taps.extend(layer.parts.values() or [layer])  # a tap per tensor of a structure
         elif isinstance(layer, keras.Model):
             stack.extend(reversed(layer.layers))
     return taps

@@ -185,9 +185,15 @@ class DebugLayer(keras.layers.Layer):
         self._host.traced_in = set()
         self._failed = False
         self._warned_slots = False
+        # On a structure of tensors (a dict, list or tuple): one layer of
+        # this class per tensor, by its path in the structure (see `parts`).
+        self._parts = None
 
     # ------------------------------------------------------------ keras
     def build(self, input_shape):
+        if not _is_shape(input_shape):
+            self._build_parts(input_shape)
+            return
         # Counters are weights (saved with the model); the ring buffers are not.
         self.calls = keras.Variable(
             0, dtype="int64", trainable=False, name="calls",
@@ -203,40 +209,59 @@ class DebugLayer(keras.layers.Layer):
         super().build(input_shape)
 
     def __call__(self, inputs, *args, **kwargs):
-        self._check_single(inputs)
-        # Arrays become tensors of their own dtype (inputs are not autocast).
-        if isinstance(inputs, (np.ndarray, np.generic, list, float, int)):
+        # Arrays become tensors of their own dtype (inputs are not autocast);
+        # a structure of tensors keeps its structure (one part per tensor).
+        if _is_structure(inputs):
+            inputs = keras.tree.map_structure(
+                lambda x: tf.convert_to_tensor(x) if isinstance(x, (np.ndarray, np.generic))
+                else x, inputs)
+        elif isinstance(inputs, (np.ndarray, np.generic, list, float, int)):
             inputs = tf.convert_to_tensor(inputs)
         return super().__call__(inputs, *args, **kwargs)
 
-    def _check_single(self, inputs) -> None:
-        """Raises when `inputs` is a structure of tensors (the outputs of a
-        layer with several outputs: a dict, a list, a tuple): a debug layer
-        records one tensor, said when the model is built."""
-        if not isinstance(inputs, (dict, list, tuple)):
-            return
-        leaves = keras.tree.flatten(inputs)
-        if isinstance(inputs, list) and not any(_is_tensor(leaf) for leaf in leaves):
-            return  # a (nested) list of numbers: one tensor
-        if isinstance(inputs, dict):
-            received = f"a dict with keys {sorted(map(str, inputs))}"
-            example = f"outputs[{sorted(inputs, key=str)[0]!r}]"
-        else:
-            received = f"a {type(inputs).__name__} of {len(inputs)}"
-            example = "outputs[0]"
-        raise TypeError(
-            f"{type(self).__name__} {self.name!r}: `inputs` must be one tensor: the layer "
-            "records one tensor and returns it. For a layer with several outputs, put one "
-            f"{type(self).__name__} on each (`{type(self).__name__}(name=...)({example})`), or "
-            "let `kerasdbg.insert_taps(model, layers=...)` put one after each output, named "
-            f"by its place in the structure (`<layer>_tap_<key>`). Received: inputs={received}"
-        )
+    # ------------------------------------------------------- structures
+    @property
+    def parts(self) -> Dict[str, "DebugLayer"]:
+        """On a structure of tensors (the outputs of a layer with several
+        outputs: a dict, a list, a tuple), the layer of each tensor, by its
+        path in the structure (`"a"`, `"0"`, `"a/0"`): a layer of this class
+        and settings named `<name>_<path with _>`, which records that tensor.
+        Empty on one tensor."""
+        return dict(self._parts) if self._parts is not None else {}
+
+    def _build_parts(self, input_shape) -> None:
+        boxed = keras.tree.map_shape_structure(_Shape, input_shape)
+        with warnings.catch_warnings():
+            # A PrintLayer's stream object is given to its parts, not saved.
+            warnings.simplefilter("ignore", UserWarning)
+            config = self.get_config()
+        parts = {}
+        for path, shape in keras.tree.flatten_with_path(boxed):
+            key = "/".join(str(p) for p in path)
+            name = f"{self.name}_" + "_".join(str(p).replace("/", "_") for p in path)
+            part = type(self).from_config(dict(config, name=name))
+            self._adopt(part, key)
+            part.build(shape.shape)
+            parts[key] = part
+        self._parts = parts
+
+    def _adopt(self, part: "DebugLayer", key: str) -> None:
+        """Settings a part takes from this layer beyond its config."""
+
+    def _check_single(self, what: str) -> None:
+        """Raises for what only a layer on one tensor has (`history`, ...)."""
+        if self._parts:
+            raise ValueError(
+                f"{type(self).__name__} {self.name!r} records a structure of tensors, one "
+                f"part per tensor; read `{what}` on a part: `layer.parts[key].{what}` with key "
+                f"in {list(self._parts)}.")
 
     def compute_output_shape(self, input_shape):
         return input_shape
 
     def compute_output_spec(self, inputs, *args, **kwargs):
-        return keras.KerasTensor(inputs.shape, dtype=inputs.dtype, sparse=inputs.sparse)
+        return keras.tree.map_structure(
+            lambda x: keras.KerasTensor(x.shape, dtype=x.dtype, sparse=x.sparse), inputs)
 
     def get_config(self) -> dict:
         config = super().get_config()
@@ -249,6 +274,11 @@ class DebugLayer(keras.layers.Layer):
         return config
 
     def call(self, inputs):
+        if self._parts is not None:
+            # Each part records its tensor and returns it.
+            leaves = keras.tree.flatten_with_path(inputs)
+            return keras.tree.pack_sequence_as(inputs, [
+                self._parts["/".join(str(p) for p in path)](leaf) for path, leaf in leaves])
         context = internals.step_context()
         try:
             self._record(inputs, context)
@@ -380,6 +410,8 @@ class DebugLayer(keras.layers.Layer):
     def traced_in(self, mode: str) -> bool:
         """Whether a step of `mode` ("fit", "evaluate", "predict", "call")
         traced this layer (its graph holds the recording)."""
+        if self._parts:
+            return any(part.traced_in(mode) for part in self._parts.values())
         return mode in self._host.traced_in
 
     def flush(self) -> None:
@@ -389,6 +421,8 @@ class DebugLayer(keras.layers.Layer):
         after each eager call; call it yourself after steps of your own
         `tf.function`.
         """
+        for part in (self._parts or {}).values():
+            part.flush()
         if self._buffers is None or self.across_workers() is not None:
             # Under several workers such a layer's records arrive only
             # through `_layer_sink.flush_layers` (a collective), in step on
@@ -489,3 +523,28 @@ class DebugLayer(keras.layers.Layer):
 def _is_tensor(value) -> bool:
     return isinstance(value, (keras.KerasTensor, tf.Tensor, tf.Variable, keras.Variable,
                               np.ndarray))
+
+
+def _is_structure(inputs) -> bool:
+    """Whether `inputs` is a structure of tensors (not one tensor, nor a
+    nested list of numbers, which is one tensor)."""
+    if isinstance(inputs, dict):
+        return True
+    if not isinstance(inputs, (list, tuple)):
+        return False
+    return any(_is_tensor(leaf) for leaf in keras.tree.flatten(inputs))
+
+
+def _is_shape(shape) -> bool:
+    """Whether `shape` is one shape (a tuple or list of sizes), not a structure."""
+    if isinstance(shape, tf.TensorShape):
+        return True
+    return isinstance(shape, (tuple, list)) and all(
+        d is None or isinstance(d, (int, np.integer)) for d in shape)
+
+
+class _Shape:
+    """A shape as one leaf, to flatten a structure of shapes with its paths."""
+
+    def __init__(self, shape):
+        self.shape = tuple(shape)

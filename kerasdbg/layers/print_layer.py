@@ -115,7 +115,10 @@ class PrintLayer(DebugLayer):
         **kwargs: `keras.layers.Layer` arguments (`name`, ...).
 
     Call arguments:
-        inputs: any tensor; returned unchanged.
+        inputs: any tensor; returned unchanged. A structure of tensors (a
+            dict, list or tuple) is printed tensor by tensor, each line with
+            the message followed by the tensor's path (`<message>/a`); the
+            `PrintLayer` of each tensor is in `parts`.
 
     Examples:
         >>> import keras, numpy as np, sys
@@ -194,6 +197,11 @@ class PrintLayer(DebugLayer):
             output_stream=stream,
         )
         return config
+
+    def _adopt(self, part, key: str) -> None:
+        # A part prints to this layer's stream (an object too), as `<message>/<path>`.
+        part.output_stream = self.output_stream
+        part.message = f"{self.message if self.message is not None else self.name}/{key}"
 
     # ------------------------------------------------------------ records
     def _fields(self, input_shape):

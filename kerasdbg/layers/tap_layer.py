@@ -102,6 +102,12 @@ class TapLayer(DebugLayer):
 
     Call arguments:
         inputs: a tensor with a batch dimension first; returned unchanged.
+            A structure of tensors (a dict, list or tuple: the outputs of a
+            layer with several outputs) is tapped tensor by tensor: `parts`
+            holds a `TapLayer` of the same settings per tensor, by its path
+            (`"a"`, `"0"`, `"a/0"`), named `<name>_<path>`, and
+            `ActivationStatistics` records each; read `history` and `latest`
+            on the parts.
 
     Examples:
         >>> import numpy as np
@@ -187,6 +193,8 @@ class TapLayer(DebugLayer):
 
     def build(self, input_shape):
         super().build(input_shape)
+        if self._parts is not None:
+            return  # a structure: each part tracks its own units
         # Per unit (each position after the batch dimension whose size is static):
         # the examples of the run of batches, up to the latest, that flagged it, up to
         # `min_examples`; per replica, not saved with the model (like the buffers).
@@ -355,18 +363,21 @@ class TapLayer(DebugLayer):
     @property
     def latest(self) -> dict:
         """The last record (of any mode) as `{"step", "mode", <stat>: ...}`."""
+        self._check_single("latest")
         self.flush()
         return dict(self._host.last)
 
     @property
     def latest_by_mode(self) -> Dict[str, dict]:
         """The last record of each mode seen: `{"fit": {...}, "predict": {...}}`."""
+        self._check_single("latest_by_mode")
         self.flush()
         return {mode: dict(row) for mode, row in self._host.latest.items()}
 
     @property
     def history(self) -> pd.DataFrame:
         """The latest `fit` records (at most `history_size`), one row per step."""
+        self._check_single("history")
         self.flush()
         columns = ["step", "mode", *self.stats, *self.health]
         return pd.DataFrame(list(self._host.history), columns=columns)
@@ -374,6 +385,7 @@ class TapLayer(DebugLayer):
     @property
     def latest_histogram(self):
         """`(counts, (low, high))` of the last record, or None."""
+        self._check_single("latest_histogram")
         self.flush()
         record = self._host.latest_raw
         if record is None or "hist_counts" not in record.values:
@@ -383,6 +395,7 @@ class TapLayer(DebugLayer):
     @property
     def latest_rows(self) -> Optional[np.ndarray]:
         """The sample rows of the last record (replica 0), or None."""
+        self._check_single("latest_rows")
         self.flush()
         record = self._host.latest_raw
         if record is None or "rows" not in record.values:
