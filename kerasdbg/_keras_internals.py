@@ -35,6 +35,7 @@ import tensorflow as tf
 
 REDUCE_METHOD = "_all_reduce_sum_gradients"
 UPDATE_METHOD = "_distributed_tf_update_step"
+WEIGHT_DECAY_METHOD = "_apply_weight_decay"
 ITERATIONS_ATTRIBUTE = "_iterations"
 VAR_KEY_METHOD = "_var_key"
 
@@ -227,10 +228,12 @@ def find_optimizers(model) -> List[Tuple[str, object]]:
         layers = []
     modules = [("", model)] + [(f"{layer.name}.", layer) for layer in layers]
     # Attributes first, then what lists and dicts hold; TensorFlow's own
-    # tracking attributes (`_self_...`) are not the model's.
+    # tracking attributes (`_self_...`) and Python's (`__...__`) are not the
+    # model's (`__d`, set with `setattr`, is).
     attributes = [(prefix + name, value) for prefix, module in modules
                   for name, value in list(vars(module).items())
-                  if not name.startswith(("__", "_self_"))]
+                  if not (name.startswith("__") and name.endswith("__"))
+                  and not name.startswith("_self_")]
     for name, value in attributes:
         add(name, value)
     for name, value in attributes:
@@ -283,7 +286,8 @@ def _routed_methods() -> List[Tuple[type, str]]:
         pending.extend(type.__subclasses__(cls))
     applies = [(cls, "apply") for cls in classes
                if isinstance(cls.__dict__.get("apply"), types.FunctionType)]
-    return applies + [(TFOptimizer, REDUCE_METHOD), (TFOptimizer, UPDATE_METHOD)]
+    return applies + [(TFOptimizer, REDUCE_METHOD), (TFOptimizer, UPDATE_METHOD),
+                      (TFOptimizer, WEIGHT_DECAY_METHOD)]
 
 
 _ROUTES_LOCK = threading.Lock()
@@ -292,23 +296,26 @@ _ROUTES_ORIGINALS: dict = {}
 
 
 @contextlib.contextmanager
-def optimizer_routes(apply_route, reduce_route, update_route):
+def optimizer_routes(apply_route, reduce_route, update_route, weight_decay_route):
     """While active, every optimizer's `apply` runs as
     `apply_route(optimizer, original_apply, grads, trainable_variables)`,
     its `_all_reduce_sum_gradients` as `reduce_route(optimizer,
-    original_reduce, grads_and_vars)` and its `_distributed_tf_update_step`
+    original_reduce, grads_and_vars)`, its `_distributed_tf_update_step`
     as `update_route(optimizer, original_update, distribution,
-    grads_and_vars, learning_rate)`, where the originals are bound methods.
+    grads_and_vars, learning_rate)` and its `_apply_weight_decay` as
+    `weight_decay_route(optimizer, original, variables)`, where the
+    originals are bound methods.
 
     Class-level and reference-counted: the replicas of a `MirroredStrategy`
     trace their steps at the same time in several threads, and routes that
     do not recognise the optimizer call the original. Only kerasdbg's own
-    three routes are ever passed. Where several classes of an optimizer's
+    four routes are ever passed. Where several classes of an optimizer's
     hierarchy define `apply`, each is routed, and the route passes the
     calls that the first one made on to the original.
     """
     global _ROUTES_DEPTH
-    routes = {REDUCE_METHOD: reduce_route, UPDATE_METHOD: update_route}
+    routes = {REDUCE_METHOD: reduce_route, UPDATE_METHOD: update_route,
+              WEIGHT_DECAY_METHOD: weight_decay_route}
     with _ROUTES_LOCK:
         if _ROUTES_DEPTH == 0:
             for cls, name in _routed_methods():
@@ -343,6 +350,10 @@ def _routed(original, route, name):
         @functools.wraps(original)
         def routed(self, grads_and_vars):
             return route(self, functools.partial(original, self), grads_and_vars)
+    elif name == WEIGHT_DECAY_METHOD:
+        @functools.wraps(original)
+        def routed(self, variables):
+            return route(self, functools.partial(original, self), variables)
     elif name == UPDATE_METHOD:
         @functools.wraps(original)
         def routed(self, distribution, grads_and_vars, learning_rate):
@@ -383,7 +394,8 @@ def update_gateable(optimizer, variables) -> bool:
     cls = type(optimizer)
     for owner, name in ((BaseOptimizer, "apply"), (BaseOptimizer, "_backend_apply_gradients"),
                         (BaseOptimizer, "_overwrite_variables_directly_with_gradients"),
-                        (TFOptimizer, "_backend_update_step"), (TFOptimizer, UPDATE_METHOD)):
+                        (TFOptimizer, "_backend_update_step"), (TFOptimizer, UPDATE_METHOD),
+                        (TFOptimizer, WEIGHT_DECAY_METHOD)):
         if _unrouted(cls, name) is not _unrouted(owner, name):
             return False
     # Keras's own update steps read the step count and write only the

@@ -164,16 +164,24 @@ class TensorRequest(Request):
         if not self.steps:  # only step 0: the weights before training
             return hit, slot
 
+        def write_rate():
+            rate = internals.inner_optimizer(optimizer).learning_rate
+            _buffers.write_row(self.learning_rate, slot, tf.cast(internals.read(rate), tf.float64))
+            return tf.constant(True)
+
         def write():
             if "loss" in self.record and loss is not None:
                 _buffers.write_row(self.loss, slot, loss)
-            if "learning_rate" in self.record:
-                rate = internals.inner_optimizer(optimizer).learning_rate
-                _buffers.write_row(self.learning_rate, slot, tf.cast(internals.read(rate), tf.float64))
             if self.layers and x is not None:
                 self._record_outputs(model, x, slot)
             return tf.constant(True)
 
+        # Apart: the learning rate reads the step count (a schedule's), and a
+        # condition that also waits for the batch (the loss, the outputs)
+        # would hold back `apply`'s count of the step, which plain Keras
+        # makes without the batch at the end of a dataset of unknown length.
+        if "learning_rate" in self.record:
+            tf.cond(hit, write_rate, lambda: tf.constant(False))
         tf.cond(hit, write, lambda: tf.constant(False))
         return hit, slot
 

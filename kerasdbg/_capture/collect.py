@@ -227,9 +227,11 @@ class Collector:
         for key, optimizer in self.engine.bypassed.items():
             name = names.get(key, getattr(optimizer, "name", "?"))
             own = vars(optimizer).get("apply")
-            how = (f"the optimizer holds an `apply` of its own ({_qualname(own)}), which calls "
-                   "`apply` as it was before kerasdbg's route" if own is not None else
-                   "something calls a copy of `apply` it saved before kerasdbg's route")
+            how = (f"the optimizer holds an `apply` of its own ({_qualname(own)}) that reaches "
+                   "Keras's update without the class's `apply`, where kerasdbg records"
+                   if own is not None else
+                   "something reaches Keras's update without the class's `apply`, where "
+                   "kerasdbg records")
             said.append(f"{name} ({type(optimizer).__name__}) applied gradients without its "
                         f"`apply` passing through kerasdbg: {how}")
         return "; ".join(said)
@@ -248,10 +250,10 @@ class Collector:
             if request.kind == "tensors" and request.channel is not None and (
                     request.variables or not {"gradients", "weights"} & set(request.record)):
                 continue
-            if any(id(request) in c.slots for c in self.engine.channels):
+            if bypassed and not self.engine.routed:
+                why = bypassed  # its channel may exist (built before the trace), never written
+            elif any(id(request) in c.slots for c in self.engine.channels):
                 continue
-            if bypassed:
-                why = bypassed
             elif not self.engine.channels:
                 if not model.trainable_variables:
                     why = (f"the model {model.name!r} has no trainable variables, so no "

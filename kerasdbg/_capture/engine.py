@@ -118,29 +118,42 @@ def _route_reduce(optimizer, original, grads_and_vars):
 
 
 def _route_update(optimizer, original, distribution, grads_and_vars, learning_rate):
-    """The update of the variables, skipped where the apply being traced
-    has a freeze gate (`Faults.apply_unless_frozen`)."""
+    """The variables' update, skipped in a frozen step of an apply that has
+    a `Gate` (`Faults.apply_unless_frozen`)."""
     gate = _GATES.get((internals.replica_id(), id(optimizer)))
     if gate is None:
         return original(distribution, grads_and_vars, learning_rate)
+    _skip_if(gate.frozen, optimizer, lambda: original(distribution, grads_and_vars,
+                                                      learning_rate))
+    return None
 
-    # The step count as the update reads it, read before the condition: a
-    # condition that reads `iterations` would hold back `apply`'s count of
-    # the step (written after it) until the batch is known, where plain Keras
-    # counts it without the batch.
+
+def _route_weight_decay(optimizer, original, variables):
+    """Weight decay, skipped after a step froze the weights (see `_route_update`)."""
+    gate = _GATES.get((internals.replica_id(), id(optimizer)))
+    if gate is None or getattr(optimizer, "weight_decay", None) is None:
+        return original(variables)
+    _skip_if(gate.frozen_before, optimizer, lambda: original(variables))
+    return None
+
+
+def _skip_if(flag, optimizer, function) -> None:
+    """`function()` unless `flag`, in a `tf.cond` that reads the step count
+    before it: a condition that read `iterations` would hold back `apply`'s
+    count of the step (written after it) until the condition's inputs are
+    known, where plain Keras counts it without the batch."""
     iterations = internals.raw_iterations(optimizer)
     step_count = internals.read(iterations)
 
-    def update():
+    def run():
         object.__setattr__(optimizer, internals.ITERATIONS_ATTRIBUTE, step_count)
         try:
-            original(distribution, grads_and_vars, learning_rate)
+            function()
         finally:
             object.__setattr__(optimizer, internals.ITERATIONS_ATTRIBUTE, iterations)
         return tf.constant(True)
 
-    tf.cond(gate, lambda: tf.constant(False), update)
-    return None
+    tf.cond(flag, lambda: tf.constant(False), run)
 
 
 _ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -206,6 +219,8 @@ class Engine:
         # Optimizers that reduced gradients in the traced step without their
         # `apply` passing through the route, by id.
         self.bypassed: Dict[int, object] = {}
+        # The optimizers whose `apply` passed through the route, by id.
+        self.routed: set = set()
         self._lock = threading.Lock()
         self._several: Optional[bool] = None
         # The "step" buffer: [row, train id, loss, loss captured, frozen,
@@ -379,7 +394,7 @@ class Engine:
         object.__setattr__(model, "compute_loss", compute_loss)
         self.installed = True
         self._several = None
-        self.bypassed = {}
+        self.bypassed, self.routed = {}, set()
         on_fit_end(model, self, self._after_failed_fit)
         model.make_train_function(force=True)
 
@@ -432,7 +447,8 @@ class Engine:
         previous = getattr(_TLS, "state", None)
         _TLS.state = state
         try:
-            with internals.optimizer_routes(_route_apply, _route_reduce, _route_update):
+            with internals.optimizer_routes(_route_apply, _route_reduce, _route_update,
+                                          _route_weight_decay):
                 logs = step_function(data)
         finally:
             _TLS.state = previous
@@ -522,6 +538,7 @@ class Engine:
             variables = None
         if not grads or variables is None or len(variables) != len(grads):
             return original(grads, trainable_variables)
+        self.routed.add(id(optimizer))
         hook = self._hook(optimizer)
         index = state.applies.get(id(hook), 0)
         state.applies[id(hook)] = index + 1

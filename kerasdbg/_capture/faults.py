@@ -14,7 +14,7 @@ non-finite values first appear. On the host, what was found becomes the
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, NamedTuple, Optional, Tuple
 
 import keras
 import numpy as np
@@ -38,10 +38,18 @@ MAX_FLAGGED = 4096
 """Variables of one optimizer whose non-finite gradient NaN localisation can name."""
 
 
-GATES: Dict[Tuple[Optional[int], int], object] = {}
-"""(replica id, or None in a cross-replica context; id of the inner
-optimizer) -> the fault flag that skips the variables' update of the apply
-being traced (`Faults.apply_unless_frozen`, read by the engine's update route)."""
+class Gate(NamedTuple):
+    """What skips parts of an optimizer's `apply` in a frozen step."""
+
+    frozen: object
+    """The update: this step is frozen (a fault now or before)."""
+    frozen_before: object
+    """Weight decay: an earlier step froze the weights."""
+
+
+GATES: Dict[Tuple[Optional[int], int], Gate] = {}
+"""(replica id, id of the inner optimizer) -> the `Gate` of the apply being
+traced (`Faults.apply_unless_frozen`), read by the engine's routes."""
 
 
 _REPLAYS = "_kerasdbg_replays"
@@ -351,29 +359,39 @@ class Faults:
                             frozen_before):
         """Applies the update unless `frozen`; a frozen step only counts itself.
 
-        `frozen_before` says whether an earlier train step froze the weights:
-        read before this step's batch is known, it chooses between counting
-        the step and Keras's own `apply`. Where the optimizer allows it
-        (`update_gateable`), the fault of this step (`frozen`, from the
-        gradients) skips only the variables' update inside that `apply`
-        (`_route_update`): what Keras does in `apply` independently of the
-        gradients (the step count, the learning rate, weight decay) runs as
-        in plain Keras, also in the call that meets the end of a dataset of
-        unknown length, where no batch comes and plain Keras still counts a
-        step (the update waits for the batch). Elsewhere `frozen` chooses.
+        Where the optimizer allows it (`update_gateable`, without a strategy
+        that needs `merge_call`), Keras's own `apply` runs as it is, and two
+        conditions inside it skip what a frozen step must not change: the
+        variables' update (`_route_update`, on `frozen`) and weight decay
+        (`_route_weight_decay`, on `frozen_before`: whether an earlier train
+        step froze the weights, known before this step's batch). The rest of
+        `apply` (the step count, the learning rate) is as in plain Keras,
+        also in the call that meets the end of a dataset of unknown length,
+        where no batch comes and plain Keras still counts a step and decays
+        the weights (the update waits for the batch). At the faulty step
+        itself weight decay still applies (it comes before the gradients in
+        Keras's `apply`).
 
-        Strategies that need `merge_call` (Mirrored, OneDevice) get the
-        `tf.cond` in cross-replica context, as `LossScaleOptimizer` does.
+        Elsewhere a `tf.cond` on `frozen` chooses between counting the step
+        and `apply`; strategies that need `merge_call` (Mirrored, OneDevice)
+        get it in cross-replica context, as `LossScaleOptimizer` does.
         """
 
         inner = internals.inner_optimizer(optimizer)
         scaled = inner is not optimizer
         # Built here, not inside a branch (a LossScaleOptimizer builds in apply).
         internals.ensure_built(optimizer, trainable_variables)
-        variables = (internals.optimizer_variables(inner) if trainable_variables is None
-                     else list(trainable_variables))
-        gated = frozen_before is not None and internals.update_gateable(optimizer, variables)
-        choice = frozen_before if gated else frozen
+        no_merge_call = tf.__internal__.distribute.strategy_supports_no_merge_call()
+        if no_merge_call and frozen_before is not None and internals.update_gateable(
+                optimizer, internals.optimizer_variables(inner) if trainable_variables is None
+                else list(trainable_variables)):
+            key = (internals.replica_id(), id(inner))
+            GATES[key] = Gate(frozen, frozen_before)
+            try:
+                original_apply(grads, trainable_variables)
+            finally:
+                GATES.pop(key, None)
+            return True
 
         def count_step(grads, trainable_variables):
             # The gradient statistics of a frozen step are recorded too: the
@@ -387,16 +405,6 @@ class Faults:
             getattr(inner, internals.REDUCE_METHOD)(list(zip(grads, variables)))
             internals.raw_iterations(optimizer).assign_add(1)
 
-        def apply(gate, grads, trainable_variables):
-            if not gated:
-                return original_apply(grads, trainable_variables)
-            key = (internals.replica_id(), id(inner))
-            GATES[key] = gate
-            try:
-                return original_apply(grads, trainable_variables)
-            finally:
-                GATES.pop(key, None)
-
         def branch(function):
             def run():
                 function()
@@ -404,36 +412,25 @@ class Faults:
 
             return run
 
-        if tf.__internal__.distribute.strategy_supports_no_merge_call():
+        if no_merge_call:
             tf.cond(
-                choice, branch(lambda: count_step(grads, trainable_variables)),
-                branch(lambda: apply(frozen, grads, trainable_variables)),
+                frozen, branch(lambda: count_step(grads, trainable_variables)),
+                branch(lambda: original_apply(grads, trainable_variables)),
             )
             return True
 
-        def cross_replica(distribution, choice, frozen, grads, trainable_variables):
-            flag = distribution.experimental_local_results(choice)[0]
-
-            def update():
-                # The update runs in a cross-replica context (Keras's merge_call).
-                key = (None, id(inner))
-                GATES[key] = distribution.experimental_local_results(frozen)[0]
-                try:
-                    distribution.extended.call_for_each_replica(
-                        original_apply, args=(grads, trainable_variables))
-                finally:
-                    GATES.pop(key, None)
-
+        def cross_replica(distribution, frozen, grads, trainable_variables):
+            flag = distribution.experimental_local_results(frozen)[0]
             tf.cond(
                 flag,
                 branch(lambda: distribution.extended.call_for_each_replica(
                     count_step, args=(grads, trainable_variables))),
-                branch(update if gated else lambda: distribution.extended.call_for_each_replica(
+                branch(lambda: distribution.extended.call_for_each_replica(
                     original_apply, args=(grads, trainable_variables))),
             )
 
         tf.distribute.get_replica_context().merge_call(
-            cross_replica, args=(choice, frozen, grads, trainable_variables)
+            cross_replica, args=(frozen, grads, trainable_variables)
         )
         return True
 

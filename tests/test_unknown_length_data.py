@@ -1,0 +1,116 @@
+"""Training with kerasdbg is bitwise plain Keras on data of unknown length (issue 32, item 13).
+
+With a dataset of unknown cardinality (a `.filter`) and `steps_per_execution=1`,
+plain Keras 3 counts one more `optimizer.iterations` at each epoch's end: the
+call that meets the end of the data runs what the train step does without the
+batch (the optimizer's step count; weight decay), and only then fails. A
+learning-rate schedule and Adam's bias correction read that count, so
+kerasdbg must let those writes run as plain Keras does: its conditions on the
+gradients (the freeze of `StopOnRule`) skip only what needs the batch. The
+quirk itself is checked first, on plain Keras; then each instrument alone and
+all together give bitwise the weights and the step count of plain Keras,
+at `steps_per_execution` 1 and 4, with `jit_compile` off and on.
+"""
+
+import functools
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kerasdbg
+from kerasdbg.callbacks import ActivationStatistics, GradientStatistics, StepRecorder
+from kerasdbg.callbacks import StepTimer, StopOnRule, WeightStatistics
+
+RNG = np.random.default_rng(4)
+X = RNG.normal(size=(90, 4)).astype("float32")
+Y = RNG.normal(size=(90, 1)).astype("float32")
+BATCHES, EPOCHS = 9, 2
+MATRIX = [pytest.param(spe, jit, id=f"spe{spe}-{'jit' if jit else 'graph'}")
+          for spe in (1, 4) for jit in (False, True)]
+
+
+def _dataset():
+    """Nine batches of unknown length (the filter keeps them all)."""
+    dataset = tf.data.Dataset.from_tensor_slices((X, Y)).filter(lambda x, y: True).batch(10)
+    assert dataset.cardinality() == tf.data.UNKNOWN_CARDINALITY
+    return dataset
+
+
+def _fit(callbacks=(), spe=1, jit=False, taps=False, optimizer="adam", tmp_path=None):
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="relu", name="h"),
+                              keras.layers.Dense(1, name="o")], name="m")
+    if taps:
+        model = kerasdbg.insert_taps(model)
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.05, decay_steps=3, decay_rate=0.5)
+    optimizer = (keras.optimizers.Adam(schedule) if optimizer == "adam"
+                 else keras.optimizers.AdamW(schedule, weight_decay=0.1))
+    model.compile(optimizer, "mse", steps_per_execution=spe, jit_compile=jit)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Your input ran out of data", UserWarning)
+        model.fit(_dataset(), epochs=EPOCHS, verbose=0, callbacks=list(callbacks))
+    return int(model.optimizer.iterations), [v.numpy() for v in model.trainable_variables]
+
+
+@functools.lru_cache(maxsize=None)
+def _plain(spe, jit, optimizer="adam"):
+    return _fit(spe=spe, jit=jit, optimizer=optimizer)
+
+
+@pytest.mark.parametrize("spe, jit, iterations", [
+    (1, False, EPOCHS * (BATCHES + 1)), (1, True, EPOCHS * BATCHES),
+    (4, False, EPOCHS * BATCHES), (4, True, EPOCHS * BATCHES)],
+    ids=["spe1-graph", "spe1-jit", "spe4-graph", "spe4-jit"])
+def test_plain_keras_counts_a_step_at_the_end_of_data_only_at_spe_1_without_xla(
+        spe, jit, iterations):
+    """The quirk: the call that meets the end of the data counts a step (and
+    the schedule moves on), without a batch and without an update; under XLA
+    the compiled step needs its batch, and with steps_per_execution > 1 Keras's
+    loop asks whether a batch is there first."""
+    assert _plain(spe, jit)[0] == iterations
+
+
+def _instruments(tmp_path):
+    return {
+        "GradientStatistics": lambda: [GradientStatistics()],
+        "WeightStatistics": lambda: [WeightStatistics()],
+        "StopOnRule": lambda: [StopOnRule(verbose=False)],
+        "taps": lambda: [ActivationStatistics()],
+        "StepRecorder": lambda: [StepRecorder(str(tmp_path / "t.npz"), steps=[1, 5])],
+        "StepTimer": lambda: [StepTimer()],
+        "all": lambda: [GradientStatistics(), WeightStatistics(), StopOnRule(verbose=False),
+                        ActivationStatistics(), StepRecorder(str(tmp_path / "t.npz"), steps=[1, 5]),
+                        StepTimer()],
+    }
+
+
+@pytest.mark.parametrize("spe, jit", MATRIX)
+@pytest.mark.parametrize("instrument", ["GradientStatistics", "WeightStatistics", "StopOnRule",
+                                        "taps", "StepRecorder", "StepTimer", "all"])
+def test_every_instrument_trains_bitwise_as_plain_keras(tmp_path, instrument, spe, jit):
+    callbacks = _instruments(tmp_path)[instrument]()
+    iterations, weights = _fit(callbacks, spe, jit, taps=instrument in ("taps", "all"))
+    plain_iterations, plain_weights = _plain(spe, jit)
+    assert iterations == plain_iterations
+    for actual, expected in zip(weights, plain_weights):
+        np.testing.assert_array_equal(actual, expected)
+
+
+def test_weight_decay_of_the_end_of_data_call_is_kept_with_every_instrument(tmp_path):
+    """AdamW decays the weights in the call that meets the end of the data too
+    (it needs no batch); the freeze's condition on it reads only whether an
+    earlier step froze the weights. StepRecorder records no layer outputs here
+    (see docs/rules.md: its replay of the forward pass reads the weights)."""
+    callbacks = [GradientStatistics(), WeightStatistics(), StopOnRule(verbose=False),
+                 ActivationStatistics(),
+                 StepRecorder(str(tmp_path / "t.npz"), steps=[1, 5],
+                              record=["loss", "learning_rate", "gradients", "weights"]),
+                 StepTimer()]
+    iterations, weights = _fit(callbacks, taps=True, optimizer="adamw")
+    plain_iterations, plain_weights = _plain(1, False, "adamw")
+    assert iterations == plain_iterations == EPOCHS * (BATCHES + 1)
+    for actual, expected in zip(weights, plain_weights):
+        np.testing.assert_array_equal(actual, expected)
