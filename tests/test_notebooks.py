@@ -34,8 +34,9 @@ EXPECTED_OUTPUT = {
         "'dense_1': (5, 32)",
     ],
     "02_rules.ipynb": [
-        "kerasdbg: VanishingGradient at step 1: mean |gradient| below 1e-07",
-        "optimizer steps run: 1",
+        "kerasdbg: VanishingGradient at step 2: mean |gradient| below 1e-07 and update/weight "
+        "ratio below 1e-08",
+        "optimizer steps run: 2",
         "kerasdbg: NonFiniteLoss at step 4: the loss is nan",
         "NaNSource at step 4: the first layer whose output held NaN/Inf is 'out'",
         "steps run: 8 | weights finite: True",
