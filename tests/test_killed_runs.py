@@ -64,44 +64,41 @@ KILLS = {
 
 def _start(log_dir, steps_per_epoch):
     return subprocess.Popen([sys.executable, "-c", _CHILD, log_dir, str(steps_per_epoch)],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-
-
-def _kill_at(child, kill_at, deadline):
-    """Reads the child's steps until `kill_at`, then SIGKILLs it (and always ends it)."""
-    try:
-        step = 0
-        while step < kill_at:
-            ready, _, _ = select.select([child.stdout], [], [], max(deadline - time.monotonic(), 0))
-            assert ready, f"the child did not reach step {kill_at} in {TIMEOUT} s"
-            line = child.stdout.readline()
-            assert line, f"the child ended before step {kill_at} (exit {child.poll()})"
-            step = int(line)
-        child.send_signal(signal.SIGKILL)
-        assert child.wait(timeout=30) == -signal.SIGKILL
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait(timeout=30)
-        child.stdout.close()
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
 
 
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory):
-    """name -> the log directory of a child killed at that point (the children run side
-    by side: their start, TensorFlow's import, is most of their time)."""
+    """name -> the log directory of a child SIGKILLed as soon as it reports its step
+    (the children run side by side: their start, TensorFlow's import, is most of
+    their time; each is killed at its own step, whatever the others do)."""
     root = tmp_path_factory.mktemp("killed")
     children = {name: _start(str(root / name), steps_per_epoch)
                 for name, (steps_per_epoch, _) in KILLS.items()}
     deadline = time.monotonic() + TIMEOUT
+    pending = {child.stdout.fileno(): name for name, child in children.items()}
+    partial = {name: b"" for name in children}
     try:
-        for name, child in children.items():
-            _kill_at(child, KILLS[name][1], deadline)
+        while pending:
+            ready, _, _ = select.select(list(pending), [], [],
+                                        max(deadline - time.monotonic(), 0))
+            assert ready, f"{sorted(pending.values())} did not reach their step in {TIMEOUT} s"
+            for fd in ready:
+                name = pending[fd]
+                chunk = os.read(fd, 65536)
+                child = children[name]
+                assert chunk, f"{name}: the child ended before its step (exit {child.poll()})"
+                *lines, partial[name] = (partial[name] + chunk).split(b"\n")
+                if lines and int(lines[-1]) >= KILLS[name][1]:
+                    child.send_signal(signal.SIGKILL)
+                    assert child.wait(timeout=30) == -signal.SIGKILL
+                    del pending[fd]
     finally:
         for child in children.values():
             if child.poll() is None:
                 child.kill()
                 child.wait(timeout=30)
+            child.stdout.close()
     return {name: str(root / name) for name in KILLS}
 
 
