@@ -133,7 +133,9 @@ def test_two_consumers_of_a_statistic_compute_it_once_per_step(monkeypatch):
     scheduled = sum(Schedule(50, first_steps=10).at(s) for s in range(1, STEPS + 1))
     assert scheduled == 10
     # The every-step statistics: once per step; the others: at the scheduled steps.
-    assert runs["both"]["l2_norm"] == variables * STEPS
+    # (VanishingGradient also reads the weights' update ratio: two norms per variable,
+    # the update's and the weights' before it, at the scheduled steps.)
+    assert runs["both"]["l2_norm"] == variables * STEPS + 2 * variables * scheduled
     assert runs["both"]["nan_count"] == variables * STEPS
     assert runs["both"]["mean_abs"] == variables * scheduled
     assert runs["both"]["std"] == variables * scheduled

@@ -547,13 +547,14 @@ def test_4_zero_by_construction_is_information_not_a_stop():
     history = model.fit(x, RNG.normal(size=(64, 1)).astype("float32"), batch_size=8,
                         epochs=1, verbose=0, callbacks=[stop])
     assert model.optimizer.iterations.numpy() == 8, stop.verdicts
-    # Reported once each, as information; the key bias and the bias before the
-    # normalization from step 1.
+    # Reported once each, as information; the key bias from step 1. (The bias before
+    # the normalization, which SGD moves from a zero start by update ratios of 0.1 and
+    # more, is no vanishing gradient at all: VanishingGradient judges the update too.)
     assert {v.severity for v in stop.verdicts} == {"info"}
     named = [t for v in stop.verdicts for t in v.tensors]
     assert len(named) == len(set(named))
     first = stop.verdicts[0]
-    assert first.step == 1 and {"mha/key/bias", "conv/bias"} <= set(first.tensors)
+    assert first.step == 1 and "mha/key/bias" in first.tensors
     assert "zero by construction, not a fault" in first.reason
 
 
