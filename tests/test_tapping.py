@@ -232,7 +232,10 @@ def test_strip_keeps_sequential_and_compile(tmp_path):
     import tensorflow as tf
 
     reloaded = tf.saved_model.load(str(tmp_path / "saved_model"))
-    np.testing.assert_allclose(reloaded.serve(X).numpy(), model.predict(X, verbose=0), rtol=1e-6)
+    # The exported graph may pick other float32 kernels than predict: a near-zero
+    # output then differs in its last bits (seen 1 of 240 on a loaded machine).
+    np.testing.assert_allclose(reloaded.serve(X).numpy(), model.predict(X, verbose=0),
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_mobilenet_v2_insert_then_strip():
