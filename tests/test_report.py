@@ -3,7 +3,6 @@
 import html.parser
 import os
 import re
-import shutil
 import signal
 import subprocess
 import warnings
