@@ -2,16 +2,21 @@
 
 Keras 3 has no public hook for the gradients that `fit` applies. While a
 kerasdbg train step is being traced (only then: tracing is the only time
-Python runs inside `fit`'s compiled step), kerasdbg routes two optimizer
-methods of every optimizer class through itself (`optimizer_routes`):
+Python runs inside `fit`'s compiled step), kerasdbg routes these optimizer
+methods through itself (`optimizer_routes`):
 
-- `apply` (public; `BaseOptimizer.apply` and `LossScaleOptimizer.apply`), for
-  every optimizer the train step applies, wherever the model keeps it: the
-  step being applied, whether the loss scaler skipped it, the gradients the
-  model produced and the weights before and after the update;
+- `apply` (public) of every optimizer class that defines one (Keras's
+  `BaseOptimizer` and `LossScaleOptimizer`, and a wrapper another tool put
+  on a class), for every optimizer the train step applies, wherever the
+  model keeps it: the step being applied, whether the loss scaler skipped
+  it, the gradients the model produced and the weights before and after the
+  update;
 - `_all_reduce_sum_gradients` (private, TensorFlow backend), whose result is
   the gradient the optimizer applies: after clipping and, under a
-  `tf.distribute` strategy, after the cross-replica sum.
+  `tf.distribute` strategy, after the cross-replica sum;
+- `_distributed_tf_update_step` and `_apply_weight_decay` (private,
+  TensorFlow backend), which a frozen step skips inside Keras's own `apply`
+  (`update_gateable`).
 
 A class method is replaced only during traces and put back after each, so
 nothing is left on any optimizer instance. `fit` itself is wrapped once
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import threading
 import types
 from typing import Callable, List, Optional, Tuple
@@ -284,10 +290,22 @@ def _routed_methods() -> List[Tuple[type, str]]:
             continue
         classes.append(cls)
         pending.extend(type.__subclasses__(cls))
-    applies = [(cls, "apply") for cls in classes
-               if isinstance(cls.__dict__.get("apply"), types.FunctionType)]
+    applies = [(cls, "apply") for cls in classes if _takes_apply_arguments(cls.__dict__.get("apply"))]
     return applies + [(TFOptimizer, REDUCE_METHOD), (TFOptimizer, UPDATE_METHOD),
                       (TFOptimizer, WEIGHT_DECAY_METHOD)]
+
+
+def _takes_apply_arguments(function) -> bool:
+    """Whether `function` is a function callable as `apply(self, grads,
+    trainable_variables)`, as Keras calls it (a class's own `apply` of
+    another signature is left alone)."""
+    if not isinstance(function, types.FunctionType):
+        return False
+    try:
+        inspect.signature(function).bind(None, [], None)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 _ROUTES_LOCK = threading.Lock()

@@ -184,3 +184,54 @@ def test_a_strict_callback_raises_on_an_apply_held_by_the_instance():
                                          r"`apply` passing through kerasdbg"):
         model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0,
                   callbacks=[GradientStatistics(strict=True)])
+
+
+class PairsApply(keras.optimizers.SGD):
+    """An optimizer whose own `apply` takes (gradient, variable) pairs."""
+
+    def apply(self, grads_and_vars):
+        grads, variables = zip(*grads_and_vars)
+        return super().apply(list(grads), list(variables))
+
+
+class PairsStep(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.out = keras.layers.Dense(1, name="out")
+
+    def call(self, x):
+        return self.out(x)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(self(x) - y))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.pairs.apply(list(zip(grads, self.trainable_variables)))
+        return {"loss": loss}
+
+
+def test_an_apply_of_another_signature_is_left_alone_and_recorded_through_keras_apply():
+    """A class's own `apply` that Keras's signature does not fit is not routed
+    (routing it would break the call); the `apply` it calls is."""
+    keras.utils.set_random_seed(3)
+    model = PairsStep(name="m")
+    model.compile()
+    model.pairs = PairsApply(0.1)
+    model(X[:1])
+    twin = PairsStep(name="m")
+    twin(X[:1])
+    twin.set_weights(model.get_weights())
+    norms = []
+    for start in range(0, len(X), BATCH):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(twin(X[start:start + BATCH]) - Y[start:start + BATCH]))
+        grads = tape.gradient(loss, twin.trainable_variables)
+        norms.append(float(np.sqrt(np.sum(np.square(grads[0].numpy().astype(np.float64))))))
+        for variable, grad in zip(twin.trainable_variables, grads):
+            variable.assign_sub(0.1 * grad)
+    gradients = GradientStatistics()
+    model.fit(X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[gradients])
+    history = gradients.history.sort_values("step")
+    np.testing.assert_allclose(history["m/out/kernel/l2_norm"], norms, rtol=1e-5)
+    assert "apply" in PairsApply.__dict__ and not internals.routes_active()

@@ -359,12 +359,12 @@ class Faults:
                             frozen_before):
         """Applies the update unless `frozen`; a frozen step only counts itself.
 
-        Where the optimizer allows it (`update_gateable`, without a strategy
-        that needs `merge_call`), Keras's own `apply` runs as it is, and two
-        conditions inside it skip what a frozen step must not change: the
-        variables' update (`_route_update`, on `frozen`) and weight decay
-        (`_route_weight_decay`, on `frozen_before`: whether an earlier train
-        step froze the weights, known before this step's batch). The rest of
+        Where the optimizer allows it (`update_gateable`, with one replica),
+        Keras's own `apply` runs as it is, and two conditions inside it skip
+        what a frozen step must not change: the variables' update
+        (`_route_update`, on `frozen`) and weight decay (`_route_weight_decay`,
+        on `frozen_before`: whether an earlier train step froze the weights,
+        known before this step's batch). The rest of
         `apply` (the step count, the learning rate) is as in plain Keras,
         also in the call that meets the end of a dataset of unknown length,
         where no batch comes and plain Keras still counts a step and decays
@@ -382,9 +382,12 @@ class Faults:
         # Built here, not inside a branch (a LossScaleOptimizer builds in apply).
         internals.ensure_built(optimizer, trainable_variables)
         no_merge_call = tf.__internal__.distribute.strategy_supports_no_merge_call()
-        if no_merge_call and frozen_before is not None and internals.update_gateable(
-                optimizer, internals.optimizer_variables(inner) if trainable_variables is None
-                else list(trainable_variables)):
+        # One replica: the routes swap the optimizer's step count for a read
+        # of it while they trace, which replicas tracing at once would mix.
+        variables = (internals.optimizer_variables(inner) if trainable_variables is None
+                     else list(trainable_variables))
+        if (no_merge_call and _several_replicas() is None and frozen_before is not None
+                and internals.update_gateable(optimizer, variables)):
             key = (internals.replica_id(), id(inner))
             GATES[key] = Gate(frozen, frozen_before)
             try:
