@@ -15,7 +15,7 @@ from kerasdbg import _capture
 from kerasdbg import _keras_internals as internals
 from kerasdbg import _layout
 from kerasdbg import _validation as check
-from kerasdbg.callbacks._recording import RecordingCallback
+from kerasdbg.callbacks._recording import RecordingCallback, release_writer
 from kerasdbg.rules.rule import DiagnosisWarning
 
 COLUMNS = ("step", "steps", "execution_seconds", "step_seconds", "input_seconds",
@@ -154,8 +154,7 @@ class StepTimer(RecordingCallback):
         if self._request is not None:
             _capture.engine_for(self.model).detach(self._request)
             self._request = None
-        if self._writer is not None:
-            self._writer.flush()
+        release_writer(self, self._writer)
 
     # -------------------------------------------------------- records
     def _record(self, end: float) -> None:
