@@ -275,11 +275,11 @@ def merge_call(function: Callable[[], object]):
 
 
 def _routed_methods() -> List[Tuple[type, str]]:
-    """The class methods `optimizer_routes` replaces: the `apply` of every
-    optimizer class that defines one as a function (Keras's own, and one that
-    another tool or a test put on a class, such as a wrapper of the function
-    it saved from `AdamW.apply` first, which no route further up would see),
-    and the TensorFlow optimizer's reduction and update."""
+    """The class methods `optimizer_routes` replaces: `BaseOptimizer.apply`,
+    `LossScaleOptimizer.apply`, the `apply` that another tool or a test put on
+    any optimizer class (such as a wrapper of the function it saved from
+    `AdamW.apply` first, which no route further up would see), and the
+    TensorFlow optimizer's reduction, update and weight decay."""
     from keras.src.backend.tensorflow.optimizer import TFOptimizer
     from keras.src.optimizers.base_optimizer import BaseOptimizer
 
@@ -290,7 +290,12 @@ def _routed_methods() -> List[Tuple[type, str]]:
             continue
         classes.append(cls)
         pending.extend(type.__subclasses__(cls))
-    applies = [(cls, "apply") for cls in classes if _takes_apply_arguments(cls.__dict__.get("apply"))]
+    # Keras's own `apply`s route through these two (a MultiOptimizer's
+    # dispatches to its optimizers' own); one from elsewhere is routed too.
+    keras_applies = (BaseOptimizer, keras.optimizers.LossScaleOptimizer)
+    applies = [(cls, "apply") for cls in classes
+               if cls in keras_applies or (_takes_apply_arguments(cls.__dict__.get("apply"))
+                                           and not _from_keras(cls.__dict__["apply"]))]
     return applies + [(TFOptimizer, REDUCE_METHOD), (TFOptimizer, UPDATE_METHOD),
                       (TFOptimizer, WEIGHT_DECAY_METHOD)]
 
@@ -306,6 +311,10 @@ def _takes_apply_arguments(function) -> bool:
     except (TypeError, ValueError):
         return False
     return True
+
+
+def _from_keras(function) -> bool:
+    return (getattr(function, "__module__", None) or "").split(".")[0] == "keras"
 
 
 _ROUTES_LOCK = threading.Lock()
