@@ -23,7 +23,6 @@ from kerasdbg import schedule as schedule_lib
 from kerasdbg import stats as stats_lib
 from kerasdbg import _tags
 from kerasdbg.callbacks._copies import CopiedAsNew
-from kerasdbg.callbacks._copies import CopiedAsNew
 from kerasdbg.callbacks._recording import open_writer, release_writer
 from kerasdbg.callbacks.activation_statistics import find_taps
 from kerasdbg.rules._runner import RuleRunner, check_rules, rule_config, rule_from_config
