@@ -21,10 +21,11 @@ class AllZero(Rule):
     so weights that stay at their zero initial value) are not a fault: all
     zero from the first step the rule sees them while another variable of
     their layer is not, or while most variables are not. Each is reported
-    once, as an "info" verdict (see `VanishingGradient`). A gradient all
-    zero at the first step the rule sees it fires only when it is all zero
-    at its next recorded step too: a zero-initialised output layer (keras.io's
-    DDIM) makes every other gradient exactly 0 at the first step only.
+    once, as an "info" verdict (see `VanishingGradient`). A gradient or an
+    activation all zero at the first step the rule sees it fires only when
+    it is all zero at its next recorded step too: a zero-initialised output
+    layer (keras.io's DDIM) outputs zeros, and makes every other gradient
+    exactly 0, at the first step only.
 
     Args:
         zero_fraction: the fraction (0-1) of zeros that fires. Defaults to
@@ -57,6 +58,7 @@ class AllZero(Rule):
 
     def reset(self):
         self._construction = Construction()
+        self._taps: set = set()  # the taps seen so far
 
     @property
     def requires(self):
@@ -69,7 +71,12 @@ class AllZero(Rule):
                 name: value for name, value in fractions.items()
                 if not math.isnan(value) and value >= self.zero_fraction
             }
-            if collection != "activations":
+            if collection == "activations":
+                # All zero at its first step only is no fault (the output of a
+                # zero-initialised layer); at the next recorded step too, it is.
+                bad = {name: value for name, value in bad.items() if name in self._taps}
+                self._taps.update(fractions)
+            else:
                 # A gradient all zero at the first step only is not a fault: a
                 # zero-initialised output layer zeroes every other one then.
                 bad, exempt = self._construction.split(

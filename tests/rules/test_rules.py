@@ -163,8 +163,10 @@ def test_rules_on_records_edge_cases():
     nan = math.nan
     assert VanishingGradient().check(1, {"gradients/v/mean_abs": nan}) is None
     assert VanishingGradient().check(1, {}) is None
-    assert VanishingGradient(require="all").check(
-        1, {"gradients/a/mean_abs": 0.0, "gradients/b/mean_abs": 0.0}).tensors == ("a", "b")
+    every = VanishingGradient(require="all")  # (a first step alone is not enough)
+    assert every.check(1, {"gradients/a/mean_abs": 0.0, "gradients/b/mean_abs": 0.0}) is None
+    assert every.check(
+        2, {"gradients/a/mean_abs": 0.0, "gradients/b/mean_abs": 0.0}).tensors == ("a", "b")
     assert ExplodingTensor(only_nan=True).check(
         1, {"gradients/a/nan_count": 0.0, "gradients/a/inf_count": 2.0}) is None
     assert ExplodingTensor().check(
@@ -181,7 +183,9 @@ def test_rules_on_records_edge_cases():
     tiny = WeightUpdateRatio()
     assert tiny.check(1, {"weights/a/update_ratio": 1e-12}) is None
     assert tiny.check(2, {"weights/a/update_ratio": 1e-12}).values == {"a": 1e-12}
-    assert AllZero(zero_fraction=0.9).check(1, {"activations/t/zero_fraction": 0.95}) is not None
+    mostly_zero = AllZero(zero_fraction=0.9)
+    assert mostly_zero.check(1, {"activations/t/zero_fraction": 0.95}) is None  # the first
+    assert mostly_zero.check(2, {"activations/t/zero_fraction": 0.95}) is not None
     assert DeadReLU(layer_fraction=0.8).check(1, {"activations/t/dead_fraction": 0.75}) is None
     # Tags that are not per tensor are ignored.
     assert AllZero().check(1, {"gradients/global_norm": 0.0}) is None
@@ -189,7 +193,9 @@ def test_rules_on_records_edge_cases():
 
 def test_reasons_list_at_most_five_tensors():
     record = {f"gradients/v{i}/mean_abs": 0.0 for i in range(8)}
-    reason = VanishingGradient().check(2, record).reason
+    rule = VanishingGradient()
+    assert rule.check(1, record) is None  # a first step alone is not enough
+    reason = rule.check(2, record).reason
     assert reason.endswith("v4=0 and 3 more") and "8 of 8 variables" in reason
 
 

@@ -16,7 +16,8 @@ import pytest
 import tensorflow as tf
 
 import kerasdbg
-from kerasdbg.callbacks import GradientStatistics, StopOnRule, WeightStatistics
+from kerasdbg.callbacks import ActivationStatistics, GradientStatistics, StopOnRule
+from kerasdbg.callbacks import WeightStatistics
 from kerasdbg.offline import can_check, recorded_pairs
 from kerasdbg.rules import VanishingGradient, default_rules
 
@@ -177,6 +178,28 @@ def test_a_zero_initialised_output_layer_is_not_a_vanishing_gradient(tmp_path):
     stop, offline = _fit("zero_output", tmp_path)
     assert _faults(stop.verdicts) == [] == _faults(offline)
     assert int(stop.model.optimizer.iterations.numpy()) == STEPS
+
+
+def test_a_tapped_zero_initialised_output_layer_is_not_all_zero(tmp_path):
+    """With taps, the output of the zero layer is all zero at the first step only:
+    AllZero (a default rule on activations) waits for the next step, as on gradients."""
+    keras.utils.set_random_seed(0)
+    model, x, y = _zero_output()
+    assert not np.any(model(x[:BATCH]))  # the situation, before any step
+    tapped = kerasdbg.insert_taps(model)
+    tapped.compile(keras.optimizers.AdamW(1e-3), "mae")
+    stop = StopOnRule(log_dir=str(tmp_path), verbose=False)
+    tapped.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+               callbacks=[stop, *_recorders(tmp_path), ActivationStatistics(str(tmp_path))])
+    assert np.any(model(x[:BATCH]))  # and not after it
+    assert _faults(stop.verdicts) == []
+    run = kerasdbg.load_run(str(tmp_path))
+    out = run.scalars("activations/out_tap/zero_fraction").set_index("step").value
+    assert out[1] == 1.0 and (out.loc[2:] < 1.0).all()
+    present = recorded_pairs(run.tags())
+    rules = [rule for rule in default_rules() if can_check(rule, present)]
+    assert any(rule.name == "AllZero" for rule in rules)
+    assert _faults(kerasdbg.check_run(run, rules)) == []
 
 
 def test_a_large_embedding_table_a_batch_barely_touches_is_not_vanishing(tmp_path):
