@@ -408,9 +408,9 @@ def update_gateable(optimizer, variables) -> bool:
     skip the update and leave the rest of `apply` as Keras traces it.
 
     True for Keras's own `apply` (not a mixed-precision `LossScaleOptimizer`,
-    not one another tool replaced) and `update_step` of an optimizer without EMA, gradient
-    accumulation, variable constraints or variables overwritten with their
-    gradient, whose `_backend_apply_gradients`, `_backend_update_step` and
+    not one another tool replaced) and `update_step` of an optimizer without
+    clipping, loss scaling, EMA, gradient accumulation, variable constraints or
+    variables overwritten with their gradient, whose `_backend_apply_gradients`, `_backend_update_step` and
     `_distributed_tf_update_step` are the TensorFlow backend's.
     """
     from keras.src.backend.tensorflow.optimizer import TFOptimizer
@@ -428,6 +428,12 @@ def update_gateable(optimizer, variables) -> bool:
     # Keras's own update steps read the step count and write only the
     # variables and the optimizer's slots (`_route_update` relies on both).
     if not getattr(_unrouted(cls, "update_step"), "__module__", "").startswith("keras."):
+        return False
+    # Clipping and loss scaling compute on the gradients before the update:
+    # with the update in a condition of its own, TensorFlow's graph optimizer
+    # may fuse them otherwise than in plain Keras (a last-bit difference).
+    if any(getattr(optimizer, name, None) is not None
+           for name in ("clipnorm", "clipvalue", "global_clipnorm", "loss_scale_factor")):
         return False
     if getattr(optimizer, "use_ema", False) or getattr(optimizer, "gradient_accumulation_steps",
                                                         None):
