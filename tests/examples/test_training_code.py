@@ -229,10 +229,13 @@ def test_every_instrument_on_the_port(name, strategy_name, spe, jit, tmp_path, k
     assert ("optimizer" in history.columns) == several
     for attribute, optimizer in port.optimizers.items():
         rows = history[history.optimizer == attribute] if several else history
-        # The applies of frozen steps never run (the freeze is a cond around them).
+        # The applies of frozen steps run without their update where the freeze
+        # skips the update inside Keras's `apply`, else never (a cond around them):
+        # the steps before the fault are compared.
         captured = capture.norms(optimizer)
         applies = 3 if name == "wgan_gp" and attribute == "d_optimizer" else 1
-        assert len(captured) == applies * (FAULT - 1), attribute
+        assert len(captured) >= applies * (FAULT - 1), attribute
+        captured = captured[:applies * (FAULT - 1)]
         for call in range(len(captured)):
             row = rows[rows.step == call + 1]
             assert len(row) == 1, (attribute, call + 1, rows.step.tolist())
