@@ -85,6 +85,10 @@ class VanishingGradient(Rule):
     def reset(self):
         self._construction = Construction()
 
+    def can_check(self, present):
+        # The gradients' magnitudes are needed; the rest refines them.
+        return ("gradients", "mean_abs") in present
+
     def check(self, step, record):
         values = {k: v for k, v in values_of(record, "gradients", "mean_abs") if not math.isnan(v)}
         if not values:

@@ -274,7 +274,8 @@ def test_check_run_refuses_rules_it_cannot_evaluate(tmp_path):
     model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0,
               callbacks=[GradientStatistics(log_dir, stats=["l2_norm"])])
     with pytest.raises(ValueError, match=re.escape(
-        "check_run: VanishingGradient reads gradients/<name>/mean_abs, which run 'train'"
+        "check_run: VanishingGradient reads gradients/<name>/mean_abs, "
+        "gradients/<name>/zero_fraction, weights/<name>/update_ratio, which run 'train'"
     )):
         kerasdbg.check_run(log_dir, [VanishingGradient()])
     with pytest.raises(TypeError, match="`rules` must hold kerasdbg.rules.Rule objects"):
