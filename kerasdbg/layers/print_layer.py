@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import warnings
 from typing import Any, List, Optional, Sequence, TextIO, Union
 
@@ -24,6 +25,11 @@ DEFAULT_PRINT_STATISTICS = ("mean", "std", "min", "max", "nan_count", "inf_count
 STREAMS = ("stderr", "stdout", "logging")
 
 
+# Set while a saved layer is rebuilt (`PrintLayer.from_config`): a file path
+# whose directory is missing on this machine does not stop the model loading.
+_LOADING = threading.local()
+
+
 def _check_stream(owner: str, value):
     if value is None:
         return "stderr"
@@ -38,7 +44,7 @@ def _check_stream(owner: str, value):
             directory = os.path.dirname(os.path.abspath(value))
             wrong = (f"{value!r} is a directory" if os.path.isdir(value) else
                      None if os.path.isdir(directory) else f"{directory!r} does not exist")
-            if wrong:
+            if wrong and not getattr(_LOADING, "active", False):
                 raise ValueError(
                     f"{owner}: `output_stream` must be a stream name or a file path in an "
                     f"existing directory; {wrong}. Received: output_stream={value!r}")
@@ -172,6 +178,16 @@ class PrintLayer(DebugLayer):
                 )
             # tf.print does not compile under XLA.
             self.supports_jit = False
+
+    @classmethod
+    def from_config(cls, config: dict):
+        # A model saved here loads on another machine whose directories differ;
+        # printing there warns once that it cannot write the file.
+        _LOADING.active = True
+        try:
+            return super().from_config(config)
+        finally:
+            _LOADING.active = False
 
     def get_config(self) -> dict:
         config = super().get_config()

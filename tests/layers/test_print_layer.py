@@ -125,6 +125,26 @@ def test_saved_model_keeps_config_and_counters(tmp_path):
     assert PrintLayer.from_config(config).get_config() == config
 
 
+def test_a_saved_model_loads_where_its_print_file_directory_is_missing(tmp_path):
+    """The path is checked when a user builds the layer, not when a saved model
+    is loaded (another machine, a directory since removed): there the print
+    warns once that it cannot write, and training goes on."""
+    directory = tmp_path / "prints"
+    directory.mkdir()
+    model = _model(PrintLayer("m", stats=["mean"], output_stream=str(directory / "p.txt"),
+                              name="p"))
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    directory.rmdir()
+    loaded = keras.models.load_model(path)
+    assert loaded.get_layer("p").output_stream == str(directory / "p.txt")
+    with pytest.warns(RuntimeWarning, match="stopped recording") as caught:
+        loaded.fit(X, Y, batch_size=2, epochs=1, verbose=0, shuffle=False)
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1 and "FileNotFoundError" in messages[0], messages
+    assert not directory.exists()
+
+
 @pytest.mark.parametrize(
     "kwargs, error, message",
     [
