@@ -114,3 +114,34 @@ def test_weight_decay_of_the_end_of_data_call_is_kept_with_every_instrument(tmp_
     assert iterations == plain_iterations == EPOCHS * (BATCHES + 1)
     for actual, expected in zip(weights, plain_weights):
         np.testing.assert_array_equal(actual, expected)
+
+
+@pytest.mark.parametrize("spe", [1, 4])
+def test_the_faulty_step_does_not_reach_the_weights_through_weight_decay(spe):
+    """AdamW decays the weights before the gradients are known: at the step
+    StopOnRule freezes, the decay is undone, so the weights are exactly
+    those after the last good step (a plain fit of that many steps)."""
+    def model():
+        keras.utils.set_random_seed(2)
+        m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, name="o")], name="m")
+        m.compile(keras.optimizers.AdamW(1e30, weight_decay=0.004), "mse",
+                  steps_per_execution=spe)
+        return m
+
+    # Plain Keras, one step at a time: the first step whose loss is not finite.
+    reference, good = model(), None
+    for step in range(1, 5):
+        before = [v.numpy() for v in reference.trainable_variables]
+        loss = reference.train_on_batch(X[(step - 1) * 10: step * 10],
+                                        Y[(step - 1) * 10: step * 10])
+        if not np.isfinite(loss):
+            good, faulty = before, step
+            break
+    assert good is not None and all(np.all(np.isfinite(w)) for w in good)
+    instrumented = model()
+    stop = StopOnRule(verbose=False)
+    instrumented.fit(X[:40], Y[:40], batch_size=10, epochs=1, shuffle=False, verbose=0,
+                     callbacks=[stop])
+    assert instrumented.stop_training and stop.verdicts[0].step == faulty, stop.verdicts
+    for got, want in zip(instrumented.trainable_variables, good):
+        np.testing.assert_array_equal(got.numpy(), want)

@@ -129,11 +129,29 @@ def _route_update(optimizer, original, distribution, grads_and_vars, learning_ra
 
 
 def _route_weight_decay(optimizer, original, variables):
-    """Weight decay, skipped after a step froze the weights (see `_route_update`)."""
+    """Weight decay, skipped after a step froze the weights and undone at the
+    step that freezes them (see `_route_update`).
+
+    Keras decays the weights before the gradients are known, and plain Keras
+    also decays in the call that meets the end of a dataset of unknown
+    length, where no batch comes: the decay itself waits only for the flag an
+    earlier step left, and the values before it are put back once this
+    step's fault test says so (that condition waits for the batch, the decay
+    does not)."""
     gate = _GATES.get((internals.replica_id(), id(optimizer)))
     if gate is None or getattr(optimizer, "weight_decay", None) is None:
         return original(variables)
+    variables = list(variables)
+    before = [tf.identity(internals.read(v)) for v in variables]
     _skip_if(gate.frozen_before, optimizer, lambda: original(variables))
+
+    def restore():
+        for variable, value in zip(variables, before):
+            variable.assign(value)
+        return tf.constant(True)
+
+    tf.cond(tf.logical_and(gate.frozen, tf.logical_not(gate.frozen_before)), restore,
+            lambda: tf.constant(False))
     return None
 
 

@@ -369,8 +369,8 @@ class Faults:
         also in the call that meets the end of a dataset of unknown length,
         where no batch comes and plain Keras still counts a step and decays
         the weights (the update waits for the batch). At the faulty step
-        itself weight decay still applies (it comes before the gradients in
-        Keras's `apply`).
+        itself the decay (it comes before the gradients in Keras's `apply`)
+        is undone once the fault test is known.
 
         Elsewhere a `tf.cond` on `frozen` chooses between counting the step
         and `apply`; strategies that need `merge_call` (Mirrored, OneDevice)
