@@ -134,6 +134,12 @@ class EventWriter:
         self._report()
         self._owners.pop(key, None)
 
+    def forget(self, key: Hashable) -> None:
+        """Ends the fit of a callback whose `fit` raised: it writes here no
+        more, and a failure not said yet is left to the callbacks to come
+        (the fit's own exception is what the user sees)."""
+        self._owners.pop(key, None)
+
     def owns(self, key: Hashable) -> bool:
         return key in self._owners
 

@@ -242,3 +242,30 @@ def test_a_log_dir_removed_during_the_fit_warns_once_and_the_next_fit_writes_aga
     _fit(model, [grads, weights], epochs=1)  # no warning: written again
     written = _event_steps(os.path.join(log_dir, "train"), "gradients/global_norm")
     assert written == list(range(2 * STEPS_PER_EPOCH + 1, 3 * STEPS_PER_EPOCH + 1))
+
+
+class _Raises(keras.callbacks.Callback):
+    """Ends the fit with an exception at its second batch (no on_train_end runs)."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 1:
+            raise KeyboardInterrupt("the user stopped the fit")
+
+
+def test_a_strict_fit_that_raised_does_not_make_a_later_fit_strict(tmp_path):
+    """A fit that raises runs no `on_train_end`: its callbacks still leave the
+    shared writer, so a full disk in a later fit with `strict=False` warns
+    (it raised a RecordingError for the strict callback of the earlier fit)."""
+    disk = str(tmp_path / "disk")
+    with tmpfs(disk):
+        log_dir = os.path.join(disk, "logs")
+        model = _cnn()
+        with pytest.raises(KeyboardInterrupt, match="the user stopped the fit"):
+            _fit(model, [GradientStatistics(log_dir, strict=True), _Raises()])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _fit(model, [GradientStatistics(log_dir), WeightStatistics(log_dir)])
+        failures = _kerasdbg_failures(caught)
+        assert len(failures) == 1 and "No space left on device" in failures[0], failures
+        assert failures[0].startswith("GradientStatistics, WeightStatistics could not record")
+        assert open_files_under(disk) == []

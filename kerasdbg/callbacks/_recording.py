@@ -15,7 +15,7 @@ from typing import Callable, Optional
 import keras
 import numpy as np
 
-from kerasdbg import _events, _workers
+from kerasdbg import _capture, _events, _workers
 from kerasdbg import _keras_internals as internals
 from kerasdbg.callbacks._copies import CopiedAsNew
 
@@ -49,6 +49,11 @@ def open_writer(callback, log_dir: str, strict: bool,
         path = run_of(callback.model, log_dir)
         writer = _events.writer_for(path, key=callback)
         writer.attach(callback, owner, strict)
+        if callback.model is not None:
+            # A fit that raises runs no on_train_end: the writer forgets the
+            # callback then, or a later fit would answer for it (strict).
+            _capture.on_fit_end(callback.model, (callback, "writer"),
+                                lambda: writer.forget(callback))
         return writer
     except _events.RecordingError:
         raise
@@ -137,6 +142,8 @@ def release_writer(callback, writer: Optional[_events.EventWriter]) -> None:
     """Ends `callback`'s fit on `writer`: flushes it, and says a failure
     that was not said yet."""
     if writer is not None:
+        if callback.model is not None:
+            _capture.cancel_fit_end(callback.model, (callback, "writer"))
         writer.flush()
         writer.detach(callback)
 
