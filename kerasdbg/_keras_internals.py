@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
 import threading
 import types
 from typing import Callable, List, Optional, Tuple
@@ -313,8 +314,14 @@ def _takes_apply_arguments(function) -> bool:
     return True
 
 
+_KERAS_SOURCES = os.path.dirname(os.path.abspath(keras.__file__)) + os.sep
+
+
 def _from_keras(function) -> bool:
-    return (getattr(function, "__module__", None) or "").split(".")[0] == "keras"
+    """Whether `function`'s code is Keras's own (by its file: a wrapper made
+    with `functools.wraps(AdamW.apply)` carries Keras's `__module__`)."""
+    code = getattr(function, "__code__", None)
+    return code is not None and os.path.abspath(code.co_filename).startswith(_KERAS_SOURCES)
 
 
 _ROUTES_LOCK = threading.Lock()

@@ -82,12 +82,15 @@ def _reference(model):
     return norms, weights
 
 
-@pytest.fixture(params=["AdamW", "Optimizer"], ids=["on_AdamW", "on_keras_Optimizer"])
+@pytest.fixture(params=["AdamW", "Optimizer", "AdamW-wraps"],
+                ids=["on_AdamW", "on_keras_Optimizer", "on_AdamW_functools_wraps"])
 def wrapped_class(request):
     """`<class>.apply` replaced by a wrapper of the inherited function, saved
-    first; the wrapper counts its calls (at trace time, in a compiled step)."""
+    first (also with `functools.wraps`, which gives the wrapper Keras's
+    `__module__` and name); the wrapper counts its calls (at trace time, in a
+    compiled step)."""
     owner = {"AdamW": keras.optimizers.AdamW, "Optimizer": keras.optimizers.Optimizer}[
-        request.param]
+        request.param.split("-")[0]]
     saved = owner.apply
     had = owner.__dict__.get("apply")
     calls = []
@@ -95,6 +98,9 @@ def wrapped_class(request):
     def apply(self, grads, trainable_variables=None):
         calls.append(type(self).__name__)
         return saved(self, grads, trainable_variables)
+
+    if request.param.endswith("wraps"):
+        apply = functools.wraps(saved)(apply)
 
     owner.apply = apply
     try:

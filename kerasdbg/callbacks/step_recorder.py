@@ -240,8 +240,8 @@ class StepRecorder(RecordingCallback):
         # A request that found no variable to record was said by the engine already.
         said = self._request is not None and not self._request.variables
         if missing and not said:
-            end = max(int(internals.read(internals.raw_iterations(o)).numpy())
-                      for _, o in internals.find_optimizers(self.model))
+            end = max((int(internals.read(internals.raw_iterations(o)).numpy())
+                       for _, o in internals.find_optimizers(self.model)), default=self._start)
             self._say_missing(self._start, end, missing)
         # No file rather than an empty one when no step asked for was reached.
         if not self._saved and self._recorded:
