@@ -10,6 +10,7 @@ that says how to install it.
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import sys
 import types
 from typing import Any
@@ -104,9 +105,12 @@ def _register_layers(finishing: str = "") -> None:
     """Imports `kerasdbg.layers` (which registers TapLayer and PrintLayer with
     Keras's serialization) once Keras and TensorFlow are loaded; a failure
     warns, it never fails the user's import."""
-    if not all(_loaded(name, finishing) for name in _REGISTRATION_NEEDS):
+    global _REGISTERED
+    if _REGISTERED or not all(_loaded(name, finishing) for name in _REGISTRATION_NEEDS):
         return
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _RegisterLayersOnImport)]
+    # The finder stays on `sys.meta_path`, inert from now on: removing it while
+    # another thread imports could make that thread skip a finder.
+    _REGISTERED = True
     try:
         if sys.modules["keras"].config.backend() != "tensorflow":
             return  # kerasdbg's layers run on TensorFlow only
@@ -126,7 +130,7 @@ class _RegisterLayersOnImport:
     loader call `_register_layers` when the module's code has run."""
 
     def find_spec(self, name, path=None, target=None):
-        if name not in _REGISTRATION_NEEDS:
+        if _REGISTERED or name not in _REGISTRATION_NEEDS:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -138,8 +142,10 @@ class _RegisterLayersOnImport:
             return None
         loader = spec.loader
         execute = getattr(loader, "exec_module", None)
-        # A loader object of this module alone (not a class such as BuiltinImporter).
-        if execute is not None and not isinstance(loader, type):
+        # Only a loader object of this module alone (a package's source files):
+        # a zip or frozen importer serves every module, and stays untouched
+        # (there the layers register at `import kerasdbg.layers`).
+        if execute is not None and type(loader) is importlib.machinery.SourceFileLoader:
             def exec_module(module):
                 execute(module)
                 _register_layers(finishing=name)
@@ -148,8 +154,8 @@ class _RegisterLayersOnImport:
         return spec
 
 
+_REGISTERED = False
 if all(name in sys.modules for name in _REGISTRATION_NEEDS):
     _register_layers()
-if not all(_loaded(name, "") for name in _REGISTRATION_NEEDS):
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _RegisterLayersOnImport)]
+if not _REGISTERED and not any(isinstance(f, _RegisterLayersOnImport) for f in sys.meta_path):
     sys.meta_path.insert(0, _RegisterLayersOnImport())
