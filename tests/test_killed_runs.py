@@ -24,19 +24,24 @@ from kerasdbg import _store, load_run
 from kerasdbg.cli import main
 
 _CHILD = r"""
-import os, sys
+import os, sys, time
 os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
 import numpy as np
 import keras
 import tensorflow as tf
 from kerasdbg.callbacks import GradientStatistics, StopOnRule, WeightStatistics
 
-log_dir, steps_per_epoch = sys.argv[1], int(sys.argv[2])
+log_dir, steps_per_epoch, kill_step = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 
 
 class Progress(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
-        print(int(self.model.optimizer.iterations.numpy()), flush=True)
+        step = int(self.model.optimizer.iterations.numpy())
+        print(step, flush=True)
+        if step >= kill_step:
+            # Waits for its SIGKILL here: a loaded machine's parent reads the
+            # line late, and the child must not train on past the kill point.
+            time.sleep(3600)
 
 
 keras.utils.set_random_seed(0)
@@ -62,8 +67,9 @@ KILLS = {
 }
 
 
-def _start(log_dir, steps_per_epoch):
-    return subprocess.Popen([sys.executable, "-c", _CHILD, log_dir, str(steps_per_epoch)],
+def _start(log_dir, steps_per_epoch, kill_step):
+    return subprocess.Popen([sys.executable, "-c", _CHILD, log_dir, str(steps_per_epoch),
+                             str(kill_step)],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
 
 
@@ -73,8 +79,8 @@ def killed(tmp_path_factory):
     (the children run side by side: their start, TensorFlow's import, is most of
     their time; each is killed at its own step, whatever the others do)."""
     root = tmp_path_factory.mktemp("killed")
-    children = {name: _start(str(root / name), steps_per_epoch)
-                for name, (steps_per_epoch, _) in KILLS.items()}
+    children = {name: _start(str(root / name), steps_per_epoch, kill_step)
+                for name, (steps_per_epoch, kill_step) in KILLS.items()}
     deadline = time.monotonic() + TIMEOUT
     pending = {child.stdout.fileno(): name for name, child in children.items()}
     partial = {name: b"" for name in children}
