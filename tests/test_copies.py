@@ -363,3 +363,34 @@ def test_layer_in_a_cloned_and_a_deep_copied_model(tmp_path, name):
         lines = _lines(print_path)
         _fit(other)
         assert _fit_steps_of(name, copied, print_path, lines) == list(range(1, STEPS + 1)), how
+
+
+def test_a_copy_takes_attributes_changed_after_construction(tmp_path):
+    # Issue 32, review (f): a copy was rebuilt from the constructor's arguments
+    # alone, so `callback.every_n_steps = 5` set afterwards was lost in
+    # KerasTuner's deep copy.
+    original = kerasdbg.callbacks.GradientStatistics(log_dir=str(tmp_path / "a"))
+    original.every_n_steps = 5
+    original.log_dir = str(tmp_path / "b")
+    for how, duplicate in _copies(original).items():
+        assert duplicate.every_n_steps == 5, how
+        assert duplicate.log_dir == str(tmp_path / "b"), how
+        assert duplicate.get_config()["every_n_steps"] == 5, how
+    # An attribute left alone keeps the argument as given (a default rule set
+    # stays the default, re-chosen for the copy's model).
+    stop = kerasdbg.callbacks.StopOnRule(verbose=False)
+    assert copy.deepcopy(stop).default_rules
+    stop.action = "warn"
+    stop.rules.append(FiresAtStep(3))  # the same list, other contents
+    duplicate = copy.deepcopy(stop)
+    assert duplicate.action == "warn"
+    assert [r.name for r in duplicate.rules] == [r.name for r in stop.rules]
+    assert duplicate.rules[-1] is not stop.rules[-1]
+    assert not duplicate.default_rules
+
+
+def test_a_copy_of_an_attribute_set_to_a_bad_value_is_refused():
+    original = kerasdbg.callbacks.GradientStatistics()
+    original.every_n_steps = 0
+    with pytest.raises(ValueError, match="every_n_steps"):
+        copy.deepcopy(original)
