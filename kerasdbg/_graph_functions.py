@@ -78,28 +78,37 @@ def statistics_table(tensors: Sequence, stats: Sequence[str]) -> tf.Tensor:
     of a function shared by every call with the same statistics and the same
     shapes and dtypes (a model's gradients and weights share theirs).
 
+    `tensors` may be a `stats_lib.Packed` of them, else they are packed here,
+    outside the function: its call takes one vector per dtype of the small
+    tensors and one per large tensor, not one per tensor (a call's inputs
+    cost trace time, and each condition inside it takes them again).
+
     Its body holds the fast path; the masked path, which runs only when a
     value is not finite, is a second function called from the body's
     `tf.cond`: the graph optimizer never works on it (its constant folding
-    materialises a segment id per element of every tensor: seconds for a
-    large model) unless a step takes it.
+    materialises a segment id per element of every large tensor: seconds for
+    a large model) unless a step takes it.
     """
     stats = tuple(stats)
-    if tf.executing_eagerly() or not tensors or not stats:
+    if tf.executing_eagerly() or not len(tensors) or not stats:
         return stats_lib.tensor_statistics(tensors, stats)
+    packed = stats_lib.Packed.of(tensors)
+    if not packed.vectors:  # only empty tensors: constants
+        return stats_lib.tensor_statistics(packed, stats)
+    layout = packed.layout
 
-    def masked(tensors):
-        return stats_lib.masked_statistics(stats_lib.flat_tensors(tensors), stats)
+    def masked(vectors):
+        return stats_lib.masked_statistics(stats_lib.Packed(vectors, *layout), stats)
 
-    def table(tensors):
-        flats = stats_lib.flat_tensors(tensors)
-        fast, finite = stats_lib.fast_statistics(flats, stats)
+    def table(vectors):
+        packed = stats_lib.Packed(vectors, *layout)
+        fast, finite = stats_lib.fast_statistics(packed, stats)
         if finite is True:
             return fast
         return tf.cond(finite, lambda: fast, lambda: shared_call(
-            ("masked", stats), masked, [tensors], inline=False))
+            ("masked", stats, layout), masked, [vectors], inline=False))
 
-    return shared_call(("table", stats), table, [list(tensors)])
+    return shared_call(("table", stats, layout), table, [packed.vectors])
 
 
 def shared_call(key: Hashable, python_function: Callable, args: Sequence, inline: bool = True):

@@ -194,28 +194,123 @@ ResNet50's 214 weights) then add a few graph ops instead of a dozen each,
 and their bytes are few enough for the copy to cost nothing."""
 
 
-def _segmented(flats: Sequence[Tensor], positions: Sequence[int]) -> Tuple[list, list]:
-    """`(groups, alone)`: the `positions` whose tensors are reduced together
-    (`SEGMENTED`), in groups of one dtype, and the others."""
-    groups: dict = {}
-    alone = []
-    for i in positions:
-        size = B.num_elements(flats[i])
+def plan(sizes: Sequence[Any], dtypes: Sequence[Any]) -> Tuple[Tuple[tuple, tuple], ...]:
+    """The groups of a `Packed` of tensors with these element counts (None:
+    unknown) and dtypes: `((positions, sizes), ...)`, ordered by their first
+    position. The tensors of 1 to `SEGMENTED` elements are grouped per dtype;
+    any other non-empty tensor is a group of its own; an empty one is in none.
+
+    Examples:
+        >>> from kerasdbg import stats
+        >>> stats.plan([8, 64, 0, 100000, 8], ["float32"] * 5)
+        (((0, 1, 4), (8, 64, 8)), ((3,), (100000,)))
+    """
+    small: dict = {}
+    groups = []
+    for i, (size, dtype) in enumerate(zip(sizes, dtypes)):
+        if size == 0:
+            continue
         if size is not None and size <= SEGMENTED:
-            groups.setdefault(flats[i].dtype, []).append(i)
+            key = str(dtype)
+            if key not in small:
+                small[key] = ([], [])
+                groups.append(small[key])
+            small[key][0].append(i)
+            small[key][1].append(size)
         else:
-            alone.append(i)
-    together = [g for g in groups.values() if len(g) > 1]
-    return together, alone + [g[0] for g in groups.values() if len(g) == 1]
+            groups.append(([i], [size]))
+    return tuple((tuple(positions), tuple(counts)) for positions, counts in groups)
+
+
+class Packed:
+    """Tensors as a few flat vectors: what the statistics of many tensors take.
+
+    A graph whose conditions and function calls take one input per tensor
+    grows, in trace time and in the work of TensorFlow's graph optimizer,
+    with the number of tensors times the number of such ops; packed, a
+    model's 2,000 small weights are one vector per dtype. The small tensors
+    (`SEGMENTED`) are concatenated per dtype, in order, each other tensor is
+    flattened on its own (no copy), an empty one has no vector (see
+    `plan`). `len()` is the number of tensors, `layout` what a cache of
+    traced functions keys on (with the vectors' shapes and dtypes).
+
+    Args:
+        vectors: one flat vector per group of `groups`.
+        groups: `plan(...)` of the tensors.
+        count: the number of tensors.
+
+    Examples:
+        >>> import tensorflow as tf
+        >>> from kerasdbg.stats import Packed
+        >>> packed = Packed.of([tf.ones([2, 2]), tf.zeros([0]), tf.fill([3], 2.0)])
+        >>> len(packed), packed.groups, packed.vectors[0].numpy()
+        (3, (((0, 2), (4, 3)),), array([1., 1., 1., 1., 2., 2., 2.], dtype=float32))
+    """
+
+    def __init__(self, vectors: Sequence[Tensor], groups, count: int):
+        self.vectors = list(vectors)
+        self.groups = tuple(groups)
+        self.count = count
+
+    @classmethod
+    def of(cls, tensors: Sequence[TensorLike]) -> "Packed":
+        """The tensors (dense, floating point, cut from the gradient: as
+        `flat_tensors`) packed."""
+        if isinstance(tensors, Packed):
+            return tensors
+        flats = flat_tensors(tensors)
+        groups = plan([B.num_elements(x) for x in flats], [x.dtype for x in flats])
+        vectors = [flats[positions[0]] if len(positions) == 1
+                   else B.concat([flats[i] for i in positions], 0)
+                   for positions, _ in groups]
+        return cls(vectors, groups, len(flats))
+
+    def __len__(self) -> int:
+        return self.count
+
+    @property
+    def layout(self) -> tuple:
+        return (self.groups, self.count)
+
+    @property
+    def order(self) -> list:
+        """The positions of the non-empty tensors, in the vectors' order."""
+        return [i for positions, _ in self.groups for i in positions]
+
+    def pieces(self) -> list:
+        """Each non-empty tensor's flat values, in `order` (slices)."""
+        out = []
+        for vector, (positions, sizes) in zip(self.vectors, self.groups):
+            if len(positions) == 1:
+                out.append(vector)
+                continue
+            offsets = np.concatenate([[0], np.cumsum(sizes)])
+            out += [vector[int(a):int(b)] for a, b in zip(offsets[:-1], offsets[1:])]
+        return out
+
+    def zip_with(self, other: "Packed", function) -> "Packed":
+        """`function(a, b)` of each pair of vectors of two packs of one layout."""
+        return Packed([function(a, b) for a, b in zip(self.vectors, other.vectors)],
+                      self.groups, self.count)
+
+    @staticmethod
+    def joined(packs: Sequence["Packed"]) -> "Packed":
+        """The tensors of several packs as one pack (positions one after the other)."""
+        vectors, groups, count = [], [], 0
+        for pack in packs:
+            vectors += pack.vectors
+            groups += [(tuple(count + i for i in positions), sizes)
+                       for positions, sizes in pack.groups]
+            count += pack.count
+        return Packed(vectors, groups, count)
 
 
 class _Segments:
     """Tensors of one dtype as one vector, with per-tensor reductions."""
 
-    def __init__(self, flats: Sequence[Tensor]):
-        sizes = [B.num_elements(x) for x in flats]
-        self.k = len(flats)
-        self.x = B.concat(list(flats), 0)
+    def __init__(self, x: Tensor, sizes: Sequence[int]):
+        self.k = len(sizes)
+        self.x = x
         self.ids = B.constant(np.repeat(np.arange(self.k, dtype=np.int32), sizes))
         self.n = B.constant(np.asarray(sizes, np.float64), self.x.dtype)
 
@@ -244,34 +339,44 @@ class _Segments:
         return B.cast(B.stack([raw.get(r, zero) for r in _RAW], axis=1), B.float64)
 
 
-def _reduced(flats: Sequence[Tensor], positions: Sequence[int], single, segmented) -> Tensor:
-    """Float64 rows for the tensors at `positions`, in that order:
-    `single(x)` per tensor, `segmented(segments)` (one row per tensor) per
-    group of small ones (`_Segments`)."""
-    groups, alone = _segmented(flats, positions)
-    blocks, order = [], []
-    for group in groups:
-        blocks.append(segmented(_Segments([flats[i] for i in group])))
-        order += group
-    if alone:
-        blocks.append(B.stack([single(flats[i]) for i in alone]))
-        order += alone
-    table = blocks[0] if len(blocks) == 1 else B.concat(blocks, 0)
-    if order == list(positions):
-        return table
+def _reduced(packed: Packed, single, segmented) -> Tuple[Tensor, list]:
+    """`(rows, sizes)`: float64 rows of the non-empty tensors, in
+    `packed.order`, `single(x)` for a tensor alone, `segmented(segments)`
+    (one row per tensor) for a group of small ones (`_Segments`); and their
+    element counts (a tensor where not known)."""
+    blocks, sizes = [], []
+    for vector, (positions, counts) in zip(packed.vectors, packed.groups):
+        if len(positions) > 1:
+            blocks.append(B.reshape(segmented(_Segments(vector, counts)), [len(counts), -1]))
+            sizes += list(counts)
+        else:
+            blocks.append(B.reshape(single(vector), [1, -1]))
+            sizes.append(counts[0] if counts[0] is not None else B.size(vector))
+    return (blocks[0] if len(blocks) == 1 else B.concat(blocks, 0)), sizes
+
+
+def _placed(rows: Tensor, packed: Packed, empty: Tensor) -> Tensor:
+    """`[len(packed), width]`: the `rows` (in `packed.order`) at their
+    tensors' positions, the row `empty` at the empty tensors'."""
+    order = packed.order
+    if order == list(range(packed.count)):
+        return rows
     where = {i: k for k, i in enumerate(order)}
-    return B.gather(table, [where[i] for i in positions])
+    if len(order) < packed.count:
+        rows = B.concat([rows, B.reshape(empty, [1, -1])], 0)
+    return B.gather(rows, [where.get(i, len(order)) for i in range(packed.count)])
 
 
-def _finish(raw: Tensor, flats: Sequence[Tensor], stats: Tuple[str, ...]) -> Tensor:
-    """The `[k, len(stats)]` statistics of the k tensors `flats` from their
-    `[k, 7]` `_RAW` rows (quantile columns 0)."""
+def _finish(raw: Tensor, sizes: Sequence[Any], stats: Tuple[str, ...]) -> Tensor:
+    """The `[k, len(stats)]` statistics of k tensors of `sizes` elements (a
+    tensor where not known) from their `[k, 7]` `_RAW` rows (quantile
+    columns 0)."""
     column = dict(zip(_RAW, B.unstack(raw, num=len(_RAW), axis=1)))
-    sizes = [B.num_elements(x) for x in flats]
-    if None in sizes:
-        n = B.cast(B.stack([B.size(x) for x in flats]), B.float64)
-    else:
+    if all(isinstance(size, int) for size in sizes):
         n = B.constant(sizes, B.float64)
+    else:
+        n = B.stack([B.cast(size, B.float64) for size in sizes])
+        sizes = [size if isinstance(size, int) else None for size in sizes]
     mean = column["sum"] / n
 
     def l2_norm():
@@ -341,38 +446,44 @@ def _masked(x: Tensor, stats: Tuple[str, ...]) -> Tensor:
     return B.stack([quantiles[s] if s in quantiles else out[s]() for s in stats])
 
 
-def _masked_table(flats: Sequence[Tensor], stats: Tuple[str, ...]) -> Tensor:
-    """`[k, len(stats)]` masked statistics; one tensor (a tap's activation)
-    takes `_masked`, whose graph is about half the size."""
-    if len(flats) == 1:
-        return B.reshape(_masked(flats[0], stats), [1, len(stats)])
-    return _masked_all(flats, stats)
+def _masked_rows(packed: Packed, stats: Tuple[str, ...]) -> Tensor:
+    """`[len(packed), len(stats)]` masked statistics of the non-empty
+    tensors, with `_empty_row` for the empty ones; one tensor (a tap's
+    activation) takes `_masked`, whose graph is about half the size."""
+    if len(packed.order) == 1:
+        table = B.reshape(_masked(packed.vectors[0], stats), [1, len(stats)])
+    else:
+        table = _masked_all(packed, stats)
+    return _placed(table, packed, _empty_row(stats))
 
 
-def _masked_rows(flats: Sequence[Tensor], present: Sequence[int],
-                 stats: Tuple[str, ...]) -> Tensor:
-    """`[len(flats), len(stats)]` masked statistics of the non-empty tensors
-    `flats[i] for i in present`, with `_empty_row` for the empty ones."""
-    table = _masked_table([flats[i] for i in present], stats)
-    if len(present) == len(flats):
-        return table
-    rows = iter(B.unstack(table))
-    return B.stack([next(rows) if i in present else _empty_row(stats)
-                    for i in range(len(flats))])
-
-
-def _masked_all(flats: Sequence[Tensor], stats: Tuple[str, ...]) -> Tensor:
-    """`_masked` of every tensor of `flats` (none empty), as `[k, len(stats)]`.
+def _masked_all(packed: Packed, stats: Tuple[str, ...]) -> Tensor:
+    """`_masked` of every non-empty tensor of `packed`, in its `order`, as
+    `[k, len(stats)]`.
 
     One concatenation and segment reductions: the graph does not grow with
     the number of tensors. This branch runs only when some value is not
     finite, but it is traced and, under XLA, compiled at every trace.
     """
-    k = len(flats)
-    sizes = B.stack([B.size(x) for x in flats])
-    x = B.concat([B.cast(f, B.float64) for f in flats], 0)
-    # One fill per tensor (`tf.repeat` gives XLA indices of the wrong length).
-    ids = B.concat([B.fill(B.shape(f), i) for i, f in enumerate(flats)], 0)
+    k = len(packed.order)
+    x = B.concat([B.cast(v, B.float64) for v in packed.vectors], 0)
+    # The segment ids of a group of small tensors are a constant (their
+    # elements are few); a large tensor's are one fill (`tf.repeat` gives XLA
+    # indices of the wrong length), not a constant the size of the tensor.
+    ids, sizes, first = [], [], 0
+    for vector, (positions, counts) in zip(packed.vectors, packed.groups):
+        if len(positions) > 1:
+            ids.append(B.constant(np.repeat(np.arange(first, first + len(counts),
+                                                      dtype=np.int32), counts)))
+            sizes += list(counts)
+        else:
+            ids.append(B.fill(B.shape(vector), first))
+            sizes.append(counts[0] if counts[0] is not None else B.size(vector))
+        first += len(positions)
+    ids = ids[0] if len(ids) == 1 else B.concat(ids, 0)
+    sizes = B.constant(sizes, B.int32) if all(isinstance(n, int) for n in sizes) else B.stack(
+        [B.cast(n, B.int32) for n in sizes])
+    flats = packed.pieces
 
     def total(values):
         return B.segment_sum(values, ids, k)
@@ -416,7 +527,7 @@ def _masked_all(flats: Sequence[Tensor], stats: Tuple[str, ...]) -> Tensor:
     wanted = [s for s in stats if s in QUANTILES]
     if wanted:
         rows = []
-        for f in flats:
+        for f in flats():
             f = B.cast(f, B.float64)
             ok = B.is_finite(f)
             rows.append(_quantiles(B.where(ok, f, B.constant(np.inf, B.float64)),
@@ -443,23 +554,34 @@ def _sum_of_squares(x: Tensor) -> Tensor:
     return B.reduce_sum(B.square(x))
 
 
-def _norms_fast(flats: Sequence[Tensor], stats: Tuple[str, ...]) -> Tuple[Tensor, Tensor]:
+def _norms_fast(packed: Packed, stats: Tuple[str, ...]) -> Tuple[Tensor, Tensor]:
     """The fast path of `tensor_statistics` for `NORM_STATISTICS` only: one
     reduction per tensor (or per group of small ones) and a few ops for all;
     valid when every sum of squares is finite (else a NaN/Inf, or an
     overflow of finite values)."""
-    squares = _reduced(
-        flats, range(len(flats)),
-        lambda x: B.cast(_sum_of_squares(x), B.float64),
+    squares, _ = _reduced(
+        packed, lambda x: B.cast(_sum_of_squares(x), B.float64),
         lambda segments: B.cast(segments.total(B.square(segments.x)), B.float64))
+    squares = B.reshape(squares, [-1])
     zero = B.zeros_like(squares)
     fast = B.stack([B.sqrt(squares) if s == "l2_norm" else zero for s in stats], axis=1)
-    return fast, B.reduce_all(B.is_finite(squares))
+    # An empty tensor's row is all zeros, as its sum of squares is.
+    return _placed(fast, packed, B.zeros([len(stats)], B.float64)), B.reduce_all(
+        B.is_finite(squares))
+
+
+def _empty_values(stats: Tuple[str, ...]) -> list:
+    zero_stats = ("l2_norm", "nan_count", "inf_count")  # the rest NaN
+    return [0.0 if s in zero_stats else np.nan for s in stats]
 
 
 def _empty_row(stats: Tuple[str, ...]) -> Tensor:
-    zero_stats = ("l2_norm", "nan_count", "inf_count")  # the rest NaN
-    return B.constant([0.0 if s in zero_stats else np.nan for s in stats], B.float64)
+    return B.constant(_empty_values(stats), B.float64)
+
+
+def _empty_rows(stats: Tuple[str, ...], count: int) -> Tensor:
+    return B.constant(np.tile(np.asarray(_empty_values(stats), np.float64), (count, 1))
+                      .reshape(count, len(stats)), B.float64)
 
 
 def tensor_statistics(
@@ -472,7 +594,8 @@ def tensor_statistics(
     docstring for how non-finite and empty tensors are described.
 
     Args:
-        tensors: the tensors (or `tf.IndexedSlices`) to describe.
+        tensors: the tensors (or `tf.IndexedSlices`) to describe, or a
+            `Packed` of them.
         stats: names from `ALL_STATISTICS`, in the order of the output
             columns. Defaults to `STATISTICS` (all but the quantiles).
 
@@ -487,15 +610,15 @@ def tensor_statistics(
         array([[ 5.   , -4.   ,  0.333]])
     """
     stats = _checked(stats)
-    if not tensors or not stats:
+    if not len(tensors) or not stats:
         return B.zeros([len(tensors), len(stats)], B.float64)
-    flats = flat_tensors(tensors)
-    fast, finite = fast_statistics(flats, stats)
+    packed = Packed.of(tensors)
+    fast, finite = fast_statistics(packed, stats)
     if finite is True:
         return fast
     # Every reduction finite proves every element finite; otherwise (or when
     # a float32 sum overflowed) the masked float64 path.
-    return B.cond(finite, lambda: fast, lambda: masked_statistics(flats, stats))
+    return B.cond(finite, lambda: fast, lambda: masked_statistics(packed, stats))
 
 
 def _checked(stats: Sequence[str]) -> Tuple[str, ...]:
@@ -515,50 +638,47 @@ def flat_tensors(tensors: Sequence[TensorLike]) -> list:
     return [_flat(t) for t in tensors]
 
 
-def fast_statistics(flats: Sequence[Tensor], stats: Sequence[str]) -> Tuple[Tensor, Any]:
+def fast_statistics(packed: Any, stats: Sequence[str]) -> Tuple[Tensor, Any]:
     """The two parts of `tensor_statistics` (which picks between them), for
     a capture that places them itself: `(table, finite)`, the statistics of
-    `flat_tensors(...)` by plain reductions, right when `finite` holds (a
-    boolean tensor, or True when there is nothing to test), else
-    `masked_statistics(flats, stats)` is."""
+    the tensors of `packed` (a `Packed`, or tensors to pack) by plain
+    reductions, right when `finite` holds (a boolean tensor, or True when
+    there is nothing to test), else `masked_statistics(packed, stats)` is."""
     stats = _checked(stats)
-    present = [i for i, x in enumerate(flats) if B.num_elements(x) != 0]
+    packed = Packed.of(packed)
     if set(stats) <= set(NORM_STATISTICS):
         with B.name_scope("kerasdbg_norms"):
-            return _norms_fast(flats, stats)
-    if not present:
-        return B.stack([_empty_row(stats)] * len(flats)), True
+            if not packed.order:
+                return B.zeros([len(packed), len(stats)], B.float64), True
+            return _norms_fast(packed, stats)
+    if not packed.order:
+        return _empty_rows(stats, len(packed)), True
     with B.name_scope("kerasdbg_statistics"):
-        raw = _reduced(flats, present, lambda x: _raw(x, stats),
-                       lambda segments: segments.raw(stats))
-        fast = _finish(raw, [flats[i] for i in present], stats)
+        raw, sizes = _reduced(packed, lambda x: _raw(x, stats),
+                              lambda segments: segments.raw(stats))
+        fast = _finish(raw, sizes, stats)
         wanted = [s for s in stats if s in QUANTILES]
         if wanted:
-            rows = [_quantiles(flats[i], B.cast(B.size(flats[i]), B.float64), stats)
-                    for i in present]
+            rows = [_quantiles(x, B.cast(B.size(x), B.float64), stats) for x in packed.pieces()]
             fast = B.scatter_update(
                 B.transpose(fast),
                 [[stats.index(s)] for s in wanted],
                 B.stack([B.stack([row[s] for row in rows]) for s in wanted]),
             )
             fast = B.transpose(fast)
-        if len(present) < len(flats):
-            rows = iter(B.unstack(fast))
-            fast = B.stack([next(rows) if i in present else _empty_row(stats)
-                            for i in range(len(flats))])
-        return fast, B.reduce_all(B.is_finite(raw))
+        return _placed(fast, packed, _empty_row(stats)), B.reduce_all(B.is_finite(raw))
 
 
-def masked_statistics(flats: Sequence[Tensor], stats: Sequence[str]) -> Tensor:
-    """`tensor_statistics` of `flat_tensors(...)` by the masked float64
-    path: right whatever the values, at more passes over memory (see
-    `fast_statistics`)."""
+def masked_statistics(packed: Any, stats: Sequence[str]) -> Tensor:
+    """`tensor_statistics` of the tensors of `packed` (a `Packed`, or
+    tensors to pack) by the masked float64 path: right whatever the values,
+    at more passes over memory (see `fast_statistics`)."""
     stats = _checked(stats)
-    present = [i for i, x in enumerate(flats) if B.num_elements(x) != 0]
-    if not present:
-        return B.stack([_empty_row(stats)] * len(flats))
+    packed = Packed.of(packed)
+    if not packed.order:
+        return _empty_rows(stats, len(packed))
     with B.name_scope("kerasdbg_masked_statistics"):
-        return _masked_rows(flats, present, stats)
+        return _masked_rows(packed, stats)
 
 
 def histograms(

@@ -18,11 +18,19 @@ import tensorflow as tf
 from kerasdbg import _buffers
 from kerasdbg import _tags
 from kerasdbg import _keras_internals as internals
+from kerasdbg import stats as stats_lib
 from kerasdbg._capture.requests import Request
 
 
 def _zeros_like(variable) -> tf.Tensor:
     return tf.zeros(variable.shape, internals.read_handle(variable).dtype.base_dtype)
+
+
+def _flat_dtype(variable) -> tf.DType:
+    """The dtype of the variable's values as the statistics take them
+    (`stats.flat_tensors`: floating point kept, anything else float32)."""
+    dtype = internals.read_handle(variable).dtype.base_dtype
+    return dtype if dtype.is_floating else tf.float32
 
 
 class Hook:
@@ -37,11 +45,14 @@ class Hook:
         self.clipping = internals.clipping(optimizer)
         self.accumulation = internals.accumulation_steps(optimizer)
         self.scaled = self.inner is not optimizer
-        # One copy of each variable before each update (update ratios) and one
-        # at the start of the fit (distances), by variable key, shared by the
-        # channels and requests of this optimizer.
-        self.previous: Dict[int, tf.Variable] = {}
-        self.initial: Dict[int, tf.Variable] = {}
+        # One copy of the weights before each update (update ratios) and one
+        # at the start of the fit (distances), shared by the channels (of the
+        # same variables) and requests of this optimizer: by the channel's
+        # variable keys, flat buffers, one per group of its `copy_groups`
+        # (the small weights of one dtype together: one write, and one input
+        # of a condition, for all of them).
+        self.previous: Dict[tuple, List[tf.Variable]] = {}
+        self.initial: Dict[tuple, List[tf.Variable]] = {}
         self.started: Optional[tf.Variable] = None
 
     @property
@@ -153,18 +164,37 @@ class Channel:
         self.slots: Dict[int, Slot] = {}
         self.considered: set = set()  # the requests `build` has given their slots
         self.number = -1  # its index in `Engine.channels`
+        self._copy_groups: Optional[tuple] = None
+
+    @property
+    def copy_groups(self) -> tuple:
+        """`stats.plan` of this channel's variables: the layout of its weight
+        copies, that of `stats.Packed.of` of the variables' values."""
+        if self._copy_groups is None:
+            self._copy_groups = stats_lib.plan(
+                [v.shape.num_elements() for v in self.variables],
+                [_flat_dtype(v) for v in self.variables])
+        return self._copy_groups
 
     @property
     def previous(self) -> List[tf.Variable]:
-        """The hook's copies of this channel's variables before the update."""
-        copies = self.hook.previous
-        return [copies[k] for k in self.keys] if all(k in copies for k in self.keys) else []
+        """The hook's copy of this channel's variables before the update:
+        one flat buffer per group of `copy_groups` ([] when none is kept)."""
+        return self.hook.previous.get(tuple(self.keys), [])
 
     @property
     def initial(self) -> List[tf.Variable]:
-        """The hook's copies of this channel's variables at the fit's start."""
-        copies = self.hook.initial
-        return [copies[k] for k in self.keys] if all(k in copies for k in self.keys) else []
+        """The hook's copy of this channel's variables at the fit's start
+        (as `previous`)."""
+        return self.hook.initial.get(tuple(self.keys), [])
+
+    def _copies(self, name: str) -> List[tf.Variable]:
+        # Zeros, filled in the graph: a variable created in this trace has
+        # no value to read yet.
+        dtypes = [_flat_dtype(v) for v in self.variables]
+        return [_buffers.on_read_variable(
+            tf.zeros([sum(sizes)], dtypes[positions[0]]), name)
+            for positions, sizes in self.copy_groups]
 
     def build(self, requests, steps_per_execution: int) -> None:
         if self.meta is None:
@@ -190,19 +220,13 @@ class Channel:
             slot = Slot(request, self, positions)
             slot.build(steps_per_execution)
             self.slots[id(request)] = slot
-            # Zeros, filled in the graph: a variable created in this trace has
-            # no value to read yet.
-            hook = self.hook
+            hook, keys = self.hook, tuple(self.keys)
             if request.kind == "weights" and "update_ratio" in request.stats:
-                for key, v in zip(self.keys, self.variables):
-                    if key not in hook.previous:
-                        hook.previous[key] = _buffers.on_read_variable(
-                            _zeros_like(v), "kerasdbg_previous")
+                if keys not in hook.previous:
+                    hook.previous[keys] = self._copies("kerasdbg_previous")
             if request.kind == "weights" and "distance_from_start" in request.stats:
-                for key, v in zip(self.keys, self.variables):
-                    if key not in hook.initial:
-                        hook.initial[key] = _buffers.on_read_variable(
-                            _zeros_like(v), "kerasdbg_initial")
+                if keys not in hook.initial:
+                    hook.initial[keys] = self._copies("kerasdbg_initial")
                 if hook.started is None:
                     # Whether `initial` holds the weights at the start of the fit.
                     hook.started = _buffers.on_read_variable(tf.zeros([], tf.int64),

@@ -39,18 +39,22 @@ def _dense(gradient) -> tf.Tensor:
 def _all_finite(tensors) -> tf.Tensor:
     """Whether every element of `tensors` is finite, in one read of each.
 
-    The sum of a tensor is finite when its elements are (one reduction, no
-    tensor-sized temporary); only when a sum is not (a NaN/Inf, or a sum of
-    finite values that overflowed) is each element tested, in a `tf.cond`
-    taken then.
+    The tensors are packed (`stats.Packed`: the small ones concatenated per
+    dtype), so that the condition below takes a few vectors, not one input
+    per tensor. The sum of a vector is finite when its elements are (one
+    reduction, no vector-sized temporary); only when a sum is not (a
+    NaN/Inf, or a sum of finite values that overflowed) is each element
+    tested, in a `tf.cond` taken then.
     """
     if not tensors:
         return tf.constant(True)
-    dense = [_dense(t) for t in tensors]
-    sums = tf.stack([tf.cast(tf.reduce_sum(t), tf.float32) for t in dense])
+    vectors = stats_lib.Packed.of([_dense(t) for t in tensors]).vectors
+    if not vectors:
+        return tf.constant(True)
+    sums = tf.stack([tf.cast(tf.reduce_sum(v), tf.float32) for v in vectors])
     return tf.cond(
         tf.reduce_all(tf.math.is_finite(sums)), lambda: tf.constant(True),
-        lambda: tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(t)) for t in dense])))
+        lambda: tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(v)) for v in vectors])))
 
 
 def _several_replicas():
@@ -74,27 +78,39 @@ class Quantities:
     def copy_weights(self, context: _ApplyContext) -> None:
         """Before the update: the weights at the fit's start (distances from
         the start) and before this update (update ratios), into the hook's
-        copies, at the steps a weights slot reads them."""
+        flat copies, at the steps a weights slot reads them.
+
+        The weights are packed outside the conditions (`stats.Packed`: the
+        small ones concatenated per dtype, a copy of few bytes at every
+        step; a large one flattened, no copy), so that each condition takes
+        one vector per group, not one input per variable, and writes each
+        copy with one assign."""
         channel, hook = context.channel, context.channel.hook
         step = context.step
         weight_slots = channel.slots_of("weights")
-        if channel.initial and weight_slots:
+        ratios = [s for s in weight_slots if "update_ratio" in s.request.stats]
+        starts = bool(channel.initial and weight_slots)
+        snapshots = bool(channel.previous and ratios)
+        if not (starts or snapshots):
+            return
+        now = stats_lib.Packed.of([internals.read(v) for v in channel.variables])
+        if now.groups != channel.copy_groups:  # pragma: no cover - the same plan
+            raise AssertionError("kerasdbg: the weights' copies do not match their layout")
+
+        def assign(copies):
+            for copy, vector in zip(copies, now.vectors):
+                copy.assign(tf.cast(vector, copy.dtype))
+
+        if starts:
 
             def start():
-                for copy, variable in zip(channel.initial, channel.variables):
-                    copy.assign(internals.read(variable))
+                assign(channel.initial)
                 hook.started.assign(tf.ones([], tf.int64))
 
             _buffers.run_if(tf.equal(hook.started.read_value(), 0), start)
-        ratios = [s for s in weight_slots if "update_ratio" in s.request.stats]
-        if channel.previous and ratios:
-
-            def snapshot():
-                for copy, variable in zip(channel.previous, channel.variables):
-                    copy.assign(internals.read(variable))
-
+        if snapshots:
             _buffers.run_if(_and(_any([s.request.needs_at("update_ratio", step) for s in ratios]),
-                                 hook.updates_at(step)), snapshot)
+                                 hook.updates_at(step)), lambda: assign(channel.previous))
 
     def record_model_gradients(self, context: _ApplyContext, optimizer, grads) -> None:
         """The gradients the model produced and, separately, the ones the
@@ -285,9 +301,9 @@ class Quantities:
 
         stats = {s for slot in slots for s in slot.request.base_stats}
         ratio, distance = "update_ratio" in stats, "distance_from_start" in stats
-        inputs = [[internals.read(channel.variables[i]) for i in wanted],
-                  [channel.previous[i].read_value() for i in wanted] if ratio else [],
-                  [channel.initial[i].read_value() for i in wanted] if distance else []]
+        inputs = [stats_lib.Packed.of([internals.read(channel.variables[i]) for i in wanted]),
+                  _copies_of(channel, channel.previous, wanted) if ratio else [],
+                  _copies_of(channel, channel.initial, wanted) if distance else []]
         plan = _scheduled_table(slots, step, updates, _weight_table, (ratio, distance), inputs)
         if plan is None:
             return
@@ -331,8 +347,8 @@ def _gradient_table(stats, settings, wanted, others):
 def _weight_table(stats, settings, weights, previous, initial):
     """`(table, 0)`: `stats` of the weights after the update, the update
     ratio from their copies before it (`previous`) and the distance from
-    their copies at the start (`initial`); `settings` says which copies are
-    given."""
+    their copies at the start (`initial`), three `stats.Packed` of one
+    layout; `settings` says which copies are given."""
     ratio, distance = settings
     base_names = tuple(s for s in stats if s in stats_lib.ALL_STATISTICS)
     base = graph_functions.statistics_table(weights, base_names)
@@ -343,12 +359,12 @@ def _weight_table(stats, settings, weights, previous, initial):
     distance = distance and "distance_from_start" in stats
     extras = []
     if ratio:
-        extras += [w - tf.cast(p, w.dtype) for w, p in zip(weights, previous)] + list(previous)
+        extras += [weights.zip_with(previous, lambda w, p: w - tf.cast(p, w.dtype)), previous]
     if distance:
-        extras += [w - tf.cast(i, w.dtype) for w, i in zip(weights, initial)]
-    norms = tf.unstack(
-        tf.reshape(graph_functions.statistics_table(extras, ["l2_norm"]), [-1, len(weights)])
-    ) if extras else []
+        extras += [weights.zip_with(initial, lambda w, i: w - tf.cast(i, w.dtype))]
+    norms = tf.unstack(tf.reshape(
+        graph_functions.statistics_table(stats_lib.Packed.joined(extras), ["l2_norm"]),
+        [-1, len(weights)])) if extras else []
     if ratio:
         update, before = norms[0], norms[1]
         # 0/0 (a zero tensor that did not move) is no update at all.
@@ -369,9 +385,13 @@ def _scheduled_table(slots: List[Slot], step, gate, recipe, settings, inputs):
     (tensor, statistic) is computed at most once per step, whatever the
     number of slots (consumers) asking for it, and nothing when none does.
 
-    `recipe(stats, settings, *inputs)` returns `(table [rows, len(stats)],
-    scalar)`, rows being the tensors of `inputs[0]`. The chain of
-    conditions and the recipe are one call of a function shared by every
+    `inputs` are lists of tensors (or `stats.Packed`), packed here, outside
+    the chain: the call and each condition of the chain take one vector per
+    dtype of the small tensors and one per large tensor, not one input per
+    tensor (with 2,000 variables, inputs per condition were most of the
+    trace time). `recipe(stats, settings, *packs)` returns `(table [rows,
+    len(stats)], scalar)`, rows being the tensors of `inputs[0]`. The chain
+    of conditions and the recipe are one call of a function shared by every
     call with the same structure and input signature (`_graph_functions`):
     the train step gets one call op, and the function is traced once
     whatever the number of fits. Returns `(table [rows, len(columns)],
@@ -406,15 +426,18 @@ def _scheduled_table(slots: List[Slot], step, gate, recipe, settings, inputs):
     # Python bools are part of the function's structure, tensors its arguments.
     static = tuple(f if f is True or f is False else None for f in flags)
     dynamic = [tf.cast(f, tf.bool) for f in flags if f is not True and f is not False]
-    rows = len(inputs[0])
+    packs = [stats_lib.Packed.of(tensors) for tensors in inputs]
+    layouts = tuple(pack.layout for pack in packs)
+    rows = len(packs[0])
 
-    def run(flags, *inputs):
+    def run(flags, *vectors):
         nan = tf.constant(np.nan, tf.float64)
         given = iter(flags)
         predicate = [s if s is not None else next(given) for s in static]
+        packed = [stats_lib.Packed(v, *layout) for v, layout in zip(vectors, layouts)]
 
         def widened(stats):
-            table, scalar = recipe(stats, settings, *inputs)
+            table, scalar = recipe(stats, settings, *packed)
             parts = tf.unstack(table, num=len(stats), axis=1) if stats else []
             by_name = dict(zip(stats, parts))
             fill = tf.fill([rows], nan)
@@ -435,9 +458,22 @@ def _scheduled_table(slots: List[Slot], step, gate, recipe, settings, inputs):
 
         return branch(0)
 
-    key = ("scheduled", recipe.__qualname__, settings, levels, columns, static)
-    table, scalar = graph_functions.shared_call(key, run, [dynamic] + list(inputs), inline=False)
+    key = ("scheduled", recipe.__qualname__, settings, levels, columns, static, layouts)
+    table, scalar = graph_functions.shared_call(
+        key, run, [dynamic] + [pack.vectors for pack in packs], inline=False)
     return table, columns, scalar
+
+
+def _copies_of(channel, copies, wanted: List[int]) -> stats_lib.Packed:
+    """The flat `copies` of the channel's weights (`Channel.previous` or
+    `initial`), as `stats.Packed.of` of the weights at `wanted` gives them."""
+    packed = stats_lib.Packed([c.read_value() for c in copies], channel.copy_groups,
+                              len(channel.variables))
+    if list(wanted) == list(range(len(channel.variables))):
+        return packed
+    pieces = dict(zip(packed.order, packed.pieces()))
+    empty = tf.zeros([0], tf.float32)
+    return stats_lib.Packed.of([pieces.get(i, empty) for i in wanted])
 
 
 def _any(predicates):
