@@ -99,6 +99,11 @@ class TensorRequest(Request):
         self.weights: List[tf.Variable] = []
         self.outputs: Dict[str, List[tf.Variable]] = {}
 
+    def graph_key(self):
+        """None: a fit with a `StepRecorder` traces its train step again (its
+        buffers are sized for the steps and variables it records)."""
+        return None
+
     def bind(self, channel, variables, paths) -> None:
         """Creates the buffers for `variables` (in the strategy's scope)."""
         n = len(self.steps)

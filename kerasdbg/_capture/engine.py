@@ -70,6 +70,41 @@ class _ApplyContext:
         self.applied = None
 
 
+class _Traced:
+    """The instrumented train function of a model's last `fit`, kept on the
+    model (`TRACED_ATTRIBUTE`) for a later `fit` whose requests build the same
+    graph (`Engine._graph_key`): that fit runs it instead of tracing again.
+
+    It holds no request (their consumers are the callbacks of that fit): the
+    requests' trace state (`Request.trace_state`) and, per channel, the slots
+    by the position of their request in the engine's list."""
+
+    def __init__(self, key, plain, function, states, slots, considered, engine: "Engine"):
+        self.key = key
+        self.plain = plain  # Keras's train function that this one stood in for
+        self.function = function
+        self.states = states
+        self.slots = slots  # [(channel, position, slot)]
+        self.considered = considered  # [(channel, position)]
+        self.several = engine._several
+        self.loss_captured = engine.loss_captured
+        self.step_names = list(engine._step_names)
+        self.bypassed = dict(engine.bypassed)
+        self.routed = set(engine.routed)
+
+
+TRACED_ATTRIBUTE = "_kerasdbg_traced"
+"""The model's attribute that holds its `_Traced` (on the model, not the
+engine: the function refers to the model, and the engine table's values must
+not keep its keys alive)."""
+
+
+def _same_key(a, b) -> bool:
+    """Keys of `_graph_key`: `(identities, values)`, identities compared by `is`."""
+    return (len(a[0]) == len(b[0]) and all(x is y for x, y in zip(a[0], b[0]))
+            and a[1] == b[1])
+
+
 _ABSENT = object()
 _TLS = threading.local()
 # (replica id, id(inner optimizer)) -> the apply being traced: the reduction
@@ -248,6 +283,12 @@ class Engine:
         self._step_warned = False
         # Whether the traced train step called `compute_loss`.
         self.loss_captured = False
+        # Keras's train function that this fit's stands in for (put back at
+        # its end), the requests of this fit in order, and whether this fit
+        # runs the function an earlier one traced (`_Traced`).
+        self._plain = _ABSENT
+        self._fit_requests: List[Request] = []
+        self.reused = False
         # What the requests record, computed in the graph; the fault test,
         # freeze and NaN localisation, with their variables; the host's reads.
         self.quantities = Quantities(self)
@@ -296,6 +337,8 @@ class Engine:
             self._step_values = None
         self._steps_per_execution, self.rows = n, rows
         found = internals.find_optimizers(model)
+        self._fit_requests = list(self.requests)
+        self.reused = self._take_traced(model)
         with strategy.scope():
             if self._step_values is None and self._wants("step", "classes", "wrap"):
                 self._step_values = _buffers.on_read_variable(
@@ -303,7 +346,9 @@ class Engine:
                     "kerasdbg_step")
             self.faults.prepare(model, strategy)
             for request in self.requests:
-                if request.kind == "classes":
+                if request.kind == "classes" and request.totals is not None:
+                    request.totals.assign(tf.zeros_like(request.totals))
+                elif request.kind == "classes":
                     request.totals = _buffers.on_read_variable(
                         tf.zeros([MAX_CLASSES, len(CLASS_COLUMNS)], tf.float64),
                         "kerasdbg_class_totals")
@@ -328,6 +373,73 @@ class Engine:
         self.faults.begin_fit()
         self._step_warned = False
         self._prepared = True
+
+    def _take_traced(self, model) -> bool:
+        """Runs, this fit, the function an earlier fit traced for requests
+        that build the same graph, with this fit's requests in its slots;
+        else has Keras make a new one (traced at its first call)."""
+        traced = vars(model).get(TRACED_ATTRIBUTE)
+        if traced is not None:
+            key = self._graph_key(model, internals.find_optimizers(model), model.train_function)
+            if key is None or not _same_key(traced.key, key):
+                object.__delattr__(model, TRACED_ATTRIBUTE)
+                traced = None
+        if traced is None:
+            model.make_train_function(force=True)
+            return False
+        for request, state in zip(self.requests, traced.states):
+            request.adopt(state)
+        for channel, position, slot in traced.slots:
+            slot.request = self.requests[position]
+            channel.slots[id(slot.request)] = slot
+        for channel, position in traced.considered:
+            channel.considered.add(id(self.requests[position]))
+        self._several, self.loss_captured = traced.several, traced.loss_captured
+        self._step_names = list(traced.step_names)
+        self.bypassed, self.routed = dict(traced.bypassed), set(traced.routed)
+        model.train_function = traced.function
+        return True
+
+    def _graph_key(self, model, found, plain):
+        """What the instrumented train function depends on, or None when it
+        cannot be reused: `(identities, values)` (`_same_key`). Keras's own
+        function stands for its compiled configuration (`compile` makes a new
+        one), the rest for what can change without it."""
+        keys = tuple(r.graph_key() for r in self._fit_requests)
+        if not keys or any(k is None for k in keys):
+            return None
+        variables = list(model.variables)
+        optimizers = [o for _, o in found]
+        identities = (plain, model.distribute_strategy, self._step_function,
+                      self._loss_function, *optimizers, *variables)
+        values = (keys, self._steps_per_execution, self.rows, model.jit_compile,
+                  tuple(name for name, _ in found),
+                  tuple(internals.inner_optimizer(o).built for o in optimizers),
+                  tuple(bool(v.trainable) for v in variables))
+        return identities, values
+
+    def _keep_traced(self, model) -> None:
+        """At the end of a fit whose instrumented function traced (or ran)
+        without a failure: keeps it on the model for the next fit."""
+        if vars(model).get(TRACED_ATTRIBUTE) is not None:
+            object.__delattr__(model, TRACED_ATTRIBUTE)
+        if self._plain is _ABSENT or self._plain is None:
+            return
+        key = self._graph_key(model, internals.find_optimizers(model), self._plain)
+        if key is None:
+            return
+        positions = {id(r): k for k, r in enumerate(self._fit_requests)}
+        slots, considered = [], []
+        for channel in self.channels:
+            for rid, slot in channel.slots.items():
+                if rid in positions:
+                    slots.append((channel, positions[rid], slot))
+                    slot.request = None
+            considered += [(channel, positions[rid]) for rid in channel.considered
+                           if rid in positions]
+        object.__setattr__(model, TRACED_ATTRIBUTE, _Traced(
+            key, self._plain, model.train_function,
+            [r.trace_state() for r in self._fit_requests], slots, considered, self))
 
     def _wants(self, *kinds) -> bool:
         return any(r.kind in kinds for r in self.requests)
@@ -354,7 +466,7 @@ class Engine:
         try:
             self.collect()
         finally:
-            self._reset()
+            self._reset(keep=False)
 
     def _after_failed_fit(self) -> None:
         """`abort` for a `fit` that ended by an exception: the records are
@@ -372,13 +484,27 @@ class Engine:
             except Exception:  # noqa: BLE001 - the fit already raised
                 pass
         finally:
-            self._reset()
+            self._reset(keep=False)
 
-    def _reset(self) -> None:
+    def _reset(self, keep: bool = True) -> None:
+        """Restores the model; `keep`: the instrumented function may serve a
+        later fit (`_keep_traced`) if this one traced it without a failure."""
         model = self._model()
+        if keep and self._prepared and not self._failed and self.installed \
+                and model is not None:
+            try:
+                self._keep_traced(model)
+            except Exception as error:  # noqa: BLE001 - a later fit traces again
+                warnings.warn("kerasdbg could not keep the instrumented train function "
+                              f"for the next fit: {type(error).__name__}: {error}",
+                              RuntimeWarning, stacklevel=2)
+        elif model is not None and vars(model).get(TRACED_ATTRIBUTE) is not None:
+            object.__delattr__(model, TRACED_ATTRIBUTE)
         self.requests = []
+        self._fit_requests = []
         self._prepared = False
         self._failed = False
+        self.reused = False
         for channel in self.channels:
             channel.slots = {}
             channel.considered = set()
@@ -408,13 +534,18 @@ class Engine:
         # is wrapped here and put back afterwards.
         self._shadowed = {name: vars(model).get(name, _ABSENT)
                           for name in ("train_step", "compute_loss")}
+        self._step_function = getattr(original_step, "__func__", original_step)
+        self._loss_function = getattr(original_loss, "__func__", original_loss)
         object.__setattr__(model, "train_step", train_step)
         object.__setattr__(model, "compute_loss", compute_loss)
         self.installed = True
         self._several = None
         self.bypassed, self.routed = {}, set()
         on_fit_end(model, self, self._after_failed_fit)
-        model.make_train_function(force=True)
+        # Keras's function of this fit, put back at its end: a later fit
+        # without kerasdbg runs it as it was (`prepare` has Keras make the
+        # instrumented one, or takes the one an earlier fit traced).
+        self._plain = getattr(model, "train_function", None)
 
     def _uninstall(self, model) -> None:
         self.installed = False
@@ -426,7 +557,9 @@ class Engine:
                 internals.unpatch(model, name)
             else:
                 object.__setattr__(model, name, value)
-        model.make_train_function(force=True)
+        if self._plain is not _ABSENT:
+            model.train_function = self._plain
+        self._plain = _ABSENT
 
     # ------------------------------------------------------- in the graph
     def _guard(self, function: Callable[[], object]):

@@ -11,7 +11,9 @@ into a Python bool so that no `tf.cond` is built for it.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import (
+    TYPE_CHECKING, Callable, Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple,
+)
 
 import tensorflow as tf
 
@@ -161,6 +163,34 @@ class Request:
         # For a "classes" request: whether the traced train step gave labels and
         # class predictions (None until it was traced).
         self.labelled: Optional[bool] = None
+        # Variables of the consumer's own that the traced step writes (a
+        # `StepTimer`'s timestamps), by name: a later fit that reuses the
+        # traced function hands them to its equivalent request (`adopt`).
+        self.buffers: Dict[str, tf.Variable] = {}
+
+    def graph_key(self) -> Optional[Hashable]:
+        """What the traced train step depends on in this request: two
+        requests with equal keys build the same graph, so a later `fit` can
+        run the function traced for the other (`adopt`). None: never reused."""
+        return (type(self).__qualname__, self.kind, self.stats, self.schedule,
+                self.histogram_every_n_steps, self.include, self.exclude, self.bins,
+                self.freeze, self.localize, self.frequent, self.deferred, self.owner,
+                self.wrapper is None)
+
+    def trace_state(self) -> dict:
+        """What the traced train step writes to and what its trace found, for
+        an equivalent request of a later fit that runs the same function
+        (`adopt`)."""
+        return {"totals": self.totals, "labelled": self.labelled,
+                "present": list(self.present), "buffers": dict(self.buffers)}
+
+    def adopt(self, state: dict) -> None:
+        """Takes over the `trace_state` of an equivalent request (`graph_key`)
+        of an earlier fit, whose traced function this fit runs."""
+        self.totals = state["totals"]
+        self.labelled = state["labelled"]
+        self.present = list(state["present"])
+        self.buffers = dict(state["buffers"])
 
     @property
     def per_variable(self) -> bool:

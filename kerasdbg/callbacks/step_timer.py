@@ -80,7 +80,7 @@ class StepTimer(RecordingCallback):
         self.warmup = check.non_negative_int(owner, "warmup", warmup)
         self.strict = check.boolean(owner, "strict", strict)
         self._rows: List[dict] = []
-        self._buffer: Optional[tf.Variable] = None
+        self._request = None
         self._writer = None
         self._warned = False
         self._timed = False
@@ -103,18 +103,24 @@ class StepTimer(RecordingCallback):
         self._timed = getattr(model, "jit_compile", False) is not True
         self._writer = self._open_writer()
         _layout.add("StepTimer", self._writer, _layout.timing_lines(self._timed), self.strict)
-        if self._timed:
-            with model.distribute_strategy.scope():
-                # [row, (start, end, examples)] per train step of an execution.
-                self._buffer = _buffers.on_read_variable(
-                    tf.zeros([self._spe, 3], tf.float64), "kerasdbg_step_times")
         # Under XLA the engine only counts the train steps.
         self._request = _capture.Request(
             "wrap", wrapper=self._timed_step if self._timed else None, strict=self.strict,
             owner="StepTimer")
+        if self._timed:
+            with model.distribute_strategy.scope():
+                # [row, (start, end, examples)] per train step of an execution;
+                # the request's, so that a later fit reusing the traced step
+                # reads the buffer that step writes.
+                self._request.buffers["times"] = _buffers.on_read_variable(
+                    tf.zeros([self._spe, 3], tf.float64), "kerasdbg_step_times")
         engine = _capture.engine_for(model)
         engine.attach(self._request)
         self._last = None
+
+    @property
+    def _buffer(self) -> Optional[tf.Variable]:
+        return self._request.buffers.get("times") if self._request is not None else None
 
     def _timed_step(self, step_function, data, row):
         """The train step between two timestamps (in the graph)."""
