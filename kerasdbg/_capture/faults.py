@@ -57,6 +57,26 @@ _REPLAYS = "_kerasdbg_replays"
 buffer and input signature, kept across fits."""
 
 
+def _nonfinite_flags(packed: "stats_lib.Packed", missing) -> tf.Tensor:
+    """`[len(missing)]` int64: 1 where the gradient (the packed ones, in the
+    order of the present ones) holds a NaN/Inf, 0 where it does not or is
+    missing (`missing[i]`)."""
+    blocks = []
+    for vector, (positions, sizes) in zip(packed.vectors, packed.groups):
+        bad = tf.cast(tf.logical_not(tf.math.is_finite(vector)), tf.int32)
+        if len(positions) > 1:
+            ids = tf.constant(np.repeat(np.arange(len(sizes), dtype=np.int32), sizes))
+            blocks.append(tf.math.unsorted_segment_sum(bad, ids, len(sizes)) > 0)
+        else:
+            blocks.append(tf.reshape(tf.reduce_any(bad > 0), [1]))
+    order = packed.order
+    flags = tf.concat([tf.cast(b, tf.int64) for b in blocks] + [tf.zeros([1], tf.int64)], 0)
+    where = {p: k for k, p in enumerate(order)}
+    present = iter(range(len(missing) - sum(missing)))
+    index = [len(order) if gone else where.get(next(present), len(order)) for gone in missing]
+    return tf.gather(flags, index)
+
+
 class Faults:
     """The fault handling of one engine: its variables (the frozen flag, the
     copies of the state variables, the NaN source) and what it found; owned
@@ -213,7 +233,10 @@ class Faults:
         scaled = context.channel.hook.scaled
         check_grads = watched.nonfinite_gradients and not scaled
         if check_grads:
-            parts.append(tf.cast(tf.logical_not(_all_finite(present)), tf.float64))
+            # Packed once (small gradients concatenated per dtype): the
+            # finiteness test and, at a fault, the NaN localisation take it.
+            context.packed_grads = stats_lib.Packed.of([_dense(g) for g in present])
+            parts.append(tf.cast(tf.logical_not(_all_finite(context.packed_grads)), tf.float64))
         vector = tf.stack(parts)
         replicas = _several_replicas()
         if replicas is not None:
@@ -268,11 +291,15 @@ class Faults:
         number = context.channel.number
         grads = list(grads)[:MAX_FLAGGED]
         # The replay keeps no graph tensor (a cached function would keep the
-        # first trace's graph alive), only which gradients are missing.
+        # first trace's graph alive), only which gradients are missing and
+        # the layout of the packed others.
         missing = tuple(g is None for g in grads)
         given_grads = [g for g in grads if g is not None]
+        packed = getattr(context, "packed_grads", None)
+        if packed is not None and len(packed) != len(given_grads):
+            packed = None  # more than MAX_FLAGGED gradients: packed again, in the branch
 
-        def replay(x, present, step):
+        def replay(x, vectors, step, layout):
             names, flags = [], []
 
             def on_output(name, outputs):
@@ -291,42 +318,40 @@ class Faults:
                                  tf.constant(-1, tf.int64))
             else:
                 first = tf.constant(-1, tf.int64)
-            given = iter(present)
-            variable_flags = [
-                tf.constant(0, tf.int64) if gone else tf.cast(
-                    tf.logical_not(tf.reduce_all(tf.math.is_finite(next(given)))), tf.int64)
-                for gone in missing
-            ]
-            head = tf.stack([tf.cast(step, tf.int64), first, tf.constant(number, tf.int64)]
-                            + variable_flags)
+            head = tf.stack([tf.cast(step, tf.int64), first, tf.constant(number, tf.int64)])
+            variable_flags = _nonfinite_flags(stats_lib.Packed(vectors, *layout), missing)
             # One zeros op, not thousands of stacked scalars (XLA compiles each).
-            padding = tf.zeros([MAX_FLAGGED - len(variable_flags)], tf.int64)
-            row.assign(tf.concat([head, padding], 0))
+            padding = tf.zeros([MAX_FLAGGED - len(missing)], tf.int64)
+            row.assign(tf.concat([head, variable_flags, padding], 0))
             return tf.constant(True)
 
         def run():
-            # Dense here, in the branch a fault takes: a sparse gradient (an
-            # Embedding's) is not expanded at every healthy step.
-            present = [_dense(g) for g in given_grads]
+            # Packed (dense) here, in the branch a fault takes, unless the
+            # fault test packed them: a sparse gradient (an Embedding's) is
+            # not expanded at every healthy step for this.
+            pack = packed if packed is not None else stats_lib.Packed.of(
+                [_dense(g) for g in given_grads])
             if _several_replicas() is not None or x is None or tf.executing_eagerly():
                 # Under a strategy each replica traces its own replay (a shared
                 # function would keep the first replica's captures).
-                return replay(x, present, step)
+                return replay(x, pack.vectors, step, pack.layout)
             # On the model: the function holds the model (an engine holding it
             # would keep the model alive through `engine_for`'s weak table).
             cached = vars(model).get(_REPLAYS)
             if cached is None:
                 cached = {}
                 object.__setattr__(model, _REPLAYS, cached)
-            key = (number, id(row), missing,
+            layout = pack.layout
+            key = (number, id(row), missing, layout,
                    tuple(graph_functions.signature_key(t) for t in keras.tree.flatten(x)),
-                   tuple(graph_functions.signature_key(g) for g in present))
+                   tuple(graph_functions.signature_key(v) for v in pack.vectors))
             function = cached.get(key)
             if function is None:
                 function = cached[key] = tf.function(
-                    replay, autograph=False, reduce_retracing=False,
+                    lambda x, vectors, step: replay(x, vectors, step, layout),
+                    autograph=False, reduce_retracing=False,
                     experimental_attributes={"_noinline": True})
-            return function(x, present, tf.cast(step, tf.int64))
+            return function(x, pack.vectors, tf.cast(step, tf.int64))
 
         first_time = tf.logical_and(nonfinite, tf.equal(row.read_value()[0], 0))
         tf.cond(first_time, run, lambda: tf.constant(False))

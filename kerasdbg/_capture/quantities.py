@@ -37,7 +37,8 @@ def _dense(gradient) -> tf.Tensor:
 
 
 def _all_finite(tensors) -> tf.Tensor:
-    """Whether every element of `tensors` is finite, in one read of each.
+    """Whether every element of `tensors` (or of a `stats.Packed`) is
+    finite, in one read of each.
 
     The tensors are packed (`stats.Packed`: the small ones concatenated per
     dtype), so that the condition below takes a few vectors, not one input
@@ -46,9 +47,10 @@ def _all_finite(tensors) -> tf.Tensor:
     NaN/Inf, or a sum of finite values that overflowed) is each element
     tested, in a `tf.cond` taken then.
     """
-    if not tensors:
+    if not len(tensors):
         return tf.constant(True)
-    vectors = stats_lib.Packed.of([_dense(t) for t in tensors]).vectors
+    vectors = (tensors if isinstance(tensors, stats_lib.Packed)
+               else stats_lib.Packed.of([_dense(t) for t in tensors])).vectors
     if not vectors:
         return tf.constant(True)
     sums = tf.stack([tf.cast(tf.reduce_sum(v), tf.float32) for v in vectors])
