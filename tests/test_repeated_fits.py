@@ -113,7 +113,9 @@ def test_the_same_instances_reuse_it_and_a_plain_fit_runs_keras_function(monkeyp
     makes = _Makes(model, monkeypatch)
     callbacks = _statistics()
     _fit(model, callbacks)
+    # The model holds Keras's own function again, and nothing of kerasdbg's.
     assert model.train_function is keras_function
+    assert not [name for name in vars(model) if "kerasdbg" in name]
     _fit(model, callbacks)
     assert makes.forced == 1
     _check_fit(*callbacks, model, reference_training(initial, 2 * STEPS), STEPS + 1, 2 * STEPS)
@@ -283,7 +285,7 @@ def test_a_fit_that_raised_leaves_nothing_to_reuse(monkeypatch):
     with pytest.raises(RuntimeError, match="boom"):
         _fit(model, _statistics() + [Boom()])
     assert makes.forced == 1  # the second fit reused the first one's function
-    assert _capture.engine.TRACED_ATTRIBUTE not in vars(model)
+    assert not hasattr(model.train_function, _capture.engine.TRACED_ATTRIBUTE)
     callbacks = _statistics()
     _fit(model, callbacks)
     assert makes.forced == 2

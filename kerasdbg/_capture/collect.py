@@ -222,6 +222,8 @@ class Collector:
     def _bypassed(self, model) -> str:
         """Why the optimizers whose `apply` did not pass through kerasdbg
         (`Engine.bypassed`) are not recorded; "" when there is none."""
+        if not self.engine.bypassed:
+            return ""
         names = {id(o): n for n, o in internals.find_optimizers(model)}
         said = []
         for key, optimizer in self.engine.bypassed.items():
@@ -241,7 +243,6 @@ class Collector:
         that recorded nothing by construction, why."""
         model = self.engine._model()
         applied = [h for h in self.engine.hooks.values() if h.channels]
-        found = [name for name, _ in internals.find_optimizers(model)]
         bypassed = self._bypassed(model)
         silent: Dict[tuple, List[Request]] = {}
         for request in self.engine.requests:
@@ -259,6 +260,7 @@ class Collector:
                     why = (f"the model {model.name!r} has no trainable variables, so no "
                            "optimizer applied gradients")
                 else:
+                    found = [name for name, _ in internals.find_optimizers(model)]
                     why = ("no optimizer applied gradients in the train step (kerasdbg sees "
                            "every Keras optimizer's `apply`/`apply_gradients` called inside "
                            f"`train_step`; the model holds: {', '.join(found) or 'none'}). "

@@ -71,9 +71,12 @@ class _ApplyContext:
 
 
 class _Traced:
-    """The instrumented train function of a model's last `fit`, kept on the
-    model (`TRACED_ATTRIBUTE`) for a later `fit` whose requests build the same
-    graph (`Engine._graph_key`): that fit runs it instead of tracing again.
+    """The instrumented train function of a model's last `fit`, kept for a
+    later `fit` whose requests build the same graph (`Engine._graph_key`):
+    that fit runs it instead of tracing again. It hangs on Keras's own train
+    function of that fit (`TRACED_ATTRIBUTE`), which the model holds again
+    after the fit: a `compile` that drops Keras's function drops it too, and
+    the model's own attributes are as kerasdbg found them.
 
     It holds no request (their consumers are the callbacks of that fit): the
     requests' trace state (`Request.trace_state`) and, per channel, the slots
@@ -94,9 +97,21 @@ class _Traced:
 
 
 TRACED_ATTRIBUTE = "_kerasdbg_traced"
-"""The model's attribute that holds its `_Traced` (on the model, not the
-engine: the function refers to the model, and the engine table's values must
-not keep its keys alive)."""
+"""The attribute of Keras's train function that holds its `_Traced` (not on
+the engine: the function refers to the model, and the engine table's values
+must not keep its keys alive)."""
+
+
+def _pop_traced(function) -> Optional[_Traced]:
+    """The `_Traced` that hangs on Keras's train function `function`, taken off."""
+    traced = getattr(function, TRACED_ATTRIBUTE, None)
+    if isinstance(traced, _Traced):
+        try:
+            delattr(function, TRACED_ATTRIBUTE)
+        except (AttributeError, TypeError):
+            return None
+        return traced
+    return None
 
 
 def _same_key(a, b) -> bool:
@@ -338,7 +353,7 @@ class Engine:
         self._steps_per_execution, self.rows = n, rows
         found = internals.find_optimizers(model)
         self._fit_requests = list(self.requests)
-        self.reused = self._take_traced(model)
+        self.reused = self._take_traced(model, found)
         with strategy.scope():
             if self._step_values is None and self._wants("step", "classes", "wrap"):
                 self._step_values = _buffers.on_read_variable(
@@ -374,15 +389,16 @@ class Engine:
         self._step_warned = False
         self._prepared = True
 
-    def _take_traced(self, model) -> bool:
+    def _take_traced(self, model, found) -> bool:
         """Runs, this fit, the function an earlier fit traced for requests
         that build the same graph, with this fit's requests in its slots;
         else has Keras make a new one (traced at its first call)."""
-        traced = vars(model).get(TRACED_ATTRIBUTE)
+        # Taken off: it goes back at the end of a fit that ran it without a
+        # failure (`_keep_traced`).
+        traced = _pop_traced(model.train_function)
         if traced is not None:
-            key = self._graph_key(model, internals.find_optimizers(model), model.train_function)
+            key = self._graph_key(model, found, model.train_function)
             if key is None or not _same_key(traced.key, key):
-                object.__delattr__(model, TRACED_ATTRIBUTE)
                 traced = None
         if traced is None:
             model.make_train_function(force=True)
@@ -421,10 +437,9 @@ class Engine:
     def _keep_traced(self, model) -> None:
         """At the end of a fit whose instrumented function traced (or ran)
         without a failure: keeps it on the model for the next fit."""
-        if vars(model).get(TRACED_ATTRIBUTE) is not None:
-            object.__delattr__(model, TRACED_ATTRIBUTE)
         if self._plain is _ABSENT or self._plain is None:
             return
+        _pop_traced(self._plain)
         key = self._graph_key(model, internals.find_optimizers(model), self._plain)
         if key is None:
             return
@@ -437,9 +452,12 @@ class Engine:
                     slot.request = None
             considered += [(channel, positions[rid]) for rid in channel.considered
                            if rid in positions]
-        object.__setattr__(model, TRACED_ATTRIBUTE, _Traced(
-            key, self._plain, model.train_function,
-            [r.trace_state() for r in self._fit_requests], slots, considered, self))
+        traced = _Traced(key, self._plain, model.train_function,
+                         [r.trace_state() for r in self._fit_requests], slots, considered, self)
+        try:
+            setattr(self._plain, TRACED_ATTRIBUTE, traced)
+        except (AttributeError, TypeError):  # a train function of the user's own kind
+            pass
 
     def _wants(self, *kinds) -> bool:
         return any(r.kind in kinds for r in self.requests)
@@ -498,8 +516,8 @@ class Engine:
                 warnings.warn("kerasdbg could not keep the instrumented train function "
                               f"for the next fit: {type(error).__name__}: {error}",
                               RuntimeWarning, stacklevel=2)
-        elif model is not None and vars(model).get(TRACED_ATTRIBUTE) is not None:
-            object.__delattr__(model, TRACED_ATTRIBUTE)
+        elif self._plain is not _ABSENT:
+            _pop_traced(self._plain)
         self.requests = []
         self._fit_requests = []
         self._prepared = False
