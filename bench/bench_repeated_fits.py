@@ -7,9 +7,11 @@ weights); the fits run interleaved, one fit of each configuration per round
 (plain, callbacks, plain+taps, ...), each `fit(epochs=1)` over a few batches
 with NEW callback instances of the same configuration.
 
-Per fit: its wall time, and its first execution (from the first callback's
-`on_train_batch_begin` of batch 0 to the last callback's `on_train_batch_end`
-of batch 0: kerasdbg's own batch hooks included). Printed: the first (cold)
+Per fit: its wall time; its batch 0 (from the first callback's
+`on_train_batch_begin` of batch 0 to the last callback's `on_train_batch_end`:
+kerasdbg's own batch hooks included, its prepare and its first read of the
+buffers); and its first execution alone (from the last callback's
+`on_train_batch_begin` to the first callback's `on_train_batch_end`). Printed: the first (cold)
 fit of each configuration, then over the later fits the median of each
 round's ratio to the plain fit of the same round (plain model for
 "callbacks", tapped model for "callbacks+taps"), and the traces kerasdbg
@@ -54,13 +56,13 @@ CONFIGS = ("plain", "callbacks", "callbacks_retraced", "plain+taps", "callbacks+
 BATCH = 64
 
 
-class _First(keras.callbacks.Callback):
+class _Edge(keras.callbacks.Callback):
+    """The times of batch 0's begin and end hooks (one first, one last in the list)."""
+
     def on_train_batch_begin(self, batch, logs=None):
         if batch == 0:
             self.begin = time.perf_counter()
 
-
-class _Last(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if batch == 0:
             self.end = time.perf_counter()
@@ -98,20 +100,23 @@ def bench(fits, steps, configs):
     x = np.random.default_rng(0).normal(size=(BATCH * steps, 28, 28, 1)).astype("float32")
     y = np.random.default_rng(1).integers(0, 10, BATCH * steps)
     models = {c: _model(c) for c in configs}
-    times = {c: {"fit": [], "first": []} for c in configs}
+    times = {c: {"fit": [], "first": [], "execution": []} for c in configs}
     with tempfile.TemporaryDirectory() as root:
         for round_ in range(fits + 1):
             for config in configs:
                 model = models[config]
                 if config == "callbacks_retraced":
                     engine_module._pop_traced(model.train_function)
-                first, last = _First(), _Last()
+                first, last = _Edge(), _Edge()
                 log_dir = os.path.join(root, config, str(round_))
                 start = time.perf_counter()
                 model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False,
                           callbacks=[first] + _callbacks(config, log_dir) + [last])
                 times[config]["fit"].append(time.perf_counter() - start)
+                # The batch's hooks included (kerasdbg's prepare and first read), and
+                # the execution alone (from the last begin hook to the first end hook).
                 times[config]["first"].append(last.end - first.begin)
+                times[config]["execution"].append(first.end - last.begin)
     traces = {c: _capture.engine_for(models[c]).trace_count for c in configs
               if not c.startswith("plain")}
     return times, traces
@@ -119,21 +124,24 @@ def bench(fits, steps, configs):
 
 def report(times, traces, configs, fits, steps):
     print(f"\n{fits} fits after the first, {steps} batches of {BATCH} each, small CNN")
-    print(f"{'configuration':<22}{'cold fit s':>11}{'fit s':>9}{'first exec s':>14}"
-          f"{'fit ratio':>11}{'first ratio':>13}{'traces':>8}")
+    print("s: median seconds over the later fits; ratio: median of each round's ratio to plain's")
+    columns = (("fit", "fit"), ("first", "batch 0"), ("execution", "1st execution"))
+    header = f"{'configuration':<20}{'cold fit s':>11}"
+    for _, name in columns:
+        header += f"{name + ' s':>16}{'ratio':>7}"
+    print(header + f"{'traces':>8}")
     for config in configs:
         base = "plain+taps" if "taps" in config else "plain"
-        mine = {k: np.array(v[1:]) for k, v in times[config].items()}
-        row = f"{config:<22}{times[config]['fit'][0]:>11.3f}{np.median(mine['fit']):>9.3f}" \
-              f"{np.median(mine['first']):>14.4f}"
-        if base in times and base != config:
-            plain = {k: np.array(v[1:]) for k, v in times[base].items()}
-            row += f"{np.median(mine['fit'] / plain['fit']):>11.2f}" \
-                   f"{np.median(mine['first'] / plain['first']):>13.2f}"
-        else:
-            row += f"{'':>11}{'':>13}"
-        row += f"{traces.get(config, ''):>8}"
-        print(row)
+        row = f"{config:<20}{times[config]['fit'][0]:>11.3f}"
+        for key, _ in columns:
+            mine = np.array(times[config][key][1:])
+            row += f"{np.median(mine):>16.4f}"
+            if base in times and base != config:
+                plain = np.array(times[base][key][1:])
+                row += f"{np.median(mine / plain):>7.2f}"
+            else:
+                row += f"{'':>7}"
+        print(row + f"{traces.get(config, ''):>8}")
 
 
 def main():

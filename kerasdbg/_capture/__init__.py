@@ -12,21 +12,29 @@ the host reads the buffers once and hands the new rows to the callbacks.
 Life cycle, driven by the callbacks:
 
 - `attach(request)` in `on_train_begin`: the first one wraps `train_step`
-  (and `compute_loss`) and forces a retrace; later ones only add their
-  request, since nothing is traced before the first batch.
-- `prepare()` in `on_train_batch_begin`: creates the buffers it can before
-  the trace (for the optimizers that are built: creating variables inside
-  the first trace makes `tf.function` trace twice).
+  (and `compute_loss`) and keeps Keras's train function of this fit; later
+  ones only add their request, since nothing is traced before the first
+  batch.
+- `prepare()` in `on_train_batch_begin`: when the last fit on the model had
+  requests that build the same graph (`Request.graph_key`, and the same
+  Keras function, strategy, train step, optimizers and variables), runs the
+  function that fit traced, its slots and buffers handed to this fit's
+  requests (`Request.adopt`): no trace. Else has Keras make a new function
+  (traced at its first call), and creates the buffers it can before that
+  trace (for the optimizers that are built: creating variables inside the
+  first trace makes `tf.function` trace twice).
 - in the trace: a *channel* per optimizer and per apply of it in the train
   step (WGAN-GP's discriminator: three), created when first seen unless
   `prepare` predicted it, with a *slot* per request: the variables it
   selects among those the optimizer applies, and its buffers.
 - `collect()` in `on_train_batch_end` (and at the end): reads new rows.
 - `detach(request)` in `on_train_end`: the last one restores the model and
-  forces a retrace, so a later `fit` without the callbacks runs the plain
-  train step again. A `fit` that ends by an exception has no
+  puts Keras's train function of this fit back, so a later `fit` without
+  the callbacks runs it as it was; the instrumented function hangs on it
+  for the next fit (`_Traced`). A `fit` that ends by an exception has no
   `on_train_end`; the engine then restores the model from the `fit`
-  wrapper (`_keras_internals.wrap_fit`) as that `fit` unwinds.
+  wrapper (`_keras_internals.wrap_fit`) as that `fit` unwinds, and keeps
+  nothing for the next.
 
 Buffers are `ON_READ` / `ONLY_FIRST_REPLICA` variables: under a
 `tf.distribute` strategy each replica writes its own copy without any
