@@ -63,6 +63,9 @@ def child(config: str, layers: int, steps: int) -> None:
         def on_train_batch_end(self, batch, logs=None):
             self.ends.append(time.perf_counter())
 
+    # Keras builds a Sequential's graph of layers recursively (one level per
+    # layer and a few frames each): 1,000 layers pass Python's default limit.
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 20 * layers + 1000))
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((8,))] + [keras.layers.Dense(8) for _ in range(layers)])
     model.compile("adam", "mse")
