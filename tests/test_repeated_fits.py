@@ -290,3 +290,29 @@ def test_a_fit_that_raised_leaves_nothing_to_reuse(monkeypatch):
     _fit(model, callbacks)
     assert makes.forced == 2
     assert callbacks[0].history.step.tolist() == list(range(STEPS + 4, 2 * STEPS + 4))
+
+
+def _batchnorm_model():
+    keras.utils.set_random_seed(4)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(5, use_bias=False),
+                              keras.layers.BatchNormalization(), keras.layers.Dense(3)])
+    _compile(model)
+    return model
+
+
+def test_a_nan_in_a_reused_fit_freezes_the_moving_statistics_too(monkeypatch):
+    model, twin = _batchnorm_model(), _batchnorm_model()
+    makes = _Makes(model, monkeypatch)
+    _fit(model, [StopOnRule([NonFiniteLoss()], verbose=False)])
+    x = X.copy()
+    x[4 * BATCH] = np.nan  # step 15
+    stop = StopOnRule([NonFiniteLoss()], verbose=False)
+    _fit(model, [stop], x=x)
+    assert makes.forced == 1
+    assert [(v.rule, v.step) for v in stop.verdicts][:1] == [("NonFiniteLoss", STEPS + 5)]
+    # Plain Keras on the same healthy batches: fit 1, then the 4 batches before the NaN.
+    _fit(twin, [])
+    twin.fit(X[:4 * BATCH], Y[:4 * BATCH], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    for mine, plain in zip(model.weights, twin.weights):
+        np.testing.assert_allclose(mine.numpy(), plain.numpy(), rtol=1e-6, atol=1e-7,
+                                   err_msg=mine.path)
