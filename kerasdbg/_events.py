@@ -391,6 +391,51 @@ PROCESS = "%s:%d:%d" % (socket.gethostname(), os.getpid(), time.time_ns())
 """This process, as a run's marker names it (the time: a pid is reused)."""
 
 
+def _start_time(pid: int) -> Optional[int]:
+    """When process `pid` started (clock ticks since boot, Linux's
+    `/proc/<pid>/stat`), or None where not known: with its pid, it names a
+    process (a pid is reused)."""
+    try:
+        with open(f"/proc/{int(pid)}/stat") as stream:
+            stat = stream.read()
+        # The fields after the command (which may hold spaces), from the 3rd:
+        # the 22nd is the start time.
+        return int(stat.rpartition(")")[2].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+STARTED = _start_time(os.getpid())
+"""When this process started, as `_start_time` gives it."""
+
+
+def _alive(marker: dict) -> bool:
+    """Whether the process a run's marker names may still be running: True
+    unless it is known to have ended (a process of this host whose pid is
+    gone, or taken by a process started at another time). A process of
+    another host cannot be looked at: it may be running."""
+    host, _, rest = str(marker.get("process", "")).rpartition(":")
+    host, _, pid = host.rpartition(":")
+    try:
+        pid = int(pid)
+    except ValueError:
+        return True
+    if host != socket.gethostname() or os.name == "nt":
+        return True  # (os.kill on Windows ends the process: not asked there)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # e.g. another user's process: it exists
+    started = marker.get("started")
+    if started is not None:
+        now = _start_time(pid)
+        if now is not None and now != started:
+            return False  # the pid was reused
+    return True
+
+
 class Training(NamedTuple):
     """Which training writes a run: what tells a continued training (the same
     run) from another one (a run of its own)."""
@@ -404,6 +449,8 @@ class Training(NamedTuple):
     fingerprint: Optional[str] = None
     """Of the weights and the optimizer's configuration at step 0 (`fresh` only)."""
     process: str = PROCESS
+    started: Optional[int] = STARTED
+    """When the process started (see `_start_time`), None where not known."""
 
 
 def _marker(run: str) -> dict:
@@ -424,16 +471,24 @@ def _holds_events(run: str) -> bool:
         return False
 
 
+def _claimed(run: str) -> bool:
+    """Whether a training claimed the run (its marker file exists, even while
+    it is being written)."""
+    return os.path.exists(os.path.join(run, RUN_MARKER))
+
+
 def _same_training(marker: dict, training: Training) -> bool:
     """Whether a run's marker names `training`: the same model object in this
-    process, or, started from step 0, the same weights and optimizer (a
-    training restarted from scratch, in another process)."""
+    process, or, started from step 0, the same weights and optimizer in a
+    process that has ended (a training restarted from scratch). The same
+    weights in a process still running (a seeded sweep, two scripts at once)
+    are another training."""
     same_model = marker.get("process") == training.process and marker.get("model") == training.model
     if not training.fresh:
         return same_model
     if marker.get("fingerprint") != training.fingerprint:
         return False
-    return same_model or marker.get("process") != training.process
+    return same_model or (marker.get("process") != training.process and not _alive(marker))
 
 
 def run_directory(log_dir: str, training: Training, base: str = "train") -> Tuple[str, str]:
@@ -446,7 +501,14 @@ def run_directory(log_dir: str, training: Training, base: str = "train") -> Tupl
     start at step 0 (a second `fit` continuing the optimizer's steps, a
     `BackupAndRestore` resume) continues the run its model wrote in this
     process, else the latest run. Each run's marker (`RUN_MARKER`) names its
-    training.
+    training: its process (host, pid, start time), model and fingerprint.
+
+    A free run is claimed by creating its marker atomically (a hard link
+    that fails when the marker exists, else an exclusive create), so two
+    processes starting at once in one `log_dir` never both take it: the
+    one that loses looks again and takes the next. A remote directory
+    (`gs://...`) has no atomic create and no markers: its callbacks write
+    to `<log_dir>/<base>` as given.
 
     Args:
         log_dir: the callbacks' `log_dir`.
@@ -456,24 +518,42 @@ def run_directory(log_dir: str, training: Training, base: str = "train") -> Tupl
     first = os.path.join(log_dir, base)
     if "://" in log_dir:
         return first, ""
-    numbered = []
-    try:
-        for name in os.listdir(log_dir):
-            match = re.fullmatch(re.escape(base) + r"-(\d+)", name)
-            if match and int(match.group(1)) >= 2:
-                numbered.append((int(match.group(1)), os.path.join(log_dir, name)))
-    except OSError:
-        pass
-    runs = [first] + [path for _, path in sorted(numbered)]
-    markers = {run: _marker(run) for run in runs}
-    chosen = next((run for run in reversed(runs) if _same_training(markers[run], training)), None)
-    if chosen is None and not training.fresh:
-        used = [run for run in runs if _holds_events(run) or markers[run]]
-        chosen = used[-1] if used else first
-    if chosen is None:
-        chosen = next((run for run in runs if not _holds_events(run) and not markers[run]), None)
-    if chosen is None:
-        chosen = os.path.join(log_dir, f"{base}-{max([1] + [k for k, _ in numbered]) + 1}")
+    for _ in range(_CLAIMS):
+        numbered = []
+        try:
+            for name in os.listdir(log_dir):
+                match = re.fullmatch(re.escape(base) + r"-(\d+)", name)
+                if match and int(match.group(1)) >= 2:
+                    numbered.append((int(match.group(1)), os.path.join(log_dir, name)))
+        except OSError:
+            pass
+        runs = [first] + [path for _, path in sorted(numbered)]
+        markers = {run: _marker(run) for run in runs}
+        chosen = next((run for run in reversed(runs)
+                       if _same_training(markers[run], training)), None)
+        if chosen is None and not training.fresh:
+            used = [run for run in runs if _holds_events(run) or markers[run] or _claimed(run)]
+            chosen = used[-1] if used else first
+        if chosen is not None:
+            break
+        chosen = next((run for run in runs
+                       if not _holds_events(run) and not _claimed(run)), None)
+        if chosen is None:
+            chosen = os.path.join(log_dir, f"{base}-{max([1] + [k for k, _ in numbered]) + 1}")
+        if _claim(chosen, training):
+            return chosen, _another(first, chosen, markers, training)
+        # Another process claimed it between our look and our claim: look again.
+    _mark(chosen, markers.get(chosen, {}), training)
+    return chosen, _another(first, chosen, markers, training)
+
+
+_CLAIMS = 64
+"""How many times a training looks for a free run that other processes keep
+claiming first (each claim takes one run)."""
+
+
+def _another(first: str, chosen: str, markers: Dict[str, dict], training: Training) -> str:
+    """The note when `training` does not write to the first run, else ""."""
     note = ""
     if chosen != first and not _same_training(markers.get(chosen, {}), training):
         other = markers[first]
@@ -482,16 +562,52 @@ def run_directory(log_dir: str, training: Training, base: str = "train") -> Tupl
             whose += " of another process"
         note = (f"{first!r} holds another training ({whose}); this one (model "
                 f"{training.name!r}) writes its records to {chosen!r}.")
-    _mark(chosen, markers.get(chosen, {}), training)
-    return chosen, note
+    return note
+
+
+def _content(marker: dict, training: Training) -> dict:
+    fingerprint = training.fingerprint if training.fresh else marker.get("fingerprint")
+    return {"format": 1, "process": training.process, "started": training.started,
+            "model": training.model, "name": training.name, "fingerprint": fingerprint}
+
+
+def _claim(run: str, training: Training) -> bool:
+    """Creates the marker of a free run, atomically: False when another
+    training's marker is there first. A directory that cannot be written
+    is this training's (its writer says what fails)."""
+    marker = os.path.join(run, RUN_MARKER)
+    try:
+        os.makedirs(run, exist_ok=True)
+        temporary = os.path.join(run, f".{RUN_MARKER}.{os.getpid()}.{time.time_ns()}.tmp")
+        with open(temporary, "w") as stream:
+            json.dump(_content({}, training), stream)
+        try:
+            # Whole at once, and only when there is none yet.
+            os.link(temporary, marker)
+        except FileExistsError:
+            return False
+        except OSError:
+            # No hard links there: an exclusive create (whole a moment later).
+            try:
+                descriptor = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(descriptor, "w") as stream:
+                json.dump(_content({}, training), stream)
+        finally:
+            try:
+                os.remove(temporary)
+            except OSError:
+                pass
+    except OSError:
+        pass  # a directory that cannot be written: its writer says so
+    return True
 
 
 def _mark(run: str, marker: dict, training: Training) -> None:
     """Writes the run's marker (whole: a rename): this training's process and
     model; the fingerprint of the training that started the run is kept."""
-    fingerprint = training.fingerprint if training.fresh else marker.get("fingerprint")
-    updated = {"format": 1, "process": training.process, "model": training.model,
-               "name": training.name, "fingerprint": fingerprint}
+    updated = _content(marker, training)
     if updated == marker:
         return
     try:

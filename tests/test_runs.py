@@ -4,8 +4,12 @@ own (`train-2`, ...), said once as information; a continued training (a
 second `fit`, a `BackupAndRestore` resume) stays in its run. Steps are read
 back with TensorBoard's `EventAccumulator`, not kerasdbg's reader."""
 
+import json
 import os
 import re
+import socket
+import subprocess
+import sys
 import warnings
 
 import keras
@@ -134,20 +138,118 @@ def _training(process, fingerprint, fresh=True, model="a"):
                             process=process)
 
 
+def _ended_process():
+    """The process token (`_events.PROCESS`'s form) of a process of this host that ran
+    and has ended."""
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, timeout=60, check=True)
+    return f"{socket.gethostname()}:{int(child.stdout)}:1"
+
+
 def test_another_process_restarting_the_same_training_from_scratch_is_its_run(tmp_path):
     log_dir = str(tmp_path)
-    first, _ = _events.run_directory(log_dir, _training("host:1:1", "F"))
+    first, _ = _events.run_directory(log_dir, _training(_ended_process(), "F"))
     os.makedirs(first, exist_ok=True)
     open(os.path.join(first, "events.out.tfevents.1.host.1.0.kerasdbg"), "wb").close()
-    # The same weights and optimizer from step 0: restarted (a rollback of its run).
-    assert _events.run_directory(log_dir, _training("host:2:2", "F"))[0] == first
+    # The same weights and optimizer from step 0, its process ended: restarted (a
+    # rollback of its run).
+    assert _events.run_directory(log_dir, _training(_ended_process(), "F"))[0] == first
     # Other weights: another training.
-    other, note = _events.run_directory(log_dir, _training("host:3:3", "G"))
+    other, note = _events.run_directory(log_dir, _training(_ended_process(), "G"))
     assert other == os.path.join(log_dir, "train-2")
     assert note == (f"{first!r} holds another training (model 'm' of another process); this "
                     f"one (model 'm') writes its records to {other!r}.")
     # A resume in another process (not from step 0): the latest run.
-    assert _events.run_directory(log_dir, _training("host:4:4", None, fresh=False))[0] == other
+    assert _events.run_directory(log_dir, _training(_ended_process(), None, fresh=False))[0] \
+        == other
+
+
+def test_a_marker_names_its_process_with_its_start_time(tmp_path):
+    path, _ = _events.run_directory(str(tmp_path), _training(_events.PROCESS, "F"))
+    with open(os.path.join(path, _events.RUN_MARKER)) as stream:
+        marker = json.load(stream)
+    host, pid, _ = marker["process"].rsplit(":", 2)
+    assert (host, int(pid)) == (socket.gethostname(), os.getpid())
+    with open(f"/proc/{os.getpid()}/stat") as stream:  # (Linux) its 22nd field
+        assert marker["started"] == int(stream.read().rpartition(")")[2].split()[19])
+    # A pid taken again by a process started at another time is not the one named.
+    assert _events._alive(marker)
+    assert not _events._alive(dict(marker, started=marker["started"] - 1))
+    assert not _events._alive({"process": _ended_process()})
+    # A process of another host cannot be looked at: it may be running.
+    assert _events._alive({"process": "another-host.example:1:1"})
+
+
+# A child that only chooses its run directory: TensorFlow, which `_events` imports for
+# writing but `run_directory` does not use, is left out so that it starts in 0.3 s.
+_CHILD = r"""
+import json, os, sys, time, types
+sys.modules["tensorflow"] = types.ModuleType("tensorflow")
+from kerasdbg import _events
+log_dir, go, hold, model = sys.argv[1:5]
+original = _events._holds_events
+def slowly(run):
+    # Widens the moment between looking at the runs and claiming one, as on a loaded
+    # machine: every child looks before any claims.
+    time.sleep(0.3)
+    return original(run)
+_events._holds_events = slowly
+deadline = time.time() + 60
+while not os.path.exists(go) and time.time() < deadline:
+    time.sleep(0.005)
+training = _events.Training(model=model, name=model, fresh=True, fingerprint="F")
+print(json.dumps(_events.run_directory(log_dir, training)[0]), flush=True)
+while hold != "-" and not os.path.exists(hold) and time.time() < deadline:
+    time.sleep(0.01)
+"""
+
+
+def _children(log_dir, go, count, hold="-"):
+    return [subprocess.Popen([sys.executable, "-c", _CHILD, log_dir, go, hold, f"m{k}"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             cwd=os.path.dirname(os.path.dirname(kerasdbg.__file__)))
+            for k in range(count)]
+
+
+def _chosen(child):
+    line = child.stdout.readline()
+    assert line, child.stderr.read()
+    return os.path.basename(json.loads(line))
+
+
+def test_processes_starting_at_once_in_one_log_dir_get_a_run_each(tmp_path):
+    # Issue 32, review (d): each looked, found `train` free, and claimed it.
+    log_dir, go = str(tmp_path / "logs"), str(tmp_path / "go")
+    children = _children(log_dir, go, 3)
+    open(go, "w").close()
+    try:
+        chosen = sorted(_chosen(child) for child in children)
+    finally:
+        for child in children:
+            child.wait(timeout=60)
+    assert chosen == ["train", "train-2", "train-3"]
+    for run in chosen:  # each marker whole, naming its own process
+        with open(os.path.join(log_dir, run, _events.RUN_MARKER)) as stream:
+            assert json.load(stream)["model"] in {"m0", "m1", "m2"}
+
+
+def test_a_sweep_with_the_same_weights_in_a_running_process_is_another_run(tmp_path):
+    # Issue 32, review (d): a seeded sweep (the same weights and optimizer from step
+    # 0) in another process was taken for a restart of the same run.
+    log_dir, go, stop = str(tmp_path / "logs"), str(tmp_path / "go"), str(tmp_path / "stop")
+    open(go, "w").close()
+    (running,) = _children(log_dir, go, 1, hold=stop)
+    try:
+        assert _chosen(running) == "train"
+        path, note = _events.run_directory(log_dir, _training(_events.PROCESS, "F", model="x"))
+        assert os.path.basename(path) == "train-2"
+        assert "holds another training (model 'm0' of another process)" in note
+    finally:
+        open(stop, "w").close()
+        running.wait(timeout=60)
+    # Once that process has ended, the same weights from step 0 restart its run.
+    path, _ = _events.run_directory(log_dir, _training(_events.PROCESS, "F", model="y"))
+    assert os.path.basename(path) == "train"
 
 
 def test_a_run_written_before_markers_is_kept_for_its_training(tmp_path):
