@@ -92,6 +92,7 @@ class Faults:
         # moving statistics) and its copy after the last unfrozen step.
         self._state: List[tuple] = []
         self._state_saved: Optional[tf.Variable] = None
+        self._save = None  # (state, strategy, the function that saves it)
         # NaN localisation: [step, first layer index, channel, one flag per variable].
         self._nan_row: Optional[tf.Variable] = None
         self.nan_layers: List[str] = []
@@ -147,12 +148,19 @@ class Faults:
         """
         self._make_state(model)
         if self._state:
-            def save():
-                for variable, copy in self._state:
-                    copy.assign(internals.read(variable))
-                self._state_saved.assign(tf.ones([], tf.int64))
+            # One function per set of copies, kept: a function made at every
+            # fit would be traced at every fit.
+            if self._save is None or self._save[0] is not self._state or \
+                    self._save[1] is not strategy:
+                state, saved = self._state, self._state_saved
 
-            strategy.run(tf.function(save, autograph=False))
+                def save():
+                    for variable, copy in state:
+                        copy.assign(internals.read(variable))
+                    saved.assign(tf.ones([], tf.int64))
+
+                self._save = (state, strategy, tf.function(save, autograph=False))
+            strategy.run(self._save[2])
 
     @staticmethod
     def _state_variables(model) -> list:
