@@ -46,6 +46,14 @@ def step_scalar(name: str) -> str:
     return f"{STEP}/{name}"
 
 
+def per_optimizer_values(record: Mapping[str, float], kind: str, name: str) -> List[float]:
+    """The values of `<kind>/<name>` and of every `<kind>/<optimizer>/<name>`
+    (see `per_optimizer`) in `record`."""
+    whole, prefix, suffix = f"{kind}/{name}", f"{kind}/", f"/{name}"
+    return [float(value) for tag, value in record.items()
+            if tag == whole or (tag.startswith(prefix) and tag.endswith(suffix))]
+
+
 _LOSS_NAME = re.compile(r"(?:^|[^a-z])loss(?:$|[^a-z])", re.IGNORECASE)
 
 

@@ -67,9 +67,13 @@ def check_run(
         needed = tuple(rule.requires)
         if not can_check(rule, present):
             wanted = ", ".join(tag_pattern(c, s) for c, s in needed)
+            held = [tag_pattern(c, s) for c, s in needed if (c, s) in present]
+            # Some of them but not enough: the rule cannot judge (never a guess).
+            partly = (f" whole: it holds {', '.join(held)} only, from which {rule.name} "
+                      "cannot judge" if held else "")
             raise ValueError(
                 f"check_run: {rule.name} reads {wanted}, which run {run!r} of "
-                f"{source.log_dir!r} does not hold. Record them with GradientStatistics, "
+                f"{source.log_dir!r} does not hold{partly}. Record them with GradientStatistics, "
                 "WeightStatistics or TapLayer + ActivationStatistics (their `stats`), "
                 "and step/ and epoch/ values with StopOnRule(log_dir=...)."
             )

@@ -6,6 +6,7 @@ import math
 import os
 import sys
 import warnings
+import weakref
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import keras
@@ -27,9 +28,11 @@ from kerasdbg.callbacks._recording import open_writer, release_writer
 from kerasdbg.callbacks.activation_statistics import find_taps
 from kerasdbg.rules._runner import RuleRunner, check_rules, rule_config, rule_from_config
 from kerasdbg.rules.defaults import default_rules, reads_any
+from kerasdbg.rules.all_zero import AllZero
 from kerasdbg.rules.faults import FreezeOnFault, NaNSource
 from kerasdbg.rules.rule import CLASSES, SCALAR_COLLECTIONS, Rule, RuleFired, RuleWarning
 from kerasdbg.rules.rule import Verdict, tag_pattern
+from kerasdbg.rules._decay import DECAY
 
 ACTIONS = ("stop", "raise", "warn")
 LOSS_TAG = _tags.step_scalar("loss")
@@ -251,6 +254,7 @@ class StopOnRule(CopiedAsNew, keras.callbacks.Callback):
         self._taps = []
         self._pending: Dict[int, Dict[str, float]] = {}
         self._runner: Optional[RuleRunner] = None
+        self._decaying = None
         self._writer: Optional[_events.EventWriter] = None
         self._last_step = 0
         self._done = False
@@ -384,6 +388,7 @@ class StopOnRule(CopiedAsNew, keras.callbacks.Callback):
         self._replicas = None
         self._loss_checked = False
         self.loss_source = None
+        self._decaying = None
         self._last_step = 0
         if getattr(self.model, "optimizer", None) is not None:
             self._last_step = int(internals.read(
@@ -395,8 +400,14 @@ class StopOnRule(CopiedAsNew, keras.callbacks.Callback):
             # replicas; without them they are left out (as `default_rules(without)`).
             without = ([] if find_taps(self.model) else ["activations"]) + (
                 [] if replicas > 1 else [_tags.REPLICAS])
+            # AllZero on the collections there are, as `default_rules(without)`.
+            rules = [AllZero(zero_fraction=r.zero_fraction, collections=[
+                c for c in r.collections if c not in without])
+                if isinstance(r, AllZero) and set(r.collections) - set(without) else r
+                for r in rules]
             rules = [r for r in rules if not reads_any(r, without)]
         self._runner = RuleRunner(self._fault_rules(rules))
+        self._continue_training()
         needs = self._needs(rules)
         requests = []
         for collection, statistics in needs.items():
@@ -470,9 +481,32 @@ class StopOnRule(CopiedAsNew, keras.callbacks.Callback):
                           if t is not None)
             if kind == "step":
                 values = self._step_values(values)
+            elif kind == "weights":
+                values.update(self._decay_fractions(record.step))
             for tag, value in values.items():
                 if not (tag == LOSS_TAG and not math.isfinite(row.get(tag, 0.0))):
                     row[tag] = value
+
+    def _decay_fractions(self, step: int) -> Dict[str, float]:
+        """`step/weight_decay_fraction`: learning rate x weight decay of each
+        optimizer that decays (`step/<optimizer>/...` with several), at
+        `step`, for `VanishingGradient` to tell the decay's part of an update
+        from the gradient's. Left out where not known (absent, never a guess)."""
+        if self._decaying is None:
+            found = [(name, internals.inner_optimizer(o))
+                     for name, o in internals.find_optimizers(self.model)]
+            several = len(found) > 1
+            self._decaying = [(name if several else None, o) for name, o in found
+                              if getattr(o, "weight_decay", None)]
+        fractions = {}
+        for name, optimizer in self._decaying:
+            try:
+                fraction = _learning_rate_at(optimizer, step) * float(optimizer.weight_decay)
+            except Exception:  # noqa: BLE001 - not known: absent
+                continue
+            if math.isfinite(fraction):
+                fractions[_tags.per_optimizer(_tags.STEP, DECAY, name)] = fraction
+        return fractions
 
     def _step_values(self, values: Dict[str, float]) -> Dict[str, float]:
         """`step/loss` from the loss this callback was told to read, else from
@@ -649,7 +683,48 @@ class StopOnRule(CopiedAsNew, keras.callbacks.Callback):
         self._evaluate_pending()
         self._finish()
 
+    def _optimizers(self) -> list:
+        return [o for _, o in internals.find_optimizers(self.model)]
+
+    def _continue_training(self) -> None:
+        """The rules go on from what they saw in the last fit of this
+        training (the same model and optimizers, whose steps went on from
+        there), whichever `StopOnRule` of the same rules watched it: a loop
+        of short fits gets the verdicts that `kerasdbg check` gives on the
+        whole run (an allowance for the first step, a tensor seen healthy
+        before, are the training's, not each fit's)."""
+        try:
+            kept = _TRAININGS.get(self.model, {}).get(self._runner.key())
+            if kept is None:
+                return
+            optimizers, step, state = kept
+            now = self._optimizers()
+            if (len(now) == len(optimizers) and all(r() is o for r, o in zip(optimizers, now))
+                    and self._last_step >= step):
+                self._runner.resume(state)
+        except Exception as error:  # noqa: BLE001 - training goes on
+            self._continuity_failed(error)
+
+    def _keep_training(self) -> None:
+        """Keeps what the rules saw in this fit for the next fit of the training."""
+        if self._runner is None or self.model is None:
+            return
+        try:
+            optimizers = [weakref.ref(o) for o in self._optimizers()]
+            _TRAININGS.setdefault(self.model, {})[self._runner.key()] = (
+                optimizers, self._last_step, self._runner.state())
+        except Exception as error:  # noqa: BLE001 - training goes on
+            self._continuity_failed(error)
+
+    def _continuity_failed(self, error: Exception) -> None:
+        if self.strict:
+            raise error
+        warnings.warn(f"StopOnRule could not carry its rules' memory from one fit to the next "
+                      f"of this training; they start afresh at each fit. Cause: "
+                      f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=3)
+
     def _finish(self) -> None:
+        self._keep_training()
         _capture.cancel_fit_end(self.model, self)
         engine = _capture.engine_for(self.model)
         for request in self._requests:
@@ -732,6 +807,23 @@ class StopOnRule(CopiedAsNew, keras.callbacks.Callback):
         for callback in callbacks.callbacks:
             if callback is not self and isinstance(callback, self.suspend):
                 _silence(callback)
+
+
+_TRAININGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+"""model -> {rules' key: (weak references to its optimizers, the last step
+seen, the rules' state)}: what `StopOnRule` rules saw of a training, kept
+for its next fit (in the model's absence, nothing is kept)."""
+
+
+def _learning_rate_at(optimizer, step: int) -> float:
+    """The learning rate `optimizer` applied at optimizer step `step` (its
+    schedule at the iterations before the step; else its current value)."""
+    rate = optimizer._learning_rate
+    if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
+        return float(keras.ops.convert_to_numpy(rate(max(int(step) - 1, 0))))
+    if callable(rate) and not isinstance(rate, keras.Variable):
+        rate = rate()
+    return float(keras.ops.convert_to_numpy(rate))
 
 
 def _silence(callback) -> None:

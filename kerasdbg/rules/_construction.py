@@ -33,6 +33,18 @@ from typing import Dict, Iterable, Mapping, Optional, Set, Tuple
 RATIO = 1e3
 """How much larger than a tensor's magnitude a healthy sibling's must be."""
 
+FIRST_STEP = 1
+"""The first optimizer step of a training (step numbers count optimizer
+steps from 1). Allowances for the initial weights (a tensor failing at its
+first recorded step only) are given by a rule that watched the training
+from it, not by one that first sees it later (a callback attached from a
+later `fit` on): the same verdict as a check of the whole run offline."""
+
+
+def initial(step: int) -> bool:
+    """Whether `step` is the training's first optimizer step (or before it)."""
+    return int(step) <= FIRST_STEP
+
 
 def layer_of(tensor: str) -> str:
     """The layer path of a variable path (`model/dense/bias` -> `model/dense`)."""
@@ -51,6 +63,14 @@ class Construction:
         self.reported: Set[Tuple[str, str]] = set()  # each is said once
         # Whether a sibling was RATIO times larger at every step so far.
         self.dwarfed: Dict[Tuple[str, str], bool] = {}
+        self.from_start: Optional[bool] = None
+
+    def started(self, step: int) -> bool:
+        """Whether the rule watches the training from its first step (decided
+        at the first step it sees)."""
+        if self.from_start is None:
+            self.from_start = initial(step)
+        return self.from_start
 
     def split(
         self,
@@ -77,7 +97,8 @@ class Construction:
             exact: the failing tensors that are exactly zero (default: all).
             step: the step, kept with each exemption.
             defer_first: a tensor failing at its first chance is no fault
-                yet: it is one if it fails at its next chance too (at their
+                yet, when the rule watches the training from its first step
+                (`FIRST_STEP`): it is one if it fails at its next chance too (at their
                 initial weights healthy networks have steps like no other:
                 a zero-initialised output layer zeroes every other gradient
                 at the first step only).
@@ -139,5 +160,5 @@ class Construction:
                     self.reported.add((collection, tensor))
                     new[tensor] = value
         faults = {t: v for t, v in failing.items() if (collection, t) not in self.exempt
-                  and not (defer_first and t in first_chance)}
+                  and not (defer_first and t in first_chance and self.started(step))}
         return faults, new

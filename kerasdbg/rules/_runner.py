@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Sequence, Tuple
+import copy
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from kerasdbg import _qualified
 from kerasdbg._tags import StepRecord
@@ -57,6 +58,10 @@ def split_epoch(record: Mapping[str, float]) -> Tuple[Dict[str, float], Dict[str
     return steps, epochs
 
 
+_NOT_STATE = ("others", "_notes")
+"""A rule's attributes that are not its memory of the steps."""
+
+
 class RuleRunner:
     """Feeds records to rules in step order; remembers which fired.
 
@@ -100,6 +105,25 @@ class RuleRunner:
                 self.fired.add(index)
                 verdicts.append(verdict)
         return verdicts
+
+    def key(self) -> Tuple[str, ...]:
+        """The rules, by class and configuration: a runner of the same key
+        can take this runner's `state`."""
+        return tuple(f"{type(r).__module__}.{type(r).__qualname__}:{r!r}" for r in self.rules)
+
+    def state(self) -> List[Optional[dict]]:
+        """A copy of what each rule remembers of the steps it saw (None for
+        the rules that watch NaN/Inf: each fit reports its own fault).
+        Which rules fired is not part of it."""
+        return [None if rule.watches_nonfinite else copy.deepcopy(
+            {k: v for k, v in vars(rule).items() if k not in _NOT_STATE}) for rule in self.rules]
+
+    def resume(self, state: Sequence[Optional[dict]]) -> None:
+        """Gives each rule the memory a runner of the same `key` kept (its
+        `state`): the rules go on as if they had seen those steps."""
+        for rule, kept in zip(self.rules, state):
+            if kept is not None:
+                vars(rule).update(copy.deepcopy(kept))
 
     def check_step(self, step: int, record: Mapping[str, float]) -> List[Verdict]:
         """The step part of a record, then its epoch part."""

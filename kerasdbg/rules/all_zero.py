@@ -22,8 +22,9 @@ class AllZero(Rule):
     zero from the first step the rule sees them while another variable of
     their layer is not, or while most variables are not. Each is reported
     once, as an "info" verdict (see `VanishingGradient`). A gradient or an
-    activation all zero at the first step the rule sees it fires only when
-    it is all zero at its next recorded step too: a zero-initialised output
+    activation all zero at its first recorded step fires only when it is
+    all zero at its next recorded step too (when the rule watches the
+    training from its first optimizer step, step 1): a zero-initialised output
     layer (keras.io's DDIM) outputs zeros, and makes every other gradient
     exactly 0, at the first step only.
 
@@ -65,6 +66,7 @@ class AllZero(Rule):
         return tuple((c, "zero_fraction") for c in self.collections)
 
     def check(self, step, record):
+        self._construction.started(step)
         for collection in self.collections:
             fractions = dict(values_of(record, collection, "zero_fraction"))
             bad = {
@@ -74,7 +76,8 @@ class AllZero(Rule):
             if collection == "activations":
                 # All zero at its first step only is no fault (the output of a
                 # zero-initialised layer); at the next recorded step too, it is.
-                bad = {name: value for name, value in bad.items() if name in self._taps}
+                bad = {name: value for name, value in bad.items()
+                       if name in self._taps or not self._construction.started(step)}
                 self._taps.update(fractions)
             else:
                 # A gradient all zero at the first step only is not a fault: a

@@ -16,7 +16,7 @@ from kerasdbg.rules.exploding_tensor import ExplodingTensor
 from kerasdbg.rules.faults import FreezeOnFault, NaNSource
 from kerasdbg.rules.loss_rules import NonFiniteLoss
 from kerasdbg.rules.replica_consistency import ReplicaConsistency
-from kerasdbg.rules.rule import Rule
+from kerasdbg.rules.rule import COLLECTIONS, Rule
 from kerasdbg.rules.unchanged_tensor import UnchangedTensor
 from kerasdbg.rules.vanishing_gradient import VanishingGradient
 from kerasdbg.rules.weight_update_ratio import WeightUpdateRatio
@@ -39,8 +39,9 @@ def reads_any(rule: Rule, collections: Iterable[str]) -> bool:
 def default_rules(without: Iterable[str] = ()) -> List[Rule]:
     """New instances of the rules meant for any model, with their defaults.
 
-    `NonFiniteLoss`, `ExplodingTensor`, `VanishingGradient`, `AllZero`,
-    `UnchangedTensor`, `WeightUpdateRatio`, for models with `TapLayer`s
+    `NonFiniteLoss`, `ExplodingTensor`, `VanishingGradient`, `AllZero` (on
+    the collections not in `without`), `UnchangedTensor`,
+    `WeightUpdateRatio`, for models with `TapLayer`s
     `DeadReLU` and `SaturatedActivation`, for models with several replicas
     `ReplicaConsistency`, and the reports of an in-graph
     fault, `FreezeOnFault` and `NaNSource`. None of them fires on
@@ -65,10 +66,16 @@ def default_rules(without: Iterable[str] = ()) -> List[Rule]:
         >>> [rule.name for rule in default_rules()]
         ['NonFiniteLoss', 'ExplodingTensor', 'VanishingGradient', 'AllZero', 'UnchangedTensor', 'WeightUpdateRatio', 'DeadReLU', 'SaturatedActivation', 'ReplicaConsistency', 'FreezeOnFault', 'NaNSource']
         >>> [rule.name for rule in default_rules(without=["activations", "replicas"])][3:]
-        ['UnchangedTensor', 'WeightUpdateRatio', 'FreezeOnFault', 'NaNSource']
+        ['AllZero', 'UnchangedTensor', 'WeightUpdateRatio', 'FreezeOnFault', 'NaNSource']
+        >>> default_rules(without=["activations"])[3]
+        AllZero(zero_fraction=1.0, collections=['gradients', 'weights'])
     """
-    rules = [NonFiniteLoss(), ExplodingTensor(), VanishingGradient(), AllZero(),
+    without = tuple(without)
+    # AllZero watches the collections there are (gradients and weights without
+    # taps): left out, it would be silent online where `check` fires offline.
+    kept = [c for c in COLLECTIONS if c not in without]
+    rules = [NonFiniteLoss(), ExplodingTensor(), VanishingGradient(),
+             AllZero(collections=kept or COLLECTIONS),
              UnchangedTensor(), WeightUpdateRatio(), DeadReLU(), SaturatedActivation(),
              ReplicaConsistency(), FreezeOnFault(), NaNSource()]
-    without = tuple(without)
     return [rule for rule in rules if not reads_any(rule, without)]

@@ -9,10 +9,16 @@ from typing import Sequence
 
 from kerasdbg import _validation as check
 from kerasdbg.rules._construction import Construction
+from kerasdbg._tags import statistic
+from kerasdbg.rules._decay import decay_fractions, still
 from kerasdbg.rules.rule import COLLECTIONS, Rule, tag_parts
 
 # Statistics compared between steps, where recorded.
 COMPARED = ("l2_norm", "mean", "std", "min", "max", "mean_abs", "zero_fraction")
+MOVED = 1e-8
+"""The update/weight ratio from which weights moved at a step (that of
+`WeightUpdateRatio`'s `small_threshold` and `VanishingGradient`'s
+`update_threshold`)."""
 
 
 class UnchangedTensor(Rule):
@@ -31,6 +37,13 @@ class UnchangedTensor(Rule):
     thousand times at every step, such as the key bias of
     `MultiHeadAttention`, whose gradient is zero up to rounding. Each is
     reported once, as an "info" verdict.
+
+    Where the weights' update ratio is recorded (`weights/<variable>/
+    update_ratio`, read when recorded), it decides for weights: a variable
+    that its gradient moved (a ratio of at least `MOVED`, less the part of
+    decoupled weight decay, see `VanishingGradient`) at a step of the window
+    has changed, however little its statistics did (Adam moving a kernel by
+    1e-5 of itself per step, under the default `rtol`).
 
     Args:
         num_steps: recorded steps that must agree. Defaults to `3`.
@@ -64,13 +77,22 @@ class UnchangedTensor(Rule):
 
     @property
     def requires(self):
-        return tuple((c, s) for c in self.collections for s in COMPARED)
+        compared = tuple((c, s) for c in self.collections for s in COMPARED)
+        return compared + ((("weights", "update_ratio"),) if "weights" in self.collections else ())
+
+    def can_check(self, present):
+        # The update ratio refines the statistics; alone it is not enough.
+        return any((c, s) in present for c in self.collections for s in COMPARED)
 
     def reset(self):
         # A partial, not a lambda: a rule deep-copies and pickles (KerasTuner copies callbacks).
         self._windows = collections.defaultdict(
             functools.partial(collections.deque, maxlen=self.num_steps))
         self._checked = set()  # tensors whose window was full once
+        # Per tensor, whether its gradient moved it at each of the last steps
+        # (the changes between the window's steps), where the ratio is recorded.
+        self._moved = collections.defaultdict(
+            functools.partial(collections.deque, maxlen=self.num_steps - 1))
         self._construction = Construction()
 
     def check(self, step, record):
@@ -80,9 +102,14 @@ class UnchangedTensor(Rule):
             if parts and parts[0] in self.collections and parts[2] in COMPARED:
                 current[parts[:2]][parts[2]] = float(value)
         fired, evaluated, first_chance = {}, collections.defaultdict(list), set()
+        decays = decay_fractions(record) if "weights" in self.collections else ()
         for key, stats in current.items():
             window = self._windows[key]
             window.append(stats)
+            if key[0] == "weights":
+                ratio = record.get(statistic("weights", key[1], "update_ratio"))
+                self._moved[key].append(ratio is not None and not math.isnan(ratio)
+                                        and not still(ratio, decays, MOVED))
             if len(window) < self.num_steps or any(w.keys() != stats.keys() for w in window):
                 continue
             evaluated[key[0]].append(key[1])
@@ -92,8 +119,9 @@ class UnchangedTensor(Rule):
             names = sorted(stats)
             # numpy.allclose against the last step, in plain Python: a few
             # numbers per tensor, thousands of tensors per step.
-            if all(math.isfinite(w[n]) and abs(w[n] - stats[n]) <= self.atol + self.rtol * abs(
-                    stats[n]) for w in window for n in names):
+            if not any(self._moved.get(key, ())) and all(
+                    math.isfinite(w[n]) and abs(w[n] - stats[n]) <= self.atol + self.rtol * abs(
+                        stats[n]) for w in window for n in names):
                 first = stats.get("l2_norm", stats[names[0]])
                 fired[key] = first
         for collection in ("gradients", "weights"):

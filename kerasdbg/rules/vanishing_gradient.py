@@ -6,6 +6,7 @@ import math
 
 from kerasdbg import _validation as check
 from kerasdbg.rules._construction import Construction
+from kerasdbg.rules._decay import decay_fractions, still
 from kerasdbg.rules.rule import Rule, values_of
 
 
@@ -23,13 +24,30 @@ class VanishingGradient(Rule):
       A small gradient that Adam, RMSprop or a large learning rate still
       turns into a real update is not vanishing (keras.io's CycleGAN, whose
       instance-norm scales start at N(0, 0.02), trains its convolutions with
-      gradients of 1e-9 to 1e-12). Where the ratio is not recorded at the
-      step (or is infinite: weights that were zero), the gradient decides.
+      gradients of 1e-9 to 1e-12). Decoupled weight decay (`AdamW`, any
+      optimizer with a `weight_decay`) moves every decayed weight by
+      learning rate x weight decay of itself at each step, whatever its
+      gradient: the ratio is then judged without it, as |ratio - lr x wd|
+      (at most the part of the update its gradient made), from
+      `step/weight_decay_fraction` (lr x wd at the step, recorded by
+      `StopOnRule` for each optimizer that has a `weight_decay`;
+      `step/<optimizer>/weight_decay_fraction` with several). A run recorded
+      without it (no `StopOnRule(log_dir=...)`) is judged on the ratio as
+      recorded: under weight decay a vanished gradient is then not found
+      (a miss, never a false alarm). A variable whose ratio is not recorded
+      at a step is not judged at that step (infinite: weights that were
+      zero and moved), and a run that records no update ratio at all cannot
+      be judged by this rule (`kerasdbg check` leaves it out, and says so):
+      the gradient's magnitude alone cannot tell a vanished gradient from a
+      small one the optimizer still turns into updates.
 
-    A variable that meets them at the first step the rule sees it is not a
-    fault unless it meets them again at its next recorded step: a
+    A variable that meets them at its first recorded step is not a fault
+    unless it meets them again at its next recorded step: a
     zero-initialised output layer (keras.io's DDIM) makes every other
-    gradient exactly 0 at the first step only. Gradients that are zero by
+    gradient exactly 0 at the first step only. This allowance is the
+    training's: given when the rule watches the training from its first
+    optimizer step (step 1), not by a rule that first sees it later (from
+    a later `fit`), as `kerasdbg check` on the whole run. Gradients that are zero by
     construction in a healthy network are not a fault either: rounding noise
     1000 times below another variable of their layer at every step the rule
     has seen (the bias of a layer followed by a normalization, the key bias
@@ -62,6 +80,10 @@ class VanishingGradient(Rule):
         >>> rule.check(3, {"gradients/m/d1/kernel/mean_abs": 2e-9,  # Adam still moves it
         ...                "weights/m/d1/kernel/update_ratio": 1e-4}) is None
         True
+        >>> rule.check(4, {"gradients/m/d1/kernel/mean_abs": 2e-9,  # AdamW: decay alone
+        ...                "weights/m/d1/kernel/update_ratio": 4e-6,
+        ...                "step/weight_decay_fraction": 4e-6}).tensors
+        ('m/d1/kernel',)
         >>> rule = VanishingGradient()  # a bias followed by BatchNormalization:
         >>> rule.check(1, {"gradients/m/conv/kernel/mean_abs": 0.01,
         ...                "gradients/m/conv/bias/mean_abs": 3e-11}) is None
@@ -86,8 +108,9 @@ class VanishingGradient(Rule):
         self._construction = Construction()
 
     def can_check(self, present):
-        # The gradients' magnitudes are needed; the rest refines them.
-        return ("gradients", "mean_abs") in present
+        # The gradients' magnitudes and the updates: a small gradient alone
+        # is no verdict (offline as online, where both are recorded).
+        return ("gradients", "mean_abs") in present and ("weights", "update_ratio") in present
 
     def check(self, step, record):
         values = {k: v for k, v in values_of(record, "gradients", "mean_abs") if not math.isnan(v)}
@@ -98,8 +121,9 @@ class VanishingGradient(Rule):
         # Over the non-zero elements: untouched embedding rows are no gradient at all.
         magnitudes = {k: v / (1.0 - zeros[k]) if 0.0 < zeros.get(k, 0.0) < 1.0 else v
                       for k, v in values.items()}
+        decays = decay_fractions(record)
         low = {k: values[k] for k, v in magnitudes.items() if v < self.threshold
-               and not self._moves(ratios.get(k))}
+               and still(ratios.get(k), decays, self.update_threshold)}
         low, exempt = self._construction.split(
             "gradients", low, values, magnitudes=magnitudes,
             exact={k for k in low if values[k] == 0.0}, step=step, defer_first=True)
@@ -111,10 +135,6 @@ class VanishingGradient(Rule):
         return self.verdict_on(
             step, f"mean |gradient| below {self.threshold:g} and update/weight ratio below "
             f"{self.update_threshold:g} for {len(low)} of {len(values)} variables", low)
-
-    def _moves(self, ratio) -> bool:
-        """Whether the optimizer moved the weights (False when not known)."""
-        return ratio is not None and math.isfinite(ratio) and ratio >= self.update_threshold
 
     def get_config(self):
         return {"threshold": self.threshold, "require": self.require,

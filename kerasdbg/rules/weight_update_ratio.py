@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from kerasdbg import _validation as check
+from kerasdbg.rules._construction import initial
 from kerasdbg.rules.rule import Rule, values_of
 
 
@@ -22,8 +23,8 @@ class WeightUpdateRatio(Rule):
     a ratio of 20 for a step, and is not a fault (the update over the
     largest norm recorded before, when the norms are recorded).
 
-    The first update the rule sees of a variable is out of range in healthy
-    networks, at their initial weights: the first SGD update of a
+    The first update of a variable is out of range in healthy networks, at
+    their initial weights: the first SGD update of a
     convolution followed by `BatchNormalization` (whose output does not
     depend on the kernel's scale) is measured at 306 times the kernel
     (ResNet50's `conv1_conv`, 32x32 inputs, batch 4, SGD 0.01) and 30
@@ -32,6 +33,11 @@ class WeightUpdateRatio(Rule):
     variable exactly 0. So a variable's first update out of range fires only
     when its next recorded update is out of range too (a learning rate too
     large for the model); any later update out of range fires at its step.
+    The allowance is given by a rule that watches the training from its
+    first optimizer step (step 1; a bias at its initial zeros has its first
+    finite ratio later), not by one that first sees the training later (a
+    `StopOnRule` attached from a later `fit` on), as `kerasdbg check` on the
+    whole run.
 
     Args:
         large_threshold: a ratio above this fires. Defaults to `10.0`.
@@ -67,8 +73,11 @@ class WeightUpdateRatio(Rule):
         self._last: dict = {}  # tensor -> (step, its norm after that recorded update)
         self._peak: dict = {}  # tensor -> the largest norm recorded before this step
         self._seen: dict = {}  # tensor -> its recorded updates
+        self._from_start = None  # whether the rule watches the training from step 1
 
     def check(self, step, record):
+        if self._from_start is None:
+            self._from_start = initial(step)
         norms = dict(values_of(record, "weights", "l2_norm"))
         bad = {}
         for name, ratio in values_of(record, "weights", "update_ratio"):
@@ -83,7 +92,7 @@ class WeightUpdateRatio(Rule):
             self._seen[name] = self._seen.get(name, 0) + 1
             if self.small_threshold <= ratio <= self.large_threshold:
                 continue
-            if self._seen[name] == 1:
+            if self._seen[name] == 1 and self._from_start:
                 continue  # the first: a fault if the next one is out of range too
             bad[name] = ratio
         for name, norm in norms.items():

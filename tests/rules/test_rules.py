@@ -164,9 +164,10 @@ def test_rules_on_records_edge_cases():
     assert VanishingGradient().check(1, {"gradients/v/mean_abs": nan}) is None
     assert VanishingGradient().check(1, {}) is None
     every = VanishingGradient(require="all")  # (a first step alone is not enough)
-    assert every.check(1, {"gradients/a/mean_abs": 0.0, "gradients/b/mean_abs": 0.0}) is None
-    assert every.check(
-        2, {"gradients/a/mean_abs": 0.0, "gradients/b/mean_abs": 0.0}).tensors == ("a", "b")
+    still = {"gradients/a/mean_abs": 0.0, "gradients/b/mean_abs": 0.0,
+             "weights/a/update_ratio": 0.0, "weights/b/update_ratio": 0.0}
+    assert every.check(1, still) is None
+    assert every.check(2, still).tensors == ("a", "b")
     assert ExplodingTensor(only_nan=True).check(
         1, {"gradients/a/nan_count": 0.0, "gradients/a/inf_count": 2.0}) is None
     assert ExplodingTensor().check(
@@ -193,6 +194,7 @@ def test_rules_on_records_edge_cases():
 
 def test_reasons_list_at_most_five_tensors():
     record = {f"gradients/v{i}/mean_abs": 0.0 for i in range(8)}
+    record.update({f"weights/v{i}/update_ratio": 0.0 for i in range(8)})
     rule = VanishingGradient()
     assert rule.check(1, record) is None  # a first step alone is not enough
     reason = rule.check(2, record).reason
@@ -323,6 +325,28 @@ def test_cli_check_bad_rules(tmp_path, capsys, rule, message):
 
 
 # ------------------------------------------------------------ UnchangedTensor, TensorVariance
+def test_unchanged_tensor_trusts_the_update_ratio_where_recorded():
+    """Statistics that barely change (Adam moving a kernel by 1e-5 of itself per
+    step, within rtol) are not unchanged weights when the update ratio says they
+    moved; a ratio of 0, or of the weight decay alone (lr x wd), still fires."""
+    def record(ratio, **more):
+        return {"weights/m/d/kernel/l2_norm": 1.5, "weights/m/d/kernel/mean": 0.1,
+                "weights/m/d/kernel/update_ratio": ratio, **more}
+
+    moving = UnchangedTensor(num_steps=3)
+    assert [moving.check(s, record(1e-5)) for s in (1, 2, 3, 4)] == [None] * 4
+    for still in ({}, {"step/weight_decay_fraction": 4e-6}):
+        rule = UnchangedTensor(num_steps=3)
+        ratio = 4e-6 if still else 0.0
+        assert rule.check(1, record(ratio, **still)) is None
+        assert rule.check(2, record(ratio, **still)) is None
+        assert rule.check(3, record(ratio, **still)).tensors == ("m/d/kernel",)
+    # Without a ratio recorded, the statistics decide, as before.
+    rule = UnchangedTensor(num_steps=2)
+    assert rule.check(1, {"weights/m/d/kernel/l2_norm": 1.5}) is None
+    assert rule.check(2, {"weights/m/d/kernel/l2_norm": 1.5}).tensors == ("m/d/kernel",)
+
+
 def test_unchanged_tensor_fires_when_the_weights_stop_moving(tmp_path):
     log_dir = str(tmp_path / "logs")
     keras.utils.set_random_seed(3)

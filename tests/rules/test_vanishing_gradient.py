@@ -16,6 +16,7 @@ import pytest
 import tensorflow as tf
 
 import kerasdbg
+from kerasdbg import cli
 from kerasdbg.callbacks import ActivationStatistics, GradientStatistics, StopOnRule
 from kerasdbg.callbacks import WeightStatistics
 from kerasdbg.offline import can_check, recorded_pairs
@@ -87,8 +88,34 @@ def _instance_norm():
     return model, x, RNG.uniform(-1, 1, (BATCH * STEPS, 16, 16, 3)).astype("float32")
 
 
+LR, WD = 1e-3, 4e-3
+
+
+def _dead_under_adamw():
+    """A ReLU layer whose bias starts at -100 outputs 0 for every input: no gradient
+    reaches it or the layers before it (all exactly 0), and AdamW's decoupled weight
+    decay alone still moves each of them by lr x wd of itself per step."""
+    inputs = keras.Input((8,))
+    h = keras.layers.Dense(16, activation="tanh", name="d0")(inputs)
+    h = keras.layers.Dense(16, activation="tanh", name="d1")(h)
+    h = keras.layers.Dense(16, activation="relu", bias_initializer=keras.initializers.Constant(-100.0),
+                           name="dead")(h)
+    model = keras.Model(inputs, keras.layers.Dense(1, name="out")(h), name="decayed")
+    model.compile(keras.optimizers.AdamW(LR, weight_decay=WD), "mse")
+    x = RNG.normal(size=(BATCH * STEPS, 8)).astype("float32")
+    return model, x, RNG.normal(size=(BATCH * STEPS, 1)).astype("float32")
+
+
+def _instance_norm_adamw():
+    """The CycleGAN case under AdamW: tiny gradients Adam turns into updates, plus decay."""
+    model, x, y = _instance_norm()
+    model.compile(keras.optimizers.AdamW(2e-4, beta_1=0.5, weight_decay=WD), "mae")
+    return model, x, y
+
+
 CASES = {"sigmoid_mlp": _sigmoid_mlp, "zero_output": _zero_output,
-         "recommender": _recommender, "instance_norm": _instance_norm}
+         "recommender": _recommender, "instance_norm": _instance_norm,
+         "dead_under_adamw": _dead_under_adamw, "instance_norm_adamw": _instance_norm_adamw}
 
 
 # ------------------------------------------------------------ the reference
@@ -225,21 +252,84 @@ def test_tiny_gradients_adam_still_turns_into_updates_are_not_vanishing(tmp_path
     assert _faults(stop.verdicts) == [] == _faults(offline)
 
 
-def test_without_update_ratios_the_gradient_decides_after_the_first_step():
+def test_a_vanished_gradient_fires_under_adamw_whose_decay_alone_moves_the_weights(tmp_path):
+    # Issue 32, review (a): the update ratio of a layer whose gradient vanished is
+    # lr x wd under AdamW (decoupled weight decay), above update_threshold=1e-8.
+    reference = _reference("dead_under_adamw")
+    dead = {"d0/kernel", "d0/bias", "d1/kernel", "d1/bias", "dead/kernel", "dead/bias",
+            "out/kernel"}
+    for row in reference:
+        assert {p for p, r in row.items() if r["mean"] == 0.0} == dead
+        for path in dead - {"d0/bias", "d1/bias", "dead/bias"}:  # zero biases stay zero
+            # Decay alone: the ratio is lr x wd (up to float32 rounding in the step),
+            # which the old rule took for an update.
+            # (float32 rounding: at most 2**-24, measured 8e-9 for `out/kernel`.)
+            np.testing.assert_allclose(row[path]["ratio"], LR * WD, atol=2.0 ** -24, rtol=0)
+            assert row[path]["ratio"] > 1e-8
+    stop, offline = _fit("dead_under_adamw", tmp_path)
+    faults = _faults(stop.verdicts)
+    vanishing = [f for f in faults if f[0] == "VanishingGradient"]
+    assert [(rule, step) for rule, step, _ in vanishing] == [("VanishingGradient", 2)]
+    # (`out/kernel`, exactly 0 beside a bias that learns, is taken for zero by
+    # construction, as without decay.)
+    assert {"d0/kernel", "d1/kernel", "dead/kernel"} <= set(vanishing[0][2])
+    assert "out/bias" not in vanishing[0][2]
+    assert _faults(offline) == faults
+    # The decay the rule took out is the one AdamW applied, read independently.
+    events = kerasdbg.load_run(str(tmp_path)).scalars("step/weight_decay_fraction")
+    np.testing.assert_allclose(events.value, LR * WD, rtol=1e-6)
+
+
+def test_healthy_tiny_gradients_under_adamw_are_not_vanishing(tmp_path):
+    reference = _reference("instance_norm_adamw")
+    for row in reference:
+        for kernel in [f"conv{k}/kernel" for k in range(4)]:
+            assert row[kernel]["mean"] < 1e-7 and row[kernel]["ratio"] > 1e-6, (kernel, row)
+    stop, offline = _fit("instance_norm_adamw", tmp_path)
+    assert _faults(stop.verdicts) == [] == _faults(offline)
+
+
+def test_the_decay_is_taken_out_of_the_update_ratio():
+    low = {"gradients/m/a/kernel/mean_abs": 0.0, "gradients/m/a/kernel/zero_fraction": 1.0,
+           "gradients/m/b/kernel/mean_abs": 0.0, "gradients/m/b/kernel/zero_fraction": 1.0}
+    decayed = dict(low, **{"weights/m/a/kernel/update_ratio": 4e-6,
+                           "weights/m/b/kernel/update_ratio": 4e-6})
+    for decay in ({"step/weight_decay_fraction": 4e-6},
+                  {"step/g_optimizer/weight_decay_fraction": 1e-6,
+                   "step/d_optimizer/weight_decay_fraction": 4e-6}):
+        rule = VanishingGradient()
+        assert rule.check(1, dict(decayed, **decay)) is None  # the first step
+        assert rule.check(2, dict(decayed, **decay)).tensors == ("m/a/kernel", "m/b/kernel")
+    # The gradient moved the weights beyond the decay: not vanishing.
+    rule = VanishingGradient()
+    moved = dict(low, **{"weights/m/a/kernel/update_ratio": 4e-6 + 1e-6,
+                         "weights/m/b/kernel/update_ratio": 4e-6 + 1e-6,
+                         "step/weight_decay_fraction": 4e-6})
+    assert rule.check(1, moved) is None and rule.check(2, moved) is None
+    # Without the decay recorded, the ratio as recorded decides (a miss, never a guess).
+    rule = VanishingGradient()
+    assert rule.check(1, decayed) is None and rule.check(2, decayed) is None
+
+
+def test_without_update_ratios_the_rule_does_not_judge(tmp_path, capsys):
+    # Issue 32, review (c): offline, a run without update ratios (GradientStatistics
+    # alone) was judged on the raw gradient, the test item 12 removed online.
     rule = VanishingGradient()
     low = {"gradients/m/a/kernel/mean_abs": 1e-9, "gradients/m/b/kernel/mean_abs": 0.1}
-    assert rule.check(1, low) is None  # the first step alone: not yet
-    assert rule.check(2, low).tensors == ("m/a/kernel",)
-    # An update ratio recorded and above update_threshold: the weights still move.
-    rule = VanishingGradient()
-    moving = dict(low, **{"weights/m/a/kernel/update_ratio": 1e-5})
-    assert rule.check(1, moving) is None and rule.check(2, moving) is None
-    # Recovered after the first step: never a fault.
-    rule = VanishingGradient()
-    assert rule.check(1, {"gradients/m/a/kernel/mean_abs": 0.0,
-                          "gradients/m/b/kernel/mean_abs": 0.0}) is None
-    assert rule.check(2, {"gradients/m/a/kernel/mean_abs": 1e-3,
-                          "gradients/m/b/kernel/mean_abs": 1e-3}) is None
+    assert rule.check(1, low) is None and rule.check(2, low) is None
+    assert not rule.can_check({("gradients", "mean_abs"), ("gradients", "zero_fraction")})
+    keras.utils.set_random_seed(0)
+    model, x, y = _sigmoid_mlp()
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+              callbacks=[GradientStatistics(str(tmp_path))])
+    with pytest.raises(ValueError, match="holds gradients/<name>/mean_abs, "
+                       "gradients/<name>/zero_fraction only, from which VanishingGradient "
+                       "cannot judge"):
+        kerasdbg.check_run(str(tmp_path), [VanishingGradient()])
+    assert kerasdbg.check_run(str(tmp_path), default_rules(), skip_missing=True) == []
+    # `kerasdbg check` (the default rules) says so.
+    assert cli.main(["check", str(tmp_path)]) == 0
+    assert "VanishingGradient cannot judge run 'train'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
