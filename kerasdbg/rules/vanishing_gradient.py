@@ -86,7 +86,8 @@ class VanishingGradient(Rule):
         ('m/d1/kernel',)
         >>> rule = VanishingGradient()  # a bias followed by BatchNormalization:
         >>> rule.check(1, {"gradients/m/conv/kernel/mean_abs": 0.01,
-        ...                "gradients/m/conv/bias/mean_abs": 3e-11}) is None
+        ...                "gradients/m/conv/bias/mean_abs": 3e-11,
+        ...                "weights/m/conv/bias/update_ratio": 0.0}) is None
         True
         >>> print(rule.take_notes()[0].reason)
         VanishingGradient at step 1: zero by construction, not a fault (mean |gradient| below 1e-07, and at every step 1000 times below another variable of its layer or exactly 0 from the first): m/conv/bias=3e-11
