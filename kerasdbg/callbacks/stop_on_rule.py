@@ -255,6 +255,7 @@ class StopOnRule(CopiedAsNew, keras.callbacks.Callback):
         self._pending: Dict[int, Dict[str, float]] = {}
         self._runner: Optional[RuleRunner] = None
         self._decaying = None
+        self._kept = False
         self._writer: Optional[_events.EventWriter] = None
         self._last_step = 0
         self._done = False
@@ -407,6 +408,7 @@ class StopOnRule(CopiedAsNew, keras.callbacks.Callback):
                 for r in rules]
             rules = [r for r in rules if not reads_any(r, without)]
         self._runner = RuleRunner(self._fault_rules(rules))
+        self._kept = False
         self._continue_training()
         needs = self._needs(rules)
         requests = []
@@ -681,6 +683,7 @@ class StopOnRule(CopiedAsNew, keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self._evaluate_pending()
+        self._keep_training(self.strict)
         self._finish()
 
     def _optimizers(self) -> list:
@@ -703,25 +706,28 @@ class StopOnRule(CopiedAsNew, keras.callbacks.Callback):
                     and self._last_step >= step):
                 self._runner.resume(state)
         except Exception as error:  # noqa: BLE001 - training goes on
-            self._continuity_failed(error)
+            self._continuity_failed(error, self.strict)
 
-    def _keep_training(self) -> None:
-        """Keeps what the rules saw in this fit for the next fit of the training."""
-        if self._runner is None or self.model is None:
+    def _keep_training(self, strict: bool = False) -> None:
+        """Keeps what the rules saw in this fit for the next fit of the training
+        (once per fit: at its end, or, when it raised, as it leaves)."""
+        if self._runner is None or self.model is None or self._kept:
             return
+        self._kept = True
         try:
             optimizers = [weakref.ref(o) for o in self._optimizers()]
             _TRAININGS.setdefault(self.model, {})[self._runner.key()] = (
                 optimizers, self._last_step, self._runner.state())
         except Exception as error:  # noqa: BLE001 - training goes on
-            self._continuity_failed(error)
+            self._continuity_failed(error, strict)
 
-    def _continuity_failed(self, error: Exception) -> None:
-        if self.strict:
-            raise error
-        warnings.warn(f"StopOnRule could not carry its rules' memory from one fit to the next "
-                      f"of this training; they start afresh at each fit. Cause: "
-                      f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=3)
+    def _continuity_failed(self, error: Exception, strict: bool) -> None:
+        message = (f"StopOnRule could not carry its rules' memory from one fit to the next of "
+                   f"this training; they start afresh at each fit. Cause: "
+                   f"{type(error).__name__}: {error}")
+        if strict:
+            raise RuntimeError(message) from error
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     def _finish(self) -> None:
         self._keep_training()

@@ -8,6 +8,8 @@ watched by one `StopOnRule`, or by a new one at each fit, gets the verdicts that
 GradientTape and NumPy, never read from kerasdbg.
 """
 
+import threading
+
 import keras
 import numpy as np
 import pytest
@@ -16,7 +18,7 @@ import tensorflow as tf
 import kerasdbg
 from kerasdbg.callbacks import GradientStatistics, StopOnRule, WeightStatistics
 from kerasdbg.offline import can_check, recorded_pairs
-from kerasdbg.rules import AllZero, VanishingGradient, WeightUpdateRatio, default_rules
+from kerasdbg.rules import AllZero, Rule, VanishingGradient, WeightUpdateRatio, default_rules
 
 SAMPLES = 8
 FITS = 6
@@ -166,3 +168,29 @@ def test_the_allowance_is_the_first_steps_not_the_first_seen():
     large = {"weights/m/a/kernel/update_ratio": 50.0}
     assert WeightUpdateRatio().check(1, large) is None
     assert WeightUpdateRatio().check(7, large).tensors == ("m/a/kernel",)
+
+
+class _Locked(Rule):
+    """A custom rule whose memory cannot be copied (it holds a lock)."""
+
+    requires = (("step", "loss"),)
+
+    def reset(self):
+        self._lock = threading.Lock()
+
+    def check(self, step, record):
+        return None
+
+
+def test_a_memory_that_cannot_be_kept_is_said_and_training_goes_on():
+    model = _dead_from_the_start()
+    stop = StopOnRule(rules=[_Locked()], verbose=False)
+    with pytest.warns(RuntimeWarning, match="could not carry its rules' memory from one fit to "
+                      "the next of this training; they start afresh at each fit. Cause: "
+                      "TypeError: cannot pickle '_thread.lock'"):
+        model.fit(X, Y, batch_size=SAMPLES, epochs=2, verbose=0, callbacks=[stop])
+    assert int(model.optimizer.iterations.numpy()) == 2
+    strict = StopOnRule(rules=[_Locked()], verbose=False, strict=True)
+    with pytest.raises(RuntimeError, match="StopOnRule could not carry its rules' memory .* "
+                       "Cause: TypeError: cannot pickle '_thread.lock'"):
+        model.fit(X, Y, batch_size=SAMPLES, epochs=1, verbose=0, callbacks=[strict])
