@@ -35,9 +35,11 @@ class VanishingGradient(Rule):
       without it (no `StopOnRule(log_dir=...)`) is judged on the ratio as
       recorded: under weight decay a vanished gradient is then not found
       (a miss, never a false alarm). A variable whose ratio is not recorded
-      at a step is not judged at that step (infinite: weights that were
-      zero and moved), and a run that records no update ratio at all cannot
-      be judged by this rule (`kerasdbg check` leaves it out, and says so):
+      at a step is not judged at that step; where it is infinite (weights
+      that were exactly zero before the step: no ratio can say how much
+      they moved), the gradient decides. A run that records no update ratio
+      at all cannot be judged by this rule (`kerasdbg check` leaves it out,
+      and says so):
       the gradient's magnitude alone cannot tell a vanished gradient from a
       small one the optimizer still turns into updates.
 
@@ -124,7 +126,8 @@ class VanishingGradient(Rule):
                       for k, v in values.items()}
         decays = decay_fractions(record)
         low = {k: values[k] for k, v in magnitudes.items() if v < self.threshold
-               and still(ratios.get(k), decays, self.update_threshold)}
+               and (math.isinf(ratios.get(k, 0.0))
+                    or still(ratios.get(k), decays, self.update_threshold))}
         low, exempt = self._construction.split(
             "gradients", low, values, magnitudes=magnitudes,
             exact={k for k in low if values[k] == 0.0}, step=step, defer_first=True)
