@@ -247,7 +247,8 @@ class Packed:
         (3, (((0, 2), (4, 3)),), array([1., 1., 1., 1., 2., 2., 2.], dtype=float32))
     """
 
-    def __init__(self, vectors: Sequence[Tensor], groups, count: int):
+    def __init__(self, vectors: Sequence[Tensor], groups: Tuple[Tuple[tuple, tuple], ...],
+                 count: int):
         self.vectors = list(vectors)
         self.groups = tuple(groups)
         self.count = count
