@@ -64,3 +64,20 @@ class PerReplicaUpdates(keras.Model):
         for v, g, r in zip(self.trainable_variables, grads, reduced):
             v.assign_sub(0.1 * tf.where(broken, g, r))
         return {"loss": loss}
+
+
+def traced_functions(model) -> list:
+    """The `tf.function`s the model's current train function calls (found
+    through its closures): the traced train step's, to look at its graph."""
+    found, stack, seen = [], [model.train_function], set()
+    while stack:
+        item = stack.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if hasattr(item, "_list_all_concrete_functions"):
+            found.append(item)
+            continue
+        for cell in getattr(item, "__closure__", None) or ():
+            stack.append(cell.cell_contents)
+    return found

@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from kerasdbg import stats as stats_lib
 from kerasdbg.callbacks import GradientStatistics, StopOnRule, WeightStatistics
+from tests.helpers import traced_functions
 
 BATCH = 4
 RNG = np.random.default_rng(15)
@@ -43,17 +44,7 @@ def _graph(model):
     """`(nodes, inputs)` of the traced train step (its function library
     included): the number of nodes, and the inputs (data, not control) of
     each condition and function call, by node name, in graph order."""
-    found, stack, seen = [], [model.train_function], set()
-    while stack:
-        item = stack.pop()
-        if id(item) in seen:
-            continue
-        seen.add(id(item))
-        if hasattr(item, "_list_all_concrete_functions"):
-            found.append(item)
-            continue
-        for cell in getattr(item, "__closure__", None) or ():
-            stack.append(cell.cell_contents)
+    found = traced_functions(model)
     nodes, inputs = 0, []
     for function in found:
         for concrete in function._list_all_concrete_functions():

@@ -20,6 +20,7 @@ from kerasdbg.rules import (AllZero, ExplodingTensor, NonFiniteLoss, UnchangedTe
                             VanishingGradient, WeightUpdateRatio)
 from kerasdbg.schedule import Schedule
 from tests.conftest import make_strategy, matrix, only_upstream_failure
+from tests.helpers import traced_functions
 
 BATCH, STEPS = 4, 12
 RNG = np.random.default_rng(3)
@@ -85,17 +86,7 @@ class _Counting:
 
 def _graph_ops(model):
     """Op types of the compiled train function, cond branches included."""
-    found, stack, seen = [], [model.train_function], set()
-    while stack:
-        item = stack.pop()
-        if id(item) in seen:
-            continue
-        seen.add(id(item))
-        if hasattr(item, "_list_all_concrete_functions"):
-            found.append(item)
-            continue
-        for cell in getattr(item, "__closure__", None) or ():
-            stack.append(cell.cell_contents)
+    found = traced_functions(model)
     ops = collections.Counter()
     for function in found:
         for concrete in function._list_all_concrete_functions():
