@@ -6,7 +6,8 @@ so a variable whose gradient vanished still shows an update/weight ratio of
 lr x wd (1e-3 x 4e-3 = 4e-6). `StopOnRule` records lr x wd at each step it
 records weights (`step/weight_decay_fraction`, or
 `step/<optimizer>/weight_decay_fraction` with several optimizers); a rule on
-update ratios takes it out.
+update ratios counts weights as still only where the ratio proves it with the
+decay added (`still`).
 """
 
 from __future__ import annotations
@@ -37,19 +38,24 @@ in the last place, 2**-24 of itself, so ||error|| <= 2**-24 ||weights||
 
 
 def still(ratio: Optional[float], decays: Tuple[float, ...], threshold: float) -> bool:
-    """Whether an update/weight ratio says the gradient did not move the
-    weights: below `threshold`, or within `threshold` (plus `ROUNDING`) of
-    a decay fraction (|ratio - lr x wd| bounds the gradient's part from
-    below). False when the ratio is not known (None, NaN) or infinite (zero
-    weights that moved).
+    """Whether an update/weight ratio proves that the gradient did not move
+    the weights by `threshold` of themselves: the ratio is below it, and so
+    is the largest part of the update the gradient can have made beside a
+    decay fraction (the triangle inequality bounds it by ratio + lr x wd,
+    plus `ROUNDING`). Under `AdamW`'s defaults (lr x wd = 4e-6) no ratio
+    proves that against a `threshold` of 1e-8: the decay hides what the
+    gradient did (|ratio - lr x wd| is only a lower bound of it, which
+    took updates of 1e-7 of the weights for none), so the weights count as
+    moved (a miss, never a false alarm). False when the ratio is not known
+    (None, NaN) or infinite (zero weights that moved).
 
     Examples:
         >>> from kerasdbg.rules._decay import still
         >>> still(4e-6, (4e-6,), 1e-8), still(4e-6, (), 1e-8), still(0.0, (), 1e-8)
-        (True, False, True)
+        (False, False, True)
+        >>> still(1e-9, (1e-10,), 1e-6)  # with float32's rounding, 2**-24
+        True
     """
     if ratio is None or not math.isfinite(ratio):
         return False
-    if ratio < threshold:
-        return True
-    return any(abs(ratio - decay) < threshold + ROUNDING for decay in decays)
+    return ratio + max(decays, default=0.0) + (ROUNDING if decays else 0.0) < threshold

@@ -62,6 +62,18 @@ _NOT_STATE = ("others", "_notes")
 """A rule's attributes that are not its memory of the steps."""
 
 
+def _memory(rule) -> set:
+    """The names of a rule's attributes that its `reset()` assigns: its memory
+    of the steps, never its configuration (a rule whose configuration is not
+    in `get_config` would otherwise take another's thresholds). Found on a
+    copy, which `reset()` may change in place; a copy that fails raises (the
+    caller says the memory could not be kept)."""
+    probe = copy.deepcopy(rule)
+    before = dict(vars(probe))
+    probe.reset()
+    return {k for k, v in vars(probe).items() if k not in before or v is not before[k]}
+
+
 class RuleRunner:
     """Feeds records to rules in step order; remembers which fired.
 
@@ -115,8 +127,12 @@ class RuleRunner:
         """A copy of what each rule remembers of the steps it saw (None for
         the rules that watch NaN/Inf: each fit reports its own fault).
         Which rules fired is not part of it."""
-        return [None if rule.watches_nonfinite else copy.deepcopy(
-            {k: v for k, v in vars(rule).items() if k not in _NOT_STATE}) for rule in self.rules]
+        kept: List[Optional[dict]] = []
+        for rule in self.rules:
+            memory = set() if rule.watches_nonfinite else _memory(rule)
+            kept.append(None if rule.watches_nonfinite else copy.deepcopy(
+                {k: v for k, v in vars(rule).items() if k in memory and k not in _NOT_STATE}))
+        return kept
 
     def resume(self, state: Sequence[Optional[dict]]) -> None:
         """Gives each rule the memory a runner of the same `key` kept (its

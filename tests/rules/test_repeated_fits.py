@@ -194,3 +194,45 @@ def test_a_memory_that_cannot_be_kept_is_said_and_training_goes_on():
     with pytest.raises(RuntimeError, match="StopOnRule could not carry its rules' memory .* "
                        "Cause: TypeError: cannot pickle '_thread.lock'"):
         model.fit(X, Y, batch_size=SAMPLES, epochs=1, verbose=0, callbacks=[strict])
+
+
+class _LossAbove(Rule):
+    """A user's rule whose configuration is not in `get_config` (the base's `{}`)."""
+
+    requires = (("step", "loss"),)
+
+    def __init__(self, limit):
+        self.limit = limit
+        self.reset()
+
+    def reset(self):
+        self._losses = []
+
+    def check(self, step, record):
+        loss = record.get("step/loss")
+        if loss is not None:
+            self._losses.append(loss)
+        if loss is not None and loss > self.limit:
+            return self.verdict(step, f"loss {loss:.3g} > {self.limit}", {"step/loss": loss})
+        return None
+
+
+def test_the_next_fit_takes_the_rules_memory_never_their_configuration():
+    # Second review: the memory was every attribute of the rule, so a user's rule
+    # whose configuration is not in get_config took the last fit's limit.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 4)).astype("float32")
+    y = rng.normal(size=(64, 1)).astype("float32")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    first = StopOnRule([_LossAbove(0.01)], action="warn", verbose=False)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[first])
+    assert [v.rule for v in first.verdicts][:1] == ["_LossAbove"]
+    rule = _LossAbove(1000.0)
+    second = StopOnRule([rule], action="warn", verbose=False)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[second])
+    assert second.verdicts == [] and rule.limit == 1000.0
+    # ... while what `reset` makes, its memory, goes on from the last fit: the
+    # first fit's one loss (a rule that fired is not asked again) and four.
+    assert len(rule._losses) == 5
