@@ -382,11 +382,20 @@ def test_a_copy_takes_attributes_changed_after_construction(tmp_path):
     assert copy.deepcopy(stop).default_rules
     stop.action = "warn"
     stop.rules.append(FiresAtStep(3))  # the same list, other contents
-    duplicate = copy.deepcopy(stop)
-    assert duplicate.action == "warn"
-    assert [r.name for r in duplicate.rules] == [r.name for r in stop.rules]
-    assert duplicate.rules[-1] is not stop.rules[-1]
-    assert not duplicate.default_rules
+    for how, duplicate in _copies(stop).items():
+        assert duplicate.action == "warn", how
+        assert [r.name for r in duplicate.rules] == [r.name for r in stop.rules], how
+        assert how == "copy" or duplicate.rules[-1] is not stop.rules[-1], how
+        # Second review: the copy took the list for rules of the user's own, and
+        # refused (warned about) the default activation and replica rules on a
+        # model without taps and with one replica, where the original leaves them out.
+        assert duplicate.default_rules, how
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+    model.fit(x, x[:, :1], batch_size=8, epochs=1, verbose=0,
+              callbacks=[copy.deepcopy(stop)])  # a kerasdbg warning fails the test
 
 
 def test_a_copy_of_an_attribute_set_to_a_bad_value_is_refused():

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 
 def _snapshot(value: Any) -> Any:
@@ -27,9 +27,13 @@ def _snapshot(value: Any) -> Any:
     return value
 
 
-def _rebuild(cls: type, args: tuple, kwargs: Dict[str, Any]):
-    """Unpickles a callback: its constructor called with its arguments."""
-    return cls(*args, **kwargs)
+def _rebuild(cls: type, args: tuple, kwargs: Dict[str, Any], kept: Optional[dict] = None):
+    """Unpickles a callback: its constructor called with its arguments, then
+    what it keeps besides them (`CopiedAsNew._kept_on_copy`)."""
+    duplicate = cls(*args, **kwargs)
+    for name, value in (kept or {}).items():
+        setattr(duplicate, name, value)
+    return duplicate
 
 
 def _parameters(cls: type) -> Tuple[str, ...]:
@@ -114,16 +118,24 @@ class CopiedAsNew:
             bound.arguments[name] = _snapshot(value)
         return tuple(bound.args[1:]), dict(bound.kwargs)
 
+    _kept_on_copy: Tuple[str, ...] = ()
+    """Attributes a copy takes as they are, beside the constructor's arguments
+    (what the constructor made of an argument that the user then changed:
+    `StopOnRule.default_rules` after rules were added to the defaults)."""
+
+    def _attributes_kept(self) -> dict:
+        return {name: getattr(self, name) for name in self._kept_on_copy if hasattr(self, name)}
+
     def __copy__(self):
         args, kwargs = self._current_arguments()
-        return type(self)(*args, **kwargs)
+        return _rebuild(type(self), args, kwargs, self._attributes_kept())
 
     def __deepcopy__(self, memo: dict):
         args, kwargs = copy.deepcopy(self._current_arguments(), memo)
-        duplicate = type(self)(*args, **kwargs)
+        duplicate = _rebuild(type(self), args, kwargs, copy.deepcopy(self._attributes_kept(), memo))
         memo[id(self)] = duplicate
         return duplicate
 
     def __reduce__(self):
         args, kwargs = self._current_arguments()
-        return _rebuild, (type(self), args, kwargs)
+        return _rebuild, (type(self), args, kwargs, self._attributes_kept())

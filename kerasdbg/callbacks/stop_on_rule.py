@@ -187,6 +187,10 @@ class StopOnRule(CopiedAsNew, keras.callbacks.Callback):
         True
     """
 
+    # Rules added to the default ones keep the defaults' treatment in a copy
+    # (those that cannot be recorded on the model are left out, not refused).
+    _kept_on_copy = ("default_rules",)
+
     def __init__(
         self,
         rules: Union[Rule, Sequence[Rule], None] = None,
