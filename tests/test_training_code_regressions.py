@@ -1014,8 +1014,9 @@ def test_check_prints_information_and_exits_0_when_no_rule_fires(tmp_path, capsy
     attended = keras.layers.MultiHeadAttention(2, 4, name="mha")(inputs, inputs)
     model = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.Flatten()(attended)))
     model.compile(keras.optimizers.SGD(0.05), "mse")
+    # (VanishingGradient judges the update ratio too: the run records the weights'.)
     model.fit(RNG.normal(size=(32, 6, 4)).astype("float32"), Y, batch_size=8, verbose=0,
-              callbacks=[GradientStatistics(log_dir)])
+              callbacks=[GradientStatistics(log_dir), WeightStatistics(log_dir)])
     assert cli.main(["check", log_dir, "--rule", "VanishingGradient"]) == 0
     out = capsys.readouterr()
     assert out.out.startswith("(info) VanishingGradient at step 1: zero by construction")
