@@ -99,6 +99,10 @@ def test_healthy_mirrored_training_is_quiet_batch_normalization_included(tmp_pat
 
 def test_the_default_rules_compare_replicas_only_under_several(recwarn):
     for name, expected in (("default", False), ("mirrored", True)):
+        # Seeded: unseeded, the weights depend on the tests run before; once, in a
+        # full run, WeightUpdateRatio fired on `h/bias` (feeding BatchNormalization:
+        # its updates are rounding noise) at step 3 (not reproduced with seeds 0-11).
+        keras.utils.set_random_seed(2)
         model = _model(make_strategy(name))
         stop = StopOnRule(verbose=False)
         model.fit(X, Y, batch_size=8, epochs=1, verbose=0, callbacks=[stop])
