@@ -251,13 +251,18 @@ def _check(args) -> int:
         if not args.rule:
             present = recorded_pairs(tags)
             # A rule the run feeds in part cannot judge it: said, never guessed.
-            partial = [rule.name for rule in chosen if not can_check(rule, present)
+            partial = [rule for rule in chosen if not can_check(rule, present)
                        and any(need in present for need in rule.requires)]
             chosen = [rule for rule in chosen if can_check(rule, present)]
             if partial and chosen:
-                print(f"kerasdbg check: {', '.join(partial)} cannot judge run {args.run!r}: "
-                      "it holds only part of what they read (VanishingGradient needs the "
-                      "update ratios of WeightStatistics besides the gradients)",
+                missing = "; ".join(
+                    f"{rule.name} reads " + ", ".join(
+                        f"{collection}/<name>/{statistic}" for collection, statistic
+                        in rule.requires if (collection, statistic) not in present)
+                    for rule in partial)
+                print(f"kerasdbg check: {', '.join(r.name for r in partial)} cannot judge run "
+                      f"{args.run!r}: it holds only part of what they read ({missing}, not "
+                      "recorded; WeightStatistics records the update ratios)",
                       file=sys.stderr)
             if not chosen:
                 print(f"kerasdbg check: run {args.run!r} of {args.log_dir!r} holds none of the "

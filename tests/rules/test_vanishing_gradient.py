@@ -359,7 +359,9 @@ def test_without_update_ratios_the_rule_does_not_judge(tmp_path, capsys):
     assert kerasdbg.check_run(str(tmp_path), default_rules(), skip_missing=True) == []
     # `kerasdbg check` (the default rules) says so.
     assert cli.main(["check", str(tmp_path)]) == 0
-    assert "VanishingGradient cannot judge run 'train'" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert "VanishingGradient cannot judge run 'train'" in said
+    assert "VanishingGradient reads weights/<name>/update_ratio" in said
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
