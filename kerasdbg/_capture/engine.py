@@ -82,9 +82,8 @@ class _Traced:
     requests' trace state (`Request.trace_state`) and, per channel, the slots
     by the position of their request in the engine's list."""
 
-    def __init__(self, key, plain, function, states, slots, considered, engine: "Engine"):
-        self.key = key
-        self.plain = plain  # Keras's train function that this one stood in for
+    def __init__(self, key, function, states, slots, considered, engine: "Engine"):
+        self.key = key  # Keras's function it stood in for is part of it
         self.function = function
         self.states = states
         self.slots = slots  # [(channel, position, slot)]
@@ -299,11 +298,9 @@ class Engine:
         # Whether the traced train step called `compute_loss`.
         self.loss_captured = False
         # Keras's train function that this fit's stands in for (put back at
-        # its end), the requests of this fit in order, and whether this fit
-        # runs the function an earlier one traced (`_Traced`).
+        # its end), and the requests of this fit in order.
         self._plain = _ABSENT
         self._fit_requests: List[Request] = []
-        self.reused = False
         # What the requests record, computed in the graph; the fault test,
         # freeze and NaN localisation, with their variables; the host's reads.
         self.quantities = Quantities(self)
@@ -353,7 +350,7 @@ class Engine:
         self._steps_per_execution, self.rows = n, rows
         found = internals.find_optimizers(model)
         self._fit_requests = list(self.requests)
-        self.reused = self._take_traced(model, found)
+        self._take_traced(model, found)
         with strategy.scope():
             if self._step_values is None and self._wants("step", "classes", "wrap"):
                 self._step_values = _buffers.on_read_variable(
@@ -452,7 +449,7 @@ class Engine:
                     slot.request = None
             considered += [(channel, positions[rid]) for rid in channel.considered
                            if rid in positions]
-        traced = _Traced(key, self._plain, model.train_function,
+        traced = _Traced(key, model.train_function,
                          [r.trace_state() for r in self._fit_requests], slots, considered, self)
         try:
             setattr(self._plain, TRACED_ATTRIBUTE, traced)
@@ -522,7 +519,6 @@ class Engine:
         self._fit_requests = []
         self._prepared = False
         self._failed = False
-        self.reused = False
         for channel in self.channels:
             channel.slots = {}
             channel.considered = set()
