@@ -269,3 +269,30 @@ def test_a_strict_fit_that_raised_does_not_make_a_later_fit_strict(tmp_path):
         assert len(failures) == 1 and "No space left on device" in failures[0], failures
         assert failures[0].startswith("GradientStatistics, WeightStatistics could not record")
         assert open_files_under(disk) == []
+
+
+def test_a_disk_that_fills_up_in_a_fit_that_reuses_the_traced_step(tmp_path):
+    # The second fit runs the function the first traced (no retrace): the full
+    # disk is said once, every step is in `history`, training is plain Keras.
+    disk = str(tmp_path / "disk")
+    model = _cnn()
+    forced = []
+    original = model.make_train_function
+    model.make_train_function = lambda force=False: (forced.append(force), original(force))[1]
+    _fit(model, [GradientStatistics(str(tmp_path / "first")),
+                 WeightStatistics(str(tmp_path / "first"))], epochs=1)
+    with tmpfs(disk):
+        log_dir = os.path.join(disk, "logs")
+        grads, weights = GradientStatistics(log_dir), WeightStatistics(log_dir)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _fit(model, [grads, weights], epochs=EPOCHS - 1)
+        failures = _kerasdbg_failures(caught)
+        assert len(failures) == 1 and "No space left on device" in failures[0], failures
+        assert forced.count(True) == 1  # the first fit's instrumented function only
+        assert grads.history.step.tolist() == list(range(STEPS_PER_EPOCH + 1,
+                                                         STEPS_PER_EPOCH * EPOCHS + 1))
+        assert open_files_under(disk) == []
+        trained = [w.numpy() for w in model.weights]
+    for mine, plain in zip(trained, _plain_weights()):
+        np.testing.assert_array_equal(mine, plain)
