@@ -19,7 +19,7 @@ configuration's first fit (the ops `Collective*` of every function that fit
 registered, with one replica per worker one op per collective), with the
 bytes of their static input shapes; those kerasdbg adds are the difference
 to plain `fit`. Host-side gathers (the replica comparison, NaN localisation)
-are counted by wrapping `kerasdbg._buffers.gather_workers` during the timed fits.
+are counted by wrapping `kerasdbg.backends.tensorflow.buffers.gather_workers` during the timed fits.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def worker(out, rounds, steps, spe):
         return found
 
     gathers = {"count": 0, "bytes": 0}
-    from kerasdbg import _buffers
+    from kerasdbg.backends.tensorflow import buffers as _buffers
     original_gather = _buffers.gather_workers
 
     def counting_gather(local, strategy):

@@ -42,7 +42,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from bench_statistics import _model  # noqa: E402
-from kerasdbg import _graph_functions as graph_functions  # noqa: E402
+from kerasdbg.backends.tensorflow import graph_functions  # noqa: E402
 from kerasdbg.stats import NORM_STATISTICS, STATISTICS  # noqa: E402
 
 CALLS = 20

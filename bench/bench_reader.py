@@ -70,7 +70,7 @@ STATS = ("l2_norm", "mean", "std", "min", "max", "mean_abs", "zero_fraction", "n
 def write_resnet(log_dir: str, steps: int) -> int:
     import numpy as np
 
-    from kerasdbg import _events
+    from kerasdbg.sinks import events as _events
 
     trainable, weights = _resnet_tags()
     gradient_tags = [f"gradients/{p}/{s}" for p in trainable for s in STATS]
@@ -102,7 +102,7 @@ def write_mlp(log_dir: str, steps: int) -> int:
     y = np.random.default_rng(1).normal(size=(steps * 8, 1)).astype("float32")
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[
         GradientStatistics(log_dir, every_n_steps=1), WeightStatistics(log_dir, every_n_steps=1)])
-    from kerasdbg import _events
+    from kerasdbg.sinks import events as _events
 
     for writer in list(_events._WRITERS.values()):
         writer.flush()

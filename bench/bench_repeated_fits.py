@@ -45,8 +45,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kerasdbg  # noqa: E402
-from kerasdbg import _capture  # noqa: E402
-from kerasdbg._capture import engine as engine_module  # noqa: E402
+from kerasdbg import capture as _capture  # noqa: E402
+from kerasdbg.backends.tensorflow import engine as engine_module  # noqa: E402
 from kerasdbg.callbacks import (  # noqa: E402
     ActivationStatistics, GradientStatistics, StopOnRule, WeightStatistics,
 )

@@ -68,7 +68,7 @@ import kerasdbg  # noqa: E402
 from kerasdbg.callbacks import ActivationStatistics, GradientStatistics, WeightStatistics  # noqa: E402
 from kerasdbg.callbacks import StepRecorder, StepTimer, StopOnRule  # noqa: E402
 from kerasdbg.rules import NonFiniteLoss  # noqa: E402
-from kerasdbg import _graph_functions as graph_functions  # noqa: E402
+from kerasdbg.backends.tensorflow import graph_functions  # noqa: E402
 from kerasdbg.layers import TapLayer  # noqa: E402
 
 CONFIGS = ("plain", "defaults", "all", "all+histograms", "stop", "stop+defaults", "taps", "taps+defaults",

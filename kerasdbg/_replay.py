@@ -15,7 +15,7 @@ from typing import Dict, List, Set, Tuple
 
 import keras
 
-from kerasdbg import _keras_internals as internals
+from kerasdbg.backends.tensorflow import keras_internals as internals
 
 Path = Tuple[str, ...]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import warnings
 
 from kerasdbg import _validation as check
-from kerasdbg import _workers
+from kerasdbg.sinks import workers as _workers
 
 UPSTREAM_ISSUE = "https://github.com/keras-team/keras/issues/20585"
 """The Keras issue of multi-worker `fit` that `fix_multi_worker_fit` works around."""
@@ -71,7 +71,7 @@ def fix_multi_worker_fit() -> bool:
         True
         >>> kerasdbg.compat.undo_multi_worker_fit()
     """
-    from kerasdbg import _keras_internals as internals
+    from kerasdbg.backends.tensorflow import keras_internals as internals
 
     if internals.multi_worker_fit_fixed():
         return True
@@ -95,7 +95,7 @@ def undo_multi_worker_fit() -> None:
         >>> import kerasdbg
         >>> kerasdbg.compat.undo_multi_worker_fit()
     """
-    from kerasdbg import _keras_internals as internals
+    from kerasdbg.backends.tensorflow import keras_internals as internals
 
     internals.undo_multi_worker_fit()
 

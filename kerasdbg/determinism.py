@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from kerasdbg import _keras_internals as internals
+from kerasdbg.backends.tensorflow import keras_internals as internals
 from kerasdbg import _validation as check
 
 

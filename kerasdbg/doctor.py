@@ -8,8 +8,8 @@ from typing import Any, List, NamedTuple, Optional
 import keras
 import tensorflow as tf
 
-from kerasdbg import _keras_internals as internals
-from kerasdbg import _workers
+from kerasdbg.backends.tensorflow import keras_internals as internals
+from kerasdbg.sinks import workers as _workers
 from kerasdbg import _validation as check
 
 SEVERITIES = ("error", "warning", "info")

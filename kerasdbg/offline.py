@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import List, Sequence, Union
 
-from kerasdbg._tags import tag_parts, tag_pattern
+from kerasdbg.records.tags import tag_parts, tag_pattern
 from kerasdbg.reader import Run, load_run
 from kerasdbg.rules._runner import RuleRunner, check_rules
 from kerasdbg.rules.rule import Rule, Verdict

@@ -1,11 +1,11 @@
 """`load_run`: reads a kerasdbg / TensorBoard log directory into pandas.
 
 An event file that kerasdbg wrote has an analysis store beside it
-(`kerasdbg._store`): fixed-width rows per set of tags, read through a memory
+(`kerasdbg.sinks.store`): fixed-width rows per set of tags, read through a memory
 map, column by column, so a query reads only what it asks for. The store is
 an index, written at each flush of the event writer: the steps the event
 file holds beyond it (a process killed between two flushes, a fit still
-running) are read from the event file's tail (`kerasdbg._event_tail`), so
+running) are read from the event file's tail (`kerasdbg.sinks.event_tail`), so
 every step the event file holds is read, wherever the process died. Every
 other event file (TensorBoard's own callback, runs written before the store
 existed) is read with TensorBoard's own event reading
@@ -26,8 +26,8 @@ import pandas as pd
 from tensorboard.backend.event_processing import plugin_event_accumulator
 from tensorboard.util import tensor_util
 
-from kerasdbg import _store
-from kerasdbg._event_tail import EventSource
+from kerasdbg.sinks import store as _store
+from kerasdbg.sinks.event_tail import EventSource
 
 _KINDS = {"scalars": "scalars", "histograms": "histograms", "text": "text"}
 REDUCTIONS = ("mean", "std", "min", "max", "l2_norm", "norm")
@@ -436,7 +436,7 @@ class Run:
             >>> run.steps("step/loss")
             [1]
         """
-        from kerasdbg._tags import COLLECTIONS, tag_parts
+        from kerasdbg.records.tags import COLLECTIONS, tag_parts
 
         names = set()
         for tag in self.tags(run=run):

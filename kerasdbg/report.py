@@ -12,7 +12,7 @@ from typing import Callable, Dict, List, Optional, TextIO
 import numpy as np
 import pandas as pd
 
-from kerasdbg import _tags
+from kerasdbg.records import tags as _tags
 from kerasdbg.reader import Run, load_run
 from kerasdbg.rules.rule import CLASSES, COLLECTIONS, SCALAR_COLLECTIONS
 

@@ -1,7 +1,7 @@
 """`Schedule`: the steps at which a statistic is recorded.
 
 Plain Python (no TensorFlow): the capture evaluates the same rule in the
-graph (`kerasdbg._capture`), the host and the readers evaluate it here.
+graph (`kerasdbg.capture`), the host and the readers evaluate it here.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """In-graph tensor statistics: pure `tensor -> tensor` functions, XLA-safe.
 
-Written against `kerasdbg._backend.ops` (reductions, elementwise ops,
+Written against `kerasdbg.quantities.ops` (reductions, elementwise ops,
 `cond`, segment sums), not against a framework: this module imports without
 TensorFlow, and the capture of any backend computes the same statistics.
 
@@ -37,7 +37,7 @@ from typing import Any, Sequence, Tuple
 
 import numpy as np
 
-from kerasdbg._backend import ops as B
+from kerasdbg.quantities import ops as B
 
 STATISTICS = (
     "l2_norm",

@@ -23,7 +23,7 @@ import pytest
 import tensorflow as tf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from kerasdbg import _buffers
+from kerasdbg.backends.tensorflow import buffers as _buffers
 from kerasdbg.callbacks import ActivationStatistics, GradientStatistics, StepRecorder
 from kerasdbg.callbacks import StopOnRule, WeightStatistics
 from kerasdbg.layers import TapLayer

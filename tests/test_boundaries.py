@@ -35,7 +35,8 @@ def test_the_rules_need_no_tensorflow():
     result = _run("""
         import sys
         import kerasdbg
-        from kerasdbg import _tags, _validation
+        from kerasdbg import _validation
+        from kerasdbg.records import tags as _tags
         from kerasdbg.rules import ExplodingTensor, NonFiniteLoss, default_rules
         from kerasdbg.rules._runner import RuleRunner
 
@@ -53,12 +54,13 @@ def test_the_rules_need_no_tensorflow():
 
 def test_statistics_records_schedules_and_tags_need_no_tensorflow():
     """What a second backend's capture would share: the statistics (written
-    against `kerasdbg._backend.ops`), the schedule, the tags and the records
+    against `kerasdbg.quantities.ops`), the schedule, the tags and the records
     import without TensorFlow; only computing a statistic needs a backend."""
     result = _run("""
         import sys
-        from kerasdbg import _tags, schedule, stats
-        from kerasdbg._backend import ops
+        from kerasdbg import schedule, stats
+        from kerasdbg.records import tags as _tags
+        from kerasdbg.quantities import ops
         from kerasdbg.rules import FreezeOnFault, NaNSource, default_rules
         from kerasdbg.rules._runner import RuleRunner
 
@@ -111,16 +113,15 @@ def test_exported_names_win_over_sub_modules_of_the_same_name():
 # layer or lower ones (checked on the source, imports inside functions too).
 LAYERS = [
     # what any backend shares: argument checks, tags and records, schedules,
-    # the statistics (against kerasdbg._backend.ops) and the rules
-    ("foundation", ["kerasdbg._validation", "kerasdbg._qualified", "kerasdbg._tags",
-                    "kerasdbg.schedule", "kerasdbg._backend", "kerasdbg.stats",
-                    "kerasdbg._store", "kerasdbg.errors"]),
+    # the statistics (against kerasdbg.quantities.ops) and the rules
+    ("foundation", ["kerasdbg._validation", "kerasdbg._qualified", "kerasdbg.records",
+                    "kerasdbg.schedule", "kerasdbg.quantities", "kerasdbg.stats",
+                    "kerasdbg.errors"]),
     ("rules", ["kerasdbg.rules"]),
-    # TensorFlow's capture: Keras internals, buffers, the engine, event files
-    ("capture", ["kerasdbg._backend.tensorflow", "kerasdbg._keras_internals",
-                 "kerasdbg._buffers", "kerasdbg._events", "kerasdbg._layout", "kerasdbg._replay",
-                 "kerasdbg._capture", "kerasdbg._step_tensors", "kerasdbg._layer_sink",
-                 "kerasdbg._graph_functions", "kerasdbg._workers", "kerasdbg._replica_checks"]),
+    # where records go: event files, the analysis store, TensorBoard's layouts
+    ("sinks", ["kerasdbg.sinks"]),
+    # the capture: the interface the shells use and the backends behind it
+    ("capture", ["kerasdbg.capture", "kerasdbg.backends", "kerasdbg._replay"]),
     # what users hold: callbacks, layers and model tools
     ("shells", ["kerasdbg.layers", "kerasdbg.callbacks", "kerasdbg.trace",
                 "kerasdbg.tapping", "kerasdbg.multi_output_model", "kerasdbg.determinism",

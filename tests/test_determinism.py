@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import kerasdbg
-from kerasdbg import _keras_internals as internals
+from kerasdbg.backends.tensorflow import keras_internals as internals
 from kerasdbg.callbacks import StepRecorder
 from tests.helpers import BATCH, X, Y
 

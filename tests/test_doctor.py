@@ -157,7 +157,7 @@ def test_keras_mirrored_combinations():
     assert "ReductionToOneDevice" in found[0].fix
     assert "kerasdbg.compat.fix_multi_worker_fit()" in found[0].fix
     # With the fix in place Keras's fit runs there: no finding.
-    from kerasdbg import _keras_internals
+    from kerasdbg.backends.tensorflow import keras_internals as _keras_internals
 
     _keras_internals.fix_multi_worker_fit()
     try:

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from kerasdbg import _capture, load_run
-from kerasdbg import _graph_functions as graph_functions
+from kerasdbg import load_run
+from kerasdbg import capture as _capture
+from kerasdbg.backends.tensorflow import graph_functions
 from kerasdbg import stats as stats_lib
 from kerasdbg.callbacks import GradientStatistics, StopOnRule, WeightStatistics
 from kerasdbg.rules import NonFiniteLoss
@@ -218,8 +219,8 @@ def test_the_host_reads_only_buffers_that_the_steps_wrote(monkeypatch, tmp_path,
     host reads them after the first execution and at the epoch's end (the
     deferred reads); with buffers of one execution, after every execution.
     Either way a buffer no step wrote is not read."""
-    from kerasdbg import _buffers
-    from kerasdbg._capture import engine as engine_module
+    from kerasdbg.backends.tensorflow import buffers as _buffers
+    from kerasdbg.backends.tensorflow import engine as engine_module
     monkeypatch.setattr(engine_module, "DEFERRED_STEPS", deferred)
     reads = []
     read = _buffers.read

@@ -1,4 +1,4 @@
-"""An event file and its analysis store read as one (`kerasdbg._event_tail`).
+"""An event file and its analysis store read as one (`kerasdbg.sinks.event_tail`).
 
 The store is flushed with the event writer; a process killed between two
 flushes leaves the event file ahead of it. The states such a kill leaves are
@@ -17,7 +17,10 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
-from kerasdbg import _event_tail, _events, _store, load_run
+from kerasdbg import load_run
+from kerasdbg.sinks import event_tail as _event_tail
+from kerasdbg.sinks import events as _events
+from kerasdbg.sinks import store as _store
 from kerasdbg.callbacks import GradientStatistics, StopOnRule, WeightStatistics
 from tests.test_reader import _assert_same, _everything
 

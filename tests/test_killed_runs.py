@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
-from kerasdbg import _store, load_run
+from kerasdbg import load_run
+from kerasdbg.sinks import store as _store
 from kerasdbg.cli import main
 
 _CHILD = r"""

@@ -21,8 +21,8 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.custom_scalar import metadata
 from tensorboard.plugins.custom_scalar import summary as layout_summary
 
-from kerasdbg import _events
-from kerasdbg import _layout
+from kerasdbg.sinks import events as _events
+from kerasdbg.sinks import layout as _layout
 from kerasdbg.callbacks import ActivationStatistics, GradientStatistics, StepTimer
 from kerasdbg.callbacks import StopOnRule, WeightStatistics
 from kerasdbg.layers import TapLayer

@@ -284,7 +284,7 @@ class _Strategy:
     ("worker", None, {"worker": ["a:1"]}, True, 0),
 ], ids=["worker0", "worker1", "chief", "worker0-beside-a-chief", "no-task-id"])
 def test_which_worker_writes_and_where_its_replicas_are(task_type, task_id, spec, chief, position):
-    from kerasdbg import _workers
+    from kerasdbg.sinks import workers as _workers
 
     worker = _workers.of(_Strategy(_Resolver(task_type, task_id, spec)))
     assert (worker.chief, worker.position) == (chief, position)

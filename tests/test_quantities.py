@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from kerasdbg import _buffers
-from kerasdbg import _capture
-from kerasdbg import _graph_functions as graph_functions
-from kerasdbg._capture import quantities
+from kerasdbg.backends.tensorflow import buffers as _buffers
+from kerasdbg import capture as _capture
+from kerasdbg.backends.tensorflow import graph_functions
+from kerasdbg.backends.tensorflow import quantities
 from kerasdbg import schedule as schedule_lib
 from kerasdbg import stats as stats_lib
 from kerasdbg.callbacks import GradientStatistics, StopOnRule, WeightStatistics

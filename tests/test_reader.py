@@ -11,8 +11,8 @@ import tensorflow as tf
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.compat.proto import event_pb2
 
-from kerasdbg import _events
-from kerasdbg import _store
+from kerasdbg.sinks import events as _events
+from kerasdbg.sinks import store as _store
 from kerasdbg import load_run
 
 

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import kerasdbg
-from kerasdbg import _capture
+from kerasdbg import capture as _capture
+from kerasdbg.backends.tensorflow import engine as tf_engine
 from kerasdbg.callbacks import (
     ActivationStatistics, GradientStatistics, StepTimer, StopOnRule, WeightStatistics,
 )
@@ -285,7 +286,7 @@ def test_a_fit_that_raised_leaves_nothing_to_reuse(monkeypatch):
     with pytest.raises(RuntimeError, match="boom"):
         _fit(model, _statistics() + [Boom()])
     assert makes.forced == 1  # the second fit reused the first one's function
-    assert not hasattr(model.train_function, _capture.engine.TRACED_ATTRIBUTE)
+    assert not hasattr(model.train_function, tf_engine.TRACED_ATTRIBUTE)
     callbacks = _statistics()
     _fit(model, callbacks)
     assert makes.forced == 2

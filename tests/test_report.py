@@ -13,7 +13,8 @@ import pytest
 from PIL import Image
 
 import kerasdbg
-from kerasdbg import _events, cli
+from kerasdbg import cli
+from kerasdbg.sinks import events as _events
 from kerasdbg.callbacks import ActivationStatistics, GradientStatistics, StopOnRule
 from kerasdbg.callbacks import WeightStatistics
 from kerasdbg.report import NotARunError, write_report

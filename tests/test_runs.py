@@ -18,7 +18,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import kerasdbg
-from kerasdbg import _events
+from kerasdbg.sinks import events as _events
 from kerasdbg.callbacks import GradientStatistics, StopOnRule, WeightStatistics
 
 X = np.random.default_rng(0).normal(size=(16, 3)).astype("float32")
@@ -185,7 +185,7 @@ def test_a_marker_names_its_process_with_its_start_time(tmp_path):
 _CHILD = r"""
 import json, os, sys, time, types
 sys.modules["tensorflow"] = types.ModuleType("tensorflow")
-from kerasdbg import _events
+from kerasdbg.sinks import events as _events
 log_dir, go, hold, model = sys.argv[1:5]
 original = _events._holds_events
 def slowly(run):

@@ -18,8 +18,8 @@ import pytest
 import tensorflow as tf
 
 import kerasdbg
-from kerasdbg import _events
-from kerasdbg import _keras_internals as internals
+from kerasdbg.sinks import events as _events
+from kerasdbg.backends.tensorflow import keras_internals as internals
 from kerasdbg.callbacks import GradientStatistics, StepRecorder, StepTimer, StopOnRule
 from kerasdbg.callbacks import WeightStatistics
 from kerasdbg.rules import ExplodingTensor, FreezeOnFault, NaNSource, NonFiniteLoss

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from kerasdbg import _keras_internals as internals
+from kerasdbg.backends.tensorflow import keras_internals as internals
 from kerasdbg.callbacks import GradientStatistics, StopOnRule, WeightStatistics
 
 RNG = np.random.default_rng(9)

@@ -15,8 +15,10 @@ from typing import Callable, Optional
 import keras
 import numpy as np
 
-from kerasdbg import _capture, _events, _workers
-from kerasdbg import _keras_internals as internals
+from kerasdbg import capture as _capture
+from kerasdbg.sinks import events as _events
+from kerasdbg.sinks import workers as _workers
+from kerasdbg.backends.tensorflow import keras_internals as internals
 from kerasdbg.callbacks._copies import CopiedAsNew
 
 

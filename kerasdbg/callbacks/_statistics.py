@@ -9,12 +9,12 @@ import keras
 import numpy as np
 import pandas as pd
 
-from kerasdbg import _capture
-from kerasdbg._capture import unique_paths
-from kerasdbg import _events
-from kerasdbg import _layout
-from kerasdbg import _tags
-from kerasdbg import _keras_internals as internals
+from kerasdbg import capture as _capture
+from kerasdbg.capture import unique_paths
+from kerasdbg.sinks import events as _events
+from kerasdbg.sinks import layout as _layout
+from kerasdbg.records import tags as _tags
+from kerasdbg.backends.tensorflow import keras_internals as internals
 from kerasdbg.callbacks._recording import RecordingCallback, release_writer, selected
 from kerasdbg import _validation as check
 from kerasdbg import schedule as schedule_lib

@@ -9,10 +9,10 @@ from typing import Dict, List, Optional
 import keras
 import pandas as pd
 
-from kerasdbg import _events
-from kerasdbg import _keras_internals as internals
-from kerasdbg import _layer_sink
-from kerasdbg import _layout
+from kerasdbg.sinks import events as _events
+from kerasdbg.backends.tensorflow import keras_internals as internals
+from kerasdbg.backends.tensorflow import layer_sink as _layer_sink
+from kerasdbg.sinks import layout as _layout
 from kerasdbg import _validation as check
 from kerasdbg.callbacks._recording import RecordingCallback, release_writer, selected
 from kerasdbg.layers.tap_layer import TapLayer

@@ -6,13 +6,13 @@ import os
 import warnings
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
-from kerasdbg import _capture
-from kerasdbg import _keras_internals as internals
+from kerasdbg import capture as _capture
+from kerasdbg.backends.tensorflow import keras_internals as internals
 from kerasdbg import _qualified
 from kerasdbg import _replay
-from kerasdbg import _step_tensors
+from kerasdbg.backends.tensorflow import step_tensors as _step_tensors
 from kerasdbg import _validation as check
-from kerasdbg import _workers
+from kerasdbg.sinks import workers as _workers
 from kerasdbg import trace as trace_lib
 from kerasdbg.callbacks._recording import RecordingCallback
 

@@ -10,10 +10,10 @@ import numpy as np
 import pandas as pd
 import tensorflow as tf
 
-from kerasdbg import _buffers
-from kerasdbg import _capture
-from kerasdbg import _keras_internals as internals
-from kerasdbg import _layout
+from kerasdbg.backends.tensorflow import buffers as _buffers
+from kerasdbg import capture as _capture
+from kerasdbg.backends.tensorflow import keras_internals as internals
+from kerasdbg.sinks import layout as _layout
 from kerasdbg import _validation as check
 from kerasdbg.callbacks._recording import RecordingCallback, release_writer
 from kerasdbg.rules.rule import DiagnosisWarning

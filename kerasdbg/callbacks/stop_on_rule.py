@@ -11,18 +11,18 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import keras
 
-from kerasdbg import _capture
+from kerasdbg import capture as _capture
 from kerasdbg import _qualified
-from kerasdbg import _replica_checks
-from kerasdbg import _events
-from kerasdbg import _keras_internals as internals
-from kerasdbg import _layout
-from kerasdbg import _layer_sink
+from kerasdbg.backends.tensorflow import replica_checks as _replica_checks
+from kerasdbg.sinks import events as _events
+from kerasdbg.backends.tensorflow import keras_internals as internals
+from kerasdbg.sinks import layout as _layout
+from kerasdbg.backends.tensorflow import layer_sink as _layer_sink
 from kerasdbg import _validation as check
-from kerasdbg import _workers
+from kerasdbg.sinks import workers as _workers
 from kerasdbg import schedule as schedule_lib
 from kerasdbg import stats as stats_lib
-from kerasdbg import _tags
+from kerasdbg.records import tags as _tags
 from kerasdbg.callbacks._copies import CopiedAsNew
 from kerasdbg.callbacks._recording import open_writer, release_writer
 from kerasdbg.callbacks.activation_statistics import find_taps

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from kerasdbg import _capture
+from kerasdbg import capture as _capture
 from kerasdbg import stats as stats_lib
 from kerasdbg.callbacks._statistics import StatisticsCallback
 

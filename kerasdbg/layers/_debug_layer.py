@@ -3,7 +3,7 @@
 A debug layer is an identity: it returns its input unchanged (same tensor,
 same dtype, same mask) and, at the steps it selects, writes what it wants to
 show into a ring buffer in-graph. The host reads the buffer after each
-execution (see `kerasdbg._layer_sink`) and hands the new records, in step
+execution (see `kerasdbg.backends.tensorflow.layer_sink`) and hands the new records, in step
 order, to `_consume`.
 
 Step numbers:
@@ -31,11 +31,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from kerasdbg import _buffers
-from kerasdbg import _workers
-from kerasdbg import _graph_functions as graph_functions
-from kerasdbg import _keras_internals as internals
-from kerasdbg import _layer_sink
+from kerasdbg.backends.tensorflow import buffers as _buffers
+from kerasdbg.sinks import workers as _workers
+from kerasdbg.backends.tensorflow import graph_functions
+from kerasdbg.backends.tensorflow import keras_internals as internals
+from kerasdbg.backends.tensorflow import layer_sink as _layer_sink
 from kerasdbg import _validation as check
 
 MODES = ("fit", "evaluate", "predict", "call")
@@ -88,7 +88,7 @@ class _Buffers:
 def _step_function(compute, key, layout, slots: int, mode: str, every_n_steps: int):
     """The in-graph work of one call of a debug layer, as one function of
     the values of its variables (shared by the layers with the same settings
-    and input signature; see `kerasdbg._graph_functions`).
+    and input signature; see `kerasdbg.backends.tensorflow.graph_functions`).
 
     Inputs: the layer's input, `[calls, mode_calls, *step counters]` and the
     state variable's value (or None). Outputs: `calls` and `mode_calls`

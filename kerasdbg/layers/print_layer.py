@@ -13,10 +13,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from kerasdbg import _buffers
-from kerasdbg import _graph_functions as graph_functions
+from kerasdbg.backends.tensorflow import buffers as _buffers
+from kerasdbg.backends.tensorflow import graph_functions
 from kerasdbg import _validation as check
-from kerasdbg import _workers
+from kerasdbg.sinks import workers as _workers
 from kerasdbg import stats as stats_lib
 from kerasdbg.layers._debug_layer import DebugLayer, LayerRecord
 

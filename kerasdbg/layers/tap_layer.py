@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import tensorflow as tf
 
-from kerasdbg import _buffers
+from kerasdbg.backends.tensorflow import buffers as _buffers
 from kerasdbg import _validation as check
 from kerasdbg import stats as stats_lib
 from kerasdbg.layers._debug_layer import DebugLayer, LayerRecord

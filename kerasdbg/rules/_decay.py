@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 from typing import Optional, Tuple
 
-from kerasdbg import _tags
-from kerasdbg._tags import Record
+from kerasdbg.records import tags as _tags
+from kerasdbg.records.tags import Record
 
 DECAY = "weight_decay_fraction"
 """The step scalar: learning rate x weight decay at a step, the fraction of

@@ -6,7 +6,7 @@ import copy
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from kerasdbg import _qualified
-from kerasdbg._tags import StepRecord
+from kerasdbg.records.tags import StepRecord
 from kerasdbg.rules.rule import Rule, Verdict
 
 EPOCH_PREFIX = "epoch/"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from kerasdbg import _tags
+from kerasdbg.records import tags as _tags
 from kerasdbg import _validation as check
 from kerasdbg.rules.rule import Rule, make_verdict
 

@@ -12,7 +12,7 @@ import math
 from typing import Optional
 
 from kerasdbg import _validation as check
-from kerasdbg._tags import is_loss_name, step_losses, step_scalar
+from kerasdbg.records.tags import is_loss_name, step_losses, step_scalar
 from kerasdbg.rules.rule import Rule
 
 TRAIN_LOSS = "epoch/loss"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kerasdbg import _validation as check
-from kerasdbg._tags import REPLICAS
+from kerasdbg.records.tags import REPLICAS
 from kerasdbg.rules.rule import Rule, values_of
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Collection, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-from kerasdbg._tags import CLASSES, COLLECTIONS, SCALAR_COLLECTIONS, Record, StepRecord  # noqa: F401
-from kerasdbg._tags import tag_parts, tag_pattern, values_of  # noqa: F401
+from kerasdbg.records.tags import CLASSES, COLLECTIONS, SCALAR_COLLECTIONS, Record, StepRecord  # noqa: F401
+from kerasdbg.records.tags import tag_parts, tag_pattern, values_of  # noqa: F401
 
 
 class Verdict(NamedTuple):

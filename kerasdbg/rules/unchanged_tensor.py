@@ -9,7 +9,7 @@ from typing import Sequence
 
 from kerasdbg import _validation as check
 from kerasdbg.rules._construction import Construction
-from kerasdbg._tags import statistic
+from kerasdbg.records.tags import statistic
 from kerasdbg.rules._decay import decay_fractions, still
 from kerasdbg.rules.rule import COLLECTIONS, Rule, tag_parts
 

@@ -238,7 +238,7 @@ def test_model_without_optimizer_is_a_clear_error():
 
 
 def test_writer_failure_warns_once_and_training_goes_on(tmp_path, monkeypatch):
-    from kerasdbg import _events
+    from kerasdbg.sinks import events as _events
 
     model = make_mlp()
     model.compile("sgd", "mse")

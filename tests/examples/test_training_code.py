@@ -27,7 +27,7 @@ import pytest
 import tensorflow as tf
 
 import kerasdbg
-from kerasdbg import _keras_internals as internals
+from kerasdbg.backends.tensorflow import keras_internals as internals
 from kerasdbg.callbacks import ActivationStatistics, GradientStatistics, StopOnRule
 from kerasdbg.callbacks import WeightStatistics
 from tests.conftest import make_strategy

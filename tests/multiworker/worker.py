@@ -146,7 +146,7 @@ def evaluate_and_predict(spe):
 
 def doctor_findings():
     """What `kerasdbg.doctor` says on a worker, without the fix and with it."""
-    from kerasdbg import _keras_internals
+    from kerasdbg.backends.tensorflow import keras_internals as _keras_internals
 
     with STRATEGY.scope():
         model = _model()
@@ -226,7 +226,7 @@ def tap_read_fails(spe, name):
     """Worker 1 cannot read its tap's buffers: both workers' taps stop
     recording together (no worker waits in a gather the other left) and
     training goes on."""
-    from kerasdbg import _buffers
+    from kerasdbg.backends.tensorflow import buffers as _buffers
 
     tap = kerasdbg.layers.TapLayer(name="hidden_tap")
     model = _compiled([tap], spe=spe)

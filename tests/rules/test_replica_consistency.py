@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import kerasdbg
-from kerasdbg import _replica_checks
+from kerasdbg.backends.tensorflow import replica_checks as _replica_checks
 from kerasdbg.callbacks import StopOnRule
 from kerasdbg.rules import ReplicaConsistency
 from tests.conftest import make_strategy

@@ -379,7 +379,7 @@ def test_tensor_variance_fires_on_dead_and_on_huge_activations(tmp_path):
 
 
 def test_the_verdict_text_reads_back_with_its_tensor_count_and_a_bar_in_the_reason():
-    from kerasdbg import _tags
+    from kerasdbg.records import tags as _tags
 
     values = {f"gradients/v{i}/min": -1e9 for i in range(12)}
     values.update({f"gradients/v{i}/max": 1.0 for i in range(12)})

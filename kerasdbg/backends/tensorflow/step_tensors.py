@@ -32,10 +32,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from kerasdbg import _buffers
-from kerasdbg._capture import quantities
-from kerasdbg._capture.requests import Request
-from kerasdbg import _keras_internals as internals
+from kerasdbg.backends.tensorflow import buffers as _buffers
+from kerasdbg.backends.tensorflow import quantities
+from kerasdbg.capture.requests import Request
+from kerasdbg.backends.tensorflow import keras_internals as internals
 from kerasdbg import _replay
 
 RECORDABLE = ("loss", "learning_rate", "gradients", "weights", "layer_outputs")

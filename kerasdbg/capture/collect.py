@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 
 import numpy as np
 
-from kerasdbg import _buffers
-from kerasdbg import _tags
-from kerasdbg import _keras_internals as internals
-from kerasdbg._capture.channels import Channel
-from kerasdbg._capture.requests import CLASS_COLUMNS, MAX_CLASSES, Record, Request, _STEP_FIXED
+from kerasdbg.backends.tensorflow import buffers as _buffers
+from kerasdbg.records import tags as _tags
+from kerasdbg.backends.tensorflow import keras_internals as internals
+from kerasdbg.backends.tensorflow.channels import Channel
+from kerasdbg.capture.requests import CLASS_COLUMNS, MAX_CLASSES, Record, Request, _STEP_FIXED
 
 if TYPE_CHECKING:
-    from kerasdbg._capture.engine import Engine
+    from kerasdbg.backends.tensorflow.engine import Engine
 
 
 class Collector:

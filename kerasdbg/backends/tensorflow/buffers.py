@@ -17,7 +17,7 @@ from typing import Callable, List, Optional
 import numpy as np
 import tensorflow as tf
 
-from kerasdbg import _workers
+from kerasdbg.sinks import workers as _workers
 
 
 def on_read_variable(initial_value, name: str, shapeless: bool = False) -> tf.Variable:

@@ -28,7 +28,7 @@ from typing import List
 import keras
 import tensorflow as tf
 
-from kerasdbg import _keras_internals as internals
+from kerasdbg.backends.tensorflow import keras_internals as internals
 
 _SINKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -152,7 +152,7 @@ def _flush_across_workers(layers) -> None:
     worker that cannot read still joins, and every worker fails alike)."""
     import numpy as np
 
-    from kerasdbg import _buffers
+    from kerasdbg.backends.tensorflow import buffers as _buffers
 
     strategy = layers[0]._buffers.rows.distribute_strategy
     shapes = [tuple(layer._buffers.rows.shape) for layer in layers]

@@ -2,7 +2,7 @@
 the steps of the event file beyond them.
 
 kerasdbg's event writer appends each step to its event file, and the same
-values to the analysis store beside it (`kerasdbg._store`), whose rows it
+values to the analysis store beside it (`kerasdbg.sinks.store`), whose rows it
 keeps in memory until it flushes (every 30 s, at the end of each epoch and
 of the fit). A process killed between two flushes (`kill -9`, an
 out-of-memory kill, a lost machine), or a fit still running, leaves steps in
@@ -43,7 +43,7 @@ from tensorboard.compat.proto import event_pb2, types_pb2
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 from tensorboard.util import tensor_util
 
-from kerasdbg import _store
+from kerasdbg.sinks import store as _store
 
 _LENGTH = struct.Struct("<Q")
 _CHECKSUM = struct.Struct("<I")
@@ -62,7 +62,7 @@ def records(path: str, offset: int = 0) -> Iterator[Tuple[bytes, int]]:
     Examples:
         >>> import os, tempfile
         >>> from tensorboard.summary.writer.record_writer import RecordWriter
-        >>> from kerasdbg._event_tail import records
+        >>> from kerasdbg.sinks.event_tail import records
         >>> path = os.path.join(tempfile.mkdtemp(), "records")
         >>> with open(path, "wb") as stream:
         ...     writer = RecordWriter(stream)
@@ -121,7 +121,7 @@ class EventSource:
     Examples:
         >>> import os, tempfile
         >>> from kerasdbg import _events, _store
-        >>> from kerasdbg._event_tail import EventSource
+        >>> from kerasdbg.sinks.event_tail import EventSource
         >>> writer = _events.EventWriter(tempfile.mkdtemp())
         >>> writer.write(1, {"a/x": 1.0})
         >>> writer.flush()

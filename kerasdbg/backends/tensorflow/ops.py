@@ -1,6 +1,6 @@
 """TensorFlow's implementation of the array functions `kerasdbg.stats` uses.
 
-Each name is what `kerasdbg._backend.ops` hands out. Everything here runs
+Each name is what `kerasdbg.quantities.ops` hands out. Everything here runs
 eagerly, in a `tf.function`, under XLA and in a replica context.
 """
 

@@ -5,7 +5,7 @@
 the traced train step through itself (`_route_apply`, `_route_reduce`),
 finds the apply's channel and has its `Quantities` and `Faults` do their
 work around the update; its `Collector` reads the buffers on the host. The
-package docstring (`kerasdbg._capture`) describes the life cycle.
+package docstring (`kerasdbg.capture`) describes the life cycle.
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from kerasdbg import _buffers
-from kerasdbg import _events
-from kerasdbg import _keras_internals as internals
-from kerasdbg._capture.channels import Channel, Hook
-from kerasdbg._capture.collect import Collector
-from kerasdbg._capture import faults as faults_module
-from kerasdbg._capture.faults import Faults
-from kerasdbg._capture.quantities import Quantities, _several_replicas
-from kerasdbg._capture.requests import (
+from kerasdbg.backends.tensorflow import buffers as _buffers
+from kerasdbg.sinks import events as _events
+from kerasdbg.backends.tensorflow import keras_internals as internals
+from kerasdbg.backends.tensorflow.channels import Channel, Hook
+from kerasdbg.capture.collect import Collector
+from kerasdbg.backends.tensorflow import faults as faults_module
+from kerasdbg.backends.tensorflow.faults import Faults
+from kerasdbg.backends.tensorflow.quantities import Quantities, _several_replicas
+from kerasdbg.capture.requests import (
     CLASS_COLUMNS, DEFERRED_STEPS, MAX_CLASSES, MAX_STEP_SCALARS, Request, _STEP_FIXED, _and,
     unique_paths,
 )

@@ -8,7 +8,7 @@ small CNN with 180 scalars; the C++ writer makes it negligible.
 
 One `Event` per step carries every scalar and histogram of that step: one
 proto per step rather than one summary op per value. The same values go to
-the analysis store beside the event file (`kerasdbg._store`), which
+the analysis store beside the event file (`kerasdbg.sinks.store`), which
 `load_run` reads instead of the event file. Scalars are written as
 `simple_value` (TensorBoard's scalar dashboard and reader take them as
 `tf.summary.scalar` data); histograms and text carry their plugin metadata
@@ -37,7 +37,7 @@ from tensorboard.compat.proto import tensor_shape_pb2, types_pb2
 from tensorboard.plugins.histogram import metadata as histogram_metadata
 from tensorboard.plugins.text import metadata as text_metadata
 
-from kerasdbg import _store
+from kerasdbg.sinks import store as _store
 from kerasdbg import errors
 
 _FILE_IDS = itertools.count()
@@ -356,7 +356,7 @@ class EventWriter:
     def write_summary(self, step: int, summary: summary_pb2.Summary) -> None:
         """Writes one event holding `summary` as given, its values carrying
         their own plugin metadata (the custom-scalars layout of
-        `kerasdbg._layout`), and flushes it. Event file only: the values are
+        `kerasdbg.sinks.layout`), and flushes it. Event file only: the values are
         for TensorBoard's plugins, not records. A failure is said at the next
         `write`, `flush` or `detach`, once for every callback of the fit
         (raised at once when one is strict).

@@ -15,11 +15,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
-from kerasdbg import _buffers
-from kerasdbg import _tags
-from kerasdbg import _keras_internals as internals
+from kerasdbg.backends.tensorflow import buffers as _buffers
+from kerasdbg.records import tags as _tags
+from kerasdbg.backends.tensorflow import keras_internals as internals
 from kerasdbg import stats as stats_lib
-from kerasdbg._capture.requests import Request
+from kerasdbg.capture.requests import Request
 
 
 def _zeros_like(variable) -> tf.Tensor:

@@ -17,12 +17,12 @@ from typing import (
 
 import tensorflow as tf
 
-from kerasdbg import _tags
+from kerasdbg.records import tags as _tags
 from kerasdbg import stats as stats_lib
 from kerasdbg.schedule import Schedule
 
 if TYPE_CHECKING:
-    from kerasdbg._capture.channels import Channel
+    from kerasdbg.backends.tensorflow.channels import Channel
 
 
 Record = _tags.CaptureRecord

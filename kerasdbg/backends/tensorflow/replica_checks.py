@@ -14,9 +14,9 @@ from typing import Dict, List, Optional
 import numpy as np
 import tensorflow as tf
 
-from kerasdbg import _buffers
-from kerasdbg import _keras_internals as internals
-from kerasdbg._capture.requests import unique_paths
+from kerasdbg.backends.tensorflow import buffers as _buffers
+from kerasdbg.backends.tensorflow import keras_internals as internals
+from kerasdbg.capture.requests import unique_paths
 
 TINY = 1e-30
 

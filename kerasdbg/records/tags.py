@@ -79,7 +79,7 @@ def column(tag: str, kind: str) -> str:
 
 # ------------------------------------------------------------ patterns
 # Regular expressions of groups of tags, for TensorBoard's custom-scalars
-# layout (`kerasdbg._layout`), whose plugin applies them with `re.match`;
+# layout (`kerasdbg.sinks.layout`), whose plugin applies them with `re.match`;
 # anchored at both ends, so that they also select exactly these tags where
 # they are searched for (the Scalars tab's tag filter).
 ACTIVATIONS = "activations"
@@ -196,7 +196,7 @@ class StepRecord(dict):
     values of one statistic without looking at the other tags.
 
     Examples:
-        >>> from kerasdbg._tags import StepRecord, values_of
+        >>> from kerasdbg.records.tags import StepRecord, values_of
         >>> record = StepRecord({"gradients/d/kernel/l2_norm": 2.0, "step/loss": 0.5})
         >>> list(values_of(record, "gradients", "l2_norm"))
         [('d/kernel', 2.0)]
@@ -244,7 +244,7 @@ def verdict_markdown(verdicts: Sequence[Any]) -> str:
     `verdict_rows` reads it back.
 
     Examples:
-        >>> from kerasdbg._tags import verdict_markdown, verdict_rows
+        >>> from kerasdbg.records.tags import verdict_markdown, verdict_rows
         >>> from kerasdbg.rules import AllZero
         >>> text = verdict_markdown([AllZero().check(3, {"weights/m/d/bias/zero_fraction": 1.0})])
         >>> print(text)

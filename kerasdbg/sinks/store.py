@@ -20,7 +20,7 @@ one line), which the reader ignores. The marker, `store.json`, rewritten
 whole at each flush, says how much of the event file the rows stand for
 (`Coverage`): the store is an index, never the only copy of a step, and the
 reader reads the steps of the event file beyond it from the event file
-(`kerasdbg._event_tail`). A query reads only the files whose columns it
+(`kerasdbg.sinks.event_tail`). A query reads only the files whose columns it
 needs, through a memory map, and copies only the matching columns.
 """
 
@@ -48,7 +48,7 @@ def store_path(events_path: str) -> str:
     """The store directory of an event file.
 
     Examples:
-        >>> from kerasdbg._store import store_path
+        >>> from kerasdbg.sinks.store import store_path
         >>> store_path("logs/train/events.out.tfevents.17.host.9.0.kerasdbg")
         'logs/train/kerasdbg-store/17.host.9.0.kerasdbg'
     """
@@ -220,7 +220,7 @@ def coverage(path: str) -> Optional[Coverage]:
 
     Examples:
         >>> import json, os, tempfile
-        >>> from kerasdbg._store import MARKER, coverage
+        >>> from kerasdbg.sinks.store import MARKER, coverage
         >>> store = tempfile.mkdtemp()
         >>> with open(os.path.join(store, MARKER), "w") as stream:
         ...     json.dump({"format": 1, "events_bytes": 512, "rows": {"s0": 4}, "texts": 1},

@@ -18,16 +18,16 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from kerasdbg import _buffers
-from kerasdbg import _graph_functions as graph_functions
-from kerasdbg import _keras_internals as internals
+from kerasdbg.backends.tensorflow import buffers as _buffers
+from kerasdbg.backends.tensorflow import graph_functions
+from kerasdbg.backends.tensorflow import keras_internals as internals
 from kerasdbg import stats as stats_lib
-from kerasdbg._capture.requests import MAX_CLASSES, WEIGHT_EXTRA_STATISTICS, _and, _scheduled
-from kerasdbg._capture.channels import Slot
+from kerasdbg.capture.requests import MAX_CLASSES, WEIGHT_EXTRA_STATISTICS, _and, _scheduled
+from kerasdbg.backends.tensorflow.channels import Slot
 from kerasdbg.schedule import Schedule
 
 if TYPE_CHECKING:
-    from kerasdbg._capture.engine import Engine, _ApplyContext, _StepState
+    from kerasdbg.backends.tensorflow.engine import Engine, _ApplyContext, _StepState
 
 
 def _dense(gradient) -> tf.Tensor:

@@ -20,18 +20,18 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from kerasdbg import _buffers
-from kerasdbg import _graph_functions as graph_functions
+from kerasdbg.backends.tensorflow import buffers as _buffers
+from kerasdbg.backends.tensorflow import graph_functions
 from kerasdbg import _replay
-from kerasdbg import _tags
-from kerasdbg import _keras_internals as internals
+from kerasdbg.records import tags as _tags
+from kerasdbg.backends.tensorflow import keras_internals as internals
 from kerasdbg import stats as stats_lib
-from kerasdbg._capture.channels import _zeros_like
-from kerasdbg._capture.quantities import _all_finite, _dense, _several_replicas
-from kerasdbg._capture.requests import Freeze
+from kerasdbg.backends.tensorflow.channels import _zeros_like
+from kerasdbg.backends.tensorflow.quantities import _all_finite, _dense, _several_replicas
+from kerasdbg.capture.requests import Freeze
 
 if TYPE_CHECKING:
-    from kerasdbg._capture.engine import Engine, _ApplyContext, _StepState
+    from kerasdbg.backends.tensorflow.engine import Engine, _ApplyContext, _StepState
 
 
 MAX_FLAGGED = 4096

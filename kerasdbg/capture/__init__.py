@@ -65,8 +65,8 @@ before it, type annotations aside):
   step's own row) and the cleanup when a `fit` ends.
 """
 
-from kerasdbg._capture.engine import Engine, cancel_fit_end, engine_for, on_fit_end
-from kerasdbg._capture.requests import (
+from kerasdbg.backends.tensorflow.engine import Engine, cancel_fit_end, engine_for, on_fit_end
+from kerasdbg.capture.requests import (
     CLASS_COLUMNS, WEIGHT_EXTRA_STATISTICS, Freeze, Record, Request, unique_paths,
 )
 

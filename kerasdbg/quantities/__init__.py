@@ -4,15 +4,15 @@
 elementwise ops, `cond`, segment sums, ...), so it imports and reads without
 TensorFlow; `ops` resolves them, on first use, from the backend module that
 implements them for the framework the capture runs in. TensorFlow's is
-`kerasdbg._backend.tensorflow` (the only capture so far); a JAX capture adds
-`kerasdbg._backend.jax` with the same names.
+`kerasdbg.backends.tensorflow.ops` (the only capture so far); a JAX capture adds
+`kerasdbg.quantities.jax` with the same names.
 """
 
 from __future__ import annotations
 
 import importlib
 
-BACKENDS = {"tensorflow": "kerasdbg._backend.tensorflow"}
+BACKENDS = {"tensorflow": "kerasdbg.backends.tensorflow.ops"}
 """The backend modules, by framework name."""
 
 _name = "tensorflow"
@@ -31,7 +31,7 @@ class _Ops:
 
 
 ops = _Ops()
-"""`ops.reduce_sum(x)`, `ops.cond(p, a, b)`, ...: see `kerasdbg._backend.tensorflow`."""
+"""`ops.reduce_sum(x)`, `ops.cond(p, a, b)`, ...: see `kerasdbg.backends.tensorflow.ops`."""
 
 
 def name() -> str:

@@ -28,8 +28,8 @@ from tensorboard.compat.proto import tensor_shape_pb2, types_pb2
 from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.custom_scalar import metadata
 
-from kerasdbg import _events
-from kerasdbg import _tags
+from kerasdbg.sinks import events as _events
+from kerasdbg.records import tags as _tags
 from kerasdbg import stats as stats_lib
 
 
