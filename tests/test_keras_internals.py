@@ -24,6 +24,26 @@ def test_optimizer_methods_and_signatures_are_where_kerasdbg_expects_them():
     internals.check_supported(scaled)
 
 
+@pytest.mark.parametrize("kind", ["clipnorm", "global_clipnorm", "clipvalue"])
+def test_the_gradients_are_clipped_by_the_optimizers_own_method(kind):
+    """kerasdbg records the applied gradient as Keras's `_clip_gradients`
+    makes it; the expected values here are the clipping written in NumPy."""
+    grads = [np.array([3.0, 4.0], np.float32), None, np.array([[12.0, -5.0]], np.float32)]
+    optimizer = keras.optimizers.SGD(**{kind: 2.0})
+    clipped = internals.clip_gradients(optimizer, [None if g is None else tf.constant(g)
+                                                   for g in grads])
+    assert clipped[1] is None
+    if kind == "clipnorm":
+        expected = [g * 2.0 / np.linalg.norm(g) for g in (grads[0], grads[2])]
+    elif kind == "global_clipnorm":
+        total = np.sqrt(sum(np.sum(g.astype(np.float64) ** 2) for g in (grads[0], grads[2])))
+        expected = [g * 2.0 / total for g in (grads[0], grads[2])]
+    else:
+        expected = [np.clip(g, -2.0, 2.0) for g in (grads[0], grads[2])]
+    for got, want in zip((clipped[0], clipped[2]), expected):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
+
+
 def test_fit_goes_through_the_patched_instance_methods():
     model = make_mlp()
     model.compile(keras.optimizers.SGD(0.1), "mse")

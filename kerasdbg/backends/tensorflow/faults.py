@@ -27,7 +27,8 @@ from kerasdbg.records import tags as _tags
 from kerasdbg.backends.tensorflow import keras_internals as internals
 from kerasdbg import stats as stats_lib
 from kerasdbg.backends.tensorflow.channels import _zeros_like
-from kerasdbg.backends.tensorflow.quantities import _all_finite, _dense, _several_replicas
+from kerasdbg.backends.tensorflow.quantities import _dense, _several_replicas
+from kerasdbg.quantities import reductions
 from kerasdbg.capture.requests import Freeze
 
 if TYPE_CHECKING:
@@ -244,7 +245,7 @@ class Faults:
             # Packed once (small gradients concatenated per dtype): the
             # finiteness test and, at a fault, the NaN localisation take it.
             context.packed_grads = stats_lib.Packed.of([_dense(g) for g in present])
-            parts.append(tf.cast(tf.logical_not(_all_finite(context.packed_grads)), tf.float64))
+            parts.append(tf.cast(tf.logical_not(reductions.all_finite(context.packed_grads)), tf.float64))
         vector = tf.stack(parts)
         replicas = _several_replicas()
         if replicas is not None:
@@ -254,7 +255,7 @@ class Faults:
             state.loss_sum = loss
         nonfinite = tf.constant(False)
         if watched.nonfinite_loss and loss is not None:
-            nonfinite = tf.logical_or(nonfinite, tf.logical_not(tf.math.is_finite(loss)))
+            nonfinite = tf.logical_or(nonfinite, tf.logical_not(reductions.all_finite(loss)))
         if check_grads:
             nonfinite = tf.logical_or(nonfinite, vector[1] > 0)
         fault = nonfinite
@@ -263,15 +264,12 @@ class Faults:
                 # The norm of the summed gradient, as the optimizer applies it.
                 present = replicas.all_reduce(
                     tf.distribute.ReduceOp.SUM, [_dense(g) for g in present])
-            norms = stats_lib.tensor_statistics(present, ["l2_norm"])[:, 0] if present else \
-                tf.zeros([0], tf.float64)
-            squares = tf.reduce_sum(tf.square(norms))
-            norm = tf.sqrt(squares)
+            norm = reductions.norm_of(present)
             over = norm > watched.max_gradient_norm
             if scaled:
                 norm = norm / tf.cast(optimizer.dynamic_scale, tf.float64)
                 # An overflow of the scaled gradients is the loss scaler's to skip.
-                over = tf.logical_and(tf.math.is_finite(norm), norm > watched.max_gradient_norm)
+                over = tf.logical_and(reductions.all_finite(norm), norm > watched.max_gradient_norm)
             fault = tf.logical_or(fault, over)
         if freeze is None:
             return loss, nonfinite, fault, None
@@ -314,7 +312,7 @@ class Faults:
                 for tensor in keras.tree.flatten(outputs):
                     if tf.is_tensor(tensor) and tensor.dtype.is_floating:
                         names.append(name)
-                        flags.append(tf.logical_not(tf.reduce_all(tf.math.is_finite(tensor))))
+                        flags.append(tf.logical_not(reductions.all_finite(tensor)))
 
             if x is not None and _replay.is_graph_model(model):
                 _replay.call_layer_by_layer(model, x, True, on_output)

@@ -200,6 +200,12 @@ def clipping(optimizer) -> Optional[Tuple[str, float]]:
     return None
 
 
+def clip_gradients(optimizer, grads) -> list:
+    """`grads` clipped as the optimizer clips them before its update (its
+    `clipnorm`, `global_clipnorm` or `clipvalue`; None entries kept)."""
+    return list(inner_optimizer(optimizer)._clip_gradients(list(grads)))
+
+
 def accumulators(optimizer, variables) -> list:
     """The gradient accumulators of `variables` (gradient accumulation)."""
     inner = inner_optimizer(optimizer)

@@ -22,6 +22,7 @@ from kerasdbg.backends.tensorflow import buffers as _buffers
 from kerasdbg.backends.tensorflow import graph_functions
 from kerasdbg.backends.tensorflow import keras_internals as internals
 from kerasdbg import stats as stats_lib
+from kerasdbg.quantities import reductions
 from kerasdbg.capture.requests import MAX_CLASSES, WEIGHT_EXTRA_STATISTICS, _and, _scheduled
 from kerasdbg.backends.tensorflow.channels import Slot
 from kerasdbg.schedule import Schedule
@@ -34,29 +35,6 @@ def _dense(gradient) -> tf.Tensor:
     if isinstance(gradient, tf.IndexedSlices):
         return tf.convert_to_tensor(gradient)
     return gradient
-
-
-def _all_finite(tensors) -> tf.Tensor:
-    """Whether every element of `tensors` (or of a `stats.Packed`) is
-    finite, in one read of each.
-
-    The tensors are packed (`stats.Packed`: the small ones concatenated per
-    dtype), so that the condition below takes a few vectors, not one input
-    per tensor. The sum of a vector is finite when its elements are (one
-    reduction, no vector-sized temporary); only when a sum is not (a
-    NaN/Inf, or a sum of finite values that overflowed) is each element
-    tested, in a `tf.cond` taken then.
-    """
-    if not len(tensors):
-        return tf.constant(True)
-    vectors = (tensors if isinstance(tensors, stats_lib.Packed)
-               else stats_lib.Packed.of([_dense(t) for t in tensors])).vectors
-    if not vectors:
-        return tf.constant(True)
-    sums = tf.stack([tf.cast(tf.reduce_sum(v), tf.float32) for v in vectors])
-    return tf.cond(
-        tf.reduce_all(tf.math.is_finite(sums)), lambda: tf.constant(True),
-        lambda: tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(v)) for v in vectors])))
 
 
 def _several_replicas():
@@ -172,18 +150,15 @@ class Quantities:
         present = [g for g in applied if g is not None]
         if not present:
             return applied, tf.constant(False)
+        # What the optimizer applies is what its own clipping makes of them;
+        # whether it clipped is judged on the norms (or largest magnitudes).
+        applied = internals.clip_gradients(optimizer, applied)
         if kind == "clipvalue":
             clipped = tf.reduce_any(tf.stack([tf.reduce_max(tf.abs(g)) > value for g in present]))
-            applied = [None if g is None else tf.clip_by_value(g, -value, value) for g in applied]
-        elif kind == "clipnorm":
-            norms = [tf.norm(g) for g in present]
-            clipped = tf.reduce_any(tf.stack([n > value for n in norms]))
-            applied = [None if g is None else tf.clip_by_norm(g, value) for g in applied]
         else:
-            norm = tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(g)) for g in present]))
-            clipped = norm > value
-            scale = value * tf.minimum(1.0 / norm, 1.0 / value)
-            applied = [None if g is None else g * tf.cast(scale, g.dtype) for g in applied]
+            norms = stats_lib.tensor_statistics(present, ["l2_norm"])[:, 0]
+            clipped = tf.reduce_any(norms > value) if kind == "clipnorm" else \
+                reductions.global_norm(norms) > value
         if hook.accumulation:
             clipped = tf.logical_and(clipped, hook.updates_at(context.step))
         return applied, clipped
@@ -338,11 +313,10 @@ def _gradient_table(stats, settings, wanted, others):
     norm of all of them (`others` too)."""
     table = graph_functions.statistics_table(wanted, stats) if wanted else \
         tf.zeros([0, len(stats)], tf.float64)
-    squares = tf.reduce_sum(tf.square(table[:, stats.index("l2_norm")]))
+    norms = [table[:, stats.index("l2_norm")]]
     if others:
-        other_l2 = graph_functions.statistics_table(others, ["l2_norm"])[:, 0]
-        squares += tf.reduce_sum(tf.square(other_l2))
-    return table, tf.sqrt(squares)
+        norms.append(graph_functions.statistics_table(others, ["l2_norm"])[:, 0])
+    return table, reductions.global_norm(norms)
 
 
 def _weight_table(stats, settings, weights, previous, initial):
