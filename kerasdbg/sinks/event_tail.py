@@ -40,10 +40,10 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import numpy as np
 from google.protobuf.message import DecodeError
 from tensorboard.compat.proto import event_pb2, types_pb2
-from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 from tensorboard.util import tensor_util
 
 from kerasdbg.sinks import store as _store
+from kerasdbg.sinks.tfrecord import masked_crc32c
 
 _LENGTH = struct.Struct("<Q")
 _CHECKSUM = struct.Struct("<I")
@@ -120,7 +120,7 @@ class EventSource:
 
     Examples:
         >>> import os, tempfile
-        >>> from kerasdbg import _events, _store
+        >>> from kerasdbg.sinks import events as _events, store as _store
         >>> from kerasdbg.sinks.event_tail import EventSource
         >>> writer = _events.EventWriter(tempfile.mkdtemp())
         >>> writer.write(1, {"a/x": 1.0})

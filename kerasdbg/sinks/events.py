@@ -1,10 +1,12 @@
 """Writes TensorBoard event files from the host, once per execution.
 
-An event file is a TFRecord file of serialized `Event` protos, so the file is
-written with TensorFlow's `tf.io.TFRecordWriter` (C++ framing and CRC) and
-TensorBoard's summary protos. TensorBoard's own Python `EventFileWriter`
-computes the record CRC in pure Python, which cost about 2 ms per step of a
-small CNN with 180 scalars; the C++ writer makes it negligible.
+An event file is a TFRecord file of serialized `Event` protos (TensorBoard's
+summary protos), written by `kerasdbg.sinks.tfrecord`: through TensorFlow's
+`tf.io.TFRecordWriter` (C++ framing and CRC) where TensorFlow is loaded,
+else framed in Python with the C CRC32C of `google-crc32c`, without
+TensorFlow. TensorBoard's own Python `EventFileWriter` computes the record
+CRC in pure Python, which cost about 2 ms per step of a small CNN with 180
+scalars; either writer here makes it negligible (`docs/performance.md`).
 
 One `Event` per step carries every scalar and histogram of that step: one
 proto per step rather than one summary op per value. The same values go to
@@ -31,13 +33,13 @@ import warnings
 from typing import Dict, Hashable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
-import tensorflow as tf
 from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2
 from tensorboard.compat.proto import tensor_shape_pb2, types_pb2
 from tensorboard.plugins.histogram import metadata as histogram_metadata
 from tensorboard.plugins.text import metadata as text_metadata
 
 from kerasdbg.sinks import store as _store
+from kerasdbg.sinks import tfrecord as _tfrecord
 from kerasdbg import errors
 
 _FILE_IDS = itertools.count()
@@ -99,8 +101,8 @@ class EventWriter:
         self.failures: Dict[str, Tuple[str, BaseException]] = {}
         self._last_flush = time.monotonic()
         try:
-            tf.io.gfile.makedirs(log_dir)
-            self._writer = tf.io.TFRecordWriter(self.path)
+            _tfrecord.makedirs(log_dir)
+            self._writer = _tfrecord.record_writer(self.path)
             if "://" not in self.path:
                 try:
                     self._store = _store.StoreWriter(self.path)
@@ -639,7 +641,7 @@ def writer_for(log_dir: str, key: Optional[Hashable] = None) -> EventWriter:
     writer = _WRITERS.get(path)
     stale = writer is None or (
         (writer.failed and (key is None or writer.owns(key) or not writer._owners))
-        or (not writer.failed and not tf.io.gfile.exists(writer.path)))
+        or (not writer.failed and not _tfrecord.exists(writer.path)))
     if stale:
         # Kept also when it failed: the other callbacks of this fit share the failure.
         writer = _WRITERS[path] = EventWriter(path, tolerant=True)
