@@ -71,3 +71,12 @@ class RecordingError(RuntimeError):
     def __cause__(self, value: Optional[BaseException]) -> None:
         if value is not None:
             self._cause = value
+
+
+class UnsupportedBackendError(RuntimeError):
+    """An instrument cannot run on the Keras backend in use.
+
+    Raised when the instrument is made (or, for one made before, at the
+    start of `fit`), never in the middle of training. The message names the
+    backend and what works there.
+    """

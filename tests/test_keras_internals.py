@@ -143,32 +143,7 @@ def test_step_context_sees_fit_evaluate_predict_and_plain_calls():
                     ("call", False, False), ("fit", True, False)]
 
 
-def test_functional_graph_replay_helpers():
-    """insert_taps, strip_debug_layers and MultiOutputModel replay graphs with these."""
-    from keras.src.models.functional import Functional
-
-    x = keras.Input((2,), name="x")
-    dense = keras.layers.Dense(3, name="d")
-    model = keras.Model(x, {"y": dense(x)}, name="f")
-    sequential = keras.Sequential([keras.Input((2,), name="s_in"), keras.layers.Dense(1)])
-    assert isinstance(model, Functional)
-    assert internals.is_functional(model)
-    assert not internals.is_functional(sequential)
-    assert internals.producing_layer(model.inputs[0]).name == "x"
-    assert internals.producing_layer(sequential.inputs[0]).name == "s_in"
-    assert internals.producing_layer(model.outputs[0]) is dense
-    assert model.output_names == ["d"]  # a plain attribute the replay sets on rebuilt models
-
-    calls = []
-
-    def call_fn(layer, *args, **kwargs):
-        calls.append(layer.name)
-        return layer(*args, **kwargs) * 2.0
-
-    data = np.ones((1, 2), "float32")
-    out = internals.run_graph(model, [keras.ops.convert_to_tensor(data)], call_fn)
-    assert calls == ["d"] and set(out) == {"y"}
-    np.testing.assert_allclose(out["y"], 2.0 * model(data)["y"], rtol=1e-6)
+# The functional-graph helpers' test: tests/test_keras_graph.py.
 
 
 class _CountsTraces(keras.layers.Layer):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import sys
 import warnings
 import weakref
@@ -12,6 +11,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 import keras
 
 from kerasdbg import capture as _capture
+from kerasdbg.capture import planner
 from kerasdbg import _qualified
 from kerasdbg.backends.tensorflow import replica_checks as _replica_checks
 from kerasdbg.sinks import events as _events
@@ -21,8 +21,8 @@ from kerasdbg.backends.tensorflow import layer_sink as _layer_sink
 from kerasdbg import _validation as check
 from kerasdbg.sinks import workers as _workers
 from kerasdbg import schedule as schedule_lib
-from kerasdbg import stats as stats_lib
 from kerasdbg.records import tags as _tags
+from kerasdbg.records.verdicts import verdict_markdown
 from kerasdbg.callbacks._copies import CopiedAsNew
 from kerasdbg.callbacks._recording import open_writer, release_writer
 from kerasdbg.callbacks.activation_statistics import find_taps
@@ -36,7 +36,7 @@ from kerasdbg.rules._decay import DECAY
 
 ACTIONS = ("stop", "raise", "warn")
 LOSS_TAG = _tags.step_scalar("loss")
-VERDICT_TAG = "rules/verdicts"
+VERDICT_TAG = _tags.VERDICTS
 DEFAULT_SUSPEND = (
     keras.callbacks.BackupAndRestore,
     keras.callbacks.ModelCheckpoint,
@@ -44,8 +44,7 @@ DEFAULT_SUSPEND = (
 )
 _SUSPENDED_HOOKS = ("on_train_batch_end", "on_epoch_end", "on_train_end")
 # The tags StopOnRule writes itself (the statistics callbacks write the rest).
-_OWN_PREFIXES = tuple(f"{c}/" for c in SCALAR_COLLECTIONS + (CLASSES, _tags.FAULTS,
-                                                                _tags.REPLICAS))
+_OWN_PREFIXES = _tags.prefixes(SCALAR_COLLECTIONS + (CLASSES, _tags.FAULTS, _tags.REPLICAS))
 
 
 class StopOnRule(CopiedAsNew, keras.callbacks.Callback):
@@ -326,45 +325,6 @@ class StopOnRule(CopiedAsNew, keras.callbacks.Callback):
             kept.append(NaNSource())
         return kept
 
-    def _needs(self, rules) -> Dict[str, Dict[str, tuple]]:
-        """What the rules read, by collection: statistic -> `(last, every)`,
-        the last step a rule reads it at (None: every step) and whether a
-        rule reads it at every step (`Rule.every_step`)."""
-        needs: Dict[str, Dict[str, tuple]] = {}
-        for rule in rules:
-            for collection, statistic in rule.requires:
-                wanted = needs.setdefault(collection, {})
-                last, every = wanted.get(statistic, (rule.last_step, False))
-                last = None if None in (last, rule.last_step) else max(last, rule.last_step)
-                wanted[statistic] = (last, every or rule.every_step)
-        return needs
-
-    def _variable_requests(self, kind: str, statistics: Dict[str, tuple]):
-        """One request per last step: what is read at the first steps only
-        (e.g. quantiles) is not computed after them. On the schedule, what
-        a rule reads at every step is recorded at every step."""
-        allowed = stats_lib.ALL_STATISTICS + (
-            _capture.WEIGHT_EXTRA_STATISTICS if kind == "weights" else ())
-        unknown = sorted(set(statistics) - set(allowed) - {"global_norm", "clipped"})
-        if unknown:
-            self._refuse(kind, unknown[0], f"statistics of {kind}: {', '.join(allowed)}")
-        groups: Dict[Optional[int], List[str]] = {}
-        for statistic, (last, _) in statistics.items():
-            groups.setdefault(last, []).append(statistic)
-        requests = []
-        for last, wanted in sorted(groups.items(), key=lambda item: item[0] or 0):
-            stats = [s for s in allowed if s in wanted] or ["l2_norm"]
-            frequent = [s for s in stats if statistics.get(s, (None, False))[1]]
-            if "global_norm" in wanted and statistics["global_norm"][1]:
-                frequent.append("l2_norm")
-            requests.append(_capture.Request(
-                kind=kind, stats=stats,
-                schedule=self.schedule._replace(last_step=last),
-                frequent=frequent if self._default_schedule else (),
-                strict=self.strict, owner=type(self).__name__, for_rules=True,
-            ))
-        return requests
-
     def _refuse(self, collection: str, statistic: str, allowed: str) -> None:
         """A rule reads what cannot be recorded for this model: it will not
         fire; say so once (raise with `strict`)."""
@@ -414,47 +374,19 @@ class StopOnRule(CopiedAsNew, keras.callbacks.Callback):
         self._runner = RuleRunner(self._fault_rules(rules))
         self._kept = False
         self._continue_training()
-        needs = self._needs(rules)
-        requests = []
-        for collection, statistics in needs.items():
-            if collection in ("gradients", "weights"):
-                requests.extend(self._variable_requests(collection, statistics))
-            elif collection == "classes":
-                unknown = sorted(set(statistics) - set(_capture.CLASS_COLUMNS))
-                if unknown:
-                    self._refuse(collection, unknown[0], "classes/<k>/seen, classes/<k>/mispredicted")
-                requests.append(_capture.Request(kind="classes", strict=self.strict,
-                                                 owner=type(self).__name__))
-            elif collection == "activations":
-                self._taps = find_taps(self.model)
-                if not self._taps:
-                    for statistic in sorted(statistics):
-                        self._refuse(collection, statistic,
-                                     "activations need TapLayers (kerasdbg.insert_taps)")
-            elif collection == _tags.REPLICAS:
-                unknown = sorted(set(statistics) - {"spread"})
-                if unknown:
-                    self._refuse(collection, unknown[0], "replicas/<variable>/spread")
-                elif replicas < 2:
-                    self._refuse(collection, "spread", "replicas/ tags need a strategy with "
-                                 "several replicas")
-                else:
-                    self._replica_every = min(
-                        getattr(r, "every_n_steps", 1) for r in rules
-                        if any(c == _tags.REPLICAS for c, _ in r.requires))
-            elif collection == "step":
-                pass  # step/loss, step/frozen and every scalar the train step returns
-            elif collection != "epoch":
-                for statistic in sorted(statistics):
-                    self._refuse(collection, statistic,
-                                 "gradients/, weights/, activations/, replicas/, step/, epoch/ tags")
         freeze = None
         if self.freeze_on_fault:
             freeze = _capture.Freeze(max_gradient_norm=self.max_gradient_norm)
-        requests.append(_capture.Request(
-            kind="step", strict=self.strict, freeze=freeze, localize=self.locate_nan,
-            owner=type(self).__name__,
-        ))
+        plan = planner.plan(
+            rules, schedule=self.schedule, default_schedule=self._default_schedule,
+            strict=self.strict, owner=type(self).__name__, replicas=replicas,
+            has_taps=bool(find_taps(self.model)), freeze=freeze, localize=self.locate_nan)
+        for refusal in plan.refusals:
+            self._refuse(*refusal)
+        if plan.reads_activations:
+            self._taps = find_taps(self.model)
+        self._replica_every = plan.replica_every
+        requests = plan.requests
         self._writer = None
         # Under several workers every one decides, the chief alone prints.
         self._prints = _workers.writes(getattr(self.model, "distribute_strategy", None))
@@ -518,8 +450,8 @@ class StopOnRule(CopiedAsNew, keras.callbacks.Callback):
         """`step/loss` from the loss this callback was told to read, else from
         `compute_loss`, else from the train step's `loss` (see `loss_source`)."""
         named = _tags.step_scalar(self.loss) if self.loss else None
-        returned = sorted(t.split("/", 1)[1] for t in values
-                          if t not in ("step/frozen", "step/fault"))
+        returned = sorted(_tags.scalar_name(t) for t in values
+                          if t not in (_tags.step_scalar("frozen"), _tags.step_scalar("fault")))
         if named is not None and named in values:
             values[LOSS_TAG] = values[named]
             source = f"the train step's {self.loss!r}"
@@ -600,7 +532,7 @@ class StopOnRule(CopiedAsNew, keras.callbacks.Callback):
         for row, _ in rows:
             record = self._pending.setdefault(row["step"], {})
             record.update(
-                (f"activations/{tap.name}/{k}", float(v))
+                (_tags.statistic(_tags.ACTIVATIONS, tap.name, k), float(v))
                 for k, v in row.items() if k not in ("step", "mode")
             )
 
@@ -679,7 +611,7 @@ class StopOnRule(CopiedAsNew, keras.callbacks.Callback):
         record = {}
         for key, value in (logs or {}).items():
             try:
-                record[f"epoch/{key}"] = float(value)
+                record[_tags.epoch_scalar(key)] = float(value)
             except (TypeError, ValueError):
                 continue
         self._write(self._last_step, record)
@@ -779,7 +711,7 @@ class StopOnRule(CopiedAsNew, keras.callbacks.Callback):
             return
         self.verdicts.extend(verdicts)
         if self._writer is not None:
-            self._writer.write(step, texts={VERDICT_TAG: _tags.verdict_markdown(verdicts)})
+            self._writer.write(step, texts={VERDICT_TAG: verdict_markdown(verdicts)})
             self._writer.flush()
         if self.verbose and getattr(self, "_prints", True):
             for verdict in verdicts:

@@ -1,76 +1,36 @@
-"""The capture engine: gets per-step data out of the compiled train function.
+"""The capture: what the callbacks ask for, and how they get it, on every backend.
 
-One engine per model, shared by every kerasdbg callback on it. During a `fit`
-it wraps the model's `train_step` (an instance attribute, for the duration
-of the `fit`). While that step is traced, every optimizer's `apply` is
-routed through the engine (`_keras_internals.optimizer_routes`), so each
-optimizer step of the train step, of any optimizer wherever the model keeps
-it, computes the requested statistics in-graph and stores them in ring
-buffers with one row per train step of an execution. After each execution
-the host reads the buffers once and hands the new rows to the callbacks.
+A callback that records per optimizer step describes what it wants in a
+`Request` (which quantities of which variables, on which schedule, where
+the records go) and attaches it to the one `Capture` of its model
+(`engine_for`), which the model's backend implements
+(`kerasdbg.backends.<name>`). The pieces here are the backend-neutral ones:
 
-Life cycle, driven by the callbacks:
-
-- `attach(request)` in `on_train_begin`: the first one wraps `train_step`
-  (and `compute_loss`) and keeps Keras's train function of this fit; later
-  ones only add their request, since nothing is traced before the first
-  batch.
-- `prepare()` in `on_train_batch_begin`: when the last fit on the model had
-  requests that build the same graph (`Request.graph_key`, and the same
-  Keras function, strategy, train step, optimizers and variables), runs the
-  function that fit traced, its slots and buffers handed to this fit's
-  requests (`Request.adopt`): no trace. Else has Keras make a new function
-  (traced at its first call), and creates the buffers it can before that
-  trace (for the optimizers that are built: creating variables inside the
-  first trace makes `tf.function` trace twice).
-- in the trace: a *channel* per optimizer and per apply of it in the train
-  step (WGAN-GP's discriminator: three), created when first seen unless
-  `prepare` predicted it, with a *slot* per request: the variables it
-  selects among those the optimizer applies, and its buffers.
-- `collect()` in `on_train_batch_end` (and at the end): reads new rows.
-- `detach(request)` in `on_train_end`: the last one restores the model and
-  puts Keras's train function of this fit back, so a later `fit` without
-  the callbacks runs it as it was; the instrumented function hangs on it
-  for the next fit (`_Traced`). A `fit` that ends by an exception has no
-  `on_train_end`; the engine then restores the model from the `fit`
-  wrapper (`_keras_internals.wrap_fit`) as that `fit` unwinds, and keeps
-  nothing for the next.
-
-Buffers are `ON_READ` / `ONLY_FIRST_REPLICA` variables: under a
-`tf.distribute` strategy each replica writes its own copy without any
-communication, and the host reads replica 0 (or all, for values a replica
-holds alone). Rows are addressed by a train-step id (`row = (id - 1) %
-steps_per_execution`), so consecutive train steps of one execution never
-share a row and the host needs no reset between executions.
-
-The package, in the order of the pipeline (each module imports only those
-before it, type annotations aside):
-
-- `requests`: what the callbacks ask for (`Request`, `Freeze`, the records'
-  columns) and the schedule predicates the graph evaluates.
-- `channels`: where it goes: `Hook` (an optimizer), `Channel` (an apply of
-  it in the train step) and `Slot` (a request's variables, buffers and tags
-  in a channel).
-- `quantities`: the requested statistics computed in the graph, each once
-  per step whatever the number of requests asking for it, and written to
-  the slots' buffers (`Quantities`).
-- `faults`: the fault test, the freeze of the weights and of the forward
-  pass's state after a fault, NaN localisation, and the `faults/...`
-  scalars they give (`Faults`).
-- `collect`: the host side: reads the new rows and hands them to the
-  consumers, numbers the steps, says why a request recorded nothing
-  (`Collector`).
-- `engine`: the core: `engine_for` and `Engine` (the life cycle above, the
-  wrapped train step, the routing of the optimizer applies, the train
-  step's own row) and the cleanup when a `fit` ends.
+- `requests`: `Request`, `Freeze`, the records' columns and the schedule
+  predicates the compiled step evaluates (with `kerasdbg.quantities.ops`).
+- `interface`: `Capture`, `engine_for` (the backend chosen once from
+  `keras.config.backend()`), `supported` (the clear error on a backend
+  without a capture).
+- `planner`: what rules need, turned into requests (`plan`).
+- `collect`: the host side that reads the recorded rows and hands them to
+  the requests' consumers.
+- `keras_objects`: the parts of Keras every backend shares (the model's
+  optimizers, step counters, the loop running a model).
+- `fit_end`: cleanups that run however a `fit` ends.
 """
 
-from kerasdbg.backends.tensorflow.engine import Engine, cancel_fit_end, engine_for, on_fit_end
+from kerasdbg.capture import fit_end
+from kerasdbg.capture.fit_end import cancel_fit_end, on_fit_end
+from kerasdbg.capture.interface import Capture, engine_for, supported
 from kerasdbg.capture.requests import (
     CLASS_COLUMNS, WEIGHT_EXTRA_STATISTICS, Freeze, Record, Request, unique_paths,
 )
 
+# Before any callback of kerasdbg exists: the `fit` that first uses one has
+# resolved `Model.fit` before its callbacks run.
+fit_end.install()
+
 __all__ = [
-    "CLASS_COLUMNS", "WEIGHT_EXTRA_STATISTICS", "Engine", "Freeze", "Record", "Request",
-    "cancel_fit_end", "engine_for", "on_fit_end", "unique_paths",
+    "CLASS_COLUMNS", "WEIGHT_EXTRA_STATISTICS", "Capture", "Freeze", "Record", "Request",
+    "cancel_fit_end", "engine_for", "on_fit_end", "supported", "unique_paths",
 ]

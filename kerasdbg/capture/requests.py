@@ -4,8 +4,9 @@ A `Request` says which quantities of which variables one consumer (a
 callback) wants recorded, at which steps (a `kerasdbg.schedule.Schedule`),
 and where the records go; `Freeze` says which in-graph faults stop the
 weights from changing. The schedule predicates (`_every`, `_scheduled`,
-`_or`, `_and`) evaluate a schedule in the graph, folding what is constant
-into a Python bool so that no `tf.cond` is built for it.
+`_or`, `_and`) evaluate a schedule in the graph (with the backend's array
+functions, `kerasdbg.quantities.ops`), folding what is constant into a
+Python bool so that no condition is built for it.
 """
 
 from __future__ import annotations
@@ -15,18 +16,17 @@ from typing import (
     TYPE_CHECKING, Callable, Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple,
 )
 
-import tensorflow as tf
-
-from kerasdbg.records import tags as _tags
+from kerasdbg.records.capture_record import CaptureRecord
 from kerasdbg import stats as stats_lib
+from kerasdbg.quantities import ops as B
 from kerasdbg.schedule import Schedule
 
 if TYPE_CHECKING:
     from kerasdbg.backends.tensorflow.channels import Channel
 
 
-Record = _tags.CaptureRecord
-"""What one step recorded for one request (see `_tags.CaptureRecord`)."""
+Record = CaptureRecord
+"""What one step recorded for one request (see `kerasdbg.records.CaptureRecord`)."""
 
 
 WEIGHT_EXTRA_STATISTICS = stats_lib.UPDATE_STATISTICS
@@ -158,7 +158,7 @@ class Request:
                 self.base_stats += ("l2_norm",)
             if self.frequent and "l2_norm" not in self.base_frequent:
                 self.base_frequent += ("l2_norm",)
-        self.totals: Optional[tf.Variable] = None
+        self.totals: Optional[object] = None
         self.present = [False] * MAX_CLASSES
         # For a "classes" request: whether the traced train step gave labels and
         # class predictions (None until it was traced).
@@ -166,7 +166,7 @@ class Request:
         # Variables of the consumer's own that the traced step writes (a
         # `StepTimer`'s timestamps), by name: a later fit that reuses the
         # traced function hands them to its equivalent request (`adopt`).
-        self.buffers: Dict[str, tf.Variable] = {}
+        self.buffers: Dict[str, object] = {}
 
     def graph_key(self) -> Optional[Hashable]:
         """What the traced train step depends on in this request: two
@@ -210,7 +210,7 @@ class Request:
             return False
         if self.schedule.last_step is None:
             return True
-        return tf.less_equal(step, tf.cast(self.schedule.last_step, step.dtype))
+        return B.less_equal(step, B.cast(self.schedule.last_step, step.dtype))
 
     def writes_at(self, step) -> object:
         """In the graph: whether the request writes values at `step`."""
@@ -254,18 +254,18 @@ class Request:
 def _every(step, n: int):
     if n == 1:
         return True
-    return tf.equal(tf.math.floormod(step, n), 0)
+    return B.equal(B.floormod(step, n), 0)
 
 
 def _scheduled(schedule: Schedule, step):
     """In the graph: `schedule.at(step)` (a Python bool when it is constant)."""
     every = _every(step, schedule.every_n_steps)
     if schedule.first_steps and every is not True:
-        every = tf.logical_or(every, tf.less_equal(
-            step, tf.cast(schedule.first_steps, step.dtype)))
+        every = B.logical_or(every, B.less_equal(
+            step, B.cast(schedule.first_steps, step.dtype)))
     if schedule.last_step is None:
         return every
-    return _and(every, tf.less_equal(step, tf.cast(schedule.last_step, step.dtype)))
+    return _and(every, B.less_equal(step, B.cast(schedule.last_step, step.dtype)))
 
 
 def _or(a, b):
@@ -275,7 +275,7 @@ def _or(a, b):
         return b
     if b is False:
         return a
-    return tf.logical_or(a, b)
+    return B.logical_or(a, b)
 
 
 def _and(a, b):
@@ -285,7 +285,7 @@ def _and(a, b):
         return a
     if a is False or b is False:
         return False
-    return tf.logical_and(a, b)
+    return B.logical_and(a, b)
 
 
 def unique_paths(variables) -> List[str]:

@@ -23,7 +23,9 @@ from kerasdbg.backends.tensorflow import buffers as _buffers
 from kerasdbg.sinks import events as _events
 from kerasdbg.backends.tensorflow import keras_internals as internals
 from kerasdbg.backends.tensorflow.channels import Channel, Hook
+from kerasdbg.capture import fit_end
 from kerasdbg.capture.collect import Collector
+from kerasdbg.capture.interface import Capture
 from kerasdbg.backends.tensorflow import faults as faults_module
 from kerasdbg.backends.tensorflow.faults import Faults
 from kerasdbg.backends.tensorflow.quantities import Quantities, _several_replicas
@@ -224,7 +226,6 @@ def _skip_if(flag, optimizer, function) -> None:
 
 
 _ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_CLEANUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def engine_for(model) -> "Engine":
@@ -236,37 +237,8 @@ def engine_for(model) -> "Engine":
     return engine
 
 
-def on_fit_end(model, key, cleanup: Callable[[], None]) -> None:
-    """Runs `cleanup()` when the running `fit` of `model` ends, however it
-    ends, unless `cancel_fit_end(model, key)` came first."""
-    _CLEANUPS.setdefault(model, {})[key] = cleanup
-
-
-def cancel_fit_end(model, key) -> None:
-    cleanups = _CLEANUPS.get(model)
-    if cleanups is not None:
-        cleanups.pop(key, None)
-
-
-def _after_fit(model) -> None:
-    cleanups = _CLEANUPS.pop(model, None) if model in _CLEANUPS else None
-    if cleanups is None:
-        return
-    for key, cleanup in cleanups.items():
-        try:
-            cleanup()
-        except Exception as error:  # noqa: BLE001 - the fit's own outcome comes first
-            warnings.warn(f"kerasdbg could not restore the model after fit ({key}): "
-                          f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=3)
-
-
-# Before any callback of kerasdbg exists: the `fit` that first uses one has
-# resolved `Model.fit` before its callbacks run.
-internals.wrap_fit(_after_fit)
-
-
-class Engine:
-    """The capture engine of one model. See the package docstring."""
+class Engine(Capture):
+    """TensorFlow's capture of one model. See the package docstring."""
 
     def __init__(self, model):
         self._model = weakref.ref(model)
@@ -555,7 +527,7 @@ class Engine:
         self.installed = True
         self._several = None
         self.bypassed, self.routed = {}, set()
-        on_fit_end(model, self, self._after_failed_fit)
+        fit_end.on_fit_end(model, self, self._after_failed_fit)
         # Keras's function of this fit, put back at its end: a later fit
         # without kerasdbg runs it as it was (`prepare` has Keras make the
         # instrumented one, or takes the one an earlier fit traced).
@@ -565,7 +537,7 @@ class Engine:
         self.installed = False
         if model is None:
             return
-        cancel_fit_end(model, self)
+        fit_end.cancel_fit_end(model, self)
         for name, value in self._shadowed.items():
             if value is _ABSENT:
                 internals.unpatch(model, name)

@@ -40,15 +40,18 @@ from typing import Callable, List, Optional, Tuple
 import keras
 import tensorflow as tf
 
+from kerasdbg.capture.keras_objects import (  # noqa: F401 - what this module's callers still read here
+    FUNCTION_ATTRIBUTES, ITERATIONS_ATTRIBUTE, KerasInternalsError, LOOP_METHODS, STEP_METHODS,
+    StepContext, VAR_KEY_METHOD, _FIT_WRAPPED, _loop_callbacks, _loop_frame,
+    accumulation_steps, accumulators, clip_gradients, clipping, drop_name_scopes, ensure_built,
+    find_optimizers, fit_batch_size, inner_optimizer, is_float, name_scope_depth,
+    optimizer_variables, patch, raw_iterations, running_callbacks, step_context, step_counters,
+    unpatch, uses_standard_train_step, variable_key, wrap_fit,
+)
+
 REDUCE_METHOD = "_all_reduce_sum_gradients"
 UPDATE_METHOD = "_distributed_tf_update_step"
 WEIGHT_DECAY_METHOD = "_apply_weight_decay"
-ITERATIONS_ATTRIBUTE = "_iterations"
-VAR_KEY_METHOD = "_var_key"
-
-
-class KerasInternalsError(RuntimeError):
-    """The installed Keras no longer has what kerasdbg hooks into."""
 
 
 def check_supported(optimizer) -> None:
@@ -72,73 +75,6 @@ def check_supported(optimizer) -> None:
             )
 
 
-def inner_optimizer(optimizer):
-    """The optimizer that applies the unscaled gradients (mixed precision)."""
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        return optimizer.inner_optimizer
-    return optimizer
-
-
-def variable_key(optimizer, variable) -> int:
-    """A key equal for a Keras variable and the tf.Variable the optimizer sees."""
-    return inner_optimizer(optimizer)._var_key(variable)
-
-
-def patch(obj, name: str, function) -> None:
-    """Shadows the method `name` of the instance `obj` with `function`."""
-    if name in vars(obj):
-        raise KerasInternalsError(
-            f"kerasdbg: {type(obj).__name__}.{name} is already patched on this "
-            "instance; another tool may be instrumenting the same optimizer."
-        )
-    object.__setattr__(obj, name, function)
-
-
-def name_scope_depth() -> int:
-    """How many scopes Keras's own name-scope stack holds now (this thread)."""
-    from keras.src.backend.common import global_state
-
-    stack = global_state.get_global_attribute("name_scope_stack")
-    return len(stack) if stack else 0
-
-
-def drop_name_scopes(depth: int) -> None:
-    """Drops the scopes above `depth` from Keras's name-scope stack.
-
-    A Keras `name_scope` whose TensorFlow scope refuses its name stays on
-    Keras's stack (it is pushed before TensorFlow checks the name), and every
-    variable Keras creates afterwards in this thread is named under it; after
-    a failure inside a scope, this puts the stack back.
-    """
-    from keras.src.backend.common import global_state
-
-    stack = global_state.get_global_attribute("name_scope_stack")
-    if stack and len(stack) > depth:
-        del stack[depth:]
-
-
-def unpatch(obj, name: str) -> None:
-    """Removes the instance attribute set by `patch`, if any."""
-    if name in vars(obj):
-        object.__delattr__(obj, name)
-
-
-def ensure_built(optimizer, variables) -> None:
-    """Builds the optimizer for `variables` as its `apply` would, if not built."""
-    if not optimizer.built and variables is not None:
-        with keras.name_scope(optimizer.name, caller=optimizer):
-            optimizer.build(list(variables))
-        optimizer.built = True
-
-
-def uses_standard_train_step(model) -> bool:
-    """Whether the model trains with Keras's own `train_step` (which applies
-    `model.optimizer` to `model.trainable_variables`)."""
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
-    return type(model).train_step is TensorFlowTrainer.train_step
-
-
 def build_optimizer_before_trace(model) -> bool:
     """Builds the model's optimizer now, outside `fit`'s first trace; returns
     whether it did.
@@ -159,104 +95,6 @@ def build_optimizer_before_trace(model) -> bool:
     with model.distribute_strategy.scope():
         ensure_built(optimizer, model.trainable_variables)
     return True
-
-
-def optimizer_variables(optimizer) -> list:
-    """The variables an optimizer was built for (what `apply(grads)` updates)."""
-    return list(optimizer._trainable_variables)
-
-
-def raw_iterations(optimizer):
-    """The variable counting the optimizer's `apply` calls that updated (or, with
-    gradient accumulation, accumulated): `optimizer.iterations` is this count
-    divided by `gradient_accumulation_steps` there, and a tensor, not a variable."""
-    return getattr(inner_optimizer(optimizer), ITERATIONS_ATTRIBUTE)
-
-
-def step_counters(model) -> list:
-    """The variables whose largest value + 1 numbers the train step a
-    forward pass belongs to (taps): `model.optimizer`'s with Keras's own
-    `train_step`; with a custom one, every optimizer's the model holds (a
-    GAN applies `d_optimizer` and `g_optimizer`, never `model.optimizer`)."""
-    optimizer = getattr(model, "optimizer", None)
-    if uses_standard_train_step(model):
-        return [raw_iterations(optimizer)] if optimizer is not None else []
-    return [raw_iterations(o) for _, o in find_optimizers(model)]
-
-
-def accumulation_steps(optimizer) -> Optional[int]:
-    """The optimizer's `gradient_accumulation_steps`, or None."""
-    return getattr(inner_optimizer(optimizer), "gradient_accumulation_steps", None) or None
-
-
-def clipping(optimizer) -> Optional[Tuple[str, float]]:
-    """`(kind, value)` of the optimizer's gradient clipping, or None: kind is
-    "clipnorm", "global_clipnorm" or "clipvalue" (Keras allows one of them)."""
-    inner = inner_optimizer(optimizer)
-    for kind in ("clipnorm", "global_clipnorm", "clipvalue"):
-        value = getattr(inner, kind, None)
-        if value:
-            return kind, float(value)
-    return None
-
-
-def clip_gradients(optimizer, grads) -> list:
-    """`grads` clipped as the optimizer clips them before its update (its
-    `clipnorm`, `global_clipnorm` or `clipvalue`; None entries kept)."""
-    return list(inner_optimizer(optimizer)._clip_gradients(list(grads)))
-
-
-def accumulators(optimizer, variables) -> list:
-    """The gradient accumulators of `variables` (gradient accumulation)."""
-    inner = inner_optimizer(optimizer)
-    return [inner._accumulated_gradients[inner._get_variable_index(v)] for v in variables]
-
-
-def find_optimizers(model) -> List[Tuple[str, object]]:
-    """`(name, optimizer)` of every optimizer the model or its layers hold.
-
-    `model.optimizer` first (named "optimizer"), then the attributes of the
-    model and of each of its layers, also inside lists, tuples and dicts
-    (a GAN's `d_optimizer`, `optimizers[0]`), each once. Keras's layer
-    tracker does not list optimizers, so this looks at the attributes.
-    Names are the attribute paths: `d_optimizer`, `discriminator.optimizer`.
-    """
-    from keras.src.optimizers.base_optimizer import BaseOptimizer
-
-    found: List[Tuple[str, object]] = []
-    seen = set()
-
-    def add(name, value):
-        if isinstance(value, BaseOptimizer) and id(value) not in seen:
-            seen.add(id(value))
-            found.append((name, value))
-            # A MultiOptimizer applies its sub-optimizers, each for its variables.
-            for i, inner in enumerate(getattr(value, "_inner_optimizers", None) or ()):
-                add(f"{name}.optimizers[{i}]", inner)
-
-    add("optimizer", getattr(model, "optimizer", None))
-    try:
-        layers = list(model._flatten_layers(include_self=False))
-    except Exception:  # noqa: BLE001 - a model Keras cannot list: its own attributes only
-        layers = []
-    modules = [("", model)] + [(f"{layer.name}.", layer) for layer in layers]
-    # Attributes first, then what lists and dicts hold; TensorFlow's own
-    # tracking attributes (`_self_...`) and Python's (`__...__`) are not the
-    # model's (`__d`, set with `setattr`, is).
-    attributes = [(prefix + name, value) for prefix, module in modules
-                  for name, value in list(vars(module).items())
-                  if not (name.startswith("__") and name.endswith("__"))
-                  and not name.startswith("_self_")]
-    for name, value in attributes:
-        add(name, value)
-    for name, value in attributes:
-        if isinstance(value, (list, tuple)):
-            for i, item in enumerate(value):
-                add(f"{name}[{i}]", item)
-        elif isinstance(value, dict):
-            for key, item in list(value.items()):
-                add(f"{name}[{key}]", item)
-    return found
 
 
 def replica_id() -> Optional[int]:
@@ -455,42 +293,9 @@ def update_gateable(optimizer, variables) -> bool:
                    or getattr(v, "constraint", None) is not None for v in variables)
 
 
-_FIT_WRAPPED = "_kerasdbg_after_fit"
-
-
-def wrap_fit(after_fit: Callable[[object], None]) -> None:
-    """Makes every `Model.fit` call `after_fit(model)` when it ends, by a
-    return or an exception (KeyboardInterrupt included); idempotent.
-
-    Keras calls no callback when `fit` raises (no `on_train_end`), so this
-    is the one place where kerasdbg can restore what it changed in the
-    model then. `after_fit` must be cheap for models kerasdbg never touched.
-    """
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
-    fit = TensorFlowTrainer.__dict__["fit"]
-    if getattr(fit, _FIT_WRAPPED, None) is not None:
-        return
-
-    @functools.wraps(fit)
-    def wrapped(self, *args, **kwargs):
-        try:
-            return fit(self, *args, **kwargs)
-        finally:
-            after_fit(self)
-
-    setattr(wrapped, _FIT_WRAPPED, after_fit)
-    type.__setattr__(TensorFlowTrainer, "fit", wrapped)
-
-
 def read_handle(variable):
     """The tf.Variable behind a Keras variable (what the optimizer's reduction sees)."""
     return variable.value if isinstance(variable, keras.Variable) else variable
-
-
-def is_float(variable) -> bool:
-    """Whether a Keras or tf variable holds floating-point values."""
-    return keras.backend.standardize_dtype(variable.dtype).startswith(("float", "bfloat"))
 
 
 def on_read(variable) -> bool:
@@ -506,146 +311,9 @@ def read(variable) -> tf.Tensor:
     return tf.convert_to_tensor(variable)
 
 
-# ----------------------------------------------------------------- layers
-# Debug layers find out, at trace time, which Keras loop is calling them by
-# walking the Python stack: `Trainer.fit`/`evaluate`/`predict` call the
-# model's `train_step`/`test_step`/`predict_step`, which calls the layers.
-# Those method names and the `callbacks` local of the loop are Keras
-# internals too (checked by tests/test_keras_internals.py).
-STEP_METHODS = {"train_step": "fit", "test_step": "evaluate", "predict_step": "predict"}
-LOOP_METHODS = ("fit", "evaluate", "predict")
-FUNCTION_ATTRIBUTES = {
-    "fit": "train_function",
-    "evaluate": "test_function",
-    "predict": "predict_function",
-}
-
-
-class StepContext:
-    """Where a layer is being called from.
-
-    Attributes:
-        mode: "fit", "evaluate", "predict", or "call" (any other call: eager,
-            a custom training loop, a `tf.function` of the user's).
-        model: the Keras model whose step is running, or None.
-        callbacks: the running loop's `CallbackList`, or None (e.g. in
-            `train_on_batch`).
-    """
-
-    def __init__(self, mode: str, model=None, callbacks=None):
-        self.mode = mode
-        self.model = model
-        self.callbacks = callbacks
-
-
-def _loop_frame(frame, model, loops=LOOP_METHODS):
-    """The frame of the Keras loop (`fit`, ...) running `model` above `frame`, or None."""
-    while frame is not None:
-        if frame.f_code.co_name in loops and frame.f_locals.get("self") is model:
-            return frame
-        frame = frame.f_back
-    return None
-
-
-def _loop_callbacks(frame, model):
-    """The `callbacks` local of the Keras loop running `model` above `frame`."""
-    from keras.src.callbacks.callback_list import CallbackList
-
-    frame = _loop_frame(frame, model)
-    found = frame.f_locals.get("callbacks") if frame is not None else None
-    return found if isinstance(found, CallbackList) else None
-
-
-def fit_batch_size(model):
-    """The global batch size of the `fit` running `model` (from a callback),
-    as its data adapter reports it, or None when unknown."""
-    import sys
-
-    frame = _loop_frame(sys._getframe(1), model, ("fit",))
-    if frame is None:
-        return None
-    adapter = getattr(frame.f_locals.get("epoch_iterator"), "data_adapter", None)
-    size = getattr(adapter, "batch_size", None)
-    return size if isinstance(size, int) and size > 0 else None
-
-
-def running_callbacks(model):
-    """The `CallbackList` of the Keras loop running `model` (from a callback), or None."""
-    import sys
-
-    return _loop_callbacks(sys._getframe(1), model)
-
-
-def step_context() -> StepContext:
-    """The `StepContext` of the current call (cheap: a walk of frames).
-
-    Under `MirroredStrategy` the step runs in a replica thread while the
-    thread running `fit` waits; the loop's frame is then found in that thread.
-    """
-    import sys
-    import threading
-
-    frame = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code.co_name
-        owner = frame.f_locals.get("self")
-        if code in STEP_METHODS and isinstance(owner, keras.Model):
-            break
-        frame = frame.f_back
-    if frame is None:
-        return StepContext("call")
-    mode, model = STEP_METHODS[frame.f_code.co_name], frame.f_locals["self"]
-    callbacks = _loop_callbacks(frame, model)
-    if callbacks is None:
-        current = threading.get_ident()
-        for ident, other in sys._current_frames().items():
-            if ident != current:
-                callbacks = _loop_callbacks(other, model)
-                if callbacks is not None:
-                    break
-    return StepContext(mode, model, callbacks)
-
-
 # ------------------------------------------------------------ model graphs
-# `insert_taps`, `strip_debug_layers` and `MultiOutputModel` replay the graph
-# of a Functional model node by node (what `keras.models.clone_model` does
-# with `call_function`, which Keras refuses for Sequential models and which
-# clones nested models only all or nothing).
-
-def is_functional(model) -> bool:
-    """Whether `model` is a Functional model (not Sequential, not subclassed)."""
-    from keras.src.models.functional import Functional
-
-    return isinstance(model, Functional) and not isinstance(model, keras.Sequential)
-
-
-def run_graph(model, inputs, call_fn):
-    """Replays the graph of Functional `model` on `inputs`.
-
-    Each node is computed as `call_fn(layer, *args, **kwargs)`; the result
-    has the structure of `model.output`.
-    """
-    return model._run_through_graph(inputs, operation_fn=lambda op: op, call_fn=call_fn)
-
-
-def run_graph_on_data(model, inputs, call_fn):
-    """`run_graph` on real tensors, with `inputs` as `model(inputs)` takes them."""
-    return run_graph(model, standardize_inputs(model, inputs), call_fn)
-
-
-def standardize_inputs(model, inputs) -> list:
-    """The flat list of input tensors, in `model.inputs` order (dicts by name)."""
-    return model._standardize_inputs(inputs)
-
-
-def takes_training(layer) -> bool:
-    """Whether Keras passes `training` to this layer's `call`."""
-    return "training" in getattr(layer, "_call_context_args", ())
-
-
-def producing_layer(keras_tensor):
-    """The layer whose output `keras_tensor` is (an `InputLayer` for an input)."""
-    return keras_tensor._keras_history.operation
+# The functional-graph helpers of `insert_taps`, `strip_debug_layers` and
+# `MultiOutputModel` are backend-neutral: `kerasdbg._keras_graph`.
 
 
 # ------------------------------------------------ random state (deterministic)

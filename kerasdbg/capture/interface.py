@@ -1,0 +1,95 @@
+"""`Capture`: what the shells ask of a backend's capture, and `engine_for`.
+
+Every callback that records per optimizer step talks to the one capture of
+its model through this interface; the capture of the model's backend
+(`kerasdbg.backends.<name>.engine`) implements it. The backend is Keras's
+(`keras.config.backend()`), fixed when Keras is imported; the backend's
+module is imported on first use, so nothing here imports a framework.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+from typing import List, Optional
+
+import keras
+
+from kerasdbg.errors import UnsupportedBackendError
+
+CAPTURES = {
+    "tensorflow": "kerasdbg.backends.tensorflow.engine",
+}
+"""The module of each backend's capture (its `engine_for(model)`)."""
+
+ELSEWHERE = ("the model tools (insert_taps, strip_debug_layers, MultiOutputModel), "
+             "load_run, kerasdbg check and kerasdbg report")
+"""What works on a backend without a capture."""
+
+
+class Capture(abc.ABC):
+    """The capture of one model: one per model, shared by its callbacks.
+
+    The life cycle of a fit, driven by the callbacks: `attach` a request in
+    `on_train_begin`, `prepare` at each batch's begin, `collect` at each
+    batch's end (and at the end), `detach` in `on_train_end`, `abort` for a
+    callback that ends the fit with an exception. The records reach each
+    request's `consumer`.
+
+    Attributes:
+        requests: the attached requests, in order.
+        loss_captured: whether the traced train step computed its loss with
+            `compute_loss` (so `step/loss` is the step's own loss).
+        faults: the fault state (the freeze and its reports).
+    """
+
+    requests: List[object]
+    loss_captured: bool
+    faults: object
+
+    @abc.abstractmethod
+    def attach(self, request) -> None:
+        """Adds a request; the first one instruments the train step."""
+
+    @abc.abstractmethod
+    def prepare(self) -> None:
+        """Readies the instrumented step for the next batch."""
+
+    @abc.abstractmethod
+    def collect(self, final: bool = True, batch: Optional[int] = None) -> None:
+        """Reads what the steps since the last call recorded and hands it out."""
+
+    @abc.abstractmethod
+    def detach(self, request) -> None:
+        """Removes a request; the last one restores the model."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Hands out what is recorded and restores the model, at once."""
+
+    @property
+    @abc.abstractmethod
+    def several_optimizers(self) -> bool:
+        """Whether more than one optimizer applied gradients in the train step."""
+
+
+def backend() -> str:
+    """The Keras backend the models run on."""
+    return keras.config.backend()
+
+
+def supported(owner: str) -> None:
+    """Raises `UnsupportedBackendError` naming `owner` when the Keras
+    backend has no capture; for a constructor or the start of `fit`."""
+    name = backend()
+    if name not in CAPTURES:
+        raise UnsupportedBackendError(
+            f"{owner} records per optimizer step, which kerasdbg does on the Keras "
+            f"backends {', '.join(sorted(CAPTURES))}; Keras runs on {name!r} "
+            f"(KERAS_BACKEND). On {name} what works is {ELSEWHERE}.")
+
+
+def engine_for(model) -> Capture:
+    """The capture of `model`, created on first use, of the model's backend."""
+    supported("kerasdbg's capture")
+    return importlib.import_module(CAPTURES[backend()]).engine_for(model)
