@@ -236,6 +236,7 @@ def _check(args) -> int:
     from kerasdbg import rules as rules_lib
     from kerasdbg.reader import load_run
     from kerasdbg.offline import can_check, check_run, recorded_pairs
+    from kerasdbg.records.tags import tag_pattern
     from kerasdbg.report import other_trainings, require_run
 
     try:
@@ -257,7 +258,7 @@ def _check(args) -> int:
             if partial and chosen:
                 missing = "; ".join(
                     f"{rule.name} reads " + ", ".join(
-                        f"{collection}/<name>/{statistic}" for collection, statistic
+                        tag_pattern(collection, statistic) for collection, statistic
                         in rule.requires if (collection, statistic) not in present)
                     for rule in partial)
                 print(f"kerasdbg check: {', '.join(r.name for r in partial)} cannot judge run "

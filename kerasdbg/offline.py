@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import List, Sequence, Union
 
-from kerasdbg.records.tags import tag_parts, tag_pattern
+from kerasdbg.records.tags import scalar_parts, tag_parts, tag_pattern
 from kerasdbg.reader import Run, load_run
 from kerasdbg.rules._runner import RuleRunner, check_rules
 from kerasdbg.rules.rule import Rule, Verdict
@@ -90,7 +90,7 @@ def recorded_pairs(tags) -> set:
     """The `(collection, statistic)` pairs that `tags` hold (and `(collection, name)`
     for two-part tags such as `gradients/global_norm`)."""
     present = {(p[0], p[2]) for p in map(tag_parts, tags) if p}
-    return present | {tuple(t.split("/", 1)) for t in tags if t.count("/") == 1}
+    return present | {p for p in map(scalar_parts, tags) if p}
 
 
 def can_check(rule: Rule, present) -> bool:

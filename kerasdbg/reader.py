@@ -26,6 +26,7 @@ import pandas as pd
 from tensorboard.backend.event_processing import plugin_event_accumulator
 from tensorboard.util import tensor_util
 
+from kerasdbg.records.tags import statistic_of, tensor_name
 from kerasdbg.sinks import store as _store
 from kerasdbg.sinks.event_tail import EventSource
 
@@ -436,12 +437,7 @@ class Run:
             >>> run.steps("step/loss")
             [1]
         """
-        from kerasdbg.records.tags import COLLECTIONS, tag_parts
-
-        names = set()
-        for tag in self.tags(run=run):
-            parts = tag_parts(tag)
-            names.add(f"{parts[0]}/{parts[1]}" if parts and parts[0] in COLLECTIONS else tag)
+        names = {tensor_name(tag) for tag in self.tags(run=run)}
         names.update(self.tags(kind="histograms", run=run))
         if pattern is not None:
             names = {n for n in names if re.search(pattern, n)}
@@ -559,8 +555,8 @@ class Tensor:
         self._run_name = run_name
         tags = run.tags(run=run_name)
         self._scalar = name in tags
-        self.statistics = [t[len(name) + 1:] for t in tags
-                           if t.startswith(name + "/") and "/" not in t[len(name) + 1:]]
+        self.statistics = [s for s in (statistic_of(name, t) for t in tags)
+                           if s is not None]
         self._histogram = name in run.tags(kind="histograms", run=run_name)
         if not (self._scalar or self.statistics or self._histogram):
             raise KeyError(

@@ -13,13 +13,13 @@ import numpy as np
 import pandas as pd
 
 from kerasdbg.records import tags as _tags
+from kerasdbg.records.verdicts import verdict_rows
 from kerasdbg.reader import Run, load_run
-from kerasdbg.rules.rule import CLASSES, COLLECTIONS, SCALAR_COLLECTIONS
 
 __all__ = ("NotARunError", "collect", "first_positive_step", "mean_norms", "other_trainings",
            "require_run", "summary", "write_report")
 
-KERASDBG_PREFIXES = tuple(f"{c}/" for c in COLLECTIONS + SCALAR_COLLECTIONS + (CLASSES,))
+KERASDBG_PREFIXES = _tags.KERASDBG_PREFIXES
 """Tags that kerasdbg writes start with one of these."""
 
 TOP_LINES = 10
@@ -71,9 +71,9 @@ def _wide(run: Run, pattern: str, run_name: str) -> pd.DataFrame:
         return pd.DataFrame()
 
 
-def _strip(columns, prefix: str, suffix: str) -> List[str]:
-    return [c[len(prefix):len(c) - len(suffix)] if c.endswith(suffix) else c[len(prefix):]
-            for c in columns]
+def _tensors(tags) -> List[str]:
+    """The tensor of each per-tensor tag (`m/d/kernel` of `gradients/m/d/kernel/l2_norm`)."""
+    return [_tags.tensor_of(t) for t in tags]
 
 
 def _layer_norms(norms: pd.DataFrame) -> pd.DataFrame:
@@ -120,12 +120,14 @@ def collect(log_dir: str, run_name: str = "train",
     run = load_run(log_dir)
     require_run(run, run_name)
     parts = [
-        ("loss", r"step/loss|epoch/loss|epoch/val_loss"),
-        ("global_norm", r"gradients/(.+/)?global_norm"),
-        ("gradient_norms", r"gradients/.+/l2_norm"),
-        ("nan_counts", r"gradients/.+/(nan|inf)_count"),
-        ("update_ratios", r"weights/.+/update_ratio"),
-        ("activations", r"activations/.+/(dead_fraction|saturated_fraction|std)"),
+        ("loss", _tags.any_pattern([_tags.scalar_pattern(_tags.STEP, ["loss"]),
+                                    _tags.scalar_pattern(_tags.EPOCH, ["loss", "val_loss"])])),
+        ("global_norm", _tags.per_optimizer_pattern(_tags.GRADIENTS, _tags.GLOBAL_NORM)),
+        ("gradient_norms", _tags.statistic_pattern(_tags.GRADIENTS, "l2_norm")),
+        ("nan_counts", _tags.statistic_pattern(_tags.GRADIENTS, ["nan_count", "inf_count"])),
+        ("update_ratios", _tags.statistic_pattern(_tags.WEIGHTS, "update_ratio")),
+        ("activations", _tags.statistic_pattern(
+            _tags.ACTIVATIONS, ["dead_fraction", "saturated_fraction", "std"])),
     ]
     data: Dict[str, object] = {"log_dir": log_dir, "run": run_name}
     total = len(parts) + 1
@@ -141,8 +143,8 @@ def collect(log_dir: str, run_name: str = "train",
     data["epochs"] = (pd.concat(epochs, ignore_index=True) if epochs
                       else pd.DataFrame(columns=["run", "tag", "step", "wall_time", "value"]))
     verdicts = pd.DataFrame()
-    if run.tags("rules/verdicts", kind="text", run=run_name):
-        verdicts = run.texts("rules/verdicts", run=run_name)[["step", "text"]]
+    if run.tags(_tags.VERDICTS, kind="text", run=run_name):
+        verdicts = run.texts(_tags.VERDICTS, run=run_name)[["step", "text"]]
     data["verdicts"] = verdicts
     data["rollbacks"] = run.rollbacks(run=run_name)
     if progress:
@@ -289,7 +291,7 @@ def summary(data: Dict[str, object], top: int = 3) -> str:
     lines.append(f"  first non-finite step: {first if first is not None else 'none'}")
     if len(norms.columns):
         mean = mean_norms(norms)
-        mean.index = _strip(mean.index, "gradients/", "/l2_norm")
+        mean.index = _tensors(mean.index)
         lines.append("  largest mean gradient norms:  " + ", ".join(
             f"{name} ({value:.3g})" for name, value in mean.iloc[::-1][:top].items()))
         lines.append("  smallest mean gradient norms: " + ", ".join(
@@ -314,10 +316,10 @@ def _verdict_count(verdicts: pd.DataFrame) -> int:
 
 def _verdict_rows(verdicts: pd.DataFrame) -> List[Dict[str, object]]:
     """The rows of the verdict texts (`collect(...)["verdicts"]`), in order
-    (`_tags.verdict_rows`; a line that is not a row takes its text's step)."""
+    (`verdict_rows`; a line that is not a row takes its text's step)."""
     rows = []
     for step, text in zip(verdicts.get("step", []), verdicts.get("text", [])):
-        for row in _tags.verdict_rows(text):
+        for row in verdict_rows(text):
             rows.append({**row, "step": int(step) if row["step"] is None else row["step"]})
     return rows
 
@@ -345,7 +347,7 @@ def _verdict_table(verdicts: pd.DataFrame) -> str:
         for r in rows[:VERDICT_ROWS])
     left = len(rows) - VERDICT_ROWS
     note = (f"<p>… and {left} more verdicts (all of them: TensorBoard's Text dashboard, tag "
-            "<code>rules/verdicts</code>).</p>" if left > 0 else "")
+            f"<code>{_tags.VERDICTS}</code>).</p>" if left > 0 else "")
     return ('<table class="verdicts"><colgroup><col style="width:14%"><col style="width:7%">'
             '<col style="width:33%"><col style="width:46%"></colgroup>'
             "<tr><th>rule</th><th>step</th><th>tensors</th><th>reason</th></tr>"
@@ -355,9 +357,9 @@ def _verdict_table(verdicts: pd.DataFrame) -> str:
 def _first_nonfinite(data) -> Optional[int]:
     candidates = []
     loss: pd.DataFrame = data["loss"]
-    if "step/loss" in loss.columns:
-        bad = loss.index[~np.isfinite(loss["step/loss"].to_numpy(dtype=float))
-                         & loss["step/loss"].notna().to_numpy()]
+    if _tags.LOSS in loss.columns:
+        bad = loss.index[~np.isfinite(loss[_tags.LOSS].to_numpy(dtype=float))
+                         & loss[_tags.LOSS].notna().to_numpy()]
         candidates += [int(s) for s in bad[:1]]
     first = first_positive_step(data["nan_counts"])
     candidates += [] if first is None else [first]
@@ -656,23 +658,24 @@ def _write(data: Dict[str, object], out: Optional[str]) -> str:
     norms: pd.DataFrame = data["gradient_norms"]
     if len(norms.columns):
         norms = norms.copy()
-        norms.columns = _strip(norms.columns, "gradients/", "/l2_norm")
+        norms.columns = _tensors(norms.columns)
         figure("gradient_heatmap.png", "Gradient norm per layer", lambda p: _plot_heatmap(
             _layer_norms(norms), p, "gradient norm per layer", "layers", unit="norm"))
     ratios: pd.DataFrame = data["update_ratios"]
     if len(ratios.columns):
         per_variable("update_ratios", "Update ratio per variable", ratios,
-                     _strip(ratios.columns, "weights/", "/update_ratio"),
+                     _tensors(ratios.columns),
                      "update ratio ||dw|| / ||w||", "ratio", "variables", log=True)
     health: pd.DataFrame = data["activations"]
-    fractions = [c for c in health.columns if c.endswith("_fraction")]
+    fractions = [c for c in health.columns if _tags.tag_parts(c)[2].endswith("_fraction")]
     if fractions:
         per_variable("activation_health", "Activation health", health[fractions],
-                     _strip(fractions, "activations/", ""), "dead / saturated units of the taps",
+                     [_tags.column(c, _tags.ACTIVATIONS) for c in fractions],
+                     "dead / saturated units of the taps",
                      "fraction of units", "tap statistics", log=False)
     elif len(health.columns):
         per_variable("activation_health", "Activation spread", health,
-                     _strip(health.columns, "activations/", "/std"),
+                     _tensors(health.columns),
                      "standard deviation of the tapped activations", "std", "taps", log=True)
     text = summary(data)
     page = os.path.join(out, "report.html")

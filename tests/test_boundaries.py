@@ -59,19 +59,19 @@ def test_statistics_records_schedules_and_tags_need_no_tensorflow():
     result = _run("""
         import sys
         from kerasdbg import schedule, stats
-        from kerasdbg.records import tags as _tags
+        from kerasdbg.records import CaptureRecord, StepRecord
         from kerasdbg.quantities import ops
         from kerasdbg.rules import FreezeOnFault, NaNSource, default_rules
         from kerasdbg.rules._runner import RuleRunner
 
         assert stats.STATISTICS[0] == "l2_norm" and "p50" in stats.ALL_STATISTICS
         assert schedule.DEFAULT.at(10) and not schedule.DEFAULT.at(11) and schedule.DEFAULT.at(50)
-        record = _tags.StepRecord({"gradients/d/kernel/nan_count": 1.0, "step/frozen": 1.0,
-                                   "step/fault": 1.0, "faults/nan_source/located": 1.0,
-                                   "faults/nan_source/layer/x": 1.0})
+        record = StepRecord({"gradients/d/kernel/nan_count": 1.0, "step/frozen": 1.0,
+                             "step/fault": 1.0, "faults/nan_source/located": 1.0,
+                             "faults/nan_source/layer/x": 1.0})
         verdicts = RuleRunner(default_rules()).check(3, record)
         assert [v.rule for v in verdicts] == ["ExplodingTensor", "NaNSource"], verdicts
-        captured = _tags.CaptureRecord(step=1, skipped=False, values=None, histograms=None)
+        captured = CaptureRecord(step=1, skipped=False, values=None, histograms=None)
         assert captured.applied
         loaded = {m.split(".")[0] for m in sys.modules}
         assert not loaded & {"tensorflow", "keras", "tensorboard"}, loaded

@@ -169,7 +169,7 @@ def test_check_gives_the_verdicts_stop_on_rule_gave_during_the_demo(demo, capsys
     """One verdict per run: `kerasdbg check` (the default rules) says what the demo's
     StopOnRules (the same default rules) wrote to TensorBoard, step for step, and
     nothing on the healthy run."""
-    from kerasdbg.records.tags import verdict_rows
+    from kerasdbg.records import verdict_rows
 
     out, _ = demo
     assert cli.main(["check", str(out / "healthy")]) == 0

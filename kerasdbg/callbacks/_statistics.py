@@ -168,7 +168,8 @@ class StatisticsCallback(RecordingCallback):
                     self._rows.append(record)
             if record.values is not None and self.kind == "gradients":
                 clipped = [v for t, v in zip(record.tags, record.values)
-                           if t is not None and t.endswith("/clipped")]
+                           if t is not None and _tags.is_per_optimizer(
+                               t, _tags.GRADIENTS, _tags.CLIPPED)]
                 self._clipped += int(bool(clipped) and clipped[0] > 0)
             if self._writer is None or record.skipped:
                 continue

@@ -13,6 +13,7 @@ from kerasdbg.sinks import events as _events
 from kerasdbg.backends.tensorflow import keras_internals as internals
 from kerasdbg.backends.tensorflow import layer_sink as _layer_sink
 from kerasdbg.sinks import layout as _layout
+from kerasdbg.records import tags as _tags
 from kerasdbg import _validation as check
 from kerasdbg.callbacks._recording import RecordingCallback, release_writer, selected
 from kerasdbg.layers.tap_layer import TapLayer
@@ -172,9 +173,9 @@ class ActivationStatistics(RecordingCallback):
     def _write(self, tap: TapLayer, rows) -> None:
         for row, record in rows:
             step = row["step"]
-            values = {
-                f"{tap.name}/{k}": v for k, v in row.items() if k not in ("step", "mode")
-            }
+            scalars = {_tags.statistic(_tags.ACTIVATIONS, tap.name, k): v
+                       for k, v in row.items() if k not in ("step", "mode")}
+            values = {_tags.column(tag, _tags.ACTIVATIONS): v for tag, v in scalars.items()}
             if self.history_size:
                 self._steps.setdefault(step, {}).update(values)
                 while len(self._steps) > self.history_size:
@@ -185,10 +186,9 @@ class ActivationStatistics(RecordingCallback):
             if "hist_counts" in record.values:
                 low, high = record.values["hist_range"]
                 if low == low and high == high:  # not NaN: some value was finite
-                    histograms[f"activations/{tap.name}"] = (record.values["hist_counts"], low, high)
-            self._writer.write(
-                step, {f"activations/{k}": v for k, v in values.items()}, histograms
-            )
+                    histograms[_tags.tensor(_tags.ACTIVATIONS, tap.name)] = (
+                        record.values["hist_counts"], low, high)
+            self._writer.write(step, scalars, histograms)
 
     # ----------------------------------------------------------- results
     @property
@@ -199,7 +199,8 @@ class ActivationStatistics(RecordingCallback):
         self._flush(alone=True)
         columns = ["step"]
         for tap in self._taps:
-            columns += [f"{tap.name}/{s}" for s in (*tap.stats, *tap.health)]
+            columns += [_tags.column(_tags.statistic(_tags.ACTIVATIONS, tap.name, s),
+                                     _tags.ACTIVATIONS) for s in (*tap.stats, *tap.health)]
         rows = [{"step": step, **values} for step, values in sorted(self._steps.items())]
         return pd.DataFrame(rows, columns=columns)
 

@@ -14,6 +14,7 @@ from kerasdbg.backends.tensorflow import buffers as _buffers
 from kerasdbg import capture as _capture
 from kerasdbg.backends.tensorflow import keras_internals as internals
 from kerasdbg.sinks import layout as _layout
+from kerasdbg.records import tags as _tags
 from kerasdbg import _validation as check
 from kerasdbg.callbacks._recording import RecordingCallback, release_writer
 from kerasdbg.rules.rule import DiagnosisWarning
@@ -189,7 +190,7 @@ class StepTimer(RecordingCallback):
                        examples_per_second=examples / wall if wall > 0 else np.nan)
         self._rows.append(row)
         if self._writer is not None:
-            scalars = {f"time/{k}": v for k, v in row.items()
+            scalars = {_tags.scalar(_tags.TIME, k): v for k, v in row.items()
                        if k not in ("step", "steps", "examples") and not np.isnan(v)}
             self._writer.write(step, scalars=scalars)
         self._check_input_bound()

@@ -172,7 +172,7 @@ class Collector:
         for request in requests:
             if request.kind == "classes":
                 totals = _buffers.read(request.totals)
-                tags = tuple(f"classes/{k}/{c}" if request.present[k] else None
+                tags = tuple(_tags.statistic(_tags.CLASSES, str(k), c) if request.present[k] else None
                              for k in range(MAX_CLASSES) for c in CLASS_COLUMNS)
                 last = [table[(i - 1) % n] for i in ids if int(table[(i - 1) % n][0]) == i]
                 if last:

@@ -1,5 +1,5 @@
-"""TensorBoard tags of kerasdbg's records: built and parsed here, and the
-record of one step that rules read (`StepRecord`). Plain Python.
+"""TensorBoard tags of kerasdbg's records: every tag kerasdbg writes or reads
+is built, parsed or matched here, and nowhere else. Plain Python.
 
 - `gradients/<variable path>/<stat>`: the gradient the model produced for a
   variable (before clipping; with gradient accumulation, each batch's);
@@ -12,27 +12,91 @@ record of one step that rules read (`StepRecord`). Plain Python.
 - `gradients/clipped` (`gradients/<optimizer>/clipped`): 1 at the steps where
   clipping changed the gradient, else 0;
 - `weights/<variable path>/<stat>`;
+- `<kind>/<variable path>` (`gradients/...`, `weights/...`) and
+  `activations/<tap>`: the histograms;
+- `activations/<tap>/<stat>`: the statistics of `TapLayer`s;
 - `step/<name>`: one value per train step (`step/loss`, `step/frozen`, and
-  every scalar the train step returns).
+  every scalar the train step returns);
+- `epoch/<log>`: Keras's epoch logs (`epoch/loss`, `epoch/val_loss`);
+- `classes/<k>/seen`, `classes/<k>/mispredicted`, `replicas/<variable
+  path>/spread`, `faults/...`: what `StopOnRule` records for its rules;
+- `time/<name>`: `StepTimer`'s timings;
+- `rules/verdicts`: `StopOnRule`'s verdict text (`kerasdbg.records.verdicts`).
 
 `<optimizer>` is where the model keeps the optimizer (`d_optimizer`,
 `discriminator.optimizer`); a model trained by one optimizer keeps the
 shorter tags.
+
+Examples:
+    >>> from kerasdbg.records import tags
+    >>> tag = tags.statistic(tags.GRADIENTS, "m/dense/kernel", "l2_norm")
+    >>> tag, tags.tag_parts(tag)
+    ('gradients/m/dense/kernel/l2_norm', ('gradients', 'm/dense/kernel', 'l2_norm'))
 """
 
 from __future__ import annotations
 
 import functools
 import re
-from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
+# ---------------------------------------------------------- collections
+# The first part of every tag.
+GRADIENTS = "gradients"
+"""`gradients/<variable path>/<stat>`, `gradients/global_norm`, `gradients/clipped`."""
 APPLIED_GRADIENTS = "applied_gradients"
+"""`applied_gradients/<variable path>/<stat>`, `applied_gradients/global_norm`."""
+WEIGHTS = "weights"
+"""`weights/<variable path>/<stat>`."""
+ACTIVATIONS = "activations"
+"""`activations/<tap>/<stat>`: the statistics of `TapLayer`s."""
 STEP = "step"
+"""`step/<name>`: one value per train step."""
+EPOCH = "epoch"
+"""`epoch/<log>`: Keras's epoch logs, at the step that ended the epoch."""
+TIME = "time"
+"""`time/<name>`: `StepTimer`'s timings of each execution (`time/step_seconds`, ...)."""
+FAULTS = "faults"
+"""`faults/<group>/<kind>[/<name>]`: what the capture found at a fault (below)."""
+REPLICAS = "replicas"
+"""Tags `replicas/<variable path>/spread`: how far the replicas' copies of a
+trainable variable are apart (from `StopOnRule` when a rule reads them, every
+few steps): the largest relative difference between a replica's checksums
+(sum, sum of squares) and replica 0's; 0 when every replica holds the same
+values."""
+CLASSES = "classes"
+"""Tags `classes/<k>/seen` and `classes/<k>/mispredicted`: labels of class `k`
+seen in training so far and how many of them were predicted wrong (from
+`StopOnRule` when a rule reads them)."""
+
+COLLECTIONS = (GRADIENTS, WEIGHTS, ACTIVATIONS)
+"""Collections of per-tensor tags: `<collection>/<tensor>/<statistic>`."""
+SCALAR_COLLECTIONS = (STEP, EPOCH)
+"""Collections of two-part tags: `step/loss`, `step/frozen` (each optimizer
+step, from `StopOnRule`), `epoch/<log>` (Keras's epoch logs: `epoch/loss`,
+`epoch/val_loss`, ...)."""
+
+VERDICTS = "rules/verdicts"
+"""The text tag of `StopOnRule`'s verdicts (`kerasdbg.records.verdicts`)."""
+
+GLOBAL_NORM = "global_norm"
+"""`<kind>/global_norm` (`<kind>/<optimizer>/global_norm`)."""
+CLIPPED = "clipped"
+"""`gradients/clipped` (`gradients/<optimizer>/clipped`)."""
+LOSS = f"{STEP}/loss"
+"""The loss of each optimizer step."""
 
 
+# ------------------------------------------------------------- building
 def statistic(kind: str, path: str, stat: str) -> str:
     """`<kind>/<variable path>/<stat>`."""
     return f"{kind}/{path}/{stat}"
+
+
+def tensor(kind: str, path: str) -> str:
+    """`<kind>/<variable path>` (or `activations/<tap>`): a histogram's tag,
+    and the name under which `Run.tensor` reads the statistics of a tensor."""
+    return f"{kind}/{path}"
 
 
 def per_optimizer(kind: str, name: str, optimizer: Optional[str]) -> str:
@@ -41,17 +105,67 @@ def per_optimizer(kind: str, name: str, optimizer: Optional[str]) -> str:
     return f"{kind}/{name}" if optimizer is None else f"{kind}/{optimizer}/{name}"
 
 
+def scalar(collection: str, name: str) -> str:
+    """`<collection>/<name>`: a two-part tag (`step/loss`, `epoch/val_loss`,
+    `time/step_seconds`)."""
+    return f"{collection}/{name}"
+
+
 def step_scalar(name: str) -> str:
     """`step/<name>`."""
-    return f"{STEP}/{name}"
+    return scalar(STEP, name)
+
+
+def epoch_scalar(name: str) -> str:
+    """`epoch/<name>`: Keras's epoch log `name`."""
+    return scalar(EPOCH, name)
+
+
+def prefix(collection: str) -> str:
+    """`<collection>/`: what every tag of `collection` starts with."""
+    return f"{collection}/"
+
+
+def prefixes(collections: Iterable[str]) -> Tuple[str, ...]:
+    """`prefix` of each collection, for `str.startswith`."""
+    return tuple(prefix(c) for c in collections)
+
+
+KERASDBG_PREFIXES = prefixes(COLLECTIONS + SCALAR_COLLECTIONS + (CLASSES,))
+"""The tags of a run that kerasdbg can read back start with one of these."""
+
+
+# -------------------------------------------------------------- parsing
+def in_collection(tag: str, collection: str) -> bool:
+    """Whether `tag` is one of `collection`'s (`<collection>/...`)."""
+    return tag.startswith(prefix(collection))
+
+
+def scalar_name(tag: str) -> str:
+    """What follows the collection: `loss` of `step/loss`, `nan_source/located`
+    of `faults/nan_source/located`."""
+    return tag.partition("/")[2]
+
+
+def scalar_parts(tag: str) -> Optional[Tuple[str, str]]:
+    """`(collection, name)` of a two-part tag (`step/loss`,
+    `gradients/global_norm`), else None."""
+    if tag.count("/") != 1:
+        return None
+    collection, _, name = tag.partition("/")
+    return collection, name
+
+
+def is_per_optimizer(tag: str, kind: str, name: str) -> bool:
+    """Whether `tag` is `<kind>/<name>` or a `<kind>/<optimizer>/<name>`
+    (see `per_optimizer`)."""
+    return tag == f"{kind}/{name}" or (tag.startswith(f"{kind}/") and tag.endswith(f"/{name}"))
 
 
 def per_optimizer_values(record: Mapping[str, float], kind: str, name: str) -> List[float]:
     """The values of `<kind>/<name>` and of every `<kind>/<optimizer>/<name>`
     (see `per_optimizer`) in `record`."""
-    whole, prefix, suffix = f"{kind}/{name}", f"{kind}/", f"/{name}"
-    return [float(value) for tag, value in record.items()
-            if tag == whole or (tag.startswith(prefix) and tag.endswith(suffix))]
+    return [float(value) for tag, value in record.items() if is_per_optimizer(tag, kind, name)]
 
 
 _LOSS_NAME = re.compile(r"(?:^|[^a-z])loss(?:$|[^a-z])", re.IGNORECASE)
@@ -65,7 +179,7 @@ def is_loss_name(name: str) -> bool:
 
 def step_losses(record: Mapping[str, float]) -> Dict[str, float]:
     """`{name: value}` of the tags `step/<name>` whose name says it is a loss."""
-    start = f"{STEP}/"
+    start = prefix(STEP)
     return {tag[len(start):]: float(value) for tag, value in record.items()
             if tag.startswith(start) and is_loss_name(tag[len(start):])}
 
@@ -73,24 +187,69 @@ def step_losses(record: Mapping[str, float]) -> Dict[str, float]:
 def column(tag: str, kind: str) -> str:
     """The `history` column of `tag` in a callback recording `kind`: the tag
     without its `<kind>/` prefix (other tags keep theirs)."""
-    prefix = f"{kind}/"
-    return tag[len(prefix):] if tag.startswith(prefix) else tag
+    start = prefix(kind)
+    return tag[len(start):] if tag.startswith(start) else tag
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def tag_parts(tag: str) -> Optional[Tuple[str, str, str]]:
+    """`(collection, tensor, statistic)` of a per-tensor (or per-class, or
+    per-replica) tag, else None. Each tag is parsed once (the answer is kept)."""
+    collection, _, rest = tag.partition("/")
+    tensor_path, _, stat = rest.rpartition("/")
+    if collection not in COLLECTIONS + (CLASSES, REPLICAS) or not tensor_path:
+        return None
+    return collection, tensor_path, stat
+
+
+def tensor_of(tag: str) -> str:
+    """The tensor of a per-tensor tag (`m/d/kernel` of
+    `gradients/m/d/kernel/l2_norm`); a tag of another shape as it is."""
+    parts = tag_parts(tag)
+    return tag if parts is None else parts[1]
+
+
+def tensor_name(tag: str) -> str:
+    """The name `Run.tensor` reads a tag under: `<collection>/<tensor>` of a
+    per-tensor statistic of `gradients`, `weights` or `activations`, else
+    the tag itself."""
+    parts = tag_parts(tag)
+    return tensor(parts[0], parts[1]) if parts and parts[0] in COLLECTIONS else tag
+
+
+def statistic_of(name: str, tag: str) -> Optional[str]:
+    """The statistic of `tag` when it is `<name>/<statistic>` (`name` from
+    `tensor_name`), else None."""
+    start = name + "/"
+    if not tag.startswith(start) or "/" in tag[len(start):]:
+        return None
+    return tag[len(start):]
+
+
+def names_under(record, start: str) -> list:
+    """The `<name>`s of the tags `<start>/<name>` in `record` whose value is
+    non-zero, in the record's order."""
+    start = start + "/"
+    return [tag[len(start):] for tag, value in record.items()
+            if tag.startswith(start) and value]
 
 
 # ------------------------------------------------------------ patterns
 # Regular expressions of groups of tags, for TensorBoard's custom-scalars
-# layout (`kerasdbg.sinks.layout`), whose plugin applies them with `re.match`;
-# anchored at both ends, so that they also select exactly these tags where
-# they are searched for (the Scalars tab's tag filter).
-ACTIVATIONS = "activations"
-"""`activations/<tap>/<stat>`: the statistics of `TapLayer`s."""
-TIME = "time"
-"""`time/<name>`: `StepTimer`'s timings of each execution (`time/step_seconds`, ...)."""
+# layout (`kerasdbg.sinks.layout`), whose plugin applies them with `re.match`,
+# and for `Run.scalar_table` (`re.fullmatch`); anchored at both ends, so
+# that they also select exactly these tags where they are searched for (the
+# Scalars tab's tag filter).
+def _alternatives(names: Sequence[str]) -> str:
+    names = "|".join(re.escape(n) for n in names)
+    return names if "|" not in names else f"({names})"
 
 
-def statistic_pattern(kind: str, stat: str) -> str:
-    """The tags `<kind>/<tensor>/<stat>` of every tensor (variable or tap)."""
-    return f"^{re.escape(kind)}/.+/{re.escape(stat)}$"
+def statistic_pattern(kind: str, stat) -> str:
+    """The tags `<kind>/<tensor>/<stat>` of every tensor (variable or tap);
+    `stat` a name or a sequence of names."""
+    stats = [stat] if isinstance(stat, str) else list(stat)
+    return f"^{re.escape(kind)}/.+/{_alternatives(stats)}$"
 
 
 def per_optimizer_pattern(kind: str, name: str) -> str:
@@ -100,9 +259,20 @@ def per_optimizer_pattern(kind: str, name: str) -> str:
 
 def scalar_pattern(collection: str, names: Sequence[str]) -> str:
     """The tags `<collection>/<name>` of `names` (`step/loss`, `time/step_seconds`)."""
-    names = "|".join(re.escape(n) for n in names)
-    return f"^{re.escape(collection)}/{names}$" if "|" not in names else \
-        f"^{re.escape(collection)}/({names})$"
+    return f"^{re.escape(collection)}/{_alternatives(names)}$"
+
+
+def any_pattern(patterns: Sequence[str]) -> str:
+    """The tags any of `patterns` matches."""
+    return "|".join(patterns)
+
+
+def tag_pattern(collection: str, statistic: str, name: str = "<name>") -> str:
+    """How the tags of a `requires` pair look, for messages: `step/loss`,
+    `gradients/global_norm`, `<collection>/<name>/<statistic>`."""
+    if collection in SCALAR_COLLECTIONS or statistic == GLOBAL_NORM:
+        return f"{collection}/{statistic}"
+    return f"{collection}/{name}/{statistic}"
 
 
 # --------------------------------------------------------------- faults
@@ -122,7 +292,6 @@ def scalar_pattern(collection: str, names: Sequence[str]) -> str:
 #   this train step's update before the apply that found the fault;
 # - `faults/freeze/found_by/<optimizer>`: the optimizer whose apply found it;
 # - `faults/freeze/max_gradient_norm`: the gradient-norm limit that was armed.
-FAULTS = "faults"
 NAN_SOURCE = f"{FAULTS}/nan_source"
 FREEZE = f"{FAULTS}/freeze"
 NAN_SOURCE_LAYER = 1
@@ -140,184 +309,70 @@ def fault(group: str, kind: str, name: Optional[str] = None) -> str:
     return f"{FAULTS}/{group}/{kind}" if name is None else f"{FAULTS}/{group}/{kind}/{name}"
 
 
-def names_under(record, prefix: str) -> list:
-    """The `<name>`s of the tags `<prefix>/<name>` in `record` whose value is
-    non-zero, in the record's order."""
-    start = prefix + "/"
-    return [tag[len(start):] for tag, value in record.items()
-            if tag.startswith(start) and value]
+# ------------------------------------------------------- whole tags
+PER_OPTIMIZER_NAMES = (GLOBAL_NORM, CLIPPED)
+"""The last parts of `gradients/` and `applied_gradients/` tags that are one
+per optimizer (`per_optimizer`), not one per variable (`statistic`)."""
+PLUGINS = ("scalars", "histograms", "text")
+"""The TensorBoard plugins whose data kerasdbg writes."""
 
 
-# ------------------------------------------------------------- parsing
-COLLECTIONS = ("gradients", "weights", "activations")
-"""Collections of per-tensor tags: `<collection>/<tensor>/<statistic>`."""
-SCALAR_COLLECTIONS = ("step", "epoch")
-"""Collections of two-part tags: `step/loss`, `step/frozen` (each optimizer
-step, from `StopOnRule`), `epoch/<log>` (Keras's epoch logs: `epoch/loss`,
-`epoch/val_loss`, ...)."""
-REPLICAS = "replicas"
-"""Tags `replicas/<variable path>/spread`: how far the replicas' copies of a
-trainable variable are apart (from `StopOnRule` when a rule reads them, every
-few steps): the largest relative difference between a replica's checksums
-(sum, sum of squares) and replica 0's; 0 when every replica holds the same
-values."""
-CLASSES = "classes"
-"""Tags `classes/<k>/seen` and `classes/<k>/mispredicted`: labels of class `k`
-seen in training so far and how many of them were predicted wrong (from
-`StopOnRule` when a rule reads them)."""
+class ParsedTag(NamedTuple):
+    """A tag taken apart: `form`, the name of the function of this module
+    that builds it (`statistic`, `per_optimizer`, `scalar`, `fault`,
+    `tensor`; `VERDICTS` for the constant), and `parts`, its arguments.
+    `build` puts it back together."""
 
-Record = Mapping[str, float]
-"""The scalars of one step, by TensorBoard tag: `gradients/<variable>/<stat>`,
-`weights/<variable>/<stat>`, `activations/<tap>/<stat>`, `gradients/global_norm`,
-`step/loss`, `step/frozen`; or of one epoch: `epoch/loss`, `epoch/val_loss`, ..."""
+    form: str
+    parts: Tuple[Optional[str], ...]
 
 
-@functools.lru_cache(maxsize=1 << 16)
-def tag_parts(tag: str) -> Optional[Tuple[str, str, str]]:
-    """`(collection, tensor, statistic)` of a per-tensor (or per-class) tag,
-    else None. Each tag is parsed once (the answer is kept)."""
+_PER_TENSOR = (GRADIENTS, APPLIED_GRADIENTS, WEIGHTS, ACTIVATIONS, CLASSES, REPLICAS)
+_HISTOGRAMS = (GRADIENTS, APPLIED_GRADIENTS, WEIGHTS, ACTIVATIONS)
+
+
+def parse(tag: str, plugin: str = "scalars") -> Optional[ParsedTag]:
+    """Takes apart any tag kerasdbg writes, of one of the `PLUGINS`; None for
+    a tag that is not kerasdbg's. `build(parse(tag, plugin)) == tag`.
+
+    Examples:
+        >>> from kerasdbg.records import tags
+        >>> tags.parse("gradients/d_optimizer/global_norm")
+        ParsedTag(form='per_optimizer', parts=('gradients', 'global_norm', 'd_optimizer'))
+        >>> tags.parse("faults/nan_source/gradient/m/d/kernel")
+        ParsedTag(form='fault', parts=('nan_source', 'gradient', 'm/d/kernel'))
+        >>> tags.build(tags.parse("weights/m/d/kernel", "histograms"))
+        'weights/m/d/kernel'
+    """
+    if plugin == "text":
+        return ParsedTag("VERDICTS", ()) if tag == VERDICTS else None
     collection, _, rest = tag.partition("/")
-    tensor, _, statistic = rest.rpartition("/")
-    if collection not in COLLECTIONS + (CLASSES, REPLICAS) or not tensor:
+    if not rest:
         return None
-    return collection, tensor, statistic
+    if plugin == "histograms":
+        return ParsedTag("tensor", (collection, rest)) if collection in _HISTOGRAMS else None
+    head, _, last = rest.rpartition("/")
+    if collection in (GRADIENTS, APPLIED_GRADIENTS) and last in PER_OPTIMIZER_NAMES:
+        return ParsedTag("per_optimizer", (collection, last, head or None))
+    if collection == STEP and head:  # `step/<optimizer>/weight_decay_fraction`
+        return ParsedTag("per_optimizer", (collection, last, head))
+    if collection in SCALAR_COLLECTIONS + (TIME,):
+        return ParsedTag("scalar", (collection, rest))
+    if collection == FAULTS:
+        group, _, more = rest.partition("/")
+        kind, _, name = more.partition("/")
+        return ParsedTag("fault", (group, kind, name or None)) if group and kind else None
+    if collection in _PER_TENSOR and head and last:
+        return ParsedTag("statistic", (collection, head, last))
+    return None
 
 
-def tag_pattern(collection: str, statistic: str) -> str:
-    """How the tags of a `requires` pair look, for messages."""
-    if collection in SCALAR_COLLECTIONS or statistic == "global_norm":
-        return f"{collection}/{statistic}"
-    return f"{collection}/<name>/{statistic}"
+def build(parsed: ParsedTag) -> str:
+    """The tag `parse` took apart."""
+    if parsed.form == "VERDICTS":
+        return VERDICTS
+    return _BUILDERS[parsed.form](*parsed.parts)
 
 
-class StepRecord(dict):
-    """The scalars of one step, by tag (a `dict`), indexed once by
-    `(collection, statistic)` for the rules: `values_of` then reads the
-    values of one statistic without looking at the other tags.
-
-    Examples:
-        >>> from kerasdbg.records.tags import StepRecord, values_of
-        >>> record = StepRecord({"gradients/d/kernel/l2_norm": 2.0, "step/loss": 0.5})
-        >>> list(values_of(record, "gradients", "l2_norm"))
-        [('d/kernel', 2.0)]
-    """
-
-    __slots__ = ("_index",)
-
-    def by_statistic(self, collection: str, statistic: str) -> List[Tuple[str, float]]:
-        """`(tensor, value)` of every tag `<collection>/<tensor>/<statistic>`."""
-        index = getattr(self, "_index", None)
-        if index is None:
-            index = {}
-            for tag, value in self.items():
-                parts = tag_parts(tag)
-                if parts:
-                    index.setdefault((parts[0], parts[2]), []).append((parts[1], float(value)))
-            self._index = index
-        return index.get((collection, statistic), [])
-
-
-def values_of(record: Record, collection: str, statistic: str) -> Iterator[Tuple[str, float]]:
-    """`(tensor, value)` for each finite or non-finite value of one statistic."""
-    if isinstance(record, StepRecord):
-        yield from record.by_statistic(collection, statistic)
-        return
-    for tag, value in record.items():
-        parts = tag_parts(tag)
-        if parts and parts[0] == collection and parts[2] == statistic:
-            yield parts[1], float(value)
-
-
-# ------------------------------------------------------------- verdicts
-VERDICT_TENSORS = 5
-"""Tensors listed per verdict in the `rules/verdicts` text; the others are counted."""
-_VERDICT_ROW = re.compile(
-    r"^\|\s*(?P<rule>[^|]*?)\s*\|\s*(?P<step>-?\d+)\s*\|\s*(?P<tensors>[^|]*?)\s*\|"
-    r"\s?(?P<reason>.*?)\s*\|\s*$")
-_VERDICT_HEAD = re.compile(r"^\|\s*rule\s*\|\s*step\s*\||^\|[-:| ]*\|\s*$")
-_MORE = re.compile(r"\s*\.\.\.(?: and (?P<count>\d+) more)?$")
-
-
-def verdict_markdown(verdicts: Sequence[Any]) -> str:
-    """The `rules/verdicts` text of `StopOnRule`: a Markdown table `| rule |
-    step | tensors | reason |` (TensorBoard's Text dashboard renders it);
-    `verdict_rows` reads it back.
-
-    Examples:
-        >>> from kerasdbg.records.tags import verdict_markdown, verdict_rows
-        >>> from kerasdbg.rules import AllZero
-        >>> text = verdict_markdown([AllZero().check(3, {"weights/m/d/bias/zero_fraction": 1.0})])
-        >>> print(text)
-        | rule | step | tensors | reason |
-        |---|---|---|---|
-        | AllZero | 3 | m/d/bias | AllZero at step 3: zero_fraction at or above 1 in weights: m/d/bias=1 |
-        >>> verdict_rows(text)[0]["tensors"]
-        ['m/d/bias']
-    """
-    rows = ["| rule | step | tensors | reason |", "|---|---|---|---|"]
-    for v in verdicts:
-        hidden = len(v.tensors) - VERDICT_TENSORS
-        tensors = ", ".join(v.tensors[:VERDICT_TENSORS]) + (
-            f" ... and {hidden} more" if hidden > 0 else "")
-        rows.append(f"| {v.rule} | {v.step} | {tensors} | {v.reason} |")
-    return "\n".join(rows)
-
-
-def verdict_rows(text: str) -> List[Dict[str, Any]]:
-    """The rows of a `verdict_markdown` text, in order: dicts of `rule`,
-    `step` (None for a line that is not a row, kept as a `reason`),
-    `tensors` (a list), `hidden` (tensors left out of the list; -1 when a
-    run written before this count says only " ...") and `reason`. The
-    reason is the last cell, so it may itself hold a "|"."""
-    rows = []
-    for line in str(text).splitlines():
-        line = line.strip()
-        if not line or _VERDICT_HEAD.match(line):
-            continue
-        match = _VERDICT_ROW.match(line)
-        if match is None:
-            rows.append({"rule": "", "step": None, "tensors": [], "hidden": 0, "reason": line})
-            continue
-        tensors, hidden = match["tensors"], 0
-        more = _MORE.search(tensors)
-        if more is not None:
-            hidden = int(more["count"]) if more["count"] else -1
-            tensors = tensors[:more.start()]
-        rows.append({"rule": match["rule"], "step": int(match["step"]),
-                     "tensors": [t.strip() for t in tensors.split(",") if t.strip()],
-                     "hidden": hidden, "reason": match["reason"]})
-    return rows
-
-
-# ------------------------------------------------------------- records
-class CaptureRecord(NamedTuple):
-    """What one step recorded for one request.
-
-    Attributes:
-        step: the step: for gradients and weights, the applying optimizer's
-            step (its `iterations` after the update, 1-based; with gradient
-            accumulation, the batch it accumulated); for "step" requests the
-            step of the first optimizer apply in that train step (counted on
-            from the last fit when nothing is applied). A step the loss scaler
-            skipped carries the number the update would have had.
-        skipped: whether the loss scaler skipped the update.
-        values: the request's values for this step, or None if the step was
-            not recorded (`every_n_steps`, or no update to describe).
-        histograms: `(counts [V, bins], ranges [V, 2])`, or None.
-        tags: the TensorBoard tag of each value; None for a value left out
-            (a variable without a gradient, a loss that was not captured).
-        histogram_tags: the tag of each histogram row, None likewise.
-        optimizer: the name of the optimizer that applied the step, or None
-            for a "step" request.
-        applied: whether the step updated the weights (False: a batch whose
-            gradient the optimizer only accumulated).
-    """
-
-    step: int
-    skipped: bool
-    values: Optional[Any]
-    histograms: Optional[tuple]
-    tags: Tuple[Optional[str], ...] = ()
-    histogram_tags: Tuple[Optional[str], ...] = ()
-    optimizer: Optional[str] = None
-    applied: bool = True
+_BUILDERS = {"statistic": statistic, "per_optimizer": per_optimizer, "scalar": scalar,
+             "fault": fault, "tensor": tensor}

@@ -16,7 +16,7 @@ import math
 from typing import Optional, Tuple
 
 from kerasdbg.records import tags as _tags
-from kerasdbg.records.tags import Record
+from kerasdbg.records.step_record import Record
 
 DECAY = "weight_decay_fraction"
 """The step scalar: learning rate x weight decay at a step, the fraction of

@@ -6,10 +6,11 @@ import copy
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from kerasdbg import _qualified
-from kerasdbg.records.tags import StepRecord
+from kerasdbg.records import tags as _tags
+from kerasdbg.records.step_record import StepRecord
 from kerasdbg.rules.rule import Rule, Verdict
 
-EPOCH_PREFIX = "epoch/"
+EPOCH_PREFIX = _tags.prefix(_tags.EPOCH)
 """Tags recorded once per epoch (`epoch/loss`, `epoch/val_loss`, ...), at the
 step that ended the epoch. Rules see them as a record of their own, after the
 step's record, online and offline alike."""

@@ -12,11 +12,12 @@ import math
 from typing import Optional
 
 from kerasdbg import _validation as check
-from kerasdbg.records.tags import is_loss_name, step_losses, step_scalar
+from kerasdbg.records.tags import LOSS, epoch_scalar, is_loss_name, scalar_parts, step_losses
+from kerasdbg.records.tags import STEP, step_scalar
 from kerasdbg.rules.rule import Rule
 
-TRAIN_LOSS = "epoch/loss"
-VAL_LOSS = "epoch/val_loss"
+TRAIN_LOSS = epoch_scalar("loss")
+VAL_LOSS = epoch_scalar("val_loss")
 
 
 class NonFiniteLoss(Rule):
@@ -43,19 +44,19 @@ class NonFiniteLoss(Rule):
         'NonFiniteLoss at step 3: the loss d_loss is nan (no single loss: d_loss, g_loss watched)'
     """
 
-    requires = (("step", "loss"),)
+    requires = (scalar_parts(LOSS),)
     watches_nonfinite = True
 
     def can_check(self, present):
         return super().can_check(present) or any(
-            collection == "step" and is_loss_name(name) for collection, name in present)
+            collection == STEP and is_loss_name(name) for collection, name in present)
 
     def check(self, step, record):
-        loss = record.get("step/loss")
+        loss = record.get(LOSS)
         if loss is not None:
             if math.isfinite(loss):
                 return None
-            return self.verdict(step, f"the loss is {loss:g}", {"step/loss": loss})
+            return self.verdict(step, f"the loss is {loss:g}", {LOSS: loss})
         # No single loss: each loss the train step returns.
         losses = step_losses(record)
         bad = {name: value for name, value in losses.items() if not math.isfinite(value)}
@@ -116,11 +117,11 @@ class LossNotDecreasing(Rule):
 
     @property
     def tag(self) -> str:
-        return "step/loss" if self.split == "train" else VAL_LOSS
+        return LOSS if self.split == "train" else VAL_LOSS
 
     @property
     def requires(self):
-        return (tuple(self.tag.split("/")),)
+        return (scalar_parts(self.tag),)
 
     def reset(self):
         self._values = collections.deque(maxlen=2 * self.num_steps)

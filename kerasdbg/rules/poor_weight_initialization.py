@@ -7,6 +7,7 @@ import re
 from typing import Optional
 
 from kerasdbg import _validation as check
+from kerasdbg.records.tags import LOSS
 from kerasdbg.rules.loss_rules import Plateau
 from kerasdbg.rules.rule import Rule, values_of
 
@@ -138,7 +139,7 @@ class PoorWeightInitialization(Rule):
             f"{self.distribution_range:g}", narrow)
 
     def _check_loss(self, step, record):
-        loss = record.get("step/loss")
+        loss = record.get(LOSS)
         if self.patience is None or loss is None or not math.isfinite(loss):
             return None
         if self._loss.update(step, loss) or self._loss.waits < self.patience:
@@ -146,7 +147,7 @@ class PoorWeightInitialization(Rule):
         return self.verdict(
             step, f"no new lowest loss for {self._loss.waits} steps (lowest "
             f"{self._loss.best:.4g} at step {self._loss.best_step}, now {loss:.4g})",
-            {"step/loss": loss})
+            {LOSS: loss})
 
     def get_config(self):
         return {"threshold": self.threshold, "distribution_range": self.distribution_range,

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Collection, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-from kerasdbg.records.tags import CLASSES, COLLECTIONS, SCALAR_COLLECTIONS, Record, StepRecord  # noqa: F401
-from kerasdbg.records.tags import tag_parts, tag_pattern, values_of  # noqa: F401
+from kerasdbg.records.step_record import Record, StepRecord, values_of  # noqa: F401
+from kerasdbg.records.tags import CLASSES, COLLECTIONS, SCALAR_COLLECTIONS  # noqa: F401
+from kerasdbg.records.tags import tag_parts, tag_pattern  # noqa: F401
 
 
 class Verdict(NamedTuple):

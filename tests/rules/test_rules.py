@@ -379,16 +379,16 @@ def test_tensor_variance_fires_on_dead_and_on_huge_activations(tmp_path):
 
 
 def test_the_verdict_text_reads_back_with_its_tensor_count_and_a_bar_in_the_reason():
-    from kerasdbg.records import tags as _tags
+    from kerasdbg.records import verdict_markdown, verdict_rows
 
     values = {f"gradients/v{i}/min": -1e9 for i in range(12)}
     values.update({f"gradients/v{i}/max": 1.0 for i in range(12)})
     values.update({f"gradients/v{i}/nan_count": 0.0 for i in range(12)})
     verdict = ExplodingTensor(threshold=10.0).check(7, values)
     assert "|values| above 10" in verdict.reason and len(verdict.tensors) == 12
-    (row,) = _tags.verdict_rows(_tags.verdict_markdown([verdict]))
+    (row,) = verdict_rows(verdict_markdown([verdict]))
     assert row == {"rule": "ExplodingTensor", "step": 7, "tensors": [f"v{i}" for i in range(5)],
                    "hidden": 7, "reason": verdict.reason}
     # A text written before the count: " ..." alone.
     old = "| rule | step | tensors | reason |\n|---|---|---|---|\n| R | 2 | a, b ... | why |"
-    assert _tags.verdict_rows(old)[0]["hidden"] == -1
+    assert verdict_rows(old)[0]["hidden"] == -1

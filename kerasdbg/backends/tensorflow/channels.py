@@ -147,7 +147,7 @@ class Slot:
 
     def histogram_tags(self, kind: Optional[str] = None) -> Tuple[Optional[str], ...]:
         kind = kind or self.request.kind
-        return tuple(f"{kind}/{p}" if present else None
+        return tuple(_tags.tensor(kind, p) if present else None
                      for p, present in zip(self.paths, self.present))
 
 
