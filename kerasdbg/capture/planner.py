@@ -104,8 +104,8 @@ def plan(rules: Sequence, *, schedule: Schedule, default_schedule: bool, strict:
         elif collection == _tags.CLASSES:
             unknown = sorted(set(statistics) - set(CLASS_COLUMNS))
             if unknown:
-                refusals.append(Refusal(collection, unknown[0],
-                                        "classes/<k>/seen, classes/<k>/mispredicted"))
+                refusals.append(Refusal(collection, unknown[0], ", ".join(
+                    _tags.tag_pattern(_tags.CLASSES, c, "<k>") for c in CLASS_COLUMNS)))
             requests.append(Request(kind="classes", strict=strict, owner=owner))
         elif collection == _tags.ACTIVATIONS:
             reads_activations = True
@@ -116,18 +116,19 @@ def plan(rules: Sequence, *, schedule: Schedule, default_schedule: bool, strict:
         elif collection == _tags.REPLICAS:
             unknown = sorted(set(statistics) - {"spread"})
             if unknown:
-                refusals.append(Refusal(collection, unknown[0], "replicas/<variable>/spread"))
+                refusals.append(Refusal(collection, unknown[0],
+                                        _tags.tag_pattern(_tags.REPLICAS, "spread", "<variable>")))
             elif replicas < 2:
-                refusals.append(Refusal(collection, "spread", "replicas/ tags need a strategy "
-                                        "with several replicas"))
+                refusals.append(Refusal(collection, "spread", f"{_tags.prefix(_tags.REPLICAS)} "
+                                        "tags need a strategy with several replicas"))
             else:
                 replica_every = min(getattr(r, "every_n_steps", 1) for r in rules
                                     if any(c == _tags.REPLICAS for c, _ in r.requires))
         elif collection in _tags.SCALAR_COLLECTIONS:
             pass  # step/loss, step/frozen, every scalar the train step returns; epoch logs
         else:
-            refusals.extend(Refusal(collection, statistic, "gradients/, weights/, "
-                                    "activations/, replicas/, step/, epoch/ tags")
+            refusals.extend(Refusal(collection, statistic, ", ".join(_tags.prefixes(
+                _tags.COLLECTIONS + (_tags.REPLICAS,) + _tags.SCALAR_COLLECTIONS)) + " tags")
                             for statistic in sorted(statistics))
     requests.append(Request(kind="step", strict=strict, freeze=freeze, localize=localize,
                             owner=owner))
