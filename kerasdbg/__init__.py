@@ -1,9 +1,12 @@
-"""kerasdbg: debugging instruments for Keras 3 training (TensorFlow backend).
+"""kerasdbg: debugging instruments for Keras 3 training.
 
 The names below are imported on first use. `kerasdbg.rules` (the rules and
 their verdicts) needs neither TensorFlow nor Keras: a recorded run can be
-judged where neither is installed. The instruments, the reader and the
-tools need TensorFlow; asking for one without it raises an `ImportError`
+judged where neither is installed. The reader (`load_run`, `check_run`,
+`kerasdbg report`), the event files, the layers and the model tools
+(`insert_taps`, `strip_debug_layers`, `MultiOutputModel`) import without
+TensorFlow, on every Keras backend; the instruments that record through
+TensorFlow need it, and asking for one without it raises an `ImportError`
 that says how to install it.
 """
 
@@ -19,23 +22,25 @@ __version__ = "0.1.0"
 
 # name -> (module, attribute or None for the module itself, needs TensorFlow)
 _EXPORTS = {
-    "MultiOutputModel": ("kerasdbg.multi_output_model", "MultiOutputModel", True),
+    "MultiOutputModel": ("kerasdbg.multi_output_model", "MultiOutputModel", False),
     "RecordingError": ("kerasdbg.errors", "RecordingError", False),
     "TraceWriter": ("kerasdbg.trace", "TraceWriter", True),
     "callbacks": ("kerasdbg.callbacks", None, True),
-    "check_run": ("kerasdbg.offline", "check_run", True),
+    "check_run": ("kerasdbg.offline", "check_run", False),
     "compat": ("kerasdbg.compat", None, False),
     "compare_traces": ("kerasdbg.trace", "compare_traces", True),
     "deterministic": ("kerasdbg.determinism", "deterministic", True),
     "doctor": ("kerasdbg.doctor", "doctor", True),
-    "insert_taps": ("kerasdbg.tapping", "insert_taps", True),
-    "layers": ("kerasdbg.layers", None, True),
-    "load_run": ("kerasdbg.reader", "load_run", True),
+    "insert_taps": ("kerasdbg.tapping", "insert_taps", False),
+    "layers": ("kerasdbg.layers", None, False),
+    "load_run": ("kerasdbg.reader", "load_run", False),
     "load_trace": ("kerasdbg.trace", "load_trace", True),
     "rules": ("kerasdbg.rules", None, False),
     "stats": ("kerasdbg.stats", None, False),
-    "strip_debug_layers": ("kerasdbg.tapping", "strip_debug_layers", True),
+    "strip_debug_layers": ("kerasdbg.tapping", "strip_debug_layers", False),
 }
+# "needs TensorFlow": the name's module imports it; without it, the error
+# says how to install it (not a bare "No module named 'tensorflow'").
 
 __all__ = tuple(sorted(_EXPORTS))
 
@@ -47,7 +52,9 @@ def _require_tensorflow(name: str) -> None:
         raise ImportError(
             f"kerasdbg.{name} needs TensorFlow >= 2.16. Install it with "
             "`pip install kerasdbg[cpu]` (CPU build) or `pip install kerasdbg[and-cuda]`, "
-            "or keep the TensorFlow build you already have."
+            "or keep the TensorFlow build you already have. Without TensorFlow (the JAX "
+            "backend: `pip install kerasdbg[jax]`), load_run, kerasdbg check and report, "
+            "the layers' module and the model tools work."
         ) from error
 
 
@@ -55,7 +62,7 @@ def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'kerasdbg' has no attribute {name!r}")
     module_name, attribute, needs_tensorflow = _EXPORTS[name]
-    if needs_tensorflow:
+    if needs_tensorflow and "tensorflow" not in sys.modules:
         _require_tensorflow(name)
     module = importlib.import_module(module_name)
     value = module if attribute is None else getattr(module, attribute)

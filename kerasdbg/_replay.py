@@ -15,14 +15,14 @@ from typing import Dict, List, Set, Tuple
 
 import keras
 
-from kerasdbg.backends.tensorflow import keras_internals as internals
+from kerasdbg import _keras_graph
 
 Path = Tuple[str, ...]
 
 
 def is_graph_model(layer) -> bool:
     """Whether kerasdbg can see inside `layer` (a Functional or Sequential model)."""
-    return isinstance(layer, keras.Sequential) or internals.is_functional(layer)
+    return isinstance(layer, keras.Sequential) or _keras_graph.is_functional(layer)
 
 
 def walk(model, path: Path = ()):
@@ -39,7 +39,7 @@ def walk(model, path: Path = ()):
 
 
 def _sequential_layers(model) -> List[keras.layers.Layer]:
-    inputs = [internals.producing_layer(x) for x in _model_inputs(model)] if model.built else []
+    inputs = [_keras_graph.producing_layer(x) for x in _model_inputs(model)] if model.built else []
     return inputs + list(model.layers)
 
 
@@ -60,14 +60,14 @@ def _model_outputs(model) -> list:
 def output_names(model) -> List[str]:
     """The names Keras gives the model's outputs (losses and logs use them)."""
     names = list(getattr(model, "output_names", None) or [])
-    return names or [internals.producing_layer(x).name for x in _model_outputs(model)]
+    return names or [_keras_graph.producing_layer(x).name for x in _model_outputs(model)]
 
 
 def fresh_input(keras_tensor):
     """A new `keras.Input` like `keras_tensor`, named after its input layer."""
     return keras.Input(
         batch_shape=keras_tensor.shape, dtype=keras_tensor.dtype,
-        name=internals.producing_layer(keras_tensor).name,
+        name=_keras_graph.producing_layer(keras_tensor).name,
     )
 
 
@@ -143,7 +143,7 @@ class Replay:
     def _fresh_inputs(self, structure, path: Path):
         fresh = keras.tree.map_structure(fresh_input, structure)
         fed = [
-            self.on_input(internals.producing_layer(old), path, new)
+            self.on_input(_keras_graph.producing_layer(old), path, new)
             for old, new in zip(keras.tree.flatten(structure), keras.tree.flatten(fresh))
         ]
         return fresh, fed
@@ -163,7 +163,7 @@ class Replay:
 
     def _functional(self, model, path: Path):
         fresh, fed = self._fresh_inputs(model.input, path)
-        outputs = internals.run_graph(
+        outputs = _keras_graph.run_graph(
             model, fed, lambda layer, *args, **kwargs: self._call(layer, path, args, kwargs)
         )
         return fresh, outputs
@@ -204,7 +204,7 @@ def call_layer_by_layer(model, inputs, training, on_output, path: Path = ()):
             # An identity: a replay neither records nor counts the batch again.
             outputs = args[0]
         else:
-            if internals.takes_training(layer):
+            if _keras_graph.takes_training(layer):
                 kwargs = dict(kwargs, training=training)
             outputs = layer(*args, **kwargs)
         on_output(qualified_name(path, layer), outputs)
@@ -223,14 +223,14 @@ def _call_graph(model, inputs, on_output, path: Path, call):
     if isinstance(model, keras.Sequential):
         originals = _model_inputs(model)
         if originals:
-            on_output(qualified_name(path, internals.producing_layer(originals[0])), inputs)
+            on_output(qualified_name(path, _keras_graph.producing_layer(originals[0])), inputs)
         x = inputs
         for layer in model.layers:
             x = call(layer, (x,), {})
         return x
-    for tensor, flat in zip(model.inputs, internals.standardize_inputs(model, inputs)):
-        on_output(qualified_name(path, internals.producing_layer(tensor)), flat)
-    return internals.run_graph_on_data(
+    for tensor, flat in zip(model.inputs, _keras_graph.standardize_inputs(model, inputs)):
+        on_output(qualified_name(path, _keras_graph.producing_layer(tensor)), flat)
+    return _keras_graph.run_graph_on_data(
         model, inputs, lambda layer, *args, **kwargs: call(layer, args, kwargs))
 
 

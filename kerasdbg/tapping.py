@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-
 from typing import Callable, Optional, Sequence, Set, Tuple, Union
 
 import keras
-import tensorflow as tf
 
 from kerasdbg import _replay
-from kerasdbg.layers._debug_layer import DebugLayer
+from kerasdbg.layers._debug_layer import DebugLayer, check_backend
 from kerasdbg.layers.tap_layer import TapLayer
 
 LayerSelection = Union[None, str, Sequence[str], Callable[[keras.layers.Layer], bool]]
@@ -63,6 +61,10 @@ def insert_taps(
             (subclassed), or `layers` / `tap` has the wrong type.
         ValueError: a name in `layers` does not exist (the error lists the
             layers), `layers` selects nothing, or the model is not built.
+        kerasdbg.errors.UnsupportedBackendError: the taps are kerasdbg's own
+            (`tap` None, a `TapLayer` or `PrintLayer`) and Keras runs on a
+            backend they do not record on (they record on TensorFlow; a
+            layer of your own is inserted on every backend).
 
     Examples:
         >>> import keras, numpy as np
@@ -84,12 +86,12 @@ def insert_taps(
     _check_tap(tap)
     if name is not None and not isinstance(name, str):
         raise TypeError(f"{owner}: `name` must be a string or None. Received: name={name!r}")
+    if tap is None or (isinstance(tap, type) and issubclass(tap, DebugLayer)) \
+            or isinstance(tap, DebugLayer):
+        check_backend(owner)  # kerasdbg's own taps: one error before any rebuild
     selected = _replay.select_layers(owner, model, layers)
     replay = _TapReplay(selected, tap, _all_names(model))
-    # The taps' variables belong with the model's: in its strategy's scope.
-    scope = model.distribute_strategy.scope() if not tf.distribute.has_strategy() \
-        else contextlib.nullcontext()
-    with scope:
+    with _variables_scope(model):
         return _replay.copy_compile(model, replay.model(model, name=name))
 
 
@@ -202,6 +204,19 @@ def _check_tap(tap) -> None:
         "insert_taps: `tap` must be None, a layer instance (a template), a layer class or "
         f"a callable `factory(layer, name) -> Layer`. Received: tap={tap!r}"
     )
+
+
+def _variables_scope(model):
+    """Where the taps' variables are made: beside the model's. On the
+    TensorFlow backend, in the model's `tf.distribute` strategy's scope
+    (unless one is entered already); elsewhere Keras places new variables
+    itself (JAX's `keras.distribution` lays them out when they are made)."""
+    strategy = getattr(model, "distribute_strategy", None)  # TensorFlow's trainer only
+    if strategy is None:
+        return contextlib.nullcontext()
+    import tensorflow as tf  # loaded: the model runs on it
+
+    return contextlib.nullcontext() if tf.distribute.has_strategy() else strategy.scope()
 
 
 def _all_names(model) -> Set[str]:

@@ -97,6 +97,52 @@ def test_an_instrument_without_tensorflow_says_how_to_install_it():
                                     "with `pip install kerasdbg[cpu]`"), result.stdout
 
 
+# A machine without TensorFlow: `import tensorflow` fails as it does there
+# (Keras, TensorBoard and JAX are installed).
+WITHOUT_TENSORFLOW = textwrap.dedent("""
+    import importlib.abc, sys
+
+    class WithoutTensorFlow(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] == "tensorflow":
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+            return None
+
+    sys.meta_path.insert(0, WithoutTensorFlow())
+""")
+
+
+def test_the_sinks_the_reader_the_layers_and_the_model_tools_need_no_tensorflow():
+    """What a JAX user without TensorFlow imports: every module of the sinks,
+    the reader, the CLI, the layers' module and the model tools (the layers
+    refuse to be made there: tests/test_backends_other.py)."""
+    code = WITHOUT_TENSORFLOW + textwrap.dedent("""
+        import pkgutil, sys
+        import kerasdbg, kerasdbg.sinks
+
+        modules = ["kerasdbg.sinks." + m.name for m in pkgutil.iter_modules(kerasdbg.sinks.__path__)]
+        modules += ["kerasdbg.reader", "kerasdbg.offline", "kerasdbg.report", "kerasdbg.cli",
+                    "kerasdbg.layers", "kerasdbg.tapping", "kerasdbg.multi_output_model",
+                    "kerasdbg._replay", "kerasdbg._keras_graph"]
+        for name in modules:
+            __import__(name)
+        for name in ("load_run", "check_run", "layers", "insert_taps", "strip_debug_layers",
+                     "MultiOutputModel"):
+            getattr(kerasdbg, name)
+        from kerasdbg.sinks import tfrecord
+        loaded = sorted(m for m in sys.modules if m.split(".")[0] == "tensorflow"
+                        or m.startswith("kerasdbg.backends"))
+        assert not loaded, loaded
+        assert "kerasdbg.sinks.events" in modules and "kerasdbg.sinks.layout" in modules
+        print(tfrecord.CRC32C)
+    """)
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300,
+                            env=dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "google-crc32c", result.stdout
+
+
 def test_exported_names_win_over_sub_modules_of_the_same_name():
     result = subprocess.run([sys.executable, "-c", textwrap.dedent("""
         import kerasdbg.doctor, kerasdbg.cli  # sub-modules first, as a script may
@@ -121,7 +167,8 @@ LAYERS = [
     # where records go: event files, the analysis store, TensorBoard's layouts
     ("sinks", ["kerasdbg.sinks"]),
     # the capture: the interface the shells use and the backends behind it
-    ("capture", ["kerasdbg.capture", "kerasdbg.backends", "kerasdbg._replay"]),
+    ("capture", ["kerasdbg.capture", "kerasdbg.backends", "kerasdbg._replay",
+                 "kerasdbg._keras_graph"]),
     # what users hold: callbacks, layers and model tools
     ("shells", ["kerasdbg.layers", "kerasdbg.callbacks", "kerasdbg.trace",
                 "kerasdbg.tapping", "kerasdbg.multi_output_model", "kerasdbg.determinism",
@@ -164,6 +211,10 @@ def _imports(path: str, module: str):
             for alias in node.names:
                 if alias.name.startswith("kerasdbg."):
                     yield alias.name
+        elif isinstance(node, ast.Call) and ast.unparse(node.func).endswith("_lazy.module") \
+                and node.args and isinstance(node.args[0], ast.Constant) \
+                and str(node.args[0].value).startswith("kerasdbg."):
+            yield node.args[0].value  # imported on first use (kerasdbg.layers._lazy)
 
 
 def test_imports_run_from_higher_layers_to_lower_ones_only():

@@ -29,14 +29,20 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import keras
 import numpy as np
-import tensorflow as tf
 
-from kerasdbg.backends.tensorflow import buffers as _buffers
-from kerasdbg.sinks import workers as _workers
-from kerasdbg.backends.tensorflow import graph_functions
-from kerasdbg.backends.tensorflow import keras_internals as internals
-from kerasdbg.backends.tensorflow import layer_sink as _layer_sink
 from kerasdbg import _validation as check
+from kerasdbg.errors import UnsupportedBackendError
+from kerasdbg.layers import _lazy
+from kerasdbg.sinks import workers as _workers
+
+# TensorFlow and its capture, on first use: the layers import on every
+# backend (and without TensorFlow), and refuse to be made where they cannot
+# record (`DebugLayer.BACKENDS`).
+tf = _lazy.module("tensorflow")
+_buffers = _lazy.module("kerasdbg.backends.tensorflow.buffers")
+graph_functions = _lazy.module("kerasdbg.backends.tensorflow.graph_functions")
+internals = _lazy.module("kerasdbg.backends.tensorflow.keras_internals")
+_layer_sink = _lazy.module("kerasdbg.backends.tensorflow.layer_sink")
 
 MODES = ("fit", "evaluate", "predict", "call")
 REPLICAS = ("first", "all")
@@ -153,6 +159,9 @@ class DebugLayer(keras.layers.Layer):
     kerasdbg_debug_layer = True
     """Marks kerasdbg's debug layers for the replays (`_replay.is_debug_layer`)."""
 
+    BACKENDS = ("tensorflow",)
+    """The Keras backends the debug layers record on (made elsewhere, they raise)."""
+
     follows_chief = False
     """Whether, under several workers, every worker reads the records of the
     whole cluster (the same ones everywhere, so rules on them decide alike)
@@ -166,8 +175,11 @@ class DebugLayer(keras.layers.Layer):
         strict: bool = False,
         **kwargs,
     ):
-        super().__init__(**kwargs)
         owner = type(self).__name__
+        # Before anything is built: on another backend the layer would record
+        # nothing (JAX traces it with tracers TensorFlow cannot take).
+        check_backend(owner)
+        super().__init__(**kwargs)
         self.every_n_steps = check.positive_int(owner, "every_n_steps", every_n_steps)
         self.replicas = check.one_of(owner, "replicas", replicas, REPLICAS)
         self.buffer_steps = check.positive_int(owner, "buffer_steps", buffer_steps)
@@ -175,7 +187,9 @@ class DebugLayer(keras.layers.Layer):
         self.supports_masking = True
         # An identity keeps its input's dtype (no autocast to the policy).
         self._convert_input_args = False
-        self._buffers: Optional[_Buffers] = None
+        # (Not `_buffers`: on the PyTorch backend a layer is a torch.nn.Module,
+        # whose own `_buffers` it would overwrite.)
+        self._ring: Optional[_Buffers] = None
         # Host-side state lives outside Keras's attribute tracking, whose
         # wrapped lists and dicts cost tens of microseconds per update.
         self._host = _HostState()
@@ -204,7 +218,7 @@ class DebugLayer(keras.layers.Layer):
             name="mode_calls", synchronization="on_read", aggregation="only_first_replica",
         )
         self._input_shape = tuple(input_shape)
-        self._buffers = _Buffers(self.buffer_steps, self._fields(self._input_shape), self.name)
+        self._ring = _Buffers(self.buffer_steps, self._fields(self._input_shape), self.name)
         self._host.last_id = []
         super().build(input_shape)
 
@@ -344,7 +358,7 @@ class DebugLayer(keras.layers.Layer):
         outputs = self._step(inputs, context, records)
         if not records:
             return  # known at trace time: this replica records nothing
-        rows = self._buffers.rows
+        rows = self._ring.rows
         write = lambda: _buffers.write_row(rows, outputs["slot"], outputs["row"])  # noqa: E731
         if isinstance(rows, tf.distribute.DistributedValues) and self.every_n_steps > 1:
             # A sync-on-read buffer is rewritten whole at each write: only at
@@ -362,7 +376,7 @@ class DebugLayer(keras.layers.Layer):
         state_variable = self._state_variable() if records else None
         call = _step_function(
             self._compute_values if records else None, self._values_key() if records else None,
-            self._buffers.layout, self._buffers.slots, context.mode, self.every_n_steps)
+            self._ring.layout, self._ring.slots, context.mode, self.every_n_steps)
         outputs = call(
             inputs,
             [internals.read(v) for v in (self.calls, self.mode_calls, *counters)],
@@ -423,7 +437,7 @@ class DebugLayer(keras.layers.Layer):
         """
         for part in (self._parts or {}).values():
             part.flush()
-        if self._buffers is None or self.across_workers() is not None:
+        if self._ring is None or self.across_workers() is not None:
             # Under several workers such a layer's records arrive only
             # through `_layer_sink.flush_layers` (a collective), in step on
             # every worker.
@@ -434,9 +448,9 @@ class DebugLayer(keras.layers.Layer):
         """The worker this process is (`_workers.Worker`) when this layer's
         records are the cluster's, read on every worker alike
         (`follows_chief` under several workers), else None."""
-        if not self.follows_chief or self._buffers is None:
+        if not self.follows_chief or self._ring is None:
             return None
-        return _workers.of(getattr(self._buffers.rows, "distribute_strategy", None))
+        return _workers.of(getattr(self._ring.rows, "distribute_strategy", None))
 
     def _deliver(self, read: Callable[[], List[LayerRecord]]) -> None:
         try:
@@ -447,7 +461,7 @@ class DebugLayer(keras.layers.Layer):
             self._fail(error)
 
     def _read(self) -> List[LayerRecord]:
-        buffers = self._buffers
+        buffers = self._ring
         if buffers.width > WIDE_ROW:
             # Wide rows (histograms, sample rows): the ids first, the whole
             # buffer only when there is something new.
@@ -467,7 +481,7 @@ class DebugLayer(keras.layers.Layer):
     def _records(self, tables: List[np.ndarray], offset: int = 0) -> List[LayerRecord]:
         """The new records of `tables` (the buffers of consecutive replicas,
         the first one being replica `offset`), in call order."""
-        buffers = self._buffers
+        buffers = self._ring
         if self.replicas == "first":
             tables = tables[:1]
         if len(self._host.last_id) < len(tables):
@@ -518,6 +532,29 @@ class DebugLayer(keras.layers.Layer):
                 RuntimeWarning,
                 stacklevel=3,
             )
+
+
+def check_backend(owner: str) -> None:
+    """Raises `UnsupportedBackendError` naming `owner` (a debug layer, or a
+    tool that makes them) unless Keras runs on a backend of
+    `DebugLayer.BACKENDS`.
+
+    Args:
+        owner: the class or function, for the message.
+
+    Raises:
+        UnsupportedBackendError: Keras runs on another backend.
+    """
+    name = keras.config.backend()
+    if name in DebugLayer.BACKENDS:
+        return
+    works = ", ".join(DebugLayer.BACKENDS)
+    raise UnsupportedBackendError(
+        f"{owner}: kerasdbg's debug layers (TapLayer, PrintLayer) record on the Keras "
+        f"backend {works} only, and Keras runs on {name!r} here (KERAS_BACKEND). Works on: "
+        f"{works}. On {name}, MultiOutputModel exposes the outputs of any layers, "
+        "insert_taps inserts a layer of your own (`tap=`), and strip_debug_layers, "
+        "load_run, kerasdbg check and kerasdbg report work.")
 
 
 def _is_tensor(value) -> bool:

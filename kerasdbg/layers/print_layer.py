@@ -11,14 +11,17 @@ from typing import Any, List, Optional, Sequence, TextIO, Union
 
 import keras
 import numpy as np
-import tensorflow as tf
 
-from kerasdbg.backends.tensorflow import buffers as _buffers
-from kerasdbg.backends.tensorflow import graph_functions
 from kerasdbg import _validation as check
-from kerasdbg.sinks import workers as _workers
 from kerasdbg import stats as stats_lib
+from kerasdbg.layers import _lazy
 from kerasdbg.layers._debug_layer import DebugLayer, LayerRecord
+from kerasdbg.sinks import workers as _workers
+
+# On first use (see `kerasdbg.layers._debug_layer`).
+tf = _lazy.module("tensorflow")
+_buffers = _lazy.module("kerasdbg.backends.tensorflow.buffers")
+graph_functions = _lazy.module("kerasdbg.backends.tensorflow.graph_functions")
 
 PRINTING = ("deferred", "immediate")
 DEFAULT_PRINT_STATISTICS = ("mean", "std", "min", "max", "nan_count", "inf_count")
@@ -125,6 +128,11 @@ class PrintLayer(DebugLayer):
             dict, list or tuple) is printed tensor by tensor, each line with
             the message followed by the tensor's path (`<message>/a`); the
             `PrintLayer` of each tensor is in `parts`.
+
+    Raises:
+        kerasdbg.errors.UnsupportedBackendError: when made while Keras runs on
+            another backend than TensorFlow (the layer records in TensorFlow's
+            graph); the message names the backend and what works there.
 
     Examples:
         >>> import keras, numpy as np, sys
@@ -275,7 +283,7 @@ class PrintLayer(DebugLayer):
     def _consume(self, records: List[LayerRecord]) -> None:
         # Under several workers only the chief prints (unless every worker
         # was asked to write): the strategy of the buffers the records are in.
-        strategy = getattr(getattr(self._buffers, "rows", None), "distribute_strategy", None)
+        strategy = getattr(getattr(self._ring, "rows", None), "distribute_strategy", None)
         if _workers.writes(strategy, f"PrintLayer {self.name!r}"):
             self._emit([self._line(r) for r in records])
 

@@ -8,12 +8,15 @@ from typing import Any, Dict, List, Optional, Sequence
 import keras
 import numpy as np
 import pandas as pd
-import tensorflow as tf
 
-from kerasdbg.backends.tensorflow import buffers as _buffers
 from kerasdbg import _validation as check
 from kerasdbg import stats as stats_lib
+from kerasdbg.layers import _lazy
 from kerasdbg.layers._debug_layer import DebugLayer, LayerRecord
+
+# On first use (see `kerasdbg.layers._debug_layer`).
+tf = _lazy.module("tensorflow")
+_buffers = _lazy.module("kerasdbg.backends.tensorflow.buffers")
 
 DEFAULT_TAP_STATISTICS = (
     "mean", "std", "min", "max", "zero_fraction", "nan_count", "inf_count",
@@ -108,6 +111,11 @@ class TapLayer(DebugLayer):
             (`"a"`, `"0"`, `"a/0"`), named `<name>_<path>`, and
             `ActivationStatistics` records each; read `history` and `latest`
             on the parts.
+
+    Raises:
+        kerasdbg.errors.UnsupportedBackendError: when made while Keras runs on
+            another backend than TensorFlow (the layer records in TensorFlow's
+            graph); the message names the backend and what works there.
 
     Examples:
         >>> import numpy as np

@@ -234,7 +234,7 @@ def tap_read_fails(spe, name):
     original = _buffers.read_replicas
 
     def failing(buffer, column=None):
-        if TASK == 1 and tap._buffers is not None and buffer is tap._buffers.rows:
+        if TASK == 1 and tap._ring is not None and buffer is tap._ring.rows:
             raise OSError("the test's read failure")
         return original(buffer, column)
 

@@ -154,8 +154,8 @@ def _flush_across_workers(layers) -> None:
 
     from kerasdbg.backends.tensorflow import buffers as _buffers
 
-    strategy = layers[0]._buffers.rows.distribute_strategy
-    shapes = [tuple(layer._buffers.rows.shape) for layer in layers]
+    strategy = layers[0]._ring.rows.distribute_strategy
+    shapes = [tuple(layer._ring.rows.shape) for layer in layers]
     sizes = [int(np.prod(shape)) for shape in shapes]
     local_replicas = len(strategy.extended.worker_devices)
     packed = np.zeros((local_replicas, sum(sizes) + 1))
@@ -163,7 +163,7 @@ def _flush_across_workers(layers) -> None:
     try:
         start = 0
         for layer, size in zip(layers, sizes):
-            copies = _buffers.read_replicas(layer._buffers.rows)
+            copies = _buffers.read_replicas(layer._ring.rows)
             for replica in range(local_replicas):
                 packed[replica, start:start + size] = np.ravel(copies[replica])
             start += size
