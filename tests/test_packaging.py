@@ -131,3 +131,66 @@ def test_the_wheel_installs_into_a_clean_environment_and_runs_the_demo(dist, tmp
     for run in ("healthy", "lr_too_high"):
         assert (tmp_path / "runs" / run).is_dir(), output
     assert "tensorboard --logdir" in output, output
+
+
+_WITHOUT_TENSORFLOW = """
+import contextlib, io, json, sys
+import keras
+import kerasdbg
+import kerasdbg.layers
+from kerasdbg import cli, load_run
+from kerasdbg.errors import UnsupportedBackendError
+
+try:
+    import tensorflow  # noqa: F401
+    raise SystemExit("TensorFlow is installed here")
+except ModuleNotFoundError:
+    pass
+try:
+    kerasdbg.layers.TapLayer()
+    refused = ""
+except UnsupportedBackendError as error:
+    refused = str(error)
+report = io.StringIO()
+with contextlib.redirect_stdout(report):
+    code = cli.main(["report", sys.argv[1]])
+frame = load_run(sys.argv[1]).scalars("gradients/global_norm")
+print(json.dumps({"backend": keras.config.backend(), "steps": frame["step"].tolist(),
+                  "report": code, "refused": refused,
+                  "where": kerasdbg.__file__}))
+"""
+
+
+def test_the_wheel_with_the_jax_extra_installs_without_tensorflow_and_reads_runs(dist, tmp_path):
+    """`pip install kerasdbg[jax]` into a clean environment: no TensorFlow
+    comes with it; kerasdbg, its layers' module, `load_run` and `kerasdbg
+    report` work there on a run recorded here (on TensorFlow)."""
+    import keras
+    import numpy as np
+
+    from kerasdbg.callbacks import GradientStatistics
+
+    log_dir = str(tmp_path / "logs")
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="d")], name="m")
+    model.compile("sgd", "mse")
+    model.fit(np.ones((8, 3)), np.ones((8, 2)), batch_size=4, epochs=1, verbose=0,
+              callbacks=[GradientStatistics(log_dir)])
+
+    venv = tmp_path / "venv"
+    _run([PYTHON, "-m", "venv", str(venv)], cwd=tmp_path, timeout=120)
+    python = str(venv / "bin" / "python")
+    _run([python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+          f"{dist['wheel']}[jax]"], cwd=tmp_path, timeout=900)
+    installed = _run([python, "-m", "pip", "list", "--format=freeze"], cwd=tmp_path, timeout=120)
+    names = {line.split("==")[0].lower() for line in installed.split()}
+    assert not {n for n in names if n.startswith("tensorflow")} - {"tensorflow-io-gcs-filesystem"}
+    assert {"jax", "jaxlib", "keras", "google-crc32c"} <= names, names
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["KERAS_BACKEND"] = "jax"
+    import json
+
+    out = json.loads(_run([python, "-c", _WITHOUT_TENSORFLOW, log_dir], cwd=tmp_path,
+                          timeout=300, env=env).strip().splitlines()[-1])
+    assert out["where"].startswith(str(venv)), out
+    assert out["backend"] == "jax" and out["steps"] == [1, 2] and out["report"] == 0, out
+    assert "Works on: tensorflow" in out["refused"], out
