@@ -136,11 +136,6 @@ KERASDBG_PREFIXES = prefixes(COLLECTIONS + SCALAR_COLLECTIONS + (CLASSES,))
 
 
 # -------------------------------------------------------------- parsing
-def in_collection(tag: str, collection: str) -> bool:
-    """Whether `tag` is one of `collection`'s (`<collection>/...`)."""
-    return tag.startswith(prefix(collection))
-
-
 def scalar_name(tag: str) -> str:
     """What follows the collection: `loss` of `step/loss`, `nan_source/located`
     of `faults/nan_source/located`."""
