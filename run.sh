@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The two set-up commands of the README:
 #   ./run.sh demo [--out DIR]   trains the demo with the instruments, writes a TensorBoard log dir
-#   ./run.sh test [PYTEST ARGS] runs the whole test suite (and installs Debian's chromium,
-#                               when missing, for the TensorBoard screenshot tests)
+#   ./run.sh test [PYTEST ARGS] runs the whole test suite: on TensorFlow, then tests/jax/ on
+#                               JAX, each backend in its own process (and installs Debian's
+#                               chromium, when missing, for the TensorBoard screenshot tests);
+#                               with PYTEST ARGS, one run on $KERAS_BACKEND (TensorFlow by default)
 # Each creates .venv (or $KERASDBG_VENV) and installs kerasdbg with what it
 # needs, again whenever setup.cfg or pyproject.toml change.
 set -euo pipefail
@@ -50,6 +52,11 @@ ensure_browser() {
 export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-2}
 case "$command" in
   demo) exec "$venv/bin/kerasdbg" demo "$@" ;;
-  test) ensure_browser; exec "$venv/bin/python" -m pytest "$@" ;;
+  test)
+    ensure_browser
+    if [ $# -gt 0 ]; then exec "$venv/bin/python" -m pytest "$@"; fi
+    KERAS_BACKEND=tensorflow "$venv/bin/python" -m pytest
+    echo "run.sh: the TensorFlow run passed; now tests/jax/ on the JAX backend" >&2
+    KERAS_BACKEND=jax exec "$venv/bin/python" -m pytest tests/jax ;;
   *) usage ;;
 esac

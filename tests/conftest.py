@@ -10,6 +10,16 @@ import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+# The backend is an axis of the matrix, one process per backend (Keras fixes
+# it at import): `KERAS_BACKEND=jax pytest` runs tests/jax/ on JAX, with two
+# CPU devices for keras.distribution (set before JAX starts); any other run
+# is TensorFlow's and leaves tests/jax/ out. `./run.sh test` runs both.
+BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
+if BACKEND == "jax":
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_force_host_platform_device_count=2").strip()
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -233,6 +243,17 @@ def pytest_terminal_summary(terminalreporter, config):
             lines = [line for line in text.splitlines() if not _RUNNER_FRAME.search(line)]
             terminalreporter.write_sep("=", f"native crash in test worker {name[:-4]}")
             terminalreporter.write_line("\n".join(lines))
+
+
+def pytest_ignore_collect(collection_path, config):
+    """tests/jax/ on the JAX backend, the rest on TensorFlow (see BACKEND)."""
+    path = os.path.abspath(str(collection_path))
+    if path == TESTS or not path.startswith(TESTS + os.sep):
+        return None
+    on_jax = os.path.relpath(path, TESTS).split(os.sep)[0] == "jax"
+    if BACKEND == "jax":
+        return None if on_jax else True
+    return True if on_jax else None
 
 
 def pytest_unconfigure(config):

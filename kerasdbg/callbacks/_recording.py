@@ -18,7 +18,7 @@ import numpy as np
 from kerasdbg import capture as _capture
 from kerasdbg.sinks import events as _events
 from kerasdbg.sinks import workers as _workers
-from kerasdbg.backends.tensorflow import keras_internals as internals
+from kerasdbg.capture import keras_objects
 from kerasdbg.callbacks._copies import CopiedAsNew
 
 
@@ -99,10 +99,10 @@ def _fingerprint(model) -> str:
     """Of the model's weights and its optimizers' configurations."""
     digest = hashlib.sha256()
     for variable in model.weights:
-        value = np.asarray(internals.read(variable))
+        value = keras_objects.host_value(variable)
         digest.update(f"{variable.path}{value.shape}{value.dtype}".encode())
         digest.update(np.ascontiguousarray(value).tobytes())
-    for name, optimizer in internals.find_optimizers(model):
+    for name, optimizer in keras_objects.find_optimizers(model):
         try:
             config = optimizer.get_config()
         except Exception:  # noqa: BLE001 - an optimizer of the user's own
@@ -118,10 +118,10 @@ def run_of(model, log_dir: str) -> str:
     when that holds another training, said once (printed, as information)."""
     if model is None:
         return os.path.join(log_dir, "train")
-    steps = [int(np.asarray(internals.read(internals.raw_iterations(o))))
-             for _, o in internals.find_optimizers(model)]
+    steps = [int(keras_objects.host_value(keras_objects.raw_iterations(o)))
+             for _, o in keras_objects.find_optimizers(model)]
     step = max(steps) if steps else 0
-    callbacks = internals.running_callbacks(model)
+    callbacks = keras_objects.running_callbacks(model)
     fresh = step == 0 and not _resuming(callbacks)
     fingerprint = None
     if fresh:

@@ -14,7 +14,7 @@ from kerasdbg.capture import unique_paths
 from kerasdbg.sinks import events as _events
 from kerasdbg.sinks import layout as _layout
 from kerasdbg.records import tags as _tags
-from kerasdbg.backends.tensorflow import keras_internals as internals
+from kerasdbg.capture import keras_objects
 from kerasdbg.callbacks._recording import RecordingCallback, release_writer, selected
 from kerasdbg import _validation as check
 from kerasdbg import schedule as schedule_lib
@@ -23,7 +23,7 @@ from kerasdbg import stats as stats_lib
 
 def trainable_float_variables(model) -> list:
     """The model's trainable floating-point variables, in model order."""
-    return [v for v in model.trainable_variables if internals.is_float(v)]
+    return [v for v in model.trainable_variables if keras_objects.is_float(v)]
 
 
 def select_variables(model, include: Optional[str], exclude: Optional[str]):

@@ -10,8 +10,8 @@ import keras
 import pandas as pd
 
 from kerasdbg.sinks import events as _events
-from kerasdbg.backends.tensorflow import keras_internals as internals
-from kerasdbg.backends.tensorflow import layer_sink as _layer_sink
+from kerasdbg import capture as _capture
+from kerasdbg.capture import keras_objects
 from kerasdbg.sinks import layout as _layout
 from kerasdbg.records import tags as _tags
 from kerasdbg import _validation as check
@@ -29,6 +29,13 @@ def find_taps(model) -> List[TapLayer]:
         elif isinstance(layer, keras.Model):
             stack.extend(reversed(layer.layers))
     return taps
+
+
+def _layer_sink():
+    """The debug layers' host side (TensorFlow's capture), imported on use."""
+    from kerasdbg.backends.tensorflow import layer_sink
+
+    return layer_sink
 
 
 class ActivationStatistics(RecordingCallback):
@@ -84,6 +91,7 @@ class ActivationStatistics(RecordingCallback):
     ):
         super().__init__()
         owner = type(self).__name__
+        _capture.supported(owner, "taps")
         self.log_dir = check.log_dir(owner, "log_dir", log_dir)
         self.include = check.optional_regex(owner, "include", include)
         self.exclude = check.optional_regex(owner, "exclude", exclude)
@@ -125,14 +133,16 @@ class ActivationStatistics(RecordingCallback):
         for tap in self._taps:
             tap.add_listener(self._consume)
         # One trace of the train function, not two (the taps' graph is large).
-        if internals.uses_standard_train_step(self.model):
-            internals.build_optimizer_before_trace(self.model)
+        if keras_objects.uses_standard_train_step(self.model):
+            from kerasdbg.backends.tensorflow import keras_internals
+
+            keras_internals.build_optimizer_before_trace(self.model)
 
     def on_train_batch_end(self, batch, logs=None):
         # The model's layer sink flushed the taps after the execution; this
         # catches what it could not, reading only taps whose every_n_steps
         # selected one of the steps since the last check.
-        self._flush(_layer_sink.current_fit_step(self.model))
+        self._flush(_layer_sink().current_fit_step(self.model))
         if not self._checked:
             self._checked = True
             self._check_taps_ran()
@@ -153,18 +163,18 @@ class ActivationStatistics(RecordingCallback):
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     def on_epoch_end(self, epoch, logs=None):
-        self._flush(_layer_sink.current_fit_step(self.model))
+        self._flush(_layer_sink().current_fit_step(self.model))
         if self._writer is not None:
             self._writer.flush()
 
     def on_train_end(self, logs=None):
-        self._flush(_layer_sink.current_fit_step(self.model))
+        self._flush(_layer_sink().current_fit_step(self.model))
         for tap in self._taps:
             tap.remove_listener(self._consume)
         release_writer(self, self._writer)
 
     def _flush(self, fit_step=None, alone: bool = False):
-        _layer_sink.flush_layers(self._taps, fit_step, alone)
+        _layer_sink().flush_layers(self._taps, fit_step, alone)
 
     # ----------------------------------------------------------- records
     def _consume(self, tap: TapLayer, rows) -> None:

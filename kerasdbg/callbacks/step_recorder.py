@@ -7,16 +7,15 @@ import warnings
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
 from kerasdbg import capture as _capture
-from kerasdbg.backends.tensorflow import keras_internals as internals
+from kerasdbg.capture import keras_objects
 from kerasdbg import _qualified
 from kerasdbg import _replay
-from kerasdbg.backends.tensorflow import step_tensors as _step_tensors
 from kerasdbg import _validation as check
 from kerasdbg.sinks import workers as _workers
 from kerasdbg import trace as trace_lib
 from kerasdbg.callbacks._recording import RecordingCallback
 
-RECORDABLE = _step_tensors.RECORDABLE
+RECORDABLE = _capture.RECORDABLE
 
 
 class StepRecorder(RecordingCallback):
@@ -104,6 +103,7 @@ class StepRecorder(RecordingCallback):
     ):
         super().__init__()
         owner = "StepRecorder"
+        _capture.supported(owner, "tensors")
         path = check.optional_path(owner, "path", path)
         if path is None:
             raise TypeError(f"{owner}: `path` must be a str or an os.PathLike. Received: path=None")
@@ -128,7 +128,7 @@ class StepRecorder(RecordingCallback):
         self.exclude = check.optional_regex(owner, "exclude", exclude)
         self.layers = check.layer_selection(owner, "layers", layers)
         self.strict = check.boolean(owner, "strict", strict)
-        self._request: Optional[_step_tensors.TensorRequest] = None
+        self._request = None  # a TensorRequest of TensorFlow's capture
         self._writer: Optional[trace_lib.TraceWriter] = None
         self._saved = False
         self._start = 0
@@ -162,6 +162,8 @@ class StepRecorder(RecordingCallback):
         self._failed = False
         layers = []
         if "layer_outputs" in self.record:
+            from kerasdbg.backends.tensorflow import step_tensors as _step_tensors
+
             available = _step_tensors.recordable_layers(model)
             layers = self._selected_layers(model, available)
             if not available:
@@ -171,8 +173,8 @@ class StepRecorder(RecordingCallback):
                     RuntimeWarning, stacklevel=2)
         # The optimizer it records is known in the trace; the one that stepped
         # most (a GAN's second fit: not `model.optimizer`) tells where steps are.
-        start = max(int(internals.read(internals.raw_iterations(o)).numpy())
-                    for _, o in internals.find_optimizers(model))
+        start = max(int(keras_objects.host_value(keras_objects.raw_iterations(o)))
+                    for _, o in keras_objects.find_optimizers(model))
         initial = 0 in self._steps and start == 0 and "weights" in self.record
         steps = [s for s in self._steps if s > start]
         self._request = None
@@ -190,10 +192,12 @@ class StepRecorder(RecordingCallback):
         self._writer = None if self._saved or target is None else trace_lib.TraceWriter(
             target, source="StepRecorder")
         if steps or initial:
+            from kerasdbg.backends.tensorflow import step_tensors as _step_tensors
+
             self._request = _step_tensors.TensorRequest(
                 steps, self.record, layers, self._consume, include=self.include,
                 exclude=self.exclude, strict=self.strict, initial=initial)
-            batch = internals.fit_batch_size(model)
+            batch = keras_objects.fit_batch_size(model)
             if batch is not None:
                 replicas = model.distribute_strategy.num_replicas_in_sync
                 self._request.max_rows = -(-batch // replicas)
@@ -240,8 +244,8 @@ class StepRecorder(RecordingCallback):
         # A request that found no variable to record was said by the engine already.
         said = self._request is not None and not self._request.variables
         if missing and not said:
-            end = max((int(internals.read(internals.raw_iterations(o)).numpy())
-                       for _, o in internals.find_optimizers(self.model)), default=self._start)
+            end = max((int(keras_objects.host_value(keras_objects.raw_iterations(o)))
+                       for _, o in keras_objects.find_optimizers(self.model)), default=self._start)
             self._say_missing(self._start, end, missing)
         # No file rather than an empty one when no step asked for was reached.
         if not self._saved and self._recorded:

@@ -8,11 +8,8 @@ from typing import List, Optional
 
 import numpy as np
 import pandas as pd
-import tensorflow as tf
 
-from kerasdbg.backends.tensorflow import buffers as _buffers
 from kerasdbg import capture as _capture
-from kerasdbg.backends.tensorflow import keras_internals as internals
 from kerasdbg.sinks import layout as _layout
 from kerasdbg.records import tags as _tags
 from kerasdbg import _validation as check
@@ -21,6 +18,16 @@ from kerasdbg.rules.rule import DiagnosisWarning
 
 COLUMNS = ("step", "steps", "execution_seconds", "step_seconds", "input_seconds",
            "compute_seconds", "input_fraction", "examples", "examples_per_second")
+
+
+def _tensorflow():
+    """TensorFlow and the parts of its capture StepTimer writes with,
+    imported on use (StepTimer runs on the TensorFlow backend only)."""
+    import tensorflow as tf
+
+    from kerasdbg.backends.tensorflow import buffers, keras_internals
+
+    return tf, buffers, keras_internals
 
 
 class StepTimer(RecordingCallback):
@@ -75,6 +82,7 @@ class StepTimer(RecordingCallback):
                  warmup: int = 2, strict: bool = False):
         super().__init__()
         owner = "StepTimer"
+        _capture.supported(owner, "wrap")
         self.log_dir = check.log_dir(owner, "log_dir", log_dir)
         self.input_bound_threshold = check.number(
             owner, "input_bound_threshold", input_bound_threshold, minimum=0.0, maximum=1.0)
@@ -97,6 +105,7 @@ class StepTimer(RecordingCallback):
 
     # --------------------------------------------------------- callbacks
     def on_train_begin(self, logs=None):
+        tf, _buffers, internals = _tensorflow()  # noqa: F841 - TensorFlow's capture, on use
         model = self.model
         self._rows = []
         self._warned = False
@@ -120,11 +129,12 @@ class StepTimer(RecordingCallback):
         self._last = None
 
     @property
-    def _buffer(self) -> Optional[tf.Variable]:
+    def _buffer(self) -> Optional[object]:
         return self._request.buffers.get("times") if self._request is not None else None
 
     def _timed_step(self, step_function, data, row):
         """The train step between two timestamps (in the graph)."""
+        tf, _buffers, internals = _tensorflow()  # noqa: F841 - TensorFlow's capture, on use
         model, buffer = self.model, self._buffer
         flat = [t for t in tf.nest.flatten(data) if tf.is_tensor(t)]
         with tf.control_dependencies(flat):
@@ -165,6 +175,7 @@ class StepTimer(RecordingCallback):
 
     # -------------------------------------------------------- records
     def _record(self, end: float) -> None:
+        tf, _buffers, internals = _tensorflow()  # noqa: F841 - TensorFlow's capture, on use
         engine = _capture.engine_for(self.model)
         last = engine.collector.train_steps()
         steps = last - self._last

@@ -11,13 +11,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 import keras
 
 from kerasdbg import capture as _capture
-from kerasdbg.capture import planner
+from kerasdbg.capture import keras_objects, planner
 from kerasdbg import _qualified
-from kerasdbg.backends.tensorflow import replica_checks as _replica_checks
 from kerasdbg.sinks import events as _events
-from kerasdbg.backends.tensorflow import keras_internals as internals
 from kerasdbg.sinks import layout as _layout
-from kerasdbg.backends.tensorflow import layer_sink as _layer_sink
 from kerasdbg import _validation as check
 from kerasdbg.sinks import workers as _workers
 from kerasdbg import schedule as schedule_lib
@@ -356,10 +353,10 @@ class StopOnRule(CopiedAsNew, keras.callbacks.Callback):
         self._decaying = None
         self._last_step = 0
         if getattr(self.model, "optimizer", None) is not None:
-            self._last_step = int(internals.read(
-                internals.raw_iterations(self.model.optimizer)).numpy())
+            self._last_step = int(keras_objects.host_value(
+                keras_objects.raw_iterations(self.model.optimizer)))
         rules = self.rules
-        replicas = self.model.distribute_strategy.num_replicas_in_sync
+        replicas = keras_objects.replicas(self.model)
         if self.default_rules:
             # The activation rules need taps, the replica rule several
             # replicas; without them they are left out (as `default_rules(without)`).
@@ -431,8 +428,8 @@ class StopOnRule(CopiedAsNew, keras.callbacks.Callback):
         `step`, for `VanishingGradient` to tell the decay's part of an update
         from the gradient's. Left out where not known (absent, never a guess)."""
         if self._decaying is None:
-            found = [(name, internals.inner_optimizer(o))
-                     for name, o in internals.find_optimizers(self.model)]
+            found = [(name, keras_objects.inner_optimizer(o))
+                     for name, o in keras_objects.find_optimizers(self.model)]
             several = len(found) > 1
             self._decaying = [(name if several else None, o) for name, o in found
                               if getattr(o, "weight_decay", None)]
@@ -542,6 +539,8 @@ class StopOnRule(CopiedAsNew, keras.callbacks.Callback):
         finally:
             # A collective under several workers: reached on every worker;
             # taps the model's sink already read at this step are skipped.
+            from kerasdbg.backends.tensorflow import layer_sink as _layer_sink
+
             _layer_sink.flush_layers(self._taps, _layer_sink.current_fit_step(self.model))
 
     # ------------------------------------------------------ evaluation
@@ -566,9 +565,9 @@ class StopOnRule(CopiedAsNew, keras.callbacks.Callback):
         """The furthest step of the model's optimizers (0 without one); their
         step variables are looked up once per fit."""
         if self._iterations is None:
-            self._iterations = [internals.raw_iterations(o)
-                                for _, o in internals.find_optimizers(self.model)]
-        return max([int(internals.read(v).numpy()) for v in self._iterations] + [0])
+            self._iterations = [keras_objects.raw_iterations(o)
+                                for _, o in keras_objects.find_optimizers(self.model)]
+        return max([int(keras_objects.host_value(v)) for v in self._iterations] + [0])
 
     def _check_replicas(self, batch: int) -> None:
         """At the first step and every `every_n_steps` of the replica rules:
@@ -590,6 +589,8 @@ class StopOnRule(CopiedAsNew, keras.callbacks.Callback):
             if step == last or (last is not None and step // every == last // every):
                 return
             if self._replicas is None:  # variables exist after the first step
+                from kerasdbg.backends.tensorflow import replica_checks as _replica_checks
+
                 self._replicas = _replica_checks.checker(self.model)
             spreads = self._replicas.spreads() if self._replicas is not None else {}
         except Exception as error:  # noqa: BLE001 - training goes on
@@ -623,7 +624,7 @@ class StopOnRule(CopiedAsNew, keras.callbacks.Callback):
         self._finish()
 
     def _optimizers(self) -> list:
-        return [o for _, o in internals.find_optimizers(self.model)]
+        return [o for _, o in keras_objects.find_optimizers(self.model)]
 
     def _continue_training(self) -> None:
         """The rules go on from what they saw in the last fit of this
@@ -743,7 +744,7 @@ class StopOnRule(CopiedAsNew, keras.callbacks.Callback):
         self._suspend_others()
 
     def _suspend_others(self) -> None:
-        callbacks = internals.running_callbacks(self.model)
+        callbacks = keras_objects.running_callbacks(self.model)
         if callbacks is None or not self.suspend:
             return
         for callback in callbacks.callbacks:
@@ -779,8 +780,8 @@ def _silence(callback) -> None:
 
     def last(*args, **kwargs):
         for hook in _SUSPENDED_HOOKS:
-            internals.unpatch(callback, hook)
+            keras_objects.unpatch(callback, hook)
 
     for hook in _SUSPENDED_HOOKS:
-        internals.unpatch(callback, hook)
-        internals.patch(callback, hook, last if hook == "on_train_end" else nothing)
+        keras_objects.unpatch(callback, hook)
+        keras_objects.patch(callback, hook, last if hook == "on_train_end" else nothing)

@@ -12,8 +12,6 @@ the records go) and attaches it to the one `Capture` of its model
   `keras.config.backend()`), `supported` (the clear error on a backend
   without a capture).
 - `planner`: what rules need, turned into requests (`plan`).
-- `collect`: the host side that reads the recorded rows and hands them to
-  the requests' consumers.
 - `keras_objects`: the parts of Keras every backend shares (the model's
   optimizers, step counters, the loop running a model).
 - `fit_end`: cleanups that run however a `fit` ends.
@@ -23,7 +21,7 @@ from kerasdbg.capture import fit_end
 from kerasdbg.capture.fit_end import cancel_fit_end, on_fit_end
 from kerasdbg.capture.interface import Capture, engine_for, supported
 from kerasdbg.capture.requests import (
-    CLASS_COLUMNS, WEIGHT_EXTRA_STATISTICS, Freeze, Record, Request, unique_paths,
+    CLASS_COLUMNS, RECORDABLE, WEIGHT_EXTRA_STATISTICS, Freeze, Record, Request, unique_paths,
 )
 
 # Before any callback of kerasdbg exists: the `fit` that first uses one has
@@ -31,6 +29,6 @@ from kerasdbg.capture.requests import (
 fit_end.install()
 
 __all__ = [
-    "CLASS_COLUMNS", "WEIGHT_EXTRA_STATISTICS", "Capture", "Freeze", "Record", "Request",
+    "CLASS_COLUMNS", "RECORDABLE", "WEIGHT_EXTRA_STATISTICS", "Capture", "Freeze", "Record", "Request",
     "cancel_fit_end", "engine_for", "on_fit_end", "supported", "unique_paths",
 ]

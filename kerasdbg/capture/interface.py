@@ -19,8 +19,17 @@ from kerasdbg.errors import UnsupportedBackendError
 
 CAPTURES = {
     "tensorflow": "kerasdbg.backends.tensorflow.engine",
+    "jax": "kerasdbg.backends.jax.engine",
 }
 """The module of each backend's capture (its `engine_for(model)`)."""
+
+RECORDS = {
+    "tensorflow": None,  # everything
+    "jax": {"gradients": "GradientStatistics", "weights": "WeightStatistics",
+            "step": "StopOnRule"},
+}
+"""What each backend's capture records, by request kind (None: every kind),
+with the instrument that asks for it."""
 
 ELSEWHERE = ("the model tools (insert_taps, strip_debug_layers, MultiOutputModel), "
              "load_run, kerasdbg check and kerasdbg report")
@@ -78,15 +87,23 @@ def backend() -> str:
     return keras.config.backend()
 
 
-def supported(owner: str) -> None:
+def supported(owner: str, kind: Optional[str] = None) -> None:
     """Raises `UnsupportedBackendError` naming `owner` when the Keras
-    backend has no capture; for a constructor or the start of `fit`."""
+    backend has no capture, or one that does not record `kind` (a request
+    kind, or what the owner needs, e.g. "taps"); for a constructor or the
+    start of `fit`."""
     name = backend()
     if name not in CAPTURES:
         raise UnsupportedBackendError(
             f"{owner} records per optimizer step, which kerasdbg does on the Keras "
             f"backends {', '.join(sorted(CAPTURES))}; Keras runs on {name!r} "
             f"(KERAS_BACKEND). On {name} what works is {ELSEWHERE}.")
+    kinds = RECORDS[name]
+    if kind is not None and kinds is not None and kind not in kinds:
+        raise UnsupportedBackendError(
+            f"{owner} works on the TensorFlow backend only so far; Keras runs on {name!r} "
+            f"(KERAS_BACKEND). On {name} kerasdbg records with "
+            f"{', '.join(dict.fromkeys(kinds.values()))}, and {ELSEWHERE} work.")
 
 
 def engine_for(model) -> Capture:

@@ -14,6 +14,7 @@ import functools
 from typing import Callable, List, Optional, Tuple
 
 import keras
+import numpy as np
 
 TRAINERS = {
     "tensorflow": ("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer"),
@@ -22,6 +23,21 @@ TRAINERS = {
     "numpy": ("keras.src.backend.numpy.trainer", "NumpyTrainer"),
 }
 """The trainer class of each Keras backend (the class `Model.fit` is defined on)."""
+
+
+def replicas(model) -> int:
+    """How many replicas run each step of `model`: a `tf.distribute`
+    strategy's number (1 without one); under JAX's `keras.distribution` the
+    step is one program over the global batch, so 1."""
+    strategy = getattr(model, "distribute_strategy", None)
+    return int(getattr(strategy, "num_replicas_in_sync", 1) or 1)
+
+
+def host_value(variable) -> np.ndarray:
+    """The value of a Keras variable on the host, as NumPy (on JAX, what the
+    model holds: during a `fit` its variables are written back at each
+    epoch's end)."""
+    return np.asarray(keras.ops.convert_to_numpy(variable.value))
 
 
 def trainer_class():

@@ -30,6 +30,8 @@ Record = CaptureRecord
 
 
 WEIGHT_EXTRA_STATISTICS = stats_lib.UPDATE_STATISTICS
+RECORDABLE = ("loss", "learning_rate", "gradients", "weights", "layer_outputs")
+"""What `StepRecorder` can record of a step."""
 MAX_CLASSES = 1000
 """Classes a "classes" request can count (its buffer is sized before the trace)."""
 MAX_STEP_SCALARS = 32

@@ -44,8 +44,8 @@ steps_per_execution`), so consecutive train steps of one execution never
 share a row and the host needs no reset between executions.
 
 The engine's modules, in the order of the pipeline (each imports only those
-before it, type annotations aside; `requests` and `collect` are the
-backend-neutral ones in `kerasdbg.capture`):
+before it, type annotations aside; `requests`, what the callbacks ask
+for, is the backend-neutral one in `kerasdbg.capture`):
 
 - `requests`: what the callbacks ask for (`Request`, `Freeze`, the records'
   columns) and the schedule predicates the graph evaluates.

@@ -24,7 +24,7 @@ from kerasdbg.sinks import events as _events
 from kerasdbg.backends.tensorflow import keras_internals as internals
 from kerasdbg.backends.tensorflow.channels import Channel, Hook
 from kerasdbg.capture import fit_end
-from kerasdbg.capture.collect import Collector
+from kerasdbg.backends.tensorflow.collect import Collector
 from kerasdbg.capture.interface import Capture
 from kerasdbg.backends.tensorflow import faults as faults_module
 from kerasdbg.backends.tensorflow.faults import Faults

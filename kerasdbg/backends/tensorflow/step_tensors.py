@@ -38,7 +38,7 @@ from kerasdbg.capture.requests import Request
 from kerasdbg.backends.tensorflow import keras_internals as internals
 from kerasdbg import _replay
 
-RECORDABLE = ("loss", "learning_rate", "gradients", "weights", "layer_outputs")
+from kerasdbg.capture.requests import RECORDABLE  # noqa: E402,F401 - what a request may record
 
 
 def recordable_layers(model) -> List[str]:

@@ -1,0 +1,1 @@
+"""JAX's capture: per-step records out of Keras's JAX trainer. See `engine`."""

@@ -1,0 +1,531 @@
+"""JAX's capture: per-step records out of Keras's JAX trainer.
+
+Keras's JAX trainer runs a stateless step, `train_step(state, data)`, jitted
+when `jit_compile` is on, as a Python loop of `steps_per_execution` calls
+per execution; the gradients are made by `jax.value_and_grad` inside it and
+go straight to each optimizer's `stateless_apply`, and only the logs and the
+new state leave the step. So the quantities are computed inside the step
+and leave it as outputs:
+
+- `attach` (the first request) puts kerasdbg's train function in place of
+  the one Keras made for this `fit` (made before `on_train_begin`): the
+  same loop, over kerasdbg's step `step(state, carry, data) -> (logs, state,
+  carry, records)`, jitted as Keras jits its own (state donated, the
+  state's shardings kept under a `keras.distribution`), which calls the
+  model's own `train_step` (Keras's, or the user's).
+- While that step is traced, each optimizer the model holds has its
+  `stateless_apply` shadowed (an instance attribute, removed at the end of
+  the fit): it computes the requested statistics of the gradients it is
+  given and of the weights before and after its update, and hands them to
+  the step through a trace-time context; the step returns them. With
+  `StopOnRule` it also tests the gradients' finiteness.
+- The step with a freeze: a step whose gradients or loss are not finite (or
+  whose gradient norm exceeds the freeze's limit), or any step after one,
+  returns the state it was given (weights, the forward pass's state such as
+  BatchNormalization's moving statistics, and the optimizer's variables,
+  its step counter included): no update of a faulty step reaches the
+  model. `carry` holds whether the weights are frozen, the train-step
+  count and the weights at the fit's start (for `distance_from_start`).
+- The host keeps each step's outputs (device arrays) and reads them once
+  per execution (`collect`, one `jax.device_get`), then hands each request
+  its records, with the same tags as TensorFlow's capture.
+
+Under `keras.distribution` (`DataParallel`, `ModelParallel`) the step is
+one jitted program over the global arrays: the gradients are the global
+ones and a sharded variable is described whole, once per step.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Dict, List, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kerasdbg import stats as stats_lib
+from kerasdbg.capture import fit_end
+from kerasdbg.capture import keras_objects
+from kerasdbg.capture.interface import Capture, supported
+from kerasdbg.capture.requests import Record, Request, unique_paths
+from kerasdbg.quantities import reductions
+from kerasdbg.records import tags as _tags
+
+KINDS = ("gradients", "weights", "step")
+"""The request kinds JAX's capture records (`kerasdbg.capture.interface.RECORDS`)."""
+
+_LOCAL = threading.local()
+
+
+def _context() -> Optional["_StepContext"]:
+    stack = getattr(_LOCAL, "stack", None)
+    return stack[-1] if stack else None
+
+
+class _StepContext:
+    """What one trace of kerasdbg's step collects from the applies in it."""
+
+    def __init__(self, engine: "Engine", carry):
+        self.engine = engine
+        self.carry = carry
+        self.records: Dict[str, object] = {}
+        self.oks: List[object] = []
+        self.applies: Dict[int, int] = {}
+        self.loss = None
+        self.first_step = None
+
+
+class _Hook:
+    """One optimizer of the model: what it applies and how it is named."""
+
+    def __init__(self, name: str, optimizer, number: int):
+        self.name = name
+        self.optimizer = optimizer
+        self.number = number
+        self.variables = list(keras_objects.optimizer_variables(optimizer))
+        self.paths = unique_paths(self.variables)
+        index = [i for i, v in enumerate(optimizer.variables)
+                 if v is keras_objects.raw_iterations(optimizer)]
+        self.iterations_index = index[0] if index else None
+        self.clipping = keras_objects.clipping(optimizer)
+        self.applies = 0  # the most applies of it seen in one train step
+        # Mixed precision: the gradients come scaled by the loss scale (a
+        # variable of the optimizer), and an overflow is the scaler's to skip.
+        scale = getattr(optimizer, "dynamic_scale", None)
+        self.scale_index = next((i for i, v in enumerate(optimizer.variables) if v is scale),
+                                None) if scale is not None else None
+
+    def positions(self, request: Request) -> List[int]:
+        return [i for i, (v, p) in enumerate(zip(self.variables, self.paths))
+                if request.selects(p) and keras_objects.is_float(v)]
+
+
+class _Faults:
+    """The freeze's host side: whether the weights are frozen now."""
+
+    def __init__(self, engine: "Engine"):
+        self._engine = weakref.proxy(engine)
+        self.frozen = False
+
+    def unfreeze(self) -> None:
+        self.frozen = False
+        self._engine._carry = None
+
+
+class Engine(Capture):
+    """JAX's capture of one model. See the module docstring."""
+
+    def __init__(self, model):
+        self._model = weakref.ref(model)
+        self.requests: List[Request] = []
+        self.hooks: Dict[int, _Hook] = {}
+        self.installed = False
+        self.loss_captured = False
+        self.faults = _Faults(self)
+        self.trace_count = 0
+        self._several = False
+        self._plain = None
+        self._pending: list = []
+        self._carry = None
+        self._calls = 0
+        self._step_base = 0
+        self._warned = False
+        self._initial: Dict[str, list] = {}
+
+    # ----------------------------------------------------------- lifecycle
+    def attach(self, request: Request) -> None:
+        supported(request.owner, request.kind)
+        model = self._model()
+        if getattr(model, "optimizer", None) is None:
+            raise ValueError("kerasdbg: the model has no optimizer; call `model.compile()` "
+                             "before `fit`.")
+        if not self.installed:
+            self._install(model)
+        self.requests.append(request)
+        if request.kind == "weights" and "distance_from_start" in request.stats \
+                and not self._initial:
+            # The weights at the fit's start: the model holds them until
+            # Keras's loop moves them into its state, at the first batch.
+            self._initial = {str(h.number): [jnp.array(v.value) for v in h.variables]
+                             for h in self.hooks.values()}
+
+    def prepare(self) -> None:
+        """Nothing to do before a batch: the step is traced at its first call."""
+
+    @property
+    def several_optimizers(self) -> bool:
+        return self._several
+
+    def detach(self, request: Request) -> None:
+        self.collect()
+        if request in self.requests:
+            self.requests.remove(request)
+        if not self.requests:
+            self._uninstall()
+
+    def abort(self) -> None:
+        try:
+            self.collect()
+        finally:
+            self.requests = []
+            self._uninstall()
+
+    # --------------------------------------------------------- instrument
+    def _install(self, model) -> None:
+        found = keras_objects.find_optimizers(model)
+        self.hooks = {}
+        for number, (name, optimizer) in enumerate(found):
+            if not optimizer.built:
+                continue  # never applied in this fit: Keras builds what it applies
+            hook = _Hook(name, optimizer, number)
+            self.hooks[id(optimizer)] = hook
+            keras_objects.patch(optimizer, "stateless_apply",
+                                self._routed_apply(hook, type(optimizer).stateless_apply))
+        if "_update_metrics_variables" not in vars(model):
+            original = type(model)._update_metrics_variables
+
+            def update_metrics(metrics_variables, unscaled_loss, *args, **kwargs):
+                context = _context()
+                if context is not None:
+                    context.loss = unscaled_loss
+                return original(model, metrics_variables, unscaled_loss, *args, **kwargs)
+
+            keras_objects.patch(model, "_update_metrics_variables", update_metrics)
+        self._plain = model.train_function
+        self._initial = {}
+        self._pending = []
+        self._carry = None
+        self._calls = 0
+        iterations = [int(np.asarray(keras_objects.raw_iterations(h.optimizer).value))
+                      for h in self.hooks.values()]
+        self._step_base = min([i for i in iterations if i > 0], default=0)
+        model.train_function = self._train_function(model)
+        self.faults.frozen = False
+        self.installed = True
+        fit_end.on_fit_end(model, self, self._after_failed_fit)
+
+    def _uninstall(self) -> None:
+        model = self._model()
+        for hook in self.hooks.values():
+            keras_objects.unpatch(hook.optimizer, "stateless_apply")
+        if model is not None:
+            keras_objects.unpatch(model, "_update_metrics_variables")
+            if self.installed:
+                model.train_function = self._plain
+                fit_end.cancel_fit_end(model, self)
+        self._plain = None
+        self.installed = False
+
+    def _after_failed_fit(self) -> None:
+        try:
+            self.collect()
+        except Exception:  # noqa: BLE001 - the fit already raised
+            pass
+        self.requests = []
+        self._uninstall()
+
+    def _counter_index(self) -> Optional[int]:
+        """The position of the model's optimizer's step counter in the
+        optimizer variables of Keras's state, or None."""
+        model = self._model()
+        hook = self.hooks.get(id(getattr(model, "optimizer", None)))
+        return None if hook is None else hook.iterations_index
+
+    def _freeze(self):
+        for request in self.requests:
+            if request.freeze is not None:
+                return request.freeze
+        return None
+
+    # ------------------------------------------------------- in the step
+    def _routed_apply(self, hook: _Hook, original):
+        optimizer = hook.optimizer
+
+        def stateless_apply(optimizer_variables, grads, trainable_variables):
+            new_trainable, new_optimizer = original(
+                optimizer, optimizer_variables, grads, trainable_variables)
+            context = _context()
+            if context is None:
+                return new_trainable, new_optimizer
+            index = context.applies.get(hook.number, 0)
+            context.applies[hook.number] = index + 1
+            hook.applies = max(hook.applies, index + 1)
+            key = f"{hook.number}/{index}"
+            if hook.iterations_index is not None:
+                step = jnp.asarray(new_optimizer[hook.iterations_index], jnp.int32)
+            else:
+                step = context.carry["calls"] + 1
+            context.records[f"apply/{key}/step"] = step
+            if context.first_step is None:
+                context.first_step = step
+            grads = list(grads)
+            floats = [i for i, v in enumerate(hook.variables) if keras_objects.is_float(v)]
+            skipped = jnp.asarray(False)
+            if hook.scale_index is not None:
+                # What the model's gradients are: unscaled, as TensorFlow's capture records.
+                scale = optimizer_variables[hook.scale_index]
+                skipped = jnp.logical_not(reductions.all_finite([grads[i] for i in floats]))
+                grads = [g if i not in floats else g / jnp.asarray(scale, g.dtype)
+                         for i, g in enumerate(grads)]
+            context.records[f"apply/{key}/skipped"] = skipped
+            norm = reductions.norm_of([grads[i] for i in floats])
+            context.records[f"apply/{key}/norm"] = norm
+            freeze = self._freeze()
+            if freeze is not None:
+                ok = reductions.all_finite([grads[i] for i in floats])
+                if hook.scale_index is not None:
+                    ok = jnp.asarray(True)  # an overflow is the loss scaler's to skip
+                if freeze.max_gradient_norm is not None:
+                    ok = jnp.logical_and(ok, norm <= freeze.max_gradient_norm)
+                context.oks.append(ok)
+            for number, request in enumerate(self.requests):
+                if request.kind not in ("gradients", "weights"):
+                    continue
+                positions = hook.positions(request)
+                if not positions:
+                    continue
+                if request.kind == "gradients":
+                    tensors = [grads[i] for i in positions]
+                    table = stats_lib.tensor_statistics(tensors, request.stats)
+                    tail = [norm]
+                    if hook.clipping:
+                        tail.append(_clipped(hook.clipping, [grads[i] for i in floats], norm))
+                    else:
+                        tail.append(jnp.asarray(np.nan, table.dtype))
+                    row = jnp.concatenate([jnp.reshape(table, [-1]),
+                                           jnp.stack([jnp.asarray(t, table.dtype)
+                                                      for t in tail])])
+                else:
+                    tensors = [new_trainable[i] for i in positions]
+                    before = [trainable_variables[i] for i in positions]
+                    initial = context.carry["initial"].get(str(hook.number))
+                    start = [initial[i] for i in positions] if initial is not None else None
+                    row = jnp.reshape(_weight_table(request.stats, tensors, before, start), [-1])
+                context.records[f"apply/{key}/{number}"] = row
+                if request.histogram_every_n_steps:
+                    counts, ranges = stats_lib.histograms(tensors, request.bins)
+                    context.records[f"apply/{key}/{number}/hist"] = (counts, ranges)
+            return new_trainable, new_optimizer
+
+        return stateless_apply
+
+    def _train_function(self, model):
+        """kerasdbg's train function of this fit: Keras's loop over
+        kerasdbg's step (see the module docstring)."""
+        step = self._step(model)
+        if not model.run_eagerly and model.jit_compile:
+            from keras.src.distribution import distribution_lib
+
+            out_shardings = None
+            if distribution_lib.distribution() is not None:
+                out_shardings = (None, model._get_state_sharding_spec(), None, None)
+            step = jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
+        steps = model.steps_per_execution
+        engine = self
+
+        def train_function(state, iterator):
+            carry = engine._carry if engine._carry is not None else engine._first_carry(model)
+            data = next(iterator)
+            logs, state, carry, records = step(state, carry, data)
+            engine._pending.append(records)
+            try:
+                for _ in range(steps - 1):
+                    data = next(iterator)
+                    logs, state, carry, records = step(state, carry, data)
+                    engine._pending.append(records)
+            except StopIteration:
+                pass
+            engine._carry = carry
+            return logs, state
+
+        return train_function
+
+    def _first_carry(self, model):
+        return {"frozen": jnp.asarray(False), "calls": jnp.asarray(self._calls, jnp.int32),
+                "initial": self._initial}
+
+    def _step(self, model):
+        engine = self
+
+        def step(state, carry, data):
+            engine.trace_count += 1
+            context = _StepContext(engine, carry)
+            stack = getattr(_LOCAL, "stack", None)
+            if stack is None:
+                stack = _LOCAL.stack = []
+            stack.append(context)
+            try:
+                logs, new_state = model.train_step(state, data)
+            finally:
+                stack.pop()
+            frozen = carry["frozen"]
+            records = dict(context.records)
+            fault = jnp.asarray(False)
+            if engine._freeze() is not None:
+                oks = list(context.oks)
+                if context.loss is not None:
+                    oks.append(reductions.all_finite(context.loss))
+                ok = jnp.all(jnp.stack(oks)) if oks else jnp.asarray(True)
+                fault = jnp.logical_not(ok)
+                keep = jnp.logical_and(ok, jnp.logical_not(frozen))
+                trainable, non_trainable, optimizer_variables, metrics = new_state
+                kept = jax.lax.cond(
+                    keep, lambda new, old: list(new), lambda new, old: list(old),
+                    list(trainable) + list(non_trainable) + list(optimizer_variables),
+                    list(state[0]) + list(state[1]) + list(state[2]))
+                a, b = len(trainable), len(trainable) + len(non_trainable)
+                kept_optimizer = list(kept[b:])
+                # The step counter of the model's optimizer counts a frozen step
+                # (as on TensorFlow), so that each step keeps its own number.
+                counter = engine._counter_index()
+                if counter is not None:
+                    kept_optimizer[counter] = optimizer_variables[counter]
+                new_state = (kept[:a], kept[a:b], kept_optimizer, metrics)
+                frozen = jnp.logical_or(frozen, fault)
+            calls = carry["calls"] + 1
+            records["step/calls"] = calls
+            records["step/frozen"] = frozen
+            records["step/fault"] = fault
+            if context.first_step is not None:
+                records["step/first"] = context.first_step
+            if context.loss is not None:
+                records["step/loss"] = context.loss
+            for name, value in logs.items():
+                if jnp.ndim(value) == 0:
+                    records[f"logs/{name}"] = value
+            new_carry = {"frozen": frozen, "calls": calls, "initial": carry["initial"]}
+            return logs, new_state, new_carry, records
+
+        return step
+
+    # ----------------------------------------------------------- on host
+    def collect(self, final: bool = True, batch: Optional[int] = None) -> None:
+        """Reads what the steps since the last call recorded (one transfer)
+        and hands each request its records."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        host = jax.device_get(pending)
+        self._several = self._several or sum(h.applies > 0 for h in self.hooks.values()) > 1
+        out: Dict[int, List[Record]] = {id(r): [] for r in self.requests}
+        for records in host:
+            self._calls = int(records["step/calls"])
+            step = int(records["step/first"]) if "step/first" in records else \
+                self._step_base + self._calls
+            frozen = bool(records["step/frozen"])
+            self.loss_captured = self.loss_captured or "step/loss" in records
+            self.faults.frozen = self.faults.frozen or frozen
+            for hook in sorted(self.hooks.values(), key=lambda h: h.number):
+                for index in range(hook.applies):
+                    key = f"apply/{hook.number}/{index}"
+                    if f"{key}/step" not in records:
+                        continue
+                    applied_step = int(records[f"{key}/step"])
+                    for number, request in enumerate(self.requests):
+                        row = records.get(f"{key}/{number}")
+                        if row is None:
+                            continue
+                        out[id(request)].append(self._record(
+                            request, hook, applied_step, row, records.get(f"{key}/{number}/hist"),
+                            bool(records.get(f"{key}/skipped", False))))
+            for request in self.requests:
+                if request.kind == "step":
+                    out[id(request)].append(self._step_record(step, records))
+        self.loss_captured = self.loss_captured or any(
+            "step/loss" in records for records in host)
+        for request in self.requests:
+            if out[id(request)]:
+                request.consumer(out[id(request)])
+
+    def _record(self, request: Request, hook: _Hook, step: int, row, hist,
+                skipped: bool = False) -> Record:
+        columns = request.columns_at(step)
+        positions = hook.positions(request)
+        several = self._several
+        optimizer = hook.name if several else None
+        wanted = [columns is not None and s in columns for s in request.stats]
+        tags = []
+        for i in positions:
+            tags += [_tags.statistic(request.kind, hook.paths[i], s) if w else None
+                     for s, w in zip(request.stats, wanted)]
+        if request.kind == "gradients":
+            tags.append(_tags.per_optimizer(request.kind, _tags.GLOBAL_NORM, optimizer)
+                        if columns is not None else None)
+            tags.append(_tags.per_optimizer(request.kind, _tags.CLIPPED, optimizer)
+                        if hook.clipping and columns is not None else None)
+        values = None if columns is None else np.asarray(row, np.float64)
+        histograms = histogram_tags = None
+        if hist is not None and step % request.histogram_every_n_steps == 0:
+            histograms = (np.asarray(hist[0], np.float64), np.asarray(hist[1], np.float64))
+            histogram_tags = tuple(_tags.tensor(request.kind, hook.paths[i]) for i in positions)
+        return Record(step=step, skipped=skipped, values=values, histograms=histograms,
+                      tags=tuple(tags), histogram_tags=histogram_tags or (),
+                      optimizer=hook.name, applied=not skipped)
+
+    def _step_record(self, step: int, records: dict) -> Record:
+        tags = [_tags.step_scalar("loss") if "step/loss" in records else None,
+                _tags.step_scalar("frozen"), _tags.step_scalar("fault")]
+        values = [float(records.get("step/loss", np.nan)), float(records["step/frozen"]),
+                  float(records["step/fault"])]
+        for key, value in records.items():
+            if key.startswith("logs/"):
+                name = key[len("logs/"):]
+                if name == "loss" and "step/loss" in records:
+                    continue  # the step's own loss comes first
+                tags.append(_tags.step_scalar(name))
+                values.append(float(value))
+        freeze = self._freeze()
+        if bool(records["step/fault"]) and freeze is not None \
+                and freeze.max_gradient_norm is not None:
+            tags.append(_tags.fault("freeze", "max_gradient_norm"))
+            values.append(float(freeze.max_gradient_norm))
+        return Record(step=step, skipped=False, values=np.asarray(values, np.float64),
+                      histograms=None, tags=tuple(tags))
+
+
+def _clipped(clipping, grads, norm):
+    """Whether the optimizer's clipping changed the gradients."""
+    kind, value = clipping
+    if kind == "clipvalue":
+        return jnp.any(jnp.stack([jnp.max(jnp.abs(g)) > value for g in grads]))
+    if kind == "clipnorm":
+        norms = stats_lib.tensor_statistics(grads, ["l2_norm"])[:, 0]
+        return jnp.any(norms > value)
+    return norm > value
+
+
+def _weight_table(stats, weights, before, start):
+    """`stats` of the weights after the update, with the update ratio (from
+    their values before it) and the distance from the fit's start."""
+    base_names = tuple(s for s in stats if s in stats_lib.ALL_STATISTICS)
+    columns = {}
+    if base_names:
+        base = stats_lib.tensor_statistics(weights, base_names)
+        columns = {s: base[:, i] for i, s in enumerate(base_names)}
+    if "update_ratio" in stats:
+        update = stats_lib.tensor_statistics(
+            [w - b.astype(w.dtype) for w, b in zip(weights, before)], ["l2_norm"])[:, 0]
+        previous = stats_lib.tensor_statistics(before, ["l2_norm"])[:, 0]
+        columns["update_ratio"] = jnp.where(update == 0, jnp.zeros_like(update),
+                                            update / previous)
+    if "distance_from_start" in stats and start is not None:
+        columns["distance_from_start"] = stats_lib.tensor_statistics(
+            [w - s.astype(w.dtype) for w, s in zip(weights, start)], ["l2_norm"])[:, 0]
+    return jnp.stack([columns[s] for s in stats], axis=1)
+
+
+_ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def engine_for(model) -> Engine:
+    """The model's engine, created on first use (not stored on the model)."""
+    engine = _ENGINES.get(model)
+    if engine is None:
+        engine = Engine(model)
+        _ENGINES[model] = engine
+    return engine
+
+
+__all__ = ["Engine", "engine_for", "KINDS"]

@@ -1,0 +1,161 @@
+"""JAX's implementation of the array functions `kerasdbg.stats` uses.
+
+Each name is what `kerasdbg.quantities.ops` hands out, with the meaning of
+TensorFlow's function of that name (`kerasdbg.backends.tensorflow.ops`).
+Everything here runs eagerly, under `jax.jit` and on sharded arrays.
+
+Without `jax_enable_x64` JAX has no 64-bit types (a request is truncated
+with a warning): `float64` and `int64` are then float32 and int32, and the
+statistics are computed in float32 (counts exact up to 2**24 elements).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_X64 = bool(jax.config.jax_enable_x64)
+
+float32, int32, bool_ = jnp.float32, jnp.int32, jnp.bool_
+float64 = jnp.float64 if _X64 else jnp.float32
+int64 = jnp.int64 if _X64 else jnp.int32
+
+abs = jnp.abs  # noqa: A001 - the array function's own name
+concat = jnp.concatenate
+equal = jnp.equal
+floor = jnp.floor
+floormod = jnp.mod
+is_finite = jnp.isfinite
+is_inf = jnp.isinf
+is_nan = jnp.isnan
+less_equal = jnp.less_equal
+logical_and = jnp.logical_and
+logical_not = jnp.logical_not
+logical_or = jnp.logical_or
+maximum = jnp.maximum
+minimum = jnp.minimum
+ones_like = jnp.ones_like
+reduce_all = jnp.all
+reduce_any = jnp.any
+reduce_max = jnp.max
+reduce_min = jnp.min
+reduce_sum = jnp.sum
+reshape = jnp.reshape
+sqrt = jnp.sqrt
+square = jnp.square
+stop_gradient = jax.lax.stop_gradient
+transpose = jnp.transpose
+zeros_like = jnp.zeros_like
+
+
+def _dtype(dtype):
+    """A dtype JAX has (64-bit ones without x64 are their 32-bit kind)."""
+    if dtype is None:
+        return None
+    dtype = jnp.dtype(dtype)
+    if not _X64 and dtype.itemsize == 8:
+        return {"f": float32, "i": int32, "u": jnp.uint32, "c": jnp.complex64}[dtype.kind]
+    return dtype
+
+
+def cast(x, dtype):
+    return jnp.asarray(x).astype(_dtype(dtype))
+
+
+def constant(value, dtype=None):
+    return jnp.asarray(value, dtype=_dtype(dtype))
+
+
+def zeros(shape, dtype=float32):
+    return jnp.zeros(shape, _dtype(dtype))
+
+
+def fill(shape, value):
+    value = jnp.asarray(value)
+    return jnp.full(tuple(int(d) for d in shape), value, value.dtype)
+
+
+def stack(values, axis=0):
+    return jnp.stack([jnp.asarray(v) for v in values], axis=axis)
+
+
+def unstack(x, num=None, axis=0):
+    return [jnp.take(x, i, axis=axis) for i in range(x.shape[axis] if num is None else num)]
+
+
+def where(condition, x, y):
+    return jnp.where(jnp.asarray(condition), x, y)
+
+
+def clip_by_value(x, low, high):
+    return jnp.clip(x, low, high)
+
+
+def cond(predicate, true_fn, false_fn):
+    """`true_fn()` if `predicate` else `false_fn()`: a Python branch when the
+    predicate is known, else one `lax.cond`."""
+    if isinstance(predicate, (bool, np.bool_)):
+        return true_fn() if predicate else false_fn()
+    return jax.lax.cond(predicate, lambda: true_fn(), lambda: false_fn())
+
+
+def gather(params, indices):
+    return jnp.take(jnp.asarray(params), jnp.asarray(indices, jnp.int32), axis=0)
+
+
+def l2_loss(x):
+    return jnp.sum(jnp.square(x)) / 2
+
+
+def name_scope(name):
+    del name
+    return contextlib.nullcontext()
+
+
+def scatter_update(tensor, indices, updates):
+    """`tensor` with the rows `indices` (`[[i], ...]`) set to `updates`."""
+    rows = np.asarray(indices, np.int32).reshape(-1)
+    return jnp.asarray(tensor).at[rows].set(jnp.asarray(updates, jnp.asarray(tensor).dtype))
+
+
+def segment_sum(data, segment_ids, num_segments):
+    return jax.ops.segment_sum(data, jnp.asarray(segment_ids), int(num_segments))
+
+
+def segment_max(data, segment_ids, num_segments):
+    return jax.ops.segment_max(data, jnp.asarray(segment_ids), int(num_segments))
+
+
+def segment_min(data, segment_ids, num_segments):
+    return jax.ops.segment_min(data, jnp.asarray(segment_ids), int(num_segments))
+
+
+def shape(x):
+    return jnp.shape(x)
+
+
+def size(x):
+    return jnp.asarray(jnp.size(x), int32)
+
+
+def sort(x):
+    return jnp.sort(x)
+
+
+def dense(tensor):
+    """A tensor (a Keras variable read) as an array."""
+    value = getattr(tensor, "value", tensor)
+    return jnp.asarray(value)
+
+
+def num_elements(tensor):
+    """The static number of elements."""
+    return int(np.prod(jnp.shape(tensor)))
+
+
+def is_float(tensor) -> bool:
+    """Whether the tensor holds float32 or float64 (others are cast to float32)."""
+    return jnp.asarray(tensor).dtype in (jnp.dtype(jnp.float32), jnp.dtype(float64))

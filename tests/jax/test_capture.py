@@ -1,0 +1,205 @@
+"""JAX's capture against an independent computation, across the matrix.
+
+Runs on the JAX backend only (`KERAS_BACKEND=jax`, see tests/conftest.py).
+Expected values come from a class-level wrapper of the optimizer's
+`stateless_apply`, written here, that hands the gradients it receives to the
+host (`jax.debug.callback`) during a plain `fit`, or from `jax.value_and_grad`
+of `model.stateless_call`.
+"""
+
+import jax
+import jax.numpy as jnp
+import keras
+import numpy as np
+import pytest
+
+from kerasdbg.callbacks import (
+    ActivationStatistics, GradientStatistics, StepRecorder, StepTimer, StopOnRule, WeightStatistics,
+)
+from kerasdbg.errors import UnsupportedBackendError
+from tests.conftest import reference_stats
+
+pytestmark = pytest.mark.skipif(keras.config.backend() != "jax", reason="JAX backend only")
+
+BATCH, STEPS = 32, 8
+RNG = np.random.default_rng(7)
+X = RNG.normal(size=(BATCH * STEPS, 6)).astype("float32")
+Y = (X[:, :3].sum(1, keepdims=True) + 0.1 * RNG.normal(size=(BATCH * STEPS, 1))).astype("float32")
+MATRIX = [pytest.param(spe, jit, id=f"spe{spe}-{'jit' if jit else 'nojit'}")
+          for spe in (1, 4) for jit in (True, False)]
+
+
+def make_model(spe=1, jit=True, batch_norm=False, optimizer=None):
+    keras.utils.set_random_seed(3)
+    layers = [keras.Input((6,)), keras.layers.Dense(8, activation="relu", name="hidden")]
+    if batch_norm:
+        layers.append(keras.layers.BatchNormalization(name="norm"))
+    layers.append(keras.layers.Dense(1, name="out"))
+    model = keras.Sequential(layers, name="m")
+    model.compile(optimizer or keras.optimizers.Adam(0.01), "mse", steps_per_execution=spe,
+                  jit_compile=jit)
+    return model
+
+
+def fit(model, callbacks=(), x=X, y=Y, epochs=1):
+    return model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0,
+                     callbacks=list(callbacks))
+
+
+def captured_gradients(monkeypatch, model):
+    """The gradients each step of a plain fit of `model` applies, in order,
+    from a wrapper of the optimizer class's `stateless_apply`."""
+    seen = []
+    cls = type(model.optimizer)
+    original = cls.stateless_apply
+
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        jax.debug.callback(lambda *g: seen.append([np.asarray(a) for a in g]), *grads,
+                           ordered=True)
+        return original(self, optimizer_variables, grads, trainable_variables)
+
+    monkeypatch.setattr(cls, "stateless_apply", stateless_apply)
+    fit(model)
+    monkeypatch.setattr(cls, "stateless_apply", original)
+    jax.effects_barrier()
+    return seen
+
+
+@pytest.mark.parametrize("spe, jit", MATRIX)
+def test_gradient_and_weight_statistics_match_the_gradients_keras_applies(monkeypatch, spe, jit):
+    reference = make_model()
+    paths = [v.path for v in reference.trainable_variables]
+    grads = captured_gradients(monkeypatch, reference)
+    assert len(grads) == STEPS
+    weights_after = reference.get_weights()
+
+    model = make_model(spe, jit)
+    gradient_stats, weight_stats = GradientStatistics(), WeightStatistics()
+    fit(model, [gradient_stats, weight_stats])
+    history = gradient_stats.history.set_index("step")
+    assert list(history.index) == list(range(1, STEPS + 1))
+    for step in (1, 5, STEPS):
+        for path, gradient in zip(paths, grads[step - 1]):
+            expected = reference_stats(gradient)
+            for statistic in ("l2_norm", "mean", "std", "max"):
+                np.testing.assert_allclose(history.loc[step, f"{path}/{statistic}"],
+                                           expected[statistic], rtol=2e-5, atol=1e-7,
+                                           err_msg=f"{path}/{statistic} at step {step}")
+        norm = np.sqrt(sum(np.sum(g.astype(np.float64) ** 2) for g in grads[step - 1]))
+        np.testing.assert_allclose(history.loc[step, "global_norm"], norm, rtol=2e-5)
+    weights = weight_stats.history.set_index("step")
+    for path, value in zip(paths, weights_after):
+        np.testing.assert_allclose(weights.loc[STEPS, f"{path}/l2_norm"],
+                                   np.linalg.norm(value.astype(np.float64)), rtol=2e-5)
+
+
+@pytest.mark.parametrize("spe, jit", MATRIX)
+def test_every_instrument_leaves_training_bitwise_plain_keras(spe, jit):
+    plain = make_model(spe, jit, batch_norm=True)
+    plain_history = fit(plain, epochs=2).history
+    model = make_model(spe, jit, batch_norm=True)
+    history = fit(model, [GradientStatistics(), WeightStatistics(), StopOnRule()],
+                  epochs=2).history
+    assert history == plain_history
+    for a, b in zip(plain.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(plain.optimizer.variables, model.optimizer.variables):
+        np.testing.assert_array_equal(np.asarray(a.value), np.asarray(b.value))
+    assert "stateless_apply" not in vars(model.optimizer)
+    assert "_update_metrics_variables" not in vars(model)
+
+
+@pytest.mark.parametrize("spe, jit", MATRIX)
+def test_a_nan_in_one_batch_stops_at_its_step_with_the_weights_of_the_step_before(spe, jit):
+    bad = 5
+    y = Y.copy()
+    y[(bad - 1) * BATCH] = np.nan
+    before = make_model(spe, jit, batch_norm=True)
+    fit(before, x=X[:(bad - 1) * BATCH], y=Y[:(bad - 1) * BATCH])
+    model = make_model(spe, jit, batch_norm=True)
+    stop = StopOnRule()
+    gradients = GradientStatistics()
+    fit(model, [stop, gradients], y=y)
+    assert [v.step for v in stop.verdicts][:1] == [bad], stop.verdicts
+    assert stop.verdicts[0].rule in ("NonFiniteLoss", "ExplodingTensor"), stop.verdicts
+    for a, b in zip(before.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)  # BatchNormalization's moving statistics too
+    history = gradients.history.set_index("step")
+    assert np.isnan(history.loc[bad, "global_norm"])  # the faulty step is recorded, NaN and all
+    assert history.index.is_unique
+
+
+def test_data_parallel_describes_the_global_gradient_once_per_step():
+    devices = jax.devices("cpu")
+    assert len(devices) == 2, "tests/conftest.py gives JAX two CPU devices"
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+    try:
+        model = make_model(optimizer=keras.optimizers.SGD(0.01))
+        start = [np.asarray(v.value) for v in model.trainable_variables]
+        non_trainable = [v.value for v in model.non_trainable_variables]
+        gradients = GradientStatistics()
+        fit(model, [gradients])
+    finally:
+        keras.distribution.set_distribution(None)
+    history = gradients.history.set_index("step")
+    assert list(history.index) == list(range(1, STEPS + 1))
+
+    def loss(trainable, x, y):
+        prediction, _ = model.stateless_call(trainable, non_trainable, x)
+        return jnp.mean(jnp.square(prediction - y))
+
+    _, first = jax.value_and_grad(loss)([jnp.asarray(w) for w in start], X[:BATCH], Y[:BATCH])
+    for variable, gradient in zip(model.trainable_variables, first):
+        np.testing.assert_allclose(history.loc[1, f"{variable.path}/l2_norm"],
+                                   np.linalg.norm(np.asarray(gradient, np.float64)), rtol=1e-4)
+
+
+def test_a_nan_in_one_devices_shard_stops_data_parallel_training_at_its_step():
+    devices = jax.devices("cpu")
+    bad = 3
+    y = Y.copy()
+    y[(bad - 1) * BATCH + BATCH - 1] = np.nan  # the second device's half of the batch
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+    try:
+        before = make_model()
+        fit(before, x=X[:(bad - 1) * BATCH], y=Y[:(bad - 1) * BATCH])
+        model = make_model()
+        stop = StopOnRule()
+        fit(model, [stop], y=y)
+    finally:
+        keras.distribution.set_distribution(None)
+    assert stop.verdicts and stop.verdicts[0].step == bad, stop.verdicts
+    for a, b in zip(before.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("make", [StepTimer, lambda: StepRecorder("trace.npz"),
+                                  ActivationStatistics],
+                         ids=["StepTimer", "StepRecorder", "ActivationStatistics"])
+def test_an_instrument_jax_cannot_record_yet_says_so_when_it_is_made(make):
+    with pytest.raises(UnsupportedBackendError,
+                       match=r"works on the TensorFlow backend only so far; Keras runs on 'jax'.*"
+                             r"GradientStatistics, WeightStatistics, StopOnRule"):
+        make()
+    model = make_model()
+    fit(model, [GradientStatistics()])  # the others go on working
+    assert "stateless_apply" not in vars(model.optimizer)
+
+
+def test_mixed_precision_records_unscaled_gradients_and_no_false_alarm(mixed_precision):
+    """Under mixed_float16 the optimizer is a LossScaleOptimizer: its
+    `stateless_apply` receives the gradients times the loss scale, and an
+    overflow (which the scaler skips) is not a fault."""
+    plain = make_model(spe=2)
+    plain_history = fit(plain, epochs=2).history
+    model = make_model(spe=2)
+    stop, gradients = StopOnRule(), GradientStatistics()
+    history = fit(model, [stop, gradients], epochs=2).history
+    assert stop.verdicts == []
+    assert history == plain_history
+    for a, b in zip(plain.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    recorded = gradients.history
+    applied = recorded[~recorded["skipped"]]
+    # Unscaled: the norms of a small regression's gradients, not x 2**15.
+    assert len(applied) and applied["global_norm"].max() < 1e3, applied["global_norm"]
