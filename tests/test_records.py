@@ -7,6 +7,8 @@ module outside `records/` holds a tag literal (a scan of the source).
 """
 
 import ast
+import doctest
+import importlib
 import os
 import pathlib
 import re
@@ -230,6 +232,16 @@ def test_the_helpers_take_tags_apart_as_documented():
     assert tags.tag_pattern("gradients", "global_norm") == "gradients/global_norm"
     assert tags.KERASDBG_PREFIXES == ("gradients/", "weights/", "activations/", "step/",
                                       "epoch/", "classes/")
+
+
+@pytest.mark.parametrize("module", ["kerasdbg.records", "kerasdbg.records.tags",
+                                    "kerasdbg.records.step_record",
+                                    "kerasdbg.records.capture_record",
+                                    "kerasdbg.records.verdicts"])
+def test_the_examples_of_the_records_modules_run(module):
+    result = doctest.testmod(importlib.import_module(module),
+                             optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0, result
 
 
 # ------------------------------------------------------------------ the source
