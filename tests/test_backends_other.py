@@ -210,17 +210,40 @@ def test_what_needs_tensorflow_says_how_to_install_it_on_jax():
     assert "`pip install kerasdbg[jax]`), load_run, kerasdbg check and report" in out
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "the callbacks import kerasdbg.backends.tensorflow when imported (issue 33, item 1: the "
-    "capture interface, the team lead's part); ModuleNotFoundError: No module named "
-    "'tensorflow'"))
-def test_the_callbacks_import_on_jax_without_tensorflow():
+def test_the_callbacks_record_on_jax_without_tensorflow(tmp_path):
+    """A JAX user's install: the statistics and StopOnRule record a fit, write
+    TensorBoard files, and `load_run` and `check_run` read them back, with
+    TensorFlow absent."""
     out = run_on("jax", """
-        import json
-        import kerasdbg.callbacks
-        print(json.dumps(sorted(kerasdbg.callbacks.__all__)))
-    """)
-    assert "GradientStatistics" in out
+        import json, sys
+        import keras, numpy as np
+        import kerasdbg
+        from kerasdbg.callbacks import GradientStatistics, StopOnRule, WeightStatistics
+
+        log_dir = sys.argv[1]
+        keras.utils.set_random_seed(0)
+        x = np.random.default_rng(0).normal(size=(128, 4)).astype("float32")
+        y = x.sum(1, keepdims=True)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+                                  keras.layers.Dense(1)])
+        model.compile("adam", "mse", steps_per_execution=2)
+        stop = StopOnRule(log_dir=log_dir)
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[
+            GradientStatistics(log_dir=log_dir), WeightStatistics(log_dir=log_dir), stop])
+        run = kerasdbg.load_run(log_dir)
+        norms = run.scalars(".*global_norm", run="train")
+        print(json.dumps({
+            "tensorflow": "tensorflow" in sys.modules,
+            "steps": sorted(set(int(s) for s in norms["step"])),
+            "tags": sorted(norms["tag"].unique()),
+            "verdicts": [str(v) for v in stop.verdicts],
+            "offline": [str(v) for v in kerasdbg.check_run(log_dir, stop.rules, skip_missing=True)],
+        }))
+    """, str(tmp_path / "logs"))
+    assert out["tensorflow"] is False
+    assert out["steps"] == list(range(1, 17)), out["steps"]
+    assert out["tags"] == ["gradients/global_norm"], out["tags"]
+    assert out["verdicts"] == [] and out["offline"] == [], out
 
 
 # ------------------------------------------------------------ PyTorch

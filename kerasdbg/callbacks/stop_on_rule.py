@@ -539,9 +539,10 @@ class StopOnRule(CopiedAsNew, keras.callbacks.Callback):
         finally:
             # A collective under several workers: reached on every worker;
             # taps the model's sink already read at this step are skipped.
-            from kerasdbg.backends.tensorflow import layer_sink as _layer_sink
+            if self._taps:
+                from kerasdbg.backends.tensorflow import layer_sink as _layer_sink
 
-            _layer_sink.flush_layers(self._taps, _layer_sink.current_fit_step(self.model))
+                _layer_sink.flush_layers(self._taps, _layer_sink.current_fit_step(self.model))
 
     # ------------------------------------------------------ evaluation
     def on_train_batch_begin(self, batch, logs=None):
