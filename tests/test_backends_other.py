@@ -337,3 +337,33 @@ def test_built_debug_layers_hold_no_attribute_of_torch_modules():
         layer(np.ones((2, 3), "float32"))
         added = set(vars(layer)) - set(vars(plain))
         assert not added & TORCH_MODULE_NAMES, (layer.name, added & TORCH_MODULE_NAMES)
+
+
+def test_every_callback_on_a_backend_without_a_capture_says_so_when_made():
+    """Keras's NumPy backend has no kerasdbg capture, as PyTorch's has none
+    yet (PyTorch cannot be installed for the suite): each callback raises
+    one UnsupportedBackendError when made, naming the backend and what
+    works there."""
+    out = run_on("numpy", """
+        import json
+        from kerasdbg.callbacks import (ActivationStatistics, GradientStatistics, StepRecorder,
+                                        StepTimer, StopOnRule, WeightStatistics)
+        from kerasdbg.errors import UnsupportedBackendError
+
+        said = {}
+        for make in (GradientStatistics, WeightStatistics, StopOnRule, StepTimer,
+                     ActivationStatistics, lambda: StepRecorder("trace.npz")):
+            try:
+                made = make()
+                said[type(made).__name__] = "made"
+            except UnsupportedBackendError as error:
+                said[str(error).split(" ")[0]] = str(error)
+        print(json.dumps(said))
+    """)
+    assert sorted(out) == ["ActivationStatistics", "GradientStatistics", "StepRecorder",
+                           "StepTimer", "StopOnRule", "WeightStatistics"], out
+    for owner, message in out.items():
+        assert message.startswith(f"{owner} records per optimizer step, which kerasdbg does on "
+                                  "the Keras backends jax, tensorflow; Keras runs on 'numpy'"), \
+            message
+        assert "load_run, kerasdbg check and kerasdbg report" in message

@@ -59,6 +59,7 @@ class StatisticsCallback(RecordingCallback):
     ):
         super().__init__()
         owner = type(self).__name__
+        _capture.supported(owner)  # a backend with a capture, said when made
         self.log_dir = check.log_dir(owner, "log_dir", log_dir)
         self.schedule, self._default_schedule = schedule_lib.resolve(
             owner, every_n_steps, first_steps)

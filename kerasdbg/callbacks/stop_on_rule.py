@@ -205,6 +205,7 @@ class StopOnRule(CopiedAsNew, keras.callbacks.Callback):
     ):
         super().__init__()
         owner = type(self).__name__
+        _capture.supported(owner)  # a backend with a capture, said when made
         self.schedule, self._default_schedule = schedule_lib.resolve(
             owner, every_n_steps, first_steps)
         self.every_n_steps = None if every_n_steps is None else self.schedule.every_n_steps
