@@ -56,6 +56,13 @@ from kerasdbg.records import tags as _tags
 KINDS = ("gradients", "weights", "step")
 """The request kinds JAX's capture records (`kerasdbg.capture.interface.RECORDS`)."""
 
+# The keys of the step's records that hold its step scalars: their tags.
+_CALLS = _tags.step_scalar("calls")
+_FIRST = _tags.step_scalar("first")
+_FROZEN = _tags.step_scalar("frozen")
+_FAULT = _tags.step_scalar("fault")
+_LOSS = _tags.LOSS
+
 _LOCAL = threading.local()
 
 
@@ -385,13 +392,13 @@ class Engine(Capture):
                 new_state = (kept[:a], kept[a:b], kept_optimizer, metrics)
                 frozen = jnp.logical_or(frozen, fault)
             calls = carry["calls"] + 1
-            records["step/calls"] = calls
-            records["step/frozen"] = frozen
-            records["step/fault"] = fault
+            records[_CALLS] = calls
+            records[_FROZEN] = frozen
+            records[_FAULT] = fault
             if context.first_step is not None:
-                records["step/first"] = context.first_step
+                records[_FIRST] = context.first_step
             if context.loss is not None:
-                records["step/loss"] = context.loss
+                records[_LOSS] = context.loss
             for name, value in logs.items():
                 if jnp.ndim(value) == 0:
                     records[f"logs/{name}"] = value
@@ -411,11 +418,11 @@ class Engine(Capture):
         self._several = self._several or sum(h.applies > 0 for h in self.hooks.values()) > 1
         out: Dict[int, List[Record]] = {id(r): [] for r in self.requests}
         for records in host:
-            self._calls = int(records["step/calls"])
-            step = int(records["step/first"]) if "step/first" in records else \
+            self._calls = int(records[_CALLS])
+            step = int(records[_FIRST]) if _FIRST in records else \
                 self._step_base + self._calls
-            frozen = bool(records["step/frozen"])
-            self.loss_captured = self.loss_captured or "step/loss" in records
+            frozen = bool(records[_FROZEN])
+            self.loss_captured = self.loss_captured or _LOSS in records
             self.faults.frozen = self.faults.frozen or frozen
             for hook in sorted(self.hooks.values(), key=lambda h: h.number):
                 for index in range(hook.applies):
@@ -434,7 +441,7 @@ class Engine(Capture):
                 if request.kind == "step":
                     out[id(request)].append(self._step_record(step, records))
         self.loss_captured = self.loss_captured or any(
-            "step/loss" in records for records in host)
+            _LOSS in records for records in host)
         for request in self.requests:
             if out[id(request)]:
                 request.consumer(out[id(request)])
@@ -465,19 +472,19 @@ class Engine(Capture):
                       optimizer=hook.name, applied=not skipped)
 
     def _step_record(self, step: int, records: dict) -> Record:
-        tags = [_tags.step_scalar("loss") if "step/loss" in records else None,
+        tags = [_tags.step_scalar("loss") if _LOSS in records else None,
                 _tags.step_scalar("frozen"), _tags.step_scalar("fault")]
-        values = [float(records.get("step/loss", np.nan)), float(records["step/frozen"]),
-                  float(records["step/fault"])]
+        values = [float(records.get(_LOSS, np.nan)), float(records[_FROZEN]),
+                  float(records[_FAULT])]
         for key, value in records.items():
             if key.startswith("logs/"):
                 name = key[len("logs/"):]
-                if name == "loss" and "step/loss" in records:
+                if name == "loss" and _LOSS in records:
                     continue  # the step's own loss comes first
                 tags.append(_tags.step_scalar(name))
                 values.append(float(value))
         freeze = self._freeze()
-        if bool(records["step/fault"]) and freeze is not None \
+        if bool(records[_FAULT]) and freeze is not None \
                 and freeze.max_gradient_norm is not None:
             tags.append(_tags.fault("freeze", "max_gradient_norm"))
             values.append(float(freeze.max_gradient_norm))
