@@ -226,7 +226,8 @@ class Run:
 
         Examples:
             >>> import os, tempfile
-            >>> from kerasdbg import _events, load_run
+            >>> from kerasdbg import load_run
+            >>> from kerasdbg.sinks import events as _events
             >>> log_dir = tempfile.mkdtemp()
             >>> writer = _events.EventWriter(os.path.join(log_dir, "train"))
             >>> for step, value in [(1, 1.0), (2, 2.0), (3, 3.0), (2, 20.0), (3, 30.0)]:
@@ -357,7 +358,8 @@ class Run:
 
         Examples:
             >>> import os, tempfile
-            >>> from kerasdbg import _events, load_run
+            >>> from kerasdbg import load_run
+            >>> from kerasdbg.sinks import events as _events
             >>> log_dir = tempfile.mkdtemp()
             >>> writer = _events.EventWriter(os.path.join(log_dir, "train"))
             >>> for step in (1, 2):
@@ -425,7 +427,8 @@ class Run:
 
         Examples:
             >>> import os, tempfile
-            >>> from kerasdbg import _events, load_run
+            >>> from kerasdbg import load_run
+            >>> from kerasdbg.sinks import events as _events
             >>> log_dir = tempfile.mkdtemp()
             >>> writer = _events.EventWriter(os.path.join(log_dir, "train"))
             >>> writer.write(1, {"gradients/m/d/kernel/mean": 0.5, "gradients/m/d/kernel/max": 2.0,
