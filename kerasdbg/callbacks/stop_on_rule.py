@@ -378,7 +378,8 @@ class StopOnRule(CopiedAsNew, keras.callbacks.Callback):
         plan = planner.plan(
             rules, schedule=self.schedule, default_schedule=self._default_schedule,
             strict=self.strict, owner=type(self).__name__, replicas=replicas,
-            has_taps=bool(find_taps(self.model)), freeze=freeze, localize=self.locate_nan)
+            has_taps=bool(find_taps(self.model)), freeze=freeze, localize=self.locate_nan,
+            recordable=_capture.recordable())
         for refusal in plan.refusals:
             self._refuse(*refusal)
         if plan.reads_activations:

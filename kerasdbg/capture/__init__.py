@@ -19,7 +19,7 @@ the records go) and attaches it to the one `Capture` of its model
 
 from kerasdbg.capture import fit_end
 from kerasdbg.capture.fit_end import cancel_fit_end, on_fit_end
-from kerasdbg.capture.interface import Capture, engine_for, supported
+from kerasdbg.capture.interface import Capture, engine_for, recordable, supported
 from kerasdbg.capture.requests import (
     CLASS_COLUMNS, RECORDABLE, WEIGHT_EXTRA_STATISTICS, Freeze, Record, Request, unique_paths,
 )
@@ -30,5 +30,5 @@ fit_end.install()
 
 __all__ = [
     "CLASS_COLUMNS", "RECORDABLE", "WEIGHT_EXTRA_STATISTICS", "Capture", "Freeze", "Record", "Request",
-    "cancel_fit_end", "engine_for", "on_fit_end", "supported", "unique_paths",
+    "cancel_fit_end", "engine_for", "on_fit_end", "recordable", "supported", "unique_paths",
 ]

@@ -87,6 +87,12 @@ def backend() -> str:
     return keras.config.backend()
 
 
+def recordable() -> Optional[tuple]:
+    """The request kinds the backend's capture records (None: every kind)."""
+    kinds = RECORDS.get(backend())
+    return None if kinds is None else tuple(kinds)
+
+
 def supported(owner: str, kind: Optional[str] = None) -> None:
     """Raises `UnsupportedBackendError` naming `owner` when the Keras
     backend has no capture, or one that does not record `kind` (a request

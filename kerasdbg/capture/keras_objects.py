@@ -37,7 +37,10 @@ def host_value(variable) -> np.ndarray:
     """The value of a Keras variable on the host, as NumPy (on JAX, what the
     model holds: during a `fit` its variables are written back at each
     epoch's end)."""
-    return np.asarray(keras.ops.convert_to_numpy(variable.value))
+    value = variable.value
+    # A tf.distribute variable reads its primary copy with `numpy()`; a JAX
+    # array converts as it is.
+    return np.asarray(value.numpy() if hasattr(value, "numpy") else value)
 
 
 def trainer_class():

@@ -89,10 +89,12 @@ def variable_requests(kind: str, statistics: Dict[str, tuple], schedule: Schedul
 
 def plan(rules: Sequence, *, schedule: Schedule, default_schedule: bool, strict: bool,
          owner: str, replicas: int, has_taps: bool, freeze: Optional[Freeze],
-         localize: bool) -> Plan:
+         localize: bool, recordable: Optional[Sequence[str]] = None) -> Plan:
     """The requests that record what `rules` read for a model with
     `replicas` replicas (and taps, or not), and the step's own request (the
-    loss, the fault test, the `freeze`, NaN localisation with `localize`)."""
+    loss, the fault test, the `freeze`, NaN localisation with `localize`).
+    `recordable`: the request kinds the backend's capture records (None:
+    every kind); what needs another is refused."""
     refusals: List[Refusal] = []
     requests: List[Request] = []
     reads_activations = False
@@ -101,6 +103,11 @@ def plan(rules: Sequence, *, schedule: Schedule, default_schedule: bool, strict:
         if collection in (_tags.GRADIENTS, _tags.WEIGHTS):
             requests.extend(variable_requests(collection, statistics, schedule,
                                               default_schedule, strict, owner, refusals))
+        elif collection == _tags.CLASSES and recordable is not None \
+                and "classes" not in recordable:
+            refusals.extend(Refusal(collection, statistic, "classes/ tags are recorded on the "
+                                    "TensorFlow backend only so far")
+                            for statistic in sorted(statistics))
         elif collection == _tags.CLASSES:
             unknown = sorted(set(statistics) - set(CLASS_COLUMNS))
             if unknown:

@@ -122,6 +122,10 @@ def test_a_nan_in_one_batch_stops_at_its_step_with_the_weights_of_the_step_befor
     fit(model, [stop, gradients], y=y)
     assert [v.step for v in stop.verdicts][:1] == [bad], stop.verdicts
     assert stop.verdicts[0].rule in ("NonFiniteLoss", "ExplodingTensor"), stop.verdicts
+    located = [v for v in stop.verdicts if v.rule == "NaNSource"]
+    assert [v.step for v in located] == [bad], stop.verdicts
+    assert "the layer outputs were not examined" in located[0].reason
+    assert "non-finite gradients: m/hidden/bias, m/hidden/kernel" in located[0].reason
     for a, b in zip(before.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(a, b)  # BatchNormalization's moving statistics too
     history = gradients.history.set_index("step")
@@ -203,3 +207,91 @@ def test_mixed_precision_records_unscaled_gradients_and_no_false_alarm(mixed_pre
     applied = recorded[~recorded["skipped"]]
     # Unscaled: the norms of a small regression's gradients, not x 2**15.
     assert len(applied) and applied["global_norm"].max() < 1e3, applied["global_norm"]
+
+
+class GuideModel(keras.Sequential):
+    """A train step written for JAX as the keras.io guide "Customizing what
+    happens in fit() with JAX" writes it: stateless, its own loss and metric
+    updates, `stateless_apply` called by hand."""
+
+    def compute_loss_and_updates(self, trainable_variables, non_trainable_variables, x, y,
+                                 training=False):
+        y_pred, non_trainable_variables = self.stateless_call(
+            trainable_variables, non_trainable_variables, x, training=training)
+        loss = jnp.mean(jnp.square(y_pred - y))
+        return loss, (y_pred, non_trainable_variables)
+
+    def train_step(self, state, data):
+        trainable_variables, non_trainable_variables, optimizer_variables, metrics_variables = \
+            state
+        x, y = data
+        grad_fn = jax.value_and_grad(self.compute_loss_and_updates, has_aux=True)
+        (loss, (_, non_trainable_variables)), grads = grad_fn(
+            trainable_variables, non_trainable_variables, x, y, training=True)
+        trainable_variables, optimizer_variables = self.optimizer.stateless_apply(
+            optimizer_variables, grads, trainable_variables)
+        return {"loss": loss}, (trainable_variables, non_trainable_variables,
+                                optimizer_variables, metrics_variables)
+
+
+def make_guide_model(spe=1, jit=True):
+    keras.utils.set_random_seed(3)
+    model = GuideModel([keras.Input((6,)), keras.layers.Dense(8, activation="relu", name="hidden"),
+                        keras.layers.Dense(1, name="out")], name="guide")
+    model.compile(keras.optimizers.SGD(0.01), steps_per_execution=spe, jit_compile=jit)
+    return model
+
+
+@pytest.mark.parametrize("spe, jit", [MATRIX[0], MATRIX[3]])
+def test_a_train_step_written_for_jax_is_recorded_and_guarded(monkeypatch, spe, jit):
+    reference = make_guide_model()
+    paths = [v.path for v in reference.trainable_variables]
+    grads = captured_gradients(monkeypatch, reference)
+    plain = make_guide_model(spe, jit)
+    fit(plain)
+    model = make_guide_model(spe, jit)
+    gradients, stop = GradientStatistics(), StopOnRule()
+    fit(model, [gradients, stop])
+    assert stop.verdicts == []
+    for a, b in zip(plain.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    history = gradients.history.set_index("step")
+    for step in (1, STEPS):
+        for path, gradient in zip(paths, grads[step - 1]):
+            np.testing.assert_allclose(history.loc[step, f"{path}/l2_norm"],
+                                       np.linalg.norm(gradient.astype(np.float64)), rtol=2e-5)
+
+    bad = 3
+    y = Y.copy()
+    y[(bad - 1) * BATCH] = np.nan
+    before = make_guide_model(spe, jit)
+    fit(before, x=X[:(bad - 1) * BATCH], y=Y[:(bad - 1) * BATCH])
+    model = make_guide_model(spe, jit)
+    stop = StopOnRule()
+    fit(model, [stop], y=y)
+    assert stop.verdicts and stop.verdicts[0].step == bad, stop.verdicts
+    for a, b in zip(before.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_model_parallel_describes_a_sharded_kernel_whole():
+    devices = jax.devices("cpu")
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices)
+    layout = keras.distribution.LayoutMap(mesh)
+    layout["hidden/kernel"] = (None, "model")
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(layout_map=layout, batch_dim_name="batch"))
+    try:
+        model = make_model(optimizer=keras.optimizers.SGD(0.01))
+        kernel = model.get_layer("hidden").kernel
+        assert len(kernel.value.sharding.device_set) == 2  # really sharded
+        weights = WeightStatistics()
+        fit(model, [weights])
+        final = np.asarray(kernel.value)
+    finally:
+        keras.distribution.set_distribution(None)
+    history = weights.history.set_index("step")
+    for statistic, expected in (("l2_norm", np.linalg.norm(final.astype(np.float64))),
+                                ("max", final.max()), ("mean", final.mean())):
+        np.testing.assert_allclose(history.loc[STEPS, f"{kernel.path}/{statistic}"], expected,
+                                   rtol=1e-5, atol=1e-7)

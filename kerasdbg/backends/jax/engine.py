@@ -140,6 +140,7 @@ class Engine(Capture):
         self._step_base = 0
         self._warned = False
         self._initial: Dict[str, list] = {}
+        self._located = False  # whether this fit's first fault was located
 
     # ----------------------------------------------------------- lifecycle
     def attach(self, request: Request) -> None:
@@ -202,6 +203,7 @@ class Engine(Capture):
             keras_objects.patch(model, "_update_metrics_variables", update_metrics)
         self._plain = model.train_function
         self._initial = {}
+        self._located = False
         self._pending = []
         self._carry = None
         self._calls = 0
@@ -284,6 +286,14 @@ class Engine(Capture):
                 ok = reductions.all_finite([grads[i] for i in floats])
                 if hook.scale_index is not None:
                     ok = jnp.asarray(True)  # an overflow is the loss scaler's to skip
+                if any(r.localize for r in self.requests):
+                    # Which gradients held NaN/Inf, computed at a fault only.
+                    tensors = [grads[i] for i in floats]
+                    context.records[f"apply/{key}/nonfinite"] = jax.lax.cond(
+                        reductions.all_finite(tensors),
+                        lambda: jnp.zeros([len(tensors)], jnp.bool_),
+                        lambda: jnp.stack([jnp.logical_not(reductions.all_finite(g))
+                                           for g in tensors]))
                 if freeze.max_gradient_norm is not None:
                     ok = jnp.logical_and(ok, norm <= freeze.max_gradient_norm)
                 context.oks.append(ok)
@@ -488,6 +498,26 @@ class Engine(Capture):
                 and freeze.max_gradient_norm is not None:
             tags.append(_tags.fault("freeze", "max_gradient_norm"))
             values.append(float(freeze.max_gradient_norm))
+        if bool(records[_FAULT]) and not self._located \
+                and any(r.localize for r in self.requests):
+            # The first fault of the fit: which gradients held NaN/Inf (the
+            # layer outputs are examined on TensorFlow only so far).
+            self._located = True
+            tags.append(_tags.fault("nan_source", "located"))
+            values.append(float(_tags.NAN_SOURCE_GRADIENTS))
+            for hook in sorted(self.hooks.values(), key=lambda h: h.number):
+                floats = [p for p, v in zip(hook.paths, hook.variables)
+                          if keras_objects.is_float(v)]
+                for index in range(hook.applies):
+                    flags = records.get(f"apply/{hook.number}/{index}/nonfinite")
+                    if flags is None or not np.any(flags):
+                        continue
+                    tags += [_tags.fault("nan_source", "gradient", p)
+                             for p, bad in zip(floats, flags) if bad]
+                    values += [1.0] * int(np.sum(flags))
+                    if self._several:
+                        tags.append(_tags.fault("nan_source", "optimizer", hook.name))
+                        values.append(1.0)
         return Record(step=step, skipped=False, values=np.asarray(values, np.float64),
                       histograms=None, tags=tuple(tags))
 
