@@ -105,8 +105,8 @@ def plan(rules: Sequence, *, schedule: Schedule, default_schedule: bool, strict:
                                               default_schedule, strict, owner, refusals))
         elif collection == _tags.CLASSES and recordable is not None \
                 and "classes" not in recordable:
-            refusals.extend(Refusal(collection, statistic, "classes/ tags are recorded on the "
-                                    "TensorFlow backend only so far")
+            refusals.extend(Refusal(collection, statistic, f"{_tags.prefix(_tags.CLASSES)} tags "
+                                    "are recorded on the TensorFlow backend only so far")
                             for statistic in sorted(statistics))
         elif collection == _tags.CLASSES:
             unknown = sorted(set(statistics) - set(CLASS_COLUMNS))
