@@ -2,12 +2,12 @@
 
 The names below are imported on first use. `kerasdbg.rules` (the rules and
 their verdicts) needs neither TensorFlow nor Keras: a recorded run can be
-judged where neither is installed. The reader (`load_run`, `check_run`,
-`kerasdbg report`), the event files, the layers and the model tools
-(`insert_taps`, `strip_debug_layers`, `MultiOutputModel`) import without
-TensorFlow, on every Keras backend; the instruments that record through
-TensorFlow need it, and asking for one without it raises an `ImportError`
-that says how to install it.
+judged where neither is installed. The callbacks, the reader (`load_run`,
+`check_run`, `kerasdbg report`), the event files, the traces, the layers and
+the model tools (`insert_taps`, `strip_debug_layers`, `MultiOutputModel`)
+import without TensorFlow, on every Keras backend; what works only through
+TensorFlow (`deterministic`, `doctor`) needs it, and asking for it without
+it raises an `ImportError` that says how to install it.
 """
 
 from __future__ import annotations
@@ -24,17 +24,17 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "MultiOutputModel": ("kerasdbg.multi_output_model", "MultiOutputModel", False),
     "RecordingError": ("kerasdbg.errors", "RecordingError", False),
-    "TraceWriter": ("kerasdbg.trace", "TraceWriter", True),
-    "callbacks": ("kerasdbg.callbacks", None, True),
+    "TraceWriter": ("kerasdbg.trace", "TraceWriter", False),
+    "callbacks": ("kerasdbg.callbacks", None, False),
     "check_run": ("kerasdbg.offline", "check_run", False),
     "compat": ("kerasdbg.compat", None, False),
-    "compare_traces": ("kerasdbg.trace", "compare_traces", True),
+    "compare_traces": ("kerasdbg.trace", "compare_traces", False),
     "deterministic": ("kerasdbg.determinism", "deterministic", True),
     "doctor": ("kerasdbg.doctor", "doctor", True),
     "insert_taps": ("kerasdbg.tapping", "insert_taps", False),
     "layers": ("kerasdbg.layers", None, False),
     "load_run": ("kerasdbg.reader", "load_run", False),
-    "load_trace": ("kerasdbg.trace", "load_trace", True),
+    "load_trace": ("kerasdbg.trace", "load_trace", False),
     "rules": ("kerasdbg.rules", None, False),
     "stats": ("kerasdbg.stats", None, False),
     "strip_debug_layers": ("kerasdbg.tapping", "strip_debug_layers", False),

@@ -88,12 +88,12 @@ def test_an_instrument_without_tensorflow_says_how_to_install_it():
     result = _run("""
         import kerasdbg
         try:
-            kerasdbg.callbacks
+            kerasdbg.deterministic
         except ImportError as error:
             print(error)
     """)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.startswith("kerasdbg.callbacks needs TensorFlow >= 2.16. Install it "
+    assert result.stdout.startswith("kerasdbg.deterministic needs TensorFlow >= 2.16. Install it "
                                     "with `pip install kerasdbg[cpu]`"), result.stdout
 
 
@@ -127,7 +127,7 @@ def test_the_sinks_the_reader_the_layers_and_the_model_tools_need_no_tensorflow(
         for name in modules:
             __import__(name)
         for name in ("load_run", "check_run", "layers", "insert_taps", "strip_debug_layers",
-                     "MultiOutputModel"):
+                     "MultiOutputModel", "callbacks", "TraceWriter", "load_trace"):
             getattr(kerasdbg, name)
         from kerasdbg.sinks import tfrecord
         loaded = sorted(m for m in sys.modules if m.split(".")[0] == "tensorflow"
