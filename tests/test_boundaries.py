@@ -143,6 +143,76 @@ def test_the_sinks_the_reader_the_layers_and_the_model_tools_need_no_tensorflow(
     assert result.stdout.strip() == "google-crc32c", result.stdout
 
 
+def test_the_capture_interface_quantities_records_rules_sinks_and_reader_need_no_framework():
+    """The shared layers of every backend: the capture interface (with the
+    planner and the parts of Keras every backend shares), the quantities, the
+    records, the rules, the sinks and the reader import with TensorFlow absent
+    (Keras on its NumPy backend, which itself imports JAX), load no backend
+    of kerasdbg, and import neither TensorFlow, JAX nor a backend of kerasdbg
+    in their source (imports inside functions too)."""
+    import ast
+
+    wrong = []
+    paths = [os.path.join(directory, name)
+             for package in ("capture", "quantities", "records", "rules", "sinks")
+             for directory, _, files in os.walk(os.path.join(ROOT, "kerasdbg", package))
+             for name in files if name.endswith(".py")]
+    paths += [os.path.join(ROOT, "kerasdbg", m + ".py")
+              for m in ("reader", "offline", "stats", "schedule")]
+    for path in paths:
+        with open(path) as source:
+            tree = ast.parse(source.read())
+        for node in ast.walk(tree):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for imported in names:
+                framework = imported.split(".")[0] in ("tensorflow", "jax", "torch")
+                # The event writer uses TensorFlow's C++ writer where TensorFlow is
+                # already loaded (`sinks/tfrecord.py`), imported there on use.
+                if framework and os.sep + "sinks" + os.sep in path and \
+                        node.col_offset > 0:
+                    continue
+                if framework or imported.startswith("kerasdbg.backends"):
+                    wrong.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}: {imported}")
+    assert not wrong, wrong
+    code = textwrap.dedent("""
+        import importlib.abc, pkgutil, sys
+
+        class Blocked(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("tensorflow", "torch"):
+                    raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+                return None
+
+        sys.meta_path.insert(0, Blocked())
+        import kerasdbg
+        packages = ["capture", "quantities", "records", "rules", "sinks"]
+        modules = []
+        for package in packages:
+            module = __import__("kerasdbg." + package, fromlist=["_"])
+            modules += [f"kerasdbg.{package}.{m.name}" for m in pkgutil.iter_modules(module.__path__)]
+        modules += ["kerasdbg.reader", "kerasdbg.offline", "kerasdbg.stats", "kerasdbg.schedule"]
+        for name in modules:
+            __import__(name)
+        from kerasdbg import capture
+        from kerasdbg.capture import planner
+        from kerasdbg.rules import default_rules
+        from kerasdbg.schedule import Schedule
+        plan = planner.plan(default_rules(), schedule=Schedule(), default_schedule=True,
+                            strict=False, owner="test", replicas=1, has_taps=False,
+                            freeze=capture.Freeze(), localize=True)
+        loaded = sorted(m for m in sys.modules if m.split(".")[0] == "tensorflow"
+                        or m.startswith("kerasdbg.backends"))
+        assert not loaded, loaded
+        assert "kerasdbg.capture.interface" in modules and "kerasdbg.capture.planner" in modules
+        print(sorted({r.kind for r in plan.requests}))
+    """)
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300, env=dict(os.environ, KERAS_BACKEND="numpy"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "['gradients', 'step', 'weights']", result.stdout
+
+
 def test_exported_names_win_over_sub_modules_of_the_same_name():
     result = subprocess.run([sys.executable, "-c", textwrap.dedent("""
         import kerasdbg.doctor, kerasdbg.cli  # sub-modules first, as a script may

@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import re
 from typing import (
-    TYPE_CHECKING, Callable, Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple,
+    Callable, Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple,
 )
 
 from kerasdbg.records.capture_record import CaptureRecord
 from kerasdbg import stats as stats_lib
 from kerasdbg.quantities import ops as B
 from kerasdbg.schedule import Schedule
-
-if TYPE_CHECKING:
-    from kerasdbg.backends.tensorflow.channels import Channel
 
 
 Record = CaptureRecord
@@ -249,7 +246,7 @@ class Request:
         return values, histograms
 
     # Hooks of the "tensors" request (`_step_tensors.TensorRequest`).
-    def bind(self, channel: "Channel", variables, paths) -> None:
+    def bind(self, channel, variables, paths) -> None:
         """Called when the request is given its variables in a channel."""
 
 

@@ -295,3 +295,24 @@ def test_model_parallel_describes_a_sharded_kernel_whole():
                                 ("max", final.max()), ("mean", final.mean())):
         np.testing.assert_allclose(history.loc[STEPS, f"{kernel.path}/{statistic}"], expected,
                                    rtol=1e-5, atol=1e-7)
+
+
+def test_a_later_fit_with_equivalent_callbacks_runs_the_step_jitted_before():
+    from kerasdbg.backends.jax.engine import engine_for
+
+    plain = make_model(spe=2)
+    for _ in range(3):
+        fit(plain)
+    model = make_model(spe=2)
+    histories = []
+    for _ in range(3):  # new callback instances, the same configuration
+        gradients = GradientStatistics()
+        fit(model, [gradients, StopOnRule()])
+        histories.append(gradients.history)
+    assert engine_for(model).trace_count == 1
+    assert [list(h["step"]) for h in histories] == [list(range(1 + k * STEPS, 1 + (k + 1) * STEPS))
+                                                   for k in range(3)]
+    for a, b in zip(plain.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    fit(model, [GradientStatistics(stats=["l2_norm"])])  # another graph: traced again
+    assert engine_for(model).trace_count == 2

@@ -141,6 +141,11 @@ class Engine(Capture):
         self._warned = False
         self._initial: Dict[str, list] = {}
         self._located = False  # whether this fit's first fault was located
+        # The step of this fit, and the one kept for a later fit of the same graph.
+        self._step_function = None
+        self._kept_key: Optional[tuple] = None
+        self._kept_step = None
+        self._kept_applies: Dict[int, int] = {}
 
     # ----------------------------------------------------------- lifecycle
     def attach(self, request: Request) -> None:
@@ -174,6 +179,7 @@ class Engine(Capture):
             self._uninstall()
 
     def abort(self) -> None:
+        self._kept_key = self._kept_step = None
         try:
             self.collect()
         finally:
@@ -204,6 +210,7 @@ class Engine(Capture):
         self._plain = model.train_function
         self._initial = {}
         self._located = False
+        self._step_function = None
         self._pending = []
         self._carry = None
         self._calls = 0
@@ -228,6 +235,7 @@ class Engine(Capture):
         self.installed = False
 
     def _after_failed_fit(self) -> None:
+        self._kept_key = self._kept_step = None  # a fit that raised leaves nothing to reuse
         try:
             self.collect()
         except Exception:  # noqa: BLE001 - the fit already raised
@@ -261,6 +269,7 @@ class Engine(Capture):
             index = context.applies.get(hook.number, 0)
             context.applies[hook.number] = index + 1
             hook.applies = max(hook.applies, index + 1)
+            self._kept_applies[hook.number] = hook.applies
             key = f"{hook.number}/{index}"
             if hook.iterations_index is not None:
                 step = jnp.asarray(new_optimizer[hook.iterations_index], jnp.int32)
@@ -330,19 +339,13 @@ class Engine(Capture):
 
     def _train_function(self, model):
         """kerasdbg's train function of this fit: Keras's loop over
-        kerasdbg's step (see the module docstring)."""
-        step = self._step(model)
-        if not model.run_eagerly and model.jit_compile:
-            from keras.src.distribution import distribution_lib
-
-            out_shardings = None
-            if distribution_lib.distribution() is not None:
-                out_shardings = (None, model._get_state_sharding_spec(), None, None)
-            step = jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
+        kerasdbg's step (see the module docstring). The step is made at the
+        first call, when every request of the fit is attached (`_jitted`)."""
         steps = model.steps_per_execution
         engine = self
 
         def train_function(state, iterator):
+            step = engine._jitted(model)
             carry = engine._carry if engine._carry is not None else engine._first_carry(model)
             data = next(iterator)
             logs, state, carry, records = step(state, carry, data)
@@ -358,6 +361,47 @@ class Engine(Capture):
             return logs, state
 
         return train_function
+
+    def _graph_key(self, model) -> Optional[tuple]:
+        """What the step traced for this fit depends on: a later fit with an
+        equal key runs the step jitted for an earlier one (no new trace and
+        compile). None: never reused."""
+        from keras.src.distribution import distribution_lib
+
+        keys = [request.graph_key() for request in self.requests]
+        if any(key is None for key in keys):
+            return None
+        step = vars(model).get("train_step", type(model).train_step)
+        return (tuple(keys), id(step), bool(model.jit_compile), bool(model.run_eagerly),
+                id(distribution_lib.distribution()),
+                tuple((h.number, id(h.optimizer)) for h in self.hooks.values()),
+                tuple(id(v) for v in model.trainable_variables),
+                tuple(sorted(self._initial)))
+
+    def _jitted(self, model):
+        """The step of this fit: the one jitted for an earlier fit of the
+        same graph (`_graph_key`), else a new one."""
+        if self._step_function is not None:
+            return self._step_function
+        key = self._graph_key(model)
+        if key is not None and key == self._kept_key:
+            # What its trace found: how many applies of each optimizer a step makes.
+            for hook in self.hooks.values():
+                hook.applies = self._kept_applies.get(hook.number, 0)
+            self._step_function = self._kept_step
+            return self._step_function
+        self._kept_applies = {}
+        step = self._step(model)
+        if not model.run_eagerly and model.jit_compile:
+            from keras.src.distribution import distribution_lib
+
+            out_shardings = None
+            if distribution_lib.distribution() is not None:
+                out_shardings = (None, model._get_state_sharding_spec(), None, None)
+            step = jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
+        self._step_function = step
+        self._kept_key, self._kept_step = key, step
+        return step
 
     def _first_carry(self, model):
         return {"frozen": jnp.asarray(False), "calls": jnp.asarray(self._calls, jnp.int32),
