@@ -316,3 +316,33 @@ def test_a_later_fit_with_equivalent_callbacks_runs_the_step_jitted_before():
         np.testing.assert_array_equal(a, b)
     fit(model, [GradientStatistics(stats=["l2_norm"])])  # another graph: traced again
     assert engine_for(model).trace_count == 2
+
+
+def test_clipping_records_the_applied_gradients_and_histograms(monkeypatch, tmp_path):
+    limit = 0.05
+    reference = make_model(optimizer=keras.optimizers.SGD(0.01, global_clipnorm=limit))
+    paths = [v.path for v in reference.trainable_variables]
+    grads = captured_gradients(monkeypatch, reference)  # before clipping: what apply receives
+    model = make_model(optimizer=keras.optimizers.SGD(0.01, global_clipnorm=limit))
+    gradients = GradientStatistics(log_dir=str(tmp_path), histogram_every_n_steps=2)
+    fit(model, [gradients])
+    for a, b in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    history = gradients.history.set_index("step")
+    columns = list(history.columns)
+    for step in (1, STEPS):
+        norm = np.sqrt(sum(np.sum(g.astype(np.float64) ** 2) for g in grads[step - 1]))
+        scale = min(1.0, limit / norm)
+        assert history.loc[step, "clipped"] == float(norm > limit)
+        for path, gradient in zip(paths, grads[step - 1]):
+            applied = [c for c in columns if c.endswith(f"{path}/l2_norm") and "applied" in c]
+            assert len(applied) == 1, columns
+            np.testing.assert_allclose(history.loc[step, applied[0]],
+                                       np.linalg.norm(gradient.astype(np.float64)) * scale,
+                                       rtol=1e-5)
+    from kerasdbg import load_run
+
+    run = load_run(str(tmp_path))
+    tags = run.tags(kind="histograms")
+    assert sorted(t for t in tags if t.startswith("gradients/")) == sorted(
+        f"gradients/{p}" for p in paths), tags

@@ -323,6 +323,15 @@ class Engine(Capture):
                     row = jnp.concatenate([jnp.reshape(table, [-1]),
                                            jnp.stack([jnp.asarray(t, table.dtype)
                                                       for t in tail])])
+                    if hook.clipping:
+                        # What the optimizer applies: its own clipping of them.
+                        applied = keras_objects.clip_gradients(optimizer, grads)
+                        applied_table = stats_lib.tensor_statistics(
+                            [applied[i] for i in positions], request.stats)
+                        applied_norm = reductions.norm_of([applied[i] for i in floats])
+                        row = jnp.concatenate([row, jnp.reshape(applied_table, [-1]),
+                                               jnp.reshape(jnp.asarray(applied_norm,
+                                                                       row.dtype), [1])])
                 else:
                     tensors = [new_trainable[i] for i in positions]
                     before = [trainable_variables[i] for i in positions]
@@ -516,6 +525,14 @@ class Engine(Capture):
                         if columns is not None else None)
             tags.append(_tags.per_optimizer(request.kind, _tags.CLIPPED, optimizer)
                         if hook.clipping and columns is not None else None)
+            if hook.clipping:
+                # The applied gradients (after the optimizer's clipping), as on TensorFlow.
+                kind = _tags.APPLIED_GRADIENTS
+                for i in positions:
+                    tags += [_tags.statistic(kind, hook.paths[i], s) if w else None
+                             for s, w in zip(request.stats, wanted)]
+                tags.append(_tags.per_optimizer(kind, _tags.GLOBAL_NORM, optimizer)
+                            if columns is not None else None)
         values = None if columns is None else np.asarray(row, np.float64)
         histograms = histogram_tags = None
         if hist is not None and step % request.histogram_every_n_steps == 0:
