@@ -35,6 +35,20 @@ mean step time of the plain fits right before and after it (a shared
 machine's speed drifts by 10-20% over minutes; the neighbours cancel most
 of it), and its extra trace seconds over theirs.
 
+On JAX (`KERAS_BACKEND=jax`) the same rounds run the configurations JAX's
+capture supports (`JAX_CONFIGS`; the others are left out, and the run says
+so), with two more columns per configuration beside plain's: the first
+execution's time (trace + compile + first run) in the first fit of a train
+function, and in a later fit of the same compiled model. Keras's JAX trainer
+keeps its jitted train function across fits, and kerasdbg's capture keeps
+the step it jitted for the last fit, run again by a later fit whose requests
+build the same step: so each JAX run is a fit on a fresh train function
+(`make_train_function(force=True)` and kerasdbg's kept step dropped, as
+`graph_functions.clear()` does on TensorFlow; its steady step and trace
+time give the ratio and the extra trace), then a short later fit
+(`LATER_EXECUTIONS` executions) of the same model and configuration without
+either, whose first execution shows what a later fit re-traces, if anything.
+
 `--memory` measures instead the resident memory (RSS) of a process that
 builds the model and runs one `fit` per configuration given, each in a fresh
 process, and prints each one's minus plain's, in MB and in copies of the
@@ -47,6 +61,7 @@ Usage:
     python bench/bench_statistics.py                       # everything
     python bench/bench_statistics.py --models cnn --repeats 5
     python bench/bench_statistics.py --models resnet50 --memory --configs all
+    KERAS_BACKEND=jax python bench/bench_statistics.py --models cnn --repeats 5
 """
 
 from __future__ import annotations
@@ -68,12 +83,16 @@ import kerasdbg  # noqa: E402
 from kerasdbg.callbacks import ActivationStatistics, GradientStatistics, WeightStatistics  # noqa: E402
 from kerasdbg.callbacks import StepRecorder, StepTimer, StopOnRule  # noqa: E402
 from kerasdbg.rules import NonFiniteLoss  # noqa: E402
-from kerasdbg.backends.tensorflow import graph_functions  # noqa: E402
 from kerasdbg.layers import TapLayer  # noqa: E402
 
 CONFIGS = ("plain", "defaults", "all", "all+histograms", "stop", "stop+defaults", "taps", "taps+defaults",
            "keras_tensorboard", "terminate_on_nan", "nan_guard", "step_timer", "step_recorder")
+# What JAX's capture supports (gradients, weights, step records): no taps,
+# no histograms, no StepTimer/StepRecorder, no Keras TensorBoard.
+JAX_CONFIGS = ("plain", "defaults", "all", "stop", "stop+defaults", "nan_guard", "terminate_on_nan")
 TAP_EVERY = 10
+LATER_EXECUTIONS = 4  # the executions of a JAX "later fit"
+BACKEND = keras.backend.backend()
 
 
 class _Timer(keras.callbacks.Callback):
@@ -129,6 +148,16 @@ def _callbacks(config, log_dir):
             WeightStatistics(log_dir, every_n_steps=1, histogram_every_n_steps=histograms)]
 
 
+def _drop_jax_step(model):
+    """Drops the step JAX's capture kept from the model's last fit, so that
+    the next fit traces and compiles its own (the bench's "first fit")."""
+    from kerasdbg.backends.jax import engine
+
+    capture = engine.engine_for(model)
+    if hasattr(capture, "_kept_key"):  # a private of the engine: the bench only
+        capture._kept_key = capture._kept_step = None
+
+
 def bench(model_name, spe, steps, repeats, configs):
     keras.utils.set_random_seed(0)
     model, shape, batch = _model(model_name)
@@ -140,21 +169,35 @@ def bench(model_name, spe, steps, repeats, configs):
     # steps, in a model that shares the compiled model's layers and optimizer.
     tapped = kerasdbg.insert_taps(model, tap=TapLayer(every_n_steps=TAP_EVERY)) if (
         "taps" in configs or "taps+defaults" in configs) else None
-    results = {c: {"step": [], "trace": [], "ratio": [], "extra": []} for c in configs}
+    results = {c: {"step": [], "trace": [], "ratio": [], "extra": [], "first": [], "later": []}
+               for c in configs}
 
-    def run(config):
+    def fit(config, fitted, examples):
         with tempfile.TemporaryDirectory() as log_dir:
             timer = _Timer()
-            fitted = tapped if config.startswith("taps") else model
-            # A fresh train function for every fit, so plain pays its trace too,
-            # and no function the taps share kept from an earlier fit.
-            fitted.make_train_function(force=True)
+            fitted.fit(x[:examples], y[:examples], batch_size=batch, epochs=1, verbose=0,
+                       shuffle=False, callbacks=_callbacks(config, log_dir) + [timer])
+        return np.diff(timer.ends)
+
+    def run(config):
+        fitted = tapped if config.startswith("taps") else model
+        # A fresh train function for every fit, so plain pays its trace too,
+        # and no function the taps share kept from an earlier fit.
+        fitted.make_train_function(force=True)
+        if BACKEND == "tensorflow":
+            from kerasdbg.backends.tensorflow import graph_functions
+
             graph_functions.clear()
-            fitted.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
-                       callbacks=_callbacks(config, log_dir) + [timer])
-        durations = np.diff(timer.ends)
+        else:
+            _drop_jax_step(fitted)
+        durations = fit(config, fitted, len(x))
         steady = float(np.mean(durations[2:]))
-        return steady / spe, float(durations[0] - steady)
+        later = np.nan
+        if BACKEND == "jax":
+            # A later fit of the same compiled model: plain Keras runs the
+            # function it jitted above; kerasdbg jits its step again.
+            later = float(fit(config, fitted, batch * spe * LATER_EXECUTIONS)[0])
+        return steady / spe, float(durations[0] - steady), float(durations[0]), later
 
     for _ in range(repeats):
         # Each configuration between two plain fits: P A P B P ...; its ratio
@@ -164,29 +207,41 @@ def bench(model_name, spe, steps, repeats, configs):
         for config in configs:
             if config == "plain":
                 continue
-            step, trace = run(config)
+            mine = run(config)
             after = run("plain")
-            for value, kind in ((before, "plain"), (after, "plain"), ((step, trace), config)):
-                results[kind]["step"].append(value[0])
-                results[kind]["trace"].append(value[1])
-            results[config]["ratio"].append(step / ((before[0] + after[0]) / 2))
-            results[config]["extra"].append(trace - (before[1] + after[1]) / 2)
+            for value, kind in ((before, "plain"), (after, "plain"), (mine, config)):
+                for key, figure in zip(("step", "trace", "first", "later"), value):
+                    results[kind][key].append(figure)
+            results[config]["ratio"].append(mine[0] / ((before[0] + after[0]) / 2))
+            results[config]["extra"].append(mine[1] - (before[1] + after[1]) / 2)
             before = after
     return results
 
 
 def report(model_name, spe, results, configs):
     plain_steps = np.array(results["plain"]["step"])
-    print(f"\n{model_name}, steps_per_execution={spe}: plain step "
+    print(f"\n{BACKEND}: {model_name}, steps_per_execution={spe}: plain step "
           f"{1000 * np.median(plain_steps):.1f} ms, trace "
           f"{np.median(results['plain']['trace']):.1f} s (median of {len(plain_steps)})")
-    print(f"  {'configuration':22s} {'step ratio':>10s} {'min-max':>13s} {'extra trace s':>14s}")
+    jax_columns = BACKEND == "jax"
+    header = f"  {'configuration':22s} {'step ratio':>10s} {'min-max':>13s} {'extra trace s':>14s}"
+    if jax_columns:
+        # The first execution (trace + compile + first run), in seconds: in
+        # the first fit of a train function, and in a later fit.
+        header += f" {'1st exec, 1st fit s':>20s} {'1st exec, later fit s':>22s}"
+    print(header)
     for config in configs:
-        if config == "plain":
-            continue
         ratios, extra = np.array(results[config]["ratio"]), np.array(results[config]["extra"])
-        print(f"  {config:22s} {np.median(ratios):10.3f} {ratios.min():6.3f}-{ratios.max():6.3f}"
-              f" {np.median(extra):14.2f}")
+        if config == "plain":
+            line = f"  {config:22s} {'':10s} {'':13s} {'':14s}"
+        else:
+            line = (f"  {config:22s} {np.median(ratios):10.3f} {ratios.min():6.3f}-{ratios.max():6.3f}"
+                    f" {np.median(extra):14.2f}")
+        if jax_columns:
+            line += (f" {np.median(results[config]['first']):20.3f}"
+                     f" {np.median(results[config]['later']):22.3f}")
+        if config != "plain" or jax_columns:
+            print(line)
 
 
 class _MemoryProbe(keras.callbacks.Callback):
@@ -220,9 +275,14 @@ class _MemoryProbe(keras.callbacks.Callback):
 
 def _variable_megabytes():
     """The bytes of every TensorFlow variable alive in the process, in MB
-    (counted from the variables themselves, not from the process's memory)."""
+    (counted from the variables themselves, not from the process's memory);
+    on JAX, of every live JAX array (the state and what kerasdbg keeps)."""
     import gc
 
+    if BACKEND == "jax":
+        import jax
+
+        return sum(a.nbytes for a in jax.live_arrays()) / 2**20
     import tensorflow as tf
 
     seen, total = set(), 0
@@ -308,6 +368,14 @@ def main():
                         help="peak RSS of one fit per configuration, each in its own process")
     args = parser.parse_args()
     configs = ["plain"] + [c for c in args.configs if c != "plain"]
+    if BACKEND == "jax":
+        left_out = [c for c in configs if c not in JAX_CONFIGS]
+        if left_out:
+            print(f"jax: left out (JAX's capture refuses them): {', '.join(left_out)}")
+        configs = [c for c in configs if c in JAX_CONFIGS]
+    elif BACKEND != "tensorflow":
+        sys.exit(f"bench_statistics: the {BACKEND} backend has no capture; "
+                 "run it with KERAS_BACKEND=tensorflow or jax.")
     if args.memory:
         for model_name in args.models:
             memory(model_name, configs, args.cnn_steps if model_name == "cnn" else args.resnet_steps)
