@@ -346,3 +346,25 @@ def test_clipping_records_the_applied_gradients_and_histograms(monkeypatch, tmp_
     tags = run.tags(kind="histograms")
     assert sorted(t for t in tags if t.startswith("gradients/")) == sorted(
         f"gradients/{p}" for p in paths), tags
+
+
+def test_the_default_schedule_computes_every_statistic_at_its_steps_only(monkeypatch):
+    reference = make_model()
+    grads = captured_gradients(monkeypatch, reference) + captured_gradients(monkeypatch,
+                                                                           reference)
+    model = make_model()
+    gradients, every_third = GradientStatistics(), GradientStatistics(every_n_steps=3)
+    fit(model, [gradients, every_third], epochs=2)
+    history = gradients.history.set_index("step")
+    path = model.trainable_variables[0].path
+    assert list(history.index) == list(range(1, 2 * STEPS + 1))
+    for step in range(1, 2 * STEPS + 1):
+        expected = reference_stats(grads[step - 1][0])
+        np.testing.assert_allclose(history.loc[step, f"{path}/l2_norm"], expected["l2_norm"],
+                                   rtol=2e-5)  # every step
+        std = history.loc[step, f"{path}/std"]
+        if step <= 10:  # all statistics at steps 1-10 (and every 50th)
+            np.testing.assert_allclose(std, expected["std"], rtol=2e-5)
+        else:
+            assert np.isnan(std), (step, std)
+    assert list(every_third.history["step"]) == [3, 6, 9, 12, 15]

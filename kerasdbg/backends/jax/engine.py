@@ -314,7 +314,8 @@ class Engine(Capture):
                     continue
                 if request.kind == "gradients":
                     tensors = [grads[i] for i in positions]
-                    table = stats_lib.tensor_statistics(tensors, request.stats)
+                    table = _scheduled(request, step, lambda stats, tensors=tensors:
+                                       stats_lib.tensor_statistics(tensors, stats))
                     tail = [norm]
                     if hook.clipping:
                         tail.append(_clipped(hook.clipping, [grads[i] for i in floats], norm))
@@ -326,8 +327,9 @@ class Engine(Capture):
                     if hook.clipping:
                         # What the optimizer applies: its own clipping of them.
                         applied = keras_objects.clip_gradients(optimizer, grads)
-                        applied_table = stats_lib.tensor_statistics(
-                            [applied[i] for i in positions], request.stats)
+                        chosen = [applied[i] for i in positions]
+                        applied_table = _scheduled(request, step, lambda stats, chosen=chosen:
+                                                   stats_lib.tensor_statistics(chosen, stats))
                         applied_norm = reductions.norm_of([applied[i] for i in floats])
                         row = jnp.concatenate([row, jnp.reshape(applied_table, [-1]),
                                                jnp.reshape(jnp.asarray(applied_norm,
@@ -337,7 +339,9 @@ class Engine(Capture):
                     before = [trainable_variables[i] for i in positions]
                     initial = context.carry["initial"].get(str(hook.number))
                     start = [initial[i] for i in positions] if initial is not None else None
-                    row = jnp.reshape(_weight_table(request.stats, tensors, before, start), [-1])
+                    row = jnp.reshape(_scheduled(
+                        request, step, lambda stats, tensors=tensors, before=before, start=start:
+                        _weight_table(stats, tensors, before, start)), [-1])
                 context.records[f"apply/{key}/{number}"] = row
                 if request.histogram_every_n_steps:
                     counts, ranges = stats_lib.histograms(tensors, request.bins)
@@ -581,6 +585,29 @@ class Engine(Capture):
                         values.append(1.0)
         return Record(step=step, skipped=False, values=np.asarray(values, np.float64),
                       histograms=None, tags=tuple(tags))
+
+
+def _scheduled(request: Request, step, compute):
+    """`compute(request.stats)` at the steps the request's schedule records
+    in full; at the others only its every-step (`frequent`) statistics, the
+    other columns NaN (one `lax.cond`: a step pays for what it records)."""
+    stats = tuple(request.stats)
+    frequent = tuple(s for s in stats if s in request.frequent)
+    full = request.records_at(step)
+    if full is True or frequent == stats:
+        return compute(stats)
+
+    def part():
+        if not frequent:  # nothing recorded at this step: not computed
+            return jnp.full(jax.eval_shape(lambda: compute(stats)).shape, np.nan)
+        table = compute(frequent)
+        nan = jnp.full((table.shape[0],), np.nan, table.dtype)
+        return jnp.stack([table[:, frequent.index(s)] if s in frequent else nan
+                          for s in stats], axis=1)
+
+    if full is False:
+        return part()
+    return jax.lax.cond(full, lambda: compute(stats), part)
 
 
 def _clipped(clipping, grads, norm):
