@@ -53,7 +53,8 @@ either, whose first execution shows what a later fit re-traces, if anything.
 builds the model and runs one `fit` per configuration given, each in a fresh
 process, and prints each one's minus plain's, in MB and in copies of the
 model's weights: the peak of the whole process; the TensorFlow variables the
-fit created (counted from the variables: the state kerasdbg keeps); the
+fit created (counted from the variables: the state kerasdbg keeps; on JAX,
+the bytes of the live JAX arrays); the
 resident memory before the first step; its peak after the first step (the
 trace and the first execution); and the resident memory at the end.
 
@@ -330,7 +331,7 @@ def memory(model_name, configs, steps):
         found[config] = json.loads(out.stdout.strip().splitlines()[-1])
     weights = found["plain"]["weights"]
     plain = found["plain"]
-    print(f"\n{model_name}: memory of one fit of {steps} steps, in MB; weights {weights:.1f} MB. "
+    print(f"\n{BACKEND}: {model_name}: memory of one fit of {steps} steps, in MB; weights {weights:.1f} MB. "
           "Each column is the configuration's value minus plain's (in weight copies).")
     print(f"  {'configuration':16s} {'peak':>15s} {'variables':>15s} {'before step 1':>15s} "
           f"{'peak at step 1':>15s} {'end (resident)':>15s}")
