@@ -922,7 +922,7 @@ def test_5_the_first_fit_of_a_process_that_raises_is_cleaned_up_too(tmp_path):
     script.write_text(
         "import numpy as np, keras\n"
         "from kerasdbg.callbacks import GradientStatistics\n"
-        "from kerasdbg import _keras_internals as internals\n"
+        "from kerasdbg.backends.tensorflow import keras_internals as internals\n"
         "class Stop(keras.callbacks.Callback):\n"
         "    def on_train_batch_end(self, batch, logs=None):\n"
         "        raise KeyboardInterrupt\n"

@@ -27,6 +27,8 @@ Record = CaptureRecord
 
 
 WEIGHT_EXTRA_STATISTICS = stats_lib.UPDATE_STATISTICS
+"""What a "weights" request records besides `stats.ALL_STATISTICS`: the update ratio and the
+distance from the fit's start."""
 RECORDABLE = ("loss", "learning_rate", "gradients", "weights", "layer_outputs")
 """What `StepRecorder` can record of a step."""
 MAX_CLASSES = 1000
@@ -34,6 +36,7 @@ MAX_CLASSES = 1000
 MAX_STEP_SCALARS = 32
 """Scalars of what `train_step` returns that a "step" request records."""
 CLASS_COLUMNS = ("seen", "mispredicted")
+"""The columns of a "classes" request, per class: labels seen and mispredicted."""
 STEP_COLUMNS = ("loss", "frozen", "fault")
 """Columns of a "step" request: the step's loss (from `compute_loss`, summed
 over replicas, as the applied gradient sees it; else the `loss` the train
@@ -82,7 +85,10 @@ class Request:
         histogram_every_n_steps: record histograms at steps divisible by
             this, or None for no histograms.
         consumer: called as `consumer(records)` with a list of `Record`.
-        include, exclude: regular expressions on variable paths.
+        include: a regular expression: only the variables whose path it
+            matches (None: all).
+        exclude: a regular expression: not the variables whose path it
+            matches (None: none).
         bins: histogram bins.
         strict: a failure of the instrumentation raises instead of warning.
         freeze: for a "step" request, the faults that freeze the weights.

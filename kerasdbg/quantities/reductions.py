@@ -16,7 +16,7 @@ from kerasdbg import stats as stats_lib
 from kerasdbg.quantities import ops as B
 
 
-def global_norm(l2_norms) -> "stats_lib.Tensor":
+def global_norm(l2_norms: "stats_lib.TensorLike") -> "stats_lib.Tensor":
     """The norm of several tensors together, from their own L2 norms.
 
     Args:
