@@ -15,8 +15,8 @@ sub-models), applies them with `optimizer.stateless_apply`, updates its `Mean` t
   JAX trainer carries the variables of `model.optimizer` only
   (`keras/src/backend/jax/trainer.py`: `_get_jax_state` builds the state from
   `self.optimizer.variables`, and `jax_state_sync` writes `optimizer_variables` back to
-  them alone), and keras.io has no JAX GAN: no keras.io example or guide applies a second
-  optimizer with `stateless_apply`. What the trainer does carry is every non-trainable
+  them alone), and keras.io shows no way: its JAX guide's steps apply one optimizer, and its
+  GAN examples use TensorFlow's `GradientTape`. What the trainer does carry is every non-trainable
   variable the model tracks. So the discriminator's optimizer is `model.optimizer` (the
   state's `optimizer_variables`) and the generator's optimizer, built before `fit`, has
   its variables tracked by the model (a list attribute), which puts them in the state's
