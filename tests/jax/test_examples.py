@@ -81,7 +81,9 @@ def plain_run(name, spe, jit, sample_weight=None):
         return _PLAIN[key]
     port = examples.make(name, STEPS, spe, jit)
     seen = {id(o): [] for o in port.optimizers.values()}
-    originals = {cls: cls.stateless_apply for cls in {type(o) for o in port.optimizers.values()}}
+    classes = {type(o) for o in port.optimizers.values()}
+    originals = {cls: cls.stateless_apply for cls in classes}
+    own = {cls: vars(cls).get("stateless_apply") for cls in classes}  # None: inherited
 
     def wrap(original):
         def stateless_apply(self, optimizer_variables, grads, trainable_variables):
@@ -95,12 +97,15 @@ def plain_run(name, spe, jit, sample_weight=None):
 
     before = StateBefore()
     for cls, original in originals.items():
-        setattr(cls, "stateless_apply", wrap(original))
+        cls.stateless_apply = wrap(original)
     try:
         history = fit(port, sample_weight=with_nan(port)[2], callbacks=[before]).history
     finally:
-        for cls, original in originals.items():
-            setattr(cls, "stateless_apply", original)
+        for cls in classes:  # the classes as they were
+            if own[cls] is None:
+                del cls.stateless_apply
+            else:
+                cls.stateless_apply = own[cls]
     jax.effects_barrier()
     _PLAIN[key] = (history, [np.asarray(v) for v in examples.all_weights(port)], before.state,
                    {attribute: seen[id(o)] for attribute, o in port.optimizers.items()})
