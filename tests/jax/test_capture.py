@@ -118,8 +118,10 @@ def test_a_nan_in_one_batch_stops_at_its_step_with_the_weights_of_the_step_befor
     fit(before, x=X[:(bad - 1) * BATCH], y=Y[:(bad - 1) * BATCH])
     model = make_model(spe, jit, batch_norm=True)
     stop = StopOnRule()
-    gradients = GradientStatistics()
-    fit(model, [stop, gradients], y=y)
+    gradients, weights = GradientStatistics(), WeightStatistics()
+    fit(model, [stop, gradients, weights], y=y)
+    # No weights the freeze threw away: the last row is the step before the fault's.
+    assert list(weights.history["step"]) == list(range(1, bad)), weights.history["step"]
     assert [v.step for v in stop.verdicts][:1] == [bad], stop.verdicts
     assert stop.verdicts[0].rule in ("NonFiniteLoss", "ExplodingTensor"), stop.verdicts
     located = [v for v in stop.verdicts if v.rule == "NaNSource"]
@@ -133,12 +135,13 @@ def test_a_nan_in_one_batch_stops_at_its_step_with_the_weights_of_the_step_befor
     assert history.index.is_unique
 
 
-def test_data_parallel_describes_the_global_gradient_once_per_step():
+@pytest.mark.parametrize("spe, jit", [MATRIX[0], MATRIX[3]])
+def test_data_parallel_describes_the_global_gradient_once_per_step(spe, jit):
     devices = jax.devices("cpu")
     assert len(devices) == 2, "tests/conftest.py gives JAX two CPU devices"
     keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
     try:
-        model = make_model(optimizer=keras.optimizers.SGD(0.01))
+        model = make_model(spe, jit, optimizer=keras.optimizers.SGD(0.01))
         start = [np.asarray(v.value) for v in model.trainable_variables]
         non_trainable = [v.value for v in model.non_trainable_variables]
         gradients = GradientStatistics()
@@ -158,16 +161,17 @@ def test_data_parallel_describes_the_global_gradient_once_per_step():
                                    np.linalg.norm(np.asarray(gradient, np.float64)), rtol=1e-4)
 
 
-def test_a_nan_in_one_devices_shard_stops_data_parallel_training_at_its_step():
+@pytest.mark.parametrize("spe, jit", [MATRIX[1], MATRIX[2]])
+def test_a_nan_in_one_devices_shard_stops_data_parallel_training_at_its_step(spe, jit):
     devices = jax.devices("cpu")
     bad = 3
     y = Y.copy()
     y[(bad - 1) * BATCH + BATCH - 1] = np.nan  # the second device's half of the batch
     keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
     try:
-        before = make_model()
+        before = make_model(spe, jit)
         fit(before, x=X[:(bad - 1) * BATCH], y=Y[:(bad - 1) * BATCH])
-        model = make_model()
+        model = make_model(spe, jit)
         stop = StopOnRule()
         fit(model, [stop], y=y)
     finally:
@@ -274,7 +278,8 @@ def test_a_train_step_written_for_jax_is_recorded_and_guarded(monkeypatch, spe, 
         np.testing.assert_array_equal(a, b)
 
 
-def test_model_parallel_describes_a_sharded_kernel_whole():
+@pytest.mark.parametrize("spe, jit", [MATRIX[0], MATRIX[3]])
+def test_model_parallel_describes_a_sharded_kernel_whole(spe, jit):
     devices = jax.devices("cpu")
     mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices)
     layout = keras.distribution.LayoutMap(mesh)
@@ -282,7 +287,7 @@ def test_model_parallel_describes_a_sharded_kernel_whole():
     keras.distribution.set_distribution(
         keras.distribution.ModelParallel(layout_map=layout, batch_dim_name="batch"))
     try:
-        model = make_model(optimizer=keras.optimizers.SGD(0.01))
+        model = make_model(spe, jit, optimizer=keras.optimizers.SGD(0.01))
         kernel = model.get_layer("hidden").kernel
         assert len(kernel.value.sharding.device_set) == 2  # really sharded
         weights = WeightStatistics()
@@ -368,3 +373,48 @@ def test_the_default_schedule_computes_every_statistic_at_its_steps_only(monkeyp
         else:
             assert np.isnan(std), (step, std)
     assert list(every_third.history["step"]) == [3, 6, 9, 12, 15]
+
+
+def test_a_model_fitted_with_the_instruments_is_freed_after_fit():
+    import gc
+    import weakref
+
+    model = make_model(spe=2)
+    fit(model, [GradientStatistics(), WeightStatistics(), StopOnRule()])
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None
+
+
+def test_a_recompiled_model_traces_again_with_its_new_loss():
+    optimizer = keras.optimizers.SGD(0.01)
+    plain = make_model(optimizer=keras.optimizers.SGD(0.01))
+    fit(plain)
+    plain.compile(plain.optimizer, "mae")
+    expected = fit(plain).history
+    model = make_model(optimizer=optimizer)
+    fit(model, [GradientStatistics()])
+    model.compile(optimizer, "mae")
+    got = fit(model, [GradientStatistics()]).history
+    assert got == expected
+    for a, b in zip(plain.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_mixed_precision_with_a_gradient_limit_skips_overflows_without_a_fault(mixed_precision):
+    plain = make_model()
+    fit(plain, x=X * 10, y=Y * 100, epochs=2)
+    model = make_model()
+    stop, gradients = StopOnRule(max_gradient_norm=1e6), GradientStatistics()
+    fit(model, [stop, gradients], x=X * 10, y=Y * 100, epochs=2)
+    assert stop.verdicts == []
+    for a, b in zip(plain.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    history = gradients.history
+    skipped = history[history["skipped"]]
+    assert len(skipped), "float16 overflows at the initial loss scale"
+    # A skipped step carries the number its update would have had: the next
+    # applied step's, never 0.
+    applied_steps = set(history[~history["skipped"]]["step"])
+    assert all(step >= 1 and step in applied_steps for step in skipped["step"]), history

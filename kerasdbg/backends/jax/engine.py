@@ -49,7 +49,7 @@ from kerasdbg import stats as stats_lib
 from kerasdbg.capture import fit_end
 from kerasdbg.capture import keras_objects
 from kerasdbg.capture.interface import Capture, supported
-from kerasdbg.capture.requests import Record, Request, unique_paths
+from kerasdbg.capture.requests import DEFERRED_STEPS, Record, Request, unique_paths
 from kerasdbg.quantities import reductions
 from kerasdbg.records import tags as _tags
 
@@ -97,6 +97,7 @@ class _Hook:
                  if v is keras_objects.raw_iterations(optimizer)]
         self.iterations_index = index[0] if index else None
         self.clipping = keras_objects.clipping(optimizer)
+        self.accumulation = keras_objects.accumulation_steps(optimizer)
         self.applies = 0  # the most applies of it seen in one train step
         # Mixed precision: the gradients come scaled by the loss scale (a
         # variable of the optimizer), and an overflow is the scaler's to skip.
@@ -107,6 +108,27 @@ class _Hook:
     def positions(self, request: Request) -> List[int]:
         return [i for i, (v, p) in enumerate(zip(self.variables, self.paths))
                 if request.selects(p) and keras_objects.is_float(v)]
+
+
+class _Same:
+    """Equal to another `_Same` of the same object while that object lives,
+    held weakly where it can be (a kept key must not keep a train function,
+    an optimizer or a distribution alive)."""
+
+    def __init__(self, value):
+        self._id = id(value)
+        try:
+            self._ref = weakref.ref(value)
+        except TypeError:  # None, or an object without weak references
+            self._ref = lambda value=value: value
+
+    def __eq__(self, other):
+        if not isinstance(other, _Same):
+            return NotImplemented
+        return self._id == other._id and self._ref() is other._ref()
+
+    def __hash__(self):
+        return self._id
 
 
 class _Faults:
@@ -139,6 +161,9 @@ class Engine(Capture):
         self._calls = 0
         self._step_base = 0
         self._warned = False
+        self._out_shardings = None
+        self._patched_metrics = False
+        self._read_once = False
         self._initial: Dict[str, list] = {}
         self._located = False  # whether this fit's first fault was located
         # The step of this fit, and the one kept for a later fit of the same graph.
@@ -197,7 +222,8 @@ class Engine(Capture):
             self.hooks[id(optimizer)] = hook
             keras_objects.patch(optimizer, "stateless_apply",
                                 self._routed_apply(hook, type(optimizer).stateless_apply))
-        if "_update_metrics_variables" not in vars(model):
+        self._patched_metrics = "_update_metrics_variables" not in vars(model)
+        if self._patched_metrics:
             original = type(model)._update_metrics_variables
 
             def update_metrics(metrics_variables, unscaled_loss, *args, **kwargs):
@@ -211,12 +237,23 @@ class Engine(Capture):
         self._initial = {}
         self._located = False
         self._step_function = None
+        self._several = False
+        self.loss_captured = False
+        self._read_once = False
         self._pending = []
         self._carry = None
         self._calls = 0
         iterations = [int(np.asarray(keras_objects.raw_iterations(h.optimizer).value))
                       for h in self.hooks.values()]
         self._step_base = min([i for i in iterations if i > 0], default=0)
+        # The state's shardings under a keras.distribution, read while the
+        # model still holds its variables (Keras's loop moves them into its
+        # state at the first batch).
+        from keras.src.distribution import distribution_lib
+
+        self._out_shardings = None
+        if distribution_lib.distribution() is not None and model.jit_compile:
+            self._out_shardings = (None, model._get_state_sharding_spec(), None, None)
         model.train_function = self._train_function(model)
         self.faults.frozen = False
         self.installed = True
@@ -227,12 +264,21 @@ class Engine(Capture):
         for hook in self.hooks.values():
             keras_objects.unpatch(hook.optimizer, "stateless_apply")
         if model is not None:
-            keras_objects.unpatch(model, "_update_metrics_variables")
+            if self._patched_metrics:
+                keras_objects.unpatch(model, "_update_metrics_variables")
+                self._patched_metrics = False
             if self.installed:
                 model.train_function = self._plain
                 fit_end.cancel_fit_end(model, self)
         self._plain = None
         self.installed = False
+        # Nothing of this fit kept but the step for a later one (which holds
+        # the model only weakly): the state and the optimizers go with the fit.
+        self._step_function = None
+        self._carry = None
+        self._initial = {}
+        self._pending = []
+        self.hooks = {}
 
     def _after_failed_fit(self) -> None:
         self._kept_key = self._kept_step = None  # a fit that raised leaves nothing to reuse
@@ -243,12 +289,15 @@ class Engine(Capture):
         self.requests = []
         self._uninstall()
 
-    def _counter_index(self) -> Optional[int]:
-        """The position of the model's optimizer's step counter in the
-        optimizer variables of Keras's state, or None."""
-        model = self._model()
-        hook = self.hooks.get(id(getattr(model, "optimizer", None)))
-        return None if hook is None else hook.iterations_index
+    def _counter_positions(self, model) -> List[int]:
+        """Where the optimizers' step counters are in Keras's state (trainable,
+        non-trainable, then the model's optimizer's variables, flattened): a
+        second optimizer of a train step written for JAX keeps its variables
+        in the non-trainable state."""
+        counters = {id(keras_objects.raw_iterations(h.optimizer)) for h in self.hooks.values()}
+        variables = (list(model.trainable_variables) + list(model.non_trainable_variables) +
+                     (list(model.optimizer.variables) if model.optimizer is not None else []))
+        return [i for i, v in enumerate(variables) if id(v) in counters]
 
     def _freeze(self):
         for request in self.requests:
@@ -272,7 +321,9 @@ class Engine(Capture):
             self._kept_applies[hook.number] = hook.applies
             key = f"{hook.number}/{index}"
             if hook.iterations_index is not None:
-                step = jnp.asarray(new_optimizer[hook.iterations_index], jnp.int32)
+                # The counter before the apply, plus one: the step's number even
+                # when the loss scaler skips it (the counter does not move then).
+                step = jnp.asarray(optimizer_variables[hook.iterations_index], jnp.int32) + 1
             else:
                 step = context.carry["calls"] + 1
             context.records[f"apply/{key}/step"] = step
@@ -288,23 +339,29 @@ class Engine(Capture):
                 grads = [g if i not in floats else g / jnp.asarray(scale, g.dtype)
                          for i, g in enumerate(grads)]
             context.records[f"apply/{key}/skipped"] = skipped
+            if hook.accumulation and hook.iterations_index is not None:
+                # Keras updates at every `gradient_accumulation_steps`-th batch.
+                before = jnp.asarray(optimizer_variables[hook.iterations_index], jnp.int32)
+                context.records[f"apply/{key}/applied"] = (before + 1) % hook.accumulation == 0
             norm = reductions.norm_of([grads[i] for i in floats])
             context.records[f"apply/{key}/norm"] = norm
             freeze = self._freeze()
             if freeze is not None:
                 ok = reductions.all_finite([grads[i] for i in floats])
-                if hook.scale_index is not None:
+                if hook.scale_index is not None and freeze.max_gradient_norm is None:
                     ok = jnp.asarray(True)  # an overflow is the loss scaler's to skip
                 if any(r.localize for r in self.requests):
                     # Which gradients held NaN/Inf, computed at a fault only.
                     tensors = [grads[i] for i in floats]
-                    context.records[f"apply/{key}/nonfinite"] = jax.lax.cond(
+                    context.records[f"apply/{key}/nonfinite"] = _cond(
                         reductions.all_finite(tensors),
                         lambda: jnp.zeros([len(tensors)], jnp.bool_),
                         lambda: jnp.stack([jnp.logical_not(reductions.all_finite(g))
                                            for g in tensors]))
                 if freeze.max_gradient_norm is not None:
                     ok = jnp.logical_and(ok, norm <= freeze.max_gradient_norm)
+                    if hook.scale_index is not None:
+                        ok = jnp.logical_or(ok, skipped)  # the scaler skips it: no fault
                 context.oks.append(ok)
             for number, request in enumerate(self.requests):
                 if request.kind not in ("gradients", "weights"):
@@ -344,8 +401,8 @@ class Engine(Capture):
                         _weight_table(stats, tensors, before, start)), [-1])
                 context.records[f"apply/{key}/{number}"] = row
                 if request.histogram_every_n_steps:
-                    counts, ranges = stats_lib.histograms(tensors, request.bins)
-                    context.records[f"apply/{key}/{number}/hist"] = (counts, ranges)
+                    context.records[f"apply/{key}/{number}/hist"] = _histograms(
+                        request, step, tensors)
             return new_trainable, new_optimizer
 
         return stateless_apply
@@ -385,9 +442,11 @@ class Engine(Capture):
         if any(key is None for key in keys):
             return None
         step = vars(model).get("train_step", type(model).train_step)
+        # Keras's own train function of this fit: `compile` makes a new one
+        # (another loss or metrics), so a recompiled model traces again.
         return (tuple(keys), id(step), bool(model.jit_compile), bool(model.run_eagerly),
-                id(distribution_lib.distribution()),
-                tuple((h.number, id(h.optimizer)) for h in self.hooks.values()),
+                _Same(distribution_lib.distribution()), _Same(self._plain),
+                tuple((h.number, _Same(h.optimizer)) for h in self.hooks.values()),
                 tuple(id(v) for v in model.trainable_variables),
                 tuple(sorted(self._initial)))
 
@@ -406,12 +465,7 @@ class Engine(Capture):
         self._kept_applies = {}
         step = self._step(model)
         if not model.run_eagerly and model.jit_compile:
-            from keras.src.distribution import distribution_lib
-
-            out_shardings = None
-            if distribution_lib.distribution() is not None:
-                out_shardings = (None, model._get_state_sharding_spec(), None, None)
-            step = jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
+            step = jax.jit(step, donate_argnums=0, out_shardings=self._out_shardings)
         self._step_function = step
         self._kept_key, self._kept_step = key, step
         return step
@@ -422,8 +476,10 @@ class Engine(Capture):
 
     def _step(self, model):
         engine = self
+        model_ref = weakref.ref(model)  # the kept step must not keep the model alive
 
         def step(state, carry, data):
+            model = model_ref()
             engine.trace_count += 1
             context = _StepContext(engine, carry)
             stack = getattr(_LOCAL, "stack", None)
@@ -445,18 +501,15 @@ class Engine(Capture):
                 fault = jnp.logical_not(ok)
                 keep = jnp.logical_and(ok, jnp.logical_not(frozen))
                 trainable, non_trainable, optimizer_variables, metrics = new_state
-                kept = jax.lax.cond(
-                    keep, lambda new, old: list(new), lambda new, old: list(old),
-                    list(trainable) + list(non_trainable) + list(optimizer_variables),
-                    list(state[0]) + list(state[1]) + list(state[2]))
+                new = list(trainable) + list(non_trainable) + list(optimizer_variables)
+                old = list(state[0]) + list(state[1]) + list(state[2])
+                kept = list(_cond(keep, lambda: new, lambda: old))
+                # The step counters of the optimizers count a frozen step (as on
+                # TensorFlow), so that each step keeps its own number.
+                for position in engine._counter_positions(model):
+                    kept[position] = new[position]
                 a, b = len(trainable), len(trainable) + len(non_trainable)
-                kept_optimizer = list(kept[b:])
-                # The step counter of the model's optimizer counts a frozen step
-                # (as on TensorFlow), so that each step keeps its own number.
-                counter = engine._counter_index()
-                if counter is not None:
-                    kept_optimizer[counter] = optimizer_variables[counter]
-                new_state = (kept[:a], kept[a:b], kept_optimizer, metrics)
+                new_state = (kept[:a], kept[a:b], kept[b:], metrics)
                 frozen = jnp.logical_or(frozen, fault)
             calls = carry["calls"] + 1
             records[_CALLS] = calls
@@ -480,6 +533,10 @@ class Engine(Capture):
         and hands each request its records."""
         if not self._pending:
             return
+        if not final and self._read_once and len(self._pending) < DEFERRED_STEPS and \
+                self.requests and all(r.deferred for r in self.requests):
+            return  # read late: nothing decides on these records while training runs
+        self._read_once = True
         pending, self._pending = self._pending, []
         host = jax.device_get(pending)
         self._several = self._several or sum(h.applies > 0 for h in self.hooks.values()) > 1
@@ -497,13 +554,18 @@ class Engine(Capture):
                     if f"{key}/step" not in records:
                         continue
                     applied_step = int(records[f"{key}/step"])
+                    skipped = bool(records.get(f"{key}/skipped", False))
+                    # False at a batch that gradient accumulation only accumulated.
+                    updated = bool(records.get(f"{key}/applied", True))
                     for number, request in enumerate(self.requests):
                         row = records.get(f"{key}/{number}")
                         if row is None:
                             continue
+                        if request.kind == "weights" and frozen:
+                            continue  # weights the freeze threw away (as on TensorFlow)
                         out[id(request)].append(self._record(
                             request, hook, applied_step, row, records.get(f"{key}/{number}/hist"),
-                            bool(records.get(f"{key}/skipped", False))))
+                            skipped, updated))
             for request in self.requests:
                 if request.kind == "step":
                     out[id(request)].append(self._step_record(step, records))
@@ -514,7 +576,7 @@ class Engine(Capture):
                 request.consumer(out[id(request)])
 
     def _record(self, request: Request, hook: _Hook, step: int, row, hist,
-                skipped: bool = False) -> Record:
+                skipped: bool = False, updated: bool = True) -> Record:
         columns = request.columns_at(step)
         positions = hook.positions(request)
         several = self._several
@@ -544,7 +606,7 @@ class Engine(Capture):
             histogram_tags = tuple(_tags.tensor(request.kind, hook.paths[i]) for i in positions)
         return Record(step=step, skipped=skipped, values=values, histograms=histograms,
                       tags=tuple(tags), histogram_tags=histogram_tags or (),
-                      optimizer=hook.name, applied=not skipped)
+                      optimizer=hook.name, applied=updated)
 
     def _step_record(self, step: int, records: dict) -> Record:
         tags = [_tags.step_scalar("loss") if _LOSS in records else None,
@@ -587,6 +649,20 @@ class Engine(Capture):
                       histograms=None, tags=tuple(tags))
 
 
+def _histograms(request: Request, step, tensors):
+    """`stats.histograms` of `tensors` at the request's histogram steps, NaN
+    at the others (not computed there)."""
+    def compute():
+        return stats_lib.histograms(tensors, request.bins)
+
+    def nothing():
+        counts, ranges = jax.eval_shape(compute)
+        return (jnp.full(counts.shape, np.nan, counts.dtype),
+                jnp.full(ranges.shape, np.nan, ranges.dtype))
+
+    return _cond(request.histograms_at(step), compute, nothing)
+
+
 def _scheduled(request: Request, step, compute):
     """`compute(request.stats)` at the steps the request's schedule records
     in full; at the others only its every-step (`frequent`) statistics, the
@@ -607,7 +683,19 @@ def _scheduled(request: Request, step, compute):
 
     if full is False:
         return part()
-    return jax.lax.cond(full, lambda: compute(stats), part)
+    return _cond(full, lambda: compute(stats), part)
+
+
+def _cond(predicate, true_fn, false_fn):
+    """`true_fn()` if `predicate` else `false_fn()`: a Python branch when the
+    predicate is known (a step that runs op by op, `jit_compile=False`,
+    would compile both branches of a `lax.cond` again at every step), else
+    one `lax.cond`."""
+    if isinstance(predicate, (bool, np.bool_)):
+        return true_fn() if predicate else false_fn()
+    if not isinstance(predicate, jax.core.Tracer):
+        return true_fn() if bool(predicate) else false_fn()
+    return jax.lax.cond(predicate, true_fn, false_fn)
 
 
 def _clipped(clipping, grads, norm):
