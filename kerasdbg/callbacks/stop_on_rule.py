@@ -438,7 +438,8 @@ class StopOnRule(CopiedAsNew, keras.callbacks.Callback):
         fractions = {}
         for name, optimizer in self._decaying:
             try:
-                fraction = _learning_rate_at(optimizer, step) * float(optimizer.weight_decay)
+                fraction = _learning_rate_at(self.model, optimizer, step) * \
+                    float(optimizer.weight_decay)
             except Exception:  # noqa: BLE001 - not known: absent
                 continue
             if math.isfinite(fraction):
@@ -761,13 +762,16 @@ seen, the rules' state)}: what `StopOnRule` rules saw of a training, kept
 for its next fit (in the model's absence, nothing is kept)."""
 
 
-def _learning_rate_at(optimizer, step: int) -> float:
+def _learning_rate_at(model, optimizer, step: int) -> float:
     """The learning rate `optimizer` applied at optimizer step `step` (its
-    schedule at the iterations before the step; else its current value)."""
+    schedule at the iterations before the step; else its current value, as
+    the fit holds it)."""
     rate = optimizer._learning_rate
     if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
         return float(keras.ops.convert_to_numpy(rate(max(int(step) - 1, 0))))
-    if callable(rate) and not isinstance(rate, keras.Variable):
+    if isinstance(rate, keras.Variable):
+        return float(keras_objects.current_value(model, rate))
+    if callable(rate):
         rate = rate()
     return float(keras.ops.convert_to_numpy(rate))
 

@@ -43,6 +43,27 @@ def host_value(variable) -> np.ndarray:
     return np.asarray(value.numpy() if hasattr(value, "numpy") else value)
 
 
+def current_value(model, variable) -> np.ndarray:
+    """The value of `variable` now, as NumPy: during a `fit` on JAX, Keras's
+    loop holds the state (`model._jax_state`) and the model's variables hold
+    their initial values until the epoch ends; elsewhere, the variable's."""
+    state = getattr(model, "_jax_state", None)
+    if state:
+        optimizer = getattr(model, "optimizer", None)
+        groups = (("trainable_variables", model.trainable_variables),
+                  ("non_trainable_variables", model.non_trainable_variables),
+                  ("optimizer_variables", optimizer.variables if optimizer is not None else []),
+                  ("metrics_variables", model.metrics_variables))
+        for key, variables in groups:
+            values = state.get(key)
+            if values is None:
+                continue
+            for candidate, value in zip(variables, values):
+                if candidate is variable:
+                    return np.asarray(value)
+    return host_value(variable)
+
+
 def trainer_class():
     """The Keras trainer class of the current backend."""
     import importlib

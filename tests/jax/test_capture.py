@@ -418,3 +418,20 @@ def test_mixed_precision_with_a_gradient_limit_skips_overflows_without_a_fault(m
     # applied step's, never 0.
     applied_steps = set(history[~history["skipped"]]["step"])
     assert all(step >= 1 and step in applied_steps for step in skipped["step"]), history
+
+
+def test_the_weight_decay_fraction_follows_a_learning_rate_changed_during_fit(tmp_path):
+    """On JAX the model's variables hold their values of the epoch's start
+    during a fit; the decay's part of an update reads the learning rate the
+    fit holds (here set per epoch by Keras's LearningRateScheduler)."""
+    from kerasdbg import load_run
+
+    model = make_model(optimizer=keras.optimizers.AdamW(0.01, weight_decay=0.1))
+    schedule = keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.01 if epoch == 0
+                                                     else 0.001)
+    fit(model, [schedule, StopOnRule(log_dir=str(tmp_path))], epochs=2)
+    fractions = load_run(str(tmp_path)).scalars(r"step/weight_decay.*", run="train")
+    by_step = dict(zip(fractions["step"], fractions["value"]))
+    assert by_step, "StopOnRule records the decay's fraction with AdamW"
+    np.testing.assert_allclose(by_step[2], 0.01 * 0.1, rtol=1e-6)
+    np.testing.assert_allclose(by_step[STEPS + 2], 0.001 * 0.1, rtol=1e-6)
