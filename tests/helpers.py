@@ -1,6 +1,7 @@
 """A small MLP, its data, an independent reference of its SGD training, and a
 deliberately broken train step (replicas that drift apart)."""
 
+import textwrap
 import keras
 import numpy as np
 import tensorflow as tf
@@ -81,3 +82,19 @@ def traced_functions(model) -> list:
         for cell in getattr(item, "__closure__", None) or ():
             stack.append(cell.cell_contents)
     return found
+
+
+# A machine without TensorFlow, for code run in a fresh interpreter: `import
+# tensorflow` fails there as it does where TensorFlow is not installed, and
+# `importlib.util.find_spec` finds nothing (Keras, TensorBoard and JAX are there).
+WITHOUT_TENSORFLOW = textwrap.dedent("""
+    import importlib.abc, sys
+
+    class WithoutTensorFlow(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] == "tensorflow":
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+            return None
+
+    sys.meta_path.insert(0, WithoutTensorFlow())
+""")

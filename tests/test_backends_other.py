@@ -26,22 +26,12 @@ import pytest
 import kerasdbg
 from kerasdbg.callbacks import GradientStatistics
 from kerasdbg.layers import PrintLayer, TapLayer
+from tests.helpers import WITHOUT_TENSORFLOW
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # What a machine without TensorFlow does: `import tensorflow` fails with
 # ModuleNotFoundError, and `importlib.util.find_spec` finds nothing.
-WITHOUT_TENSORFLOW = textwrap.dedent("""
-    import importlib.abc, sys
-
-    class WithoutTensorFlow(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] == "tensorflow":
-                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-            return None
-
-    sys.meta_path.insert(0, WithoutTensorFlow())
-""")
 
 
 def run_on(backend: str, code: str, *args: str, block_tensorflow: bool = True):

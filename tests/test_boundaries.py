@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+from tests.helpers import WITHOUT_TENSORFLOW
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 BLOCK = textwrap.dedent("""
@@ -95,21 +97,6 @@ def test_an_instrument_without_tensorflow_says_how_to_install_it():
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("kerasdbg.deterministic needs TensorFlow >= 2.16. Install it "
                                     "with `pip install kerasdbg[cpu]`"), result.stdout
-
-
-# A machine without TensorFlow: `import tensorflow` fails as it does there
-# (Keras, TensorBoard and JAX are installed).
-WITHOUT_TENSORFLOW = textwrap.dedent("""
-    import importlib.abc, sys
-
-    class WithoutTensorFlow(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] == "tensorflow":
-                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-            return None
-
-    sys.meta_path.insert(0, WithoutTensorFlow())
-""")
 
 
 def test_the_sinks_the_reader_the_layers_and_the_model_tools_need_no_tensorflow():
