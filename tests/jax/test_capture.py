@@ -435,3 +435,17 @@ def test_the_weight_decay_fraction_follows_a_learning_rate_changed_during_fit(tm
     assert by_step, "StopOnRule records the decay's fraction with AdamW"
     np.testing.assert_allclose(by_step[2], 0.01 * 0.1, rtol=1e-6)
     np.testing.assert_allclose(by_step[STEPS + 2], 0.001 * 0.1, rtol=1e-6)
+
+
+def test_gradient_accumulation_flags_the_batches_that_only_accumulate():
+    plain = make_model(optimizer=keras.optimizers.SGD(0.01, gradient_accumulation_steps=2))
+    fit(plain)
+    model = make_model(optimizer=keras.optimizers.SGD(0.01, gradient_accumulation_steps=2))
+    gradients = GradientStatistics()
+    fit(model, [gradients, StopOnRule()])
+    for a, b in zip(plain.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    history = gradients.history
+    assert len(history) == STEPS
+    # Keras updates the weights at every second batch: batches 2, 4, ...
+    assert list(history["applied"]) == [step % 2 == 0 for step in range(1, STEPS + 1)], history
