@@ -245,6 +245,16 @@ def pytest_terminal_summary(terminalreporter, config):
             terminalreporter.write_line("\n".join(lines))
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """Asked for tests/jax/ on another backend: say so, never run nothing quietly."""
+    jax_dir = os.path.join(TESTS, "jax")
+    asked = [os.path.abspath(a.split("::")[0]) for a in config.args]
+    if BACKEND != "jax" and any(a == jax_dir or a.startswith(jax_dir + os.sep) for a in asked):
+        raise pytest.UsageError(
+            f"tests/jax/ runs on the JAX backend; Keras runs on {BACKEND!r} here. Run it with "
+            "KERAS_BACKEND=jax (./run.sh test runs both backends).")
+
+
 def pytest_ignore_collect(collection_path, config):
     """tests/jax/ on the JAX backend, the rest on TensorFlow (see BACKEND)."""
     path = os.path.abspath(str(collection_path))

@@ -19,7 +19,6 @@ from kerasdbg.callbacks import (
 from kerasdbg.errors import UnsupportedBackendError
 from tests.conftest import reference_stats
 
-pytestmark = pytest.mark.skipif(keras.config.backend() != "jax", reason="JAX backend only")
 
 BATCH, STEPS = 32, 8
 RNG = np.random.default_rng(7)

@@ -29,7 +29,6 @@ import pytest
 from kerasdbg.callbacks import GradientStatistics, StopOnRule, WeightStatistics
 from tests.jax import examples
 
-pytestmark = pytest.mark.skipif(keras.config.backend() != "jax", reason="JAX backend only")
 
 STEPS = 12
 BAD = 5  # the faulty step: under spe 4, the first of the second execution, 3 frozen after it
