@@ -22,14 +22,20 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
-# Two replicas on one CPU for MirroredStrategy: must happen before TensorFlow
-# initialises its devices, so here, at import, once for the whole session.
-_cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(
-    _cpu, [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()]
-)
+if BACKEND == "jax":
+    # The JAX run needs no TensorFlow (a JAX user's install has none); the
+    # TensorFlow helpers below are for the TensorFlow run only.
+    tf = None
+else:
+    import tensorflow as tf  # noqa: E402
+
+    # Two replicas on one CPU for MirroredStrategy: must happen before TensorFlow
+    # initialises its devices, so here, at import, once for the whole session.
+    _cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        _cpu, [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()]
+    )
 
 import keras  # noqa: E402
 

@@ -38,8 +38,14 @@ from typing import NamedTuple
 
 import keras
 import numpy as np
-import tensorflow as tf
 from keras import layers, ops
+
+if keras.config.backend() == "tensorflow":
+    import tensorflow as tf
+else:
+    # tests/jax/examples.py reuses the models these ports build (not their
+    # TensorFlow train steps) on the JAX backend, where TensorFlow may be absent.
+    tf = None
 
 PORTS = ("gan", "wgan_gp", "vae", "contrastive", "distillation", "transformer", "convnet",
          "subclassed", "subclassed_custom_step", "accumulation", "clipping")
