@@ -16,8 +16,13 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # is TensorFlow's and leaves tests/jax/ out. `./run.sh test` runs both.
 BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
 if BACKEND == "jax":
+    # Deterministic ops: on a GPU, XLA's default kernels (atomics, autotuned
+    # convolution algorithms) make plain Keras itself differ run to run in
+    # the last bits, and the tests compare a plain fit with an instrumented
+    # one bitwise. No effect on CPU.
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_force_host_platform_device_count=2").strip()
+                               " --xla_force_host_platform_device_count=2"
+                               " --xla_gpu_deterministic_ops=true").strip()
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 import numpy as np  # noqa: E402
