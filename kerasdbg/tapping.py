@@ -63,7 +63,7 @@ def insert_taps(
             layers), `layers` selects nothing, or the model is not built.
         kerasdbg.errors.UnsupportedBackendError: the taps are kerasdbg's own
             (`tap` None, a `TapLayer` or `PrintLayer`) and Keras runs on a
-            backend they do not record on (they record on TensorFlow; a
+            backend they do not record on (they record on TensorFlow and JAX; a
             layer of your own is inserted on every backend).
 
     Examples:

@@ -47,12 +47,14 @@ def run_on(backend: str, code: str, *args: str, block_tensorflow: bool = True):
 
 
 MESSAGE = (r"{owner}: kerasdbg's debug layers \(TapLayer, PrintLayer\) record on the Keras "
-           r"backend tensorflow only, and Keras runs on 'jax' here \(KERAS_BACKEND\)\. "
-           r"Works on: tensorflow\. On jax, MultiOutputModel exposes")
+           r"backends tensorflow, jax only, and Keras runs on 'numpy' here \(KERAS_BACKEND\)\. "
+           r"Works on: tensorflow, jax\. On numpy, MultiOutputModel exposes")
 
 
-def test_the_debug_layers_on_jax_say_once_that_they_record_on_tensorflow():
-    out = run_on("jax", """
+def test_the_debug_layers_on_a_backend_without_them_say_once_where_they_record():
+    """Keras's NumPy backend stands for PyTorch's (which cannot be installed
+    for the suite): the debug layers record on TensorFlow and JAX only."""
+    out = run_on("numpy", """
         import json, sys
         import keras
         from kerasdbg.errors import UnsupportedBackendError
@@ -79,7 +81,7 @@ def test_the_debug_layers_on_jax_say_once_that_they_record_on_tensorflow():
         print(json.dumps({"backend": keras.config.backend(), "errors": errors,
                           "tensorflow": loaded}))
     """)
-    assert out["backend"] == "jax" and out["tensorflow"] == []
+    assert out["backend"] == "numpy" and out["tensorflow"] == []
     messages = out["errors"]["UnsupportedBackendError"]
     assert len(messages) == 5, messages
     for owner, message in zip(["TapLayer", "PrintLayer"] + ["insert_taps"] * 3, messages):

@@ -16,6 +16,7 @@ from kerasdbg.sinks import layout as _layout
 from kerasdbg.records import tags as _tags
 from kerasdbg import _validation as check
 from kerasdbg.callbacks._recording import RecordingCallback, release_writer, selected
+from kerasdbg.layers._debug_layer import layer_sink, on_jax
 from kerasdbg.layers.tap_layer import TapLayer
 
 
@@ -32,10 +33,8 @@ def find_taps(model) -> List[TapLayer]:
 
 
 def _layer_sink():
-    """The debug layers' host side (TensorFlow's capture), imported on use."""
-    from kerasdbg.backends.tensorflow import layer_sink
-
-    return layer_sink
+    """The debug layers' host side on Keras's backend, imported on use."""
+    return layer_sink()
 
 
 class ActivationStatistics(RecordingCallback):
@@ -132,8 +131,9 @@ class ActivationStatistics(RecordingCallback):
             name for tap in self._taps for name in tap.health), self.strict)
         for tap in self._taps:
             tap.add_listener(self._consume)
-        # One trace of the train function, not two (the taps' graph is large).
-        if keras_objects.uses_standard_train_step(self.model):
+        # One trace of the train function, not two (the taps' graph is large);
+        # on JAX the step is traced once anyway.
+        if not on_jax() and keras_objects.uses_standard_train_step(self.model):
             from kerasdbg.backends.tensorflow import keras_internals
 
             keras_internals.build_optimizer_before_trace(self.model)

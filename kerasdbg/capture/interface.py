@@ -26,6 +26,7 @@ CAPTURES = {
 RECORDS = {
     "tensorflow": None,  # everything
     "jax": {"gradients": "GradientStatistics", "weights": "WeightStatistics",
+            "taps": "ActivationStatistics",
             "step": "StopOnRule"},
 }
 """What each backend's capture records, by request kind (None: every kind),

@@ -3,8 +3,12 @@
 A debug layer is an identity: it returns its input unchanged (same tensor,
 same dtype, same mask) and, at the steps it selects, writes what it wants to
 show into a ring buffer in-graph. The host reads the buffer after each
-execution (see `kerasdbg.backends.tensorflow.layer_sink`) and hands the new records, in step
-order, to `_consume`.
+execution and hands the new records, in step order, to `_consume`. The
+backend's side is chosen once, from `keras.config.backend()`:
+`kerasdbg.backends.tensorflow.layer_sink` (an untracked sync-on-read buffer
+in TensorFlow's graph), or `kerasdbg.backends.jax.layer_record` and
+`kerasdbg.backends.jax.layer_sink` (the counters and the buffer as
+non-trainable variables that Keras's stateless steps carry in their state).
 
 Step numbers:
 
@@ -19,7 +23,15 @@ Step numbers:
 
 Counters are `ON_READ` / `ONLY_FIRST_REPLICA` variables: each replica counts
 for itself, so a step is never counted once per replica (a counter with
-`aggregation="sum"` counts each step once per replica).
+`aggregation="sum"` counts each step once per replica). On JAX they are
+int32 and a step is one program over the global batch (also under
+`keras.distribution`): one record per call, replica 0, describing the whole
+batch.
+
+Saved with the model: the counters (`calls`, `mode_calls`) only, on every
+backend; the buffers and a tap's runs of flagged examples are not (on JAX
+they are non-trainable weights of the layer, in `get_weights`, but left out
+of `.keras` files, so a file loads on either backend).
 """
 
 from __future__ import annotations
@@ -43,6 +55,20 @@ _buffers = _lazy.module("kerasdbg.backends.tensorflow.buffers")
 graph_functions = _lazy.module("kerasdbg.backends.tensorflow.graph_functions")
 internals = _lazy.module("kerasdbg.backends.tensorflow.keras_internals")
 _layer_sink = _lazy.module("kerasdbg.backends.tensorflow.layer_sink")
+_jax_record = _lazy.module("kerasdbg.backends.jax.layer_record")
+_jax_sink = _lazy.module("kerasdbg.backends.jax.layer_sink")
+
+
+def on_jax() -> bool:
+    """Whether the layers record through JAX's side (Keras's backend, fixed
+    when Keras is imported)."""
+    return keras.config.backend() == "jax"
+
+
+def layer_sink():
+    """The host side of the debug layers on Keras's backend (the model's
+    sink, `flush_layers`, `current_fit_step`)."""
+    return _jax_sink if on_jax() else _layer_sink
 
 MODES = ("fit", "evaluate", "predict", "call")
 REPLICAS = ("first", "all")
@@ -159,8 +185,13 @@ class DebugLayer(keras.layers.Layer):
     kerasdbg_debug_layer = True
     """Marks kerasdbg's debug layers for the replays (`_replay.is_debug_layer`)."""
 
-    BACKENDS = ("tensorflow",)
+    BACKENDS = ("tensorflow", "jax")
     """The Keras backends the debug layers record on (made elsewhere, they raise)."""
+
+    MODES = MODES
+
+    KIND = ""
+    """Which fields the layer records on JAX (`layer_record.VALUES`)."""
 
     follows_chief = False
     """Whether, under several workers, every worker reads the records of the
@@ -208,6 +239,16 @@ class DebugLayer(keras.layers.Layer):
         if not _is_shape(input_shape):
             self._build_parts(input_shape)
             return
+        self._input_shape = tuple(input_shape)
+        self._host.last_id = []
+        if on_jax():
+            # Tracked non-trainable variables: Keras's stateless steps carry them.
+            self.calls = _jax_record.int_variable(0, "calls")
+            self.mode_calls = _jax_record.int_variable(np.zeros(len(MODES)), "mode_calls")
+            self._ring = _jax_record.Ring(self.buffer_steps, self._fields(self._input_shape))
+            self._ring_rows = self._ring.rows
+            super().build(input_shape)
+            return
         # Counters are weights (saved with the model); the ring buffers are not.
         self.calls = keras.Variable(
             0, dtype="int64", trainable=False, name="calls",
@@ -217,20 +258,30 @@ class DebugLayer(keras.layers.Layer):
             np.zeros(len(MODES), np.int64), dtype="int64", trainable=False,
             name="mode_calls", synchronization="on_read", aggregation="only_first_replica",
         )
-        self._input_shape = tuple(input_shape)
         self._ring = _Buffers(self.buffer_steps, self._fields(self._input_shape), self.name)
-        self._host.last_id = []
         super().build(input_shape)
+
+    def save_own_variables(self, store) -> None:
+        # The counters only (as on TensorFlow, where the buffers are untracked).
+        if self._parts is None and self._ring is not None:
+            store["0"] = np.asarray(keras.ops.convert_to_numpy(self.calls.value))
+            store["1"] = np.asarray(keras.ops.convert_to_numpy(self.mode_calls.value))
+
+    def load_own_variables(self, store) -> None:
+        if self._parts is None and self._ring is not None and "0" in store:
+            for key, variable in (("0", self.calls), ("1", self.mode_calls)):
+                variable.assign(np.asarray(store[key]).astype(variable.dtype))
 
     def __call__(self, inputs, *args, **kwargs):
         # Arrays become tensors of their own dtype (inputs are not autocast);
         # a structure of tensors keeps its structure (one part per tensor).
+        convert = keras.ops.convert_to_tensor if on_jax() else tf.convert_to_tensor
         if _is_structure(inputs):
             inputs = keras.tree.map_structure(
-                lambda x: tf.convert_to_tensor(x) if isinstance(x, (np.ndarray, np.generic))
+                lambda x: convert(x) if isinstance(x, (np.ndarray, np.generic))
                 else x, inputs)
         elif isinstance(inputs, (np.ndarray, np.generic, list, float, int)):
-            inputs = tf.convert_to_tensor(inputs)
+            inputs = convert(inputs)
         return super().__call__(inputs, *args, **kwargs)
 
     # ------------------------------------------------------- structures
@@ -293,6 +344,9 @@ class DebugLayer(keras.layers.Layer):
             leaves = keras.tree.flatten_with_path(inputs)
             return keras.tree.pack_sequence_as(inputs, [
                 self._parts["/".join(str(p) for p in path)](leaf) for path, leaf in leaves])
+        if on_jax():
+            self._record_jax(inputs)
+            return inputs
         context = internals.step_context()
         try:
             self._record(inputs, context)
@@ -336,13 +390,23 @@ class DebugLayer(keras.layers.Layer):
         return self.replicas == "all" or replica == 0
 
     # ---------------------------------------------------------- in graph
-    def _record(self, inputs, context: internals.StepContext) -> None:
-        if self._failed:
-            return
-        self._host.traced_in.add(context.mode)
-        _layer_sink.register(self, context)
-        if context.model is not None and not self._warned_slots:
-            spe = int(getattr(context.model, "steps_per_execution", 1) or 1)
+    def _record_jax(self, inputs) -> None:
+        """One call on JAX (`kerasdbg.backends.jax.layer_record`)."""
+        if not self._failed:
+            try:
+                where = _jax_record.context()
+                self._host.traced_in.add(where.mode)
+                _jax_sink.register(self, where)
+                self._check_slots(where.model)
+                _jax_record.record(self, inputs, where, _jax_record.VALUES[self.KIND])
+            except Exception as error:  # noqa: BLE001 - any failure of ours
+                self._fail(error)
+        if _jax_record.eager(inputs):
+            self.flush()
+
+    def _check_slots(self, model) -> None:
+        if model is not None and not self._warned_slots:
+            spe = int(getattr(model, "steps_per_execution", 1) or 1)
             if spe > self.buffer_steps:
                 self._warned_slots = True
                 warnings.warn(
@@ -351,8 +415,15 @@ class DebugLayer(keras.layers.Layer):
                     f"{self.buffer_steps} recorded steps of each execution are kept. "
                     f"Pass buffer_steps={spe} to keep them all.",
                     RuntimeWarning,
-                    stacklevel=3,
+                    stacklevel=4,
                 )
+
+    def _record(self, inputs, context: internals.StepContext) -> None:
+        if self._failed:
+            return
+        self._host.traced_in.add(context.mode)
+        _layer_sink.register(self, context)
+        self._check_slots(context.model)
         replica, static_replica = self._replica()
         records = static_replica is None or self._record_replica(static_replica)
         outputs = self._step(inputs, context, records)
@@ -448,7 +519,7 @@ class DebugLayer(keras.layers.Layer):
         """The worker this process is (`_workers.Worker`) when this layer's
         records are the cluster's, read on every worker alike
         (`follows_chief` under several workers), else None."""
-        if not self.follows_chief or self._ring is None:
+        if not self.follows_chief or self._ring is None or on_jax():
             return None
         return _workers.of(getattr(self._ring.rows, "distribute_strategy", None))
 
@@ -462,6 +533,8 @@ class DebugLayer(keras.layers.Layer):
 
     def _read(self) -> List[LayerRecord]:
         buffers = self._ring
+        if on_jax():
+            return self._records(_jax_sink.read(self))
         if buffers.width > WIDE_ROW:
             # Wide rows (histograms, sample rows): the ids first, the whole
             # buffer only when there is something new.
@@ -495,7 +568,8 @@ class DebugLayer(keras.layers.Layer):
                 continue
             rows = new[np.argsort(ids[new])]
             full = len(rows) == buffers.slots and not self._warned_slots
-            if full and int(self.calls.numpy()) - last > buffers.slots:
+            calls = int(ids.max()) if on_jax() else int(self.calls.numpy())
+            if full and calls - last > buffers.slots:
                 self._warned_slots = True
                 warnings.warn(
                     f"{type(self).__name__} {self.name!r}: more than buffer_steps="
@@ -507,7 +581,8 @@ class DebugLayer(keras.layers.Layer):
                 )
             for row in rows:
                 values = {
-                    key: table[row, start:end].reshape(shape).astype(dtype.as_numpy_dtype)
+                    key: table[row, start:end].reshape(shape).astype(
+                        getattr(dtype, "as_numpy_dtype", dtype))
                     for key, shape, dtype, start, end in buffers.layout
                 }
                 keyed.append((int(ids[row]), replica, LayerRecord(
@@ -551,15 +626,18 @@ def check_backend(owner: str) -> None:
     works = ", ".join(DebugLayer.BACKENDS)
     raise UnsupportedBackendError(
         f"{owner}: kerasdbg's debug layers (TapLayer, PrintLayer) record on the Keras "
-        f"backend {works} only, and Keras runs on {name!r} here (KERAS_BACKEND). Works on: "
+        f"backends {works} only, and Keras runs on {name!r} here (KERAS_BACKEND). Works on: "
         f"{works}. On {name}, MultiOutputModel exposes the outputs of any layers, "
         "insert_taps inserts a layer of your own (`tap=`), and strip_debug_layers, "
         "load_run, kerasdbg check and kerasdbg report work.")
 
 
 def _is_tensor(value) -> bool:
-    return isinstance(value, (keras.KerasTensor, tf.Tensor, tf.Variable, keras.Variable,
-                              np.ndarray))
+    if isinstance(value, (keras.KerasTensor, keras.Variable, np.ndarray)):
+        return True
+    if on_jax():
+        return keras.ops.is_tensor(value)
+    return isinstance(value, (tf.Tensor, tf.Variable))
 
 
 def _is_structure(inputs) -> bool:
@@ -574,7 +652,7 @@ def _is_structure(inputs) -> bool:
 
 def _is_shape(shape) -> bool:
     """Whether `shape` is one shape (a tuple or list of sizes), not a structure."""
-    if isinstance(shape, tf.TensorShape):
+    if not on_jax() and isinstance(shape, tf.TensorShape):
         return True
     return isinstance(shape, (tuple, list)) and all(
         d is None or isinstance(d, (int, np.integer)) for d in shape)

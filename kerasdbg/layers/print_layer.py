@@ -15,7 +15,8 @@ import numpy as np
 from kerasdbg import _validation as check
 from kerasdbg import stats as stats_lib
 from kerasdbg.layers import _lazy
-from kerasdbg.layers._debug_layer import DebugLayer, LayerRecord
+from kerasdbg.errors import UnsupportedBackendError
+from kerasdbg.layers._debug_layer import DebugLayer, LayerRecord, on_jax
 from kerasdbg.sinks import workers as _workers
 
 # On first use (see `kerasdbg.layers._debug_layer`).
@@ -129,10 +130,14 @@ class PrintLayer(DebugLayer):
             the message followed by the tensor's path (`<message>/a`); the
             `PrintLayer` of each tensor is in `parts`.
 
+    On the JAX backend the values are recorded in float32 (JAX's default
+    precision) and only `printing="deferred"` exists.
+
     Raises:
         kerasdbg.errors.UnsupportedBackendError: when made while Keras runs on
-            another backend than TensorFlow (the layer records in TensorFlow's
-            graph); the message names the backend and what works there.
+            another backend than TensorFlow or JAX; the message names the
+            backend and what works there.
+            Also `printing="immediate"` on JAX.
 
     Examples:
         >>> import keras, numpy as np, sys
@@ -174,6 +179,12 @@ class PrintLayer(DebugLayer):
         self.stats = check.choices(owner, "stats", stats, stats_lib.ALL_STATISTICS, allow_empty=True)
         self.printing = check.one_of(owner, "printing", printing, PRINTING)
         self.output_stream = _check_stream(owner, output_stream)
+        if self.printing == "immediate" and on_jax():
+            raise UnsupportedBackendError(
+                f"{owner}: printing='immediate' prints with tf.print in TensorFlow's graph, "
+                "on the Keras backend tensorflow only; Keras runs on 'jax' here. Use "
+                "printing='deferred' (the default), which prints after each execution of "
+                "the step, in step order.")
         if self.printing == "immediate":
             if isinstance(self.output_stream, logging.Logger) or (
                 isinstance(self.output_stream, str) and self.output_stream.startswith("logging:")
@@ -228,14 +239,16 @@ class PrintLayer(DebugLayer):
         part.message = f"{self.message if self.message is not None else self.name}/{key}"
 
     # ------------------------------------------------------------ records
+    KIND = "print"
+
     def _fields(self, input_shape):
         rank = len(input_shape)
         k = max(self.summarize, 1)
         return {
-            "shape": ((rank,), tf.int64),
-            "stats": ((len(self.stats),), tf.float64),
-            "head": ((k,), tf.float64),
-            "tail": ((k,), tf.float64),
+            "shape": ((rank,), "int64"),
+            "stats": ((len(self.stats),), "float64"),
+            "head": ((k,), "float64"),
+            "tail": ((k,), "float64"),
         }
 
     def _values_key(self) -> tuple:

@@ -12,11 +12,12 @@ import pandas as pd
 from kerasdbg import _validation as check
 from kerasdbg import stats as stats_lib
 from kerasdbg.layers import _lazy
-from kerasdbg.layers._debug_layer import DebugLayer, LayerRecord
+from kerasdbg.layers._debug_layer import DebugLayer, LayerRecord, on_jax
 
 # On first use (see `kerasdbg.layers._debug_layer`).
 tf = _lazy.module("tensorflow")
 _buffers = _lazy.module("kerasdbg.backends.tensorflow.buffers")
+_jax_record = _lazy.module("kerasdbg.backends.jax.layer_record")
 
 DEFAULT_TAP_STATISTICS = (
     "mean", "std", "min", "max", "zero_fraction", "nan_count", "inf_count",
@@ -66,6 +67,10 @@ class TapLayer(DebugLayer):
     rules on them decide alike; `flush()` then does nothing, since a read on
     one worker alone would leave the others behind.
 
+    On the JAX backend a step is one program over the global batch (also
+    under `keras.distribution`): each call gives one record, replica 0's,
+    of the whole batch, computed in float32 (JAX's default precision).
+
     Records of `fit` go to `history` and `latest` and to every
     `ActivationStatistics` callback on the model; those of `evaluate`,
     `predict` and other calls go to `latest_by_mode`.
@@ -114,8 +119,8 @@ class TapLayer(DebugLayer):
 
     Raises:
         kerasdbg.errors.UnsupportedBackendError: when made while Keras runs on
-            another backend than TensorFlow (the layer records in TensorFlow's
-            graph); the message names the backend and what works there.
+            another backend than TensorFlow or JAX; the message names the
+            backend and what works there.
 
     Examples:
         >>> import numpy as np
@@ -128,6 +133,8 @@ class TapLayer(DebugLayer):
     """
 
     follows_chief = True
+
+    KIND = "tap"
 
     def __init__(
         self,
@@ -209,8 +216,14 @@ class TapLayer(DebugLayer):
         self._host.flagged = None
         units = [d for d in tuple(input_shape)[1:] if d is not None]
         if self.health and len(input_shape) > 1:
-            self._host.flagged = _buffers.on_read_variable(
-                tf.zeros(units, tf.int32), f"{self.name}_flagged_examples")
+            if on_jax():
+                # Tracked, so that Keras's stateless steps carry it (not saved).
+                self._flagged_examples = _jax_record.int_variable(
+                    np.zeros(units), "flagged_examples")
+                self._host.flagged = self._flagged_examples
+            else:
+                self._host.flagged = _buffers.on_read_variable(
+                    tf.zeros(units, tf.int32), f"{self.name}_flagged_examples")
 
     # ------------------------------------------------------------ records
     def _state_variable(self):
@@ -246,14 +259,14 @@ class TapLayer(DebugLayer):
 
     def _fields(self, input_shape):
         fields = {
-            "stats": ((len(self.stats),), tf.float64),
-            "size": ((), tf.float64),
+            "stats": ((len(self.stats),), "float64"),
+            "size": ((), "float64"),
         }
         if self.health:
-            fields["health"] = ((1,), tf.float64)
+            fields["health"] = ((1,), "float64")
         if self.histogram:
-            fields["hist_counts"] = ((self.histogram_bins,), tf.float64)
-            fields["hist_range"] = ((2,), tf.float64)
+            fields["hist_counts"] = ((self.histogram_bins,), "float64")
+            fields["hist_range"] = ((2,), "float64")
         if self.sample_rows:
             features = tuple(input_shape[1:])
             if any(d is None for d in features):
@@ -261,8 +274,8 @@ class TapLayer(DebugLayer):
                     f"TapLayer {self.name!r}: `sample_rows` needs a static shape "
                     f"after the batch dimension. Received input shape: {tuple(input_shape)}"
                 )
-            fields["rows"] = ((self.sample_rows, *features), tf.float64)
-            fields["valid_rows"] = ((), tf.int64)
+            fields["rows"] = ((self.sample_rows, *features), "float64")
+            fields["valid_rows"] = ((), "int64")
         return fields
 
     @staticmethod
