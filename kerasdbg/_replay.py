@@ -76,6 +76,16 @@ def qualified_name(path: Path, layer) -> str:
     return "/".join(path + (layer.name,))
 
 
+def recordable_layers(model) -> List[str]:
+    """Qualified names of the layers whose outputs a replay can record
+    (`StepRecorder`): every layer of a Functional or Sequential model but
+    its inputs."""
+    if not is_graph_model(model):
+        return []
+    return [qualified_name(path, layer) for path, layer in walk(model)
+            if not isinstance(layer, keras.layers.InputLayer)]
+
+
 class Replay:
     """Replays a Functional or Sequential model on new inputs.
 

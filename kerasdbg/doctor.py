@@ -1,20 +1,29 @@
-"""`doctor`: the set-up mistakes that make training slow or break it, before it runs."""
+"""`doctor`: the set-up mistakes that make training slow or break it, before it runs.
+
+TensorFlow is imported on use: on the JAX backend the model's checks run
+without it, and a `tf.data` pipeline is checked where TensorFlow is
+installed (it made the pipeline); the `tf.distribute` checks are
+TensorFlow's backend's alone (on JAX the devices come from
+`keras.distribution`).
+"""
 
 from __future__ import annotations
 
 import math
-from typing import Any, List, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, List, NamedTuple, Optional
 
 import keras
-import tensorflow as tf
 
-from kerasdbg.backends.tensorflow import keras_internals as internals
 from kerasdbg.sinks import workers as _workers
 from kerasdbg import _validation as check
 
+if TYPE_CHECKING:  # for the annotations only: imported on use
+    import tensorflow as tf
+
 SEVERITIES = ("error", "warning", "info")
 TARGETS = ("auto", "cpu", "gpu", "xla", "tpu")
-TPU_DTYPES = (tf.int64, tf.uint8, tf.string, tf.float64)
+TPU_DTYPES = ("int64", "uint8", "string", "float64")
+"""The input dtypes TPUs do not take (names)."""
 # Ops that make a `tf.data` map function expensive per element.
 HEAVY_OPS = ("Decode", "Resize", "Crop", "PyFunc", "EagerPyFunc", "ImageProjectiveTransform",
              "Conv", "MatMul", "ReadFile", "ParseExample", "ParseSingleExample")
@@ -33,6 +42,26 @@ MULTI_WORKER_ERROR = (
     "`strategy.reduce` on a tuple of PerReplica values in Keras's `_maybe_symbolic_build`, "
     "then `Invalid reduction dimension 0` in `reduce_per_replica`"
 )
+
+
+def _tf():
+    import tensorflow as tf
+
+    return tf
+
+
+def _internals():
+    from kerasdbg.backends.tensorflow import keras_internals
+
+    return keras_internals
+
+
+def _tensorflow_installed() -> bool:
+    try:
+        _tf()
+    except ImportError:
+        return False
+    return True
 
 
 class Finding(NamedTuple):
@@ -79,7 +108,10 @@ def _target(strategy, target: str, model) -> tuple:
     The target is unknown under "auto" when neither a TPUStrategy nor
     `jit_compile=True` says it: the portability findings then come as "info".
     """
-    tpu = target == "tpu" or isinstance(strategy, tf.distribute.TPUStrategy)
+    if strategy is None:  # another backend than TensorFlow: its devices
+        tpu = target == "tpu" or _platform() == "tpu"
+    else:
+        tpu = target == "tpu" or isinstance(strategy, _tf().distribute.TPUStrategy)
     jit = getattr(model, "jit_compile", None) if getattr(model, "compiled", False) else None
     xla = tpu or target == "xla" or jit is True
     return tpu, xla, target == "auto" and not xla
@@ -94,7 +126,32 @@ def _if_moved(why: str, unknown: bool, where: str = "XLA or a TPU") -> str:
     return f"if the run moves to {where}: {why}" if unknown else why
 
 
+def _platform() -> Optional[str]:
+    """The platform of the JAX backend's devices ("cpu", "gpu", "tpu"), or None."""
+    if keras.config.backend() != "jax":
+        return None
+    import jax
+
+    return jax.default_backend()
+
+
+def _data_parallel() -> tuple:
+    """`(name, devices)`: the keras.distribution in place and the devices its
+    batch is split over (1 without one)."""
+    from keras.src.distribution import distribution_lib
+
+    distribution = distribution_lib.distribution()
+    if distribution is None:
+        return None, 1
+    mesh = distribution.device_mesh
+    axis = getattr(distribution, "batch_dim_name", None)
+    if axis in tuple(mesh.axis_names):
+        return type(distribution).__name__, int(mesh.shape[tuple(mesh.axis_names).index(axis)])
+    return type(distribution).__name__, 1
+
+
 def _specs(dataset) -> list:
+    tf = _tf()
     return [s for s in tf.nest.flatten(dataset.element_spec) if isinstance(s, tf.TensorSpec)]
 
 
@@ -108,7 +165,7 @@ def _kind(dataset) -> str:
 
 def _heavy(dataset) -> Optional[str]:
     """Why a map dataset's function is expensive, or None."""
-    ops = internals.map_function_ops(dataset)
+    ops = _internals().map_function_ops(dataset)
     heavy = sorted({op for op in ops if any(h in op for h in HEAVY_OPS)})
     if heavy:
         return f"its function runs {', '.join(heavy)}"
@@ -123,7 +180,7 @@ def _data_findings(dataset, replicas: int, tpu: bool, xla: bool, unknown: bool,
     specs = _specs(dataset)
     batch = specs[0].shape[0] if specs and specs[0].shape.rank else None
     # The batch size of a pipeline without drop_remainder, for the checks after the first.
-    size = batch if batch is not None else internals.dataset_batch_size(dataset)
+    size = batch if batch is not None else _internals().dataset_batch_size(dataset)
     if (xla or unknown) and specs and batch is None:
         found.append(Finding(
             _portability("error" if tpu else "warning", unknown), "dynamic batch dimension",
@@ -134,7 +191,7 @@ def _data_findings(dataset, replicas: int, tpu: bool, xla: bool, unknown: bool,
     # The TPU's own findings: "info" too while a TPU is only possible (XLA known).
     where = "XLA or a TPU" if unknown else "a TPU"
     if tpu or tpu_open:
-        bad = sorted({s.dtype.name for s in specs if s.dtype in TPU_DTYPES})
+        bad = sorted({s.dtype.name for s in specs if s.dtype.name in TPU_DTYPES})
         if bad:
             found.append(Finding(
                 _portability("error", tpu_open), "TPU input dtype",
@@ -181,7 +238,7 @@ def _first_of_each(found: List[Finding]) -> List[Finding]:
 
 def _pipeline_findings(dataset) -> List[Finding]:
     found = []
-    chain = internals.dataset_chain(dataset)  # last transformation first
+    chain = _internals().dataset_chain(dataset)  # last transformation first
     kinds = [_kind(d) for d in chain]
     if kinds and kinds[0] != "prefetch":
         found.append(Finding(
@@ -226,13 +283,31 @@ def _layers(model):
 def _keras_fails(names=None) -> bool:
     """Whether Keras's trainer has the code that fails (all of
     `_MULTI_WORKER_BUGS`, or `names`) and `fix_multi_worker_fit` is not in place."""
+    internals = _internals()
     try:
         return internals.multi_worker_fit_is_broken(names) and not internals.multi_worker_fit_fixed()
     except internals.KerasInternalsError:  # a Keras that moved the code: unknown
         return False
 
 
+def _distribution_findings(name: Optional[str], model, tpu: bool,
+                           devices: int) -> List[Finding]:
+    """Another backend than TensorFlow's: `steps_per_execution=1` on a TPU or
+    several devices (`name`: the keras.distribution, or None)."""
+    compiled = model is not None and getattr(model, "compiled", False)
+    spe = int(getattr(model, "steps_per_execution", 1) or 1) if compiled else None
+    if not compiled or spe != 1 or not (tpu or devices > 1):
+        return []
+    where = f"{name} ({devices} devices)" if name else "a TPU"
+    return [Finding(
+        "warning", "steps_per_execution", f"steps_per_execution is 1 under {where}",
+        "each step then returns to Python: on a TPU or several devices the host round trip "
+        "dominates small steps",
+        "compile with `steps_per_execution=32` (or more)")]
+
+
 def _strategy_findings(strategy, model, tpu: bool, replicas: int) -> List[Finding]:
+    tf, internals = _tf(), _internals()
     found = []
     name = type(strategy).__name__
     compiled = model is not None and getattr(model, "compiled", False)
@@ -298,13 +373,15 @@ def _loss_findings(loss, replicas: int) -> List[Finding]:
         "in a custom loop each replica divides by its own batch, so the summed gradient is "
         f"{replicas} times too large (fit scales it for you; a custom loop does not)",
         "use `reduction=\"none\"` and `tf.nn.compute_average_loss(per_example_loss, "
-        "global_batch_size=GLOBAL_BATCH)`")]
+        "global_batch_size=GLOBAL_BATCH)`" if keras.config.backend() == "tensorflow" else
+        "use `reduction=\"none\"` and divide the summed per-example loss by the global batch "
+        "size")]
 
 
 def doctor(
     model: Optional[keras.Model] = None,
     data: Any = None,
-    strategy: Optional[tf.distribute.Strategy] = None,
+    strategy: Optional["tf.distribute.Strategy"] = None,
     target: str = "auto",
     loss: Any = None,
     verbose: bool = True,
@@ -334,11 +411,19 @@ def doctor(
       MirroredStrategy with jit_compile; ParameterServerStrategy), each with
       the error Keras raises.
 
+    On the JAX backend (and any backend but TensorFlow's) the same checks
+    run on the model and a `tf.data` pipeline, with the devices of the
+    `keras.distribution` in place (`DataParallel`, `ModelParallel`'s batch
+    axis) as the replicas; the `tf.distribute` strategy checks do not apply
+    there, and `strategy` must be None. Without TensorFlow installed it
+    checks the model alone (`data` must then be None).
+
     Args:
         model: the model, compiled for its `steps_per_execution` and
             `jit_compile`. Defaults to None.
         data: the `tf.data.Dataset` that feeds it. Defaults to None.
         strategy: the strategy; defaults to the model's (or the current one).
+            TensorFlow's backend only.
         target: "auto" (a TPU under TPUStrategy, XLA when the model compiles
             with jit_compile=True, else unknown: the portability findings
             as "info"), or "cpu", "gpu" (no portability finding), "xla",
@@ -363,24 +448,38 @@ def doctor(
     if model is not None and not isinstance(model, keras.Model):
         raise TypeError(f"{owner}: `model` must be a keras.Model or None. "
                         f"Received: model of type {type(model).__name__}")
-    if data is not None and not isinstance(data, tf.data.Dataset):
+    tensorflow = keras.config.backend() == "tensorflow"
+    if data is not None and not (_tensorflow_installed()
+                                 and isinstance(data, _tf().data.Dataset)):
         raise TypeError(f"{owner}: `data` must be a tf.data.Dataset or None (doctor inspects "
                         f"its pipeline). Received: data of type {type(data).__name__}")
-    if strategy is not None and not isinstance(strategy, tf.distribute.Strategy):
+    if strategy is not None and not tensorflow:
+        raise ValueError(
+            f"{owner}: `strategy` is a tf.distribute strategy, for the TensorFlow backend; Keras "
+            f"runs on {keras.config.backend()!r}, where doctor reads the devices of the "
+            "keras.distribution in place. Received: strategy of type "
+            f"{type(strategy).__name__}; pass strategy=None")
+    if strategy is not None and not isinstance(strategy, _tf().distribute.Strategy):
         raise TypeError(f"{owner}: `strategy` must be a tf.distribute.Strategy or None. "
                         f"Received: strategy of type {type(strategy).__name__}")
     check.one_of(owner, "target", target, TARGETS)
     check.boolean(owner, "verbose", verbose)
-    if strategy is None:
-        strategy = model.distribute_strategy if model is not None else tf.distribute.get_strategy()
-    tpu, xla, unknown = _target(strategy, target, model)
-    tpu_open = not tpu and target in ("auto", "xla")
-    try:
-        replicas = int(strategy.num_replicas_in_sync)
-    except Exception:  # noqa: BLE001 - a strategy without a cluster yet
-        replicas = 1
     found: List[Finding] = []
-    found += _strategy_findings(strategy, model, tpu, replicas)
+    if tensorflow:
+        if strategy is None:
+            strategy = model.distribute_strategy if model is not None \
+                else _tf().distribute.get_strategy()
+        try:
+            replicas = int(strategy.num_replicas_in_sync)
+        except Exception:  # noqa: BLE001 - a strategy without a cluster yet
+            replicas = 1
+        tpu, xla, unknown = _target(strategy, target, model)
+        found += _strategy_findings(strategy, model, tpu, replicas)
+    else:
+        name, replicas = _data_parallel()
+        tpu, xla, unknown = _target(None, target, model)
+        found += _distribution_findings(name, model, tpu, replicas)
+    tpu_open = not tpu and target in ("auto", "xla")
     if data is not None:
         found += _data_findings(data, replicas, tpu, xla, unknown, tpu_open, model)
     if (tpu or tpu_open) and model is not None:

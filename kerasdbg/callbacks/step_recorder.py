@@ -7,6 +7,7 @@ import warnings
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
 from kerasdbg import capture as _capture
+from kerasdbg.capture import interface as _interface
 from kerasdbg.capture import keras_objects
 from kerasdbg import _qualified
 from kerasdbg import _replay
@@ -162,9 +163,7 @@ class StepRecorder(RecordingCallback):
         self._failed = False
         layers = []
         if "layer_outputs" in self.record:
-            from kerasdbg.backends.tensorflow import step_tensors as _step_tensors
-
-            available = _step_tensors.recordable_layers(model)
+            available = _replay.recordable_layers(model)
             layers = self._selected_layers(model, available)
             if not available:
                 warnings.warn(
@@ -188,10 +187,18 @@ class StepRecorder(RecordingCallback):
             self._say_missing(start, start)
         # Under several workers the chief saves the file; the others record
         # the same steps (their graphs must match the chief's) and save nothing.
-        target = _workers.file_path(self.path, model.distribute_strategy, "StepRecorder")
+        strategy = getattr(model, "distribute_strategy", None)  # TensorFlow's only
+        target = _workers.file_path(self.path, strategy, "StepRecorder")
         self._writer = None if self._saved or target is None else trace_lib.TraceWriter(
             target, source="StepRecorder")
-        if steps or initial:
+        if (steps or initial) and _interface.backend() == "jax":
+            from kerasdbg.backends.jax import step_tensors as _jax_tensors
+
+            self._request = _jax_tensors.TensorRequest(
+                steps, self.record, layers, self._consume, include=self.include,
+                exclude=self.exclude, strict=self.strict, initial=initial, start=start)
+            _capture.engine_for(model).attach(self._request)
+        elif steps or initial:
             from kerasdbg.backends.tensorflow import step_tensors as _step_tensors
 
             self._request = _step_tensors.TensorRequest(
@@ -242,7 +249,8 @@ class StepRecorder(RecordingCallback):
             _capture.engine_for(self.model).detach(self._request)
         missing = [s for s in self._wanted if s not in self._recorded]
         # A request that found no variable to record was said by the engine already.
-        said = self._request is not None and not self._request.variables
+        said = self._request is not None and not self._request.variables \
+            and _interface.backend() != "jax"
         if missing and not said:
             end = max((int(keras_objects.host_value(keras_objects.raw_iterations(o)))
                        for _, o in keras_objects.find_optimizers(self.model)), default=self._start)

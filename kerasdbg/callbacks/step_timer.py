@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 
 from kerasdbg import capture as _capture
+from kerasdbg.capture import interface as _interface
 from kerasdbg.sinks import layout as _layout
 from kerasdbg.records import tags as _tags
 from kerasdbg import _validation as check
@@ -39,11 +40,20 @@ class StepTimer(RecordingCallback):
     first step counted from the moment `fit` called the execution), the time
     they computed (`compute_seconds`: from the start of `train_step`, with
     its batch in hand, to the end of its weight update), the input
-    fraction, and examples per second. The two split times come from
-    `tf.timestamp` ops around the model's `train_step` (replica 0 under a
-    strategy), and so does the count of examples; under XLA
+    fraction, and examples per second. On TensorFlow the two split times
+    come from `tf.timestamp` ops around the model's `train_step` (replica 0
+    under a strategy), and so does the count of examples; under XLA
     (`jit_compile=True`), which cannot compile `tf.timestamp`, only the wall
     time and the time per step are recorded.
+
+    On JAX the timing is the host's, with and without `jit_compile`:
+    `input_seconds` is the time Keras's loop spent in `next(iterator)`
+    waiting for the execution's batches, `compute_seconds` the rest of the
+    execution's wall time (dispatching the steps and waiting for the
+    device). No step is made to wait for the device (`block_until_ready`):
+    with `steps_per_execution > 1` the device computes one step while the
+    host fetches the next batch, as without the timer, so `input_seconds`
+    is then an upper bound of the time the device waited for its input.
 
     Warns once when training is input-bound: the median input fraction of
     the executions after the first `warmup` (whose time includes tracing) is
@@ -93,6 +103,7 @@ class StepTimer(RecordingCallback):
         self._writer = None
         self._warned = False
         self._timed = False
+        self._host = False
 
     def get_config(self) -> dict:
         return {"log_dir": self.log_dir, "input_bound_threshold": self.input_bound_threshold,
@@ -105,11 +116,14 @@ class StepTimer(RecordingCallback):
 
     # --------------------------------------------------------- callbacks
     def on_train_begin(self, logs=None):
-        tf, _buffers, internals = _tensorflow()  # noqa: F841 - TensorFlow's capture, on use
         model = self.model
         self._rows = []
         self._warned = False
         self._spe = int(model.steps_per_execution)
+        self._host = _interface.backend() == "jax"
+        if self._host:
+            return self._begin_host_timing()
+        tf, _buffers, internals = _tensorflow()  # noqa: F841 - TensorFlow's capture, on use
         self._timed = getattr(model, "jit_compile", False) is not True
         self._writer = self._open_writer()
         _layout.add("StepTimer", self._writer, _layout.timing_lines(self._timed), self.strict)
@@ -126,6 +140,18 @@ class StepTimer(RecordingCallback):
                     tf.zeros([self._spe, 3], tf.float64), "kerasdbg_step_times")
         engine = _capture.engine_for(model)
         engine.attach(self._request)
+        self._last = None
+
+    def _begin_host_timing(self) -> None:
+        """JAX: the capture times each execution on the host and hands this
+        callback one record per execution (see the class docstring)."""
+        self._timed = True
+        self._taken: List[object] = []
+        self._writer = self._open_writer()
+        _layout.add("StepTimer", self._writer, _layout.timing_lines(True), self.strict)
+        self._request = _capture.Request("wrap", consumer=self._taken.extend,
+                                         strict=self.strict, owner="StepTimer")
+        _capture.engine_for(self.model).attach(self._request)
         self._last = None
 
     @property
@@ -160,6 +186,9 @@ class StepTimer(RecordingCallback):
     def on_train_batch_begin(self, batch, logs=None):
         engine = _capture.engine_for(self.model)
         engine.prepare()
+        if self._host:
+            self._begin = time.time()
+            return
         if self._last is None:
             self._last = engine.collector.train_steps()
         self._begin = time.time()
@@ -175,6 +204,8 @@ class StepTimer(RecordingCallback):
 
     # -------------------------------------------------------- records
     def _record(self, end: float) -> None:
+        if self._host:
+            return self._record_host(end)
         tf, _buffers, internals = _tensorflow()  # noqa: F841 - TensorFlow's capture, on use
         engine = _capture.engine_for(self.model)
         last = engine.collector.train_steps()
@@ -199,11 +230,30 @@ class StepTimer(RecordingCallback):
                        input_fraction=input_seconds / wall if wall > 0 else np.nan,
                        examples=examples,
                        examples_per_second=examples / wall if wall > 0 else np.nan)
+        self._add(row)
+
+    def _record_host(self, end: float) -> None:
+        """JAX: the row of the execution that just ended, from its record."""
+        _capture.engine_for(self.model).collect(final=False)
+        taken, self._taken[:] = list(self._taken), []
+        if not taken:
+            return
+        record = taken[-1]  # one execution per batch
+        steps, waited, examples = (float(v) for v in record.values)
+        wall = end - self._begin
+        self._add({"step": record.step, "steps": int(steps), "execution_seconds": wall,
+                   "step_seconds": wall / steps, "input_seconds": waited,
+                   "compute_seconds": max(wall - waited, 0.0),
+                   "input_fraction": waited / wall if wall > 0 else np.nan,
+                   "examples": examples,
+                   "examples_per_second": examples / wall if wall > 0 else np.nan})
+
+    def _add(self, row: dict) -> None:
         self._rows.append(row)
         if self._writer is not None:
             scalars = {_tags.scalar(_tags.TIME, k): v for k, v in row.items()
                        if k not in ("step", "steps", "examples") and not np.isnan(v)}
-            self._writer.write(step, scalars=scalars)
+            self._writer.write(row["step"], scalars=scalars)
         self._check_input_bound()
 
     def _check_input_bound(self) -> None:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kerasdbg.callbacks import (
-    ActivationStatistics, GradientStatistics, StepRecorder, StepTimer, StopOnRule, WeightStatistics,
+    ActivationStatistics, GradientStatistics, StopOnRule, WeightStatistics,
 )
 from kerasdbg.errors import UnsupportedBackendError
 from tests.conftest import reference_stats
@@ -180,9 +180,7 @@ def test_a_nan_in_one_devices_shard_stops_data_parallel_training_at_its_step(spe
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("make", [StepTimer, lambda: StepRecorder("trace.npz"),
-                                  ActivationStatistics],
-                         ids=["StepTimer", "StepRecorder", "ActivationStatistics"])
+@pytest.mark.parametrize("make", [ActivationStatistics], ids=["ActivationStatistics"])
 def test_an_instrument_jax_cannot_record_yet_says_so_when_it_is_made(make):
     with pytest.raises(UnsupportedBackendError,
                        match=r"works on the TensorFlow backend only so far; Keras runs on 'jax'.*"

@@ -38,6 +38,7 @@ ones and a sharded variable is described whole, once per step.
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from typing import Dict, List, Optional
 
@@ -46,14 +47,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from kerasdbg import stats as stats_lib
+from kerasdbg.backends.jax import classes as _classes
+from kerasdbg.backends.jax import step_tensors as _tensors
 from kerasdbg.capture import fit_end
 from kerasdbg.capture import keras_objects
 from kerasdbg.capture.interface import Capture, supported
-from kerasdbg.capture.requests import DEFERRED_STEPS, Record, Request, unique_paths
+from kerasdbg.capture.requests import (
+    CLASS_COLUMNS, DEFERRED_STEPS, MAX_CLASSES, Record, Request, unique_paths,
+)
 from kerasdbg.quantities import reductions
 from kerasdbg.records import tags as _tags
 
-KINDS = ("gradients", "weights", "step")
+KINDS = ("gradients", "weights", "step", "classes", "wrap", "tensors")
 """The request kinds JAX's capture records (`kerasdbg.capture.interface.RECORDS`)."""
 
 # The keys of the step's records that hold its step scalars: their tags.
@@ -62,6 +67,12 @@ _FIRST = _tags.step_scalar("first")
 _FROZEN = _tags.step_scalar("frozen")
 _FAULT = _tags.step_scalar("fault")
 _LOSS = _tags.LOSS
+
+# The keys of what `_timed_execution` adds to an execution's last records:
+# its train steps, the host's seconds in `next(iterator)`, the examples.
+_TIMING = ("wrap/steps", "wrap/input_seconds", "wrap/examples")
+TIMING = ("steps", "input_seconds", "examples")
+"""What a "wrap" request's record holds per execution (its `tags`)."""
 
 _LOCAL = threading.local()
 
@@ -82,6 +93,12 @@ class _StepContext:
         self.applies: Dict[int, int] = {}
         self.loss = None
         self.first_step = None
+        # The labels and predictions Keras's train step hands its metrics.
+        self.y = self.y_pred = None
+        # A `StepRecorder`'s request, in the step variant that records its
+        # tensors (else None), and whether an apply recorded them already.
+        self.tensors: Optional[_tensors.TensorRequest] = None
+        self.tensors_taken = False
 
 
 class _Hook:
@@ -168,9 +185,11 @@ class Engine(Capture):
         self._located = False  # whether this fit's first fault was located
         # The step of this fit, and the one kept for a later fit of the same graph.
         self._step_function = None
+        self._recording_function = None  # the step variant of a StepRecorder's steps
         self._kept_key: Optional[tuple] = None
         self._kept_step = None
         self._kept_applies: Dict[int, int] = {}
+        self._kept_classes: Optional[tuple] = None  # what the kept step's trace found
 
     # ----------------------------------------------------------- lifecycle
     def attach(self, request: Request) -> None:
@@ -230,6 +249,8 @@ class Engine(Capture):
                 context = _context()
                 if context is not None:
                     context.loss = unscaled_loss
+                    if len(args) >= 3:  # x, y, y_pred, sample_weight
+                        context.y, context.y_pred = args[1], args[2]
                 return original(model, metrics_variables, unscaled_loss, *args, **kwargs)
 
             keras_objects.patch(model, "_update_metrics_variables", update_metrics)
@@ -237,6 +258,7 @@ class Engine(Capture):
         self._initial = {}
         self._located = False
         self._step_function = None
+        self._recording_function = None
         self._several = False
         self.loss_captured = False
         self._read_once = False
@@ -275,6 +297,7 @@ class Engine(Capture):
         # Nothing of this fit kept but the step for a later one (which holds
         # the model only weakly): the state and the optimizers go with the fit.
         self._step_function = None
+        self._recording_function = None
         self._carry = None
         self._initial = {}
         self._pending = []
@@ -345,6 +368,9 @@ class Engine(Capture):
                 context.records[f"apply/{key}/applied"] = (before + 1) % hook.accumulation == 0
             norm = reductions.norm_of([grads[i] for i in floats])
             context.records[f"apply/{key}/norm"] = norm
+            if context.tensors is not None and not context.tensors_taken:
+                self._record_tensors(context, hook, step, optimizer_variables, grads,
+                                     new_trainable)
             freeze = self._freeze()
             if freeze is not None:
                 ok = reductions.all_finite([grads[i] for i in floats])
@@ -407,6 +433,64 @@ class Engine(Capture):
 
         return stateless_apply
 
+    def _record_tensors(self, context: "_StepContext", hook: _Hook, step, optimizer_variables,
+                        grads, new_trainable) -> None:
+        """A `StepRecorder`'s tensors of this apply, when it is the first of
+        the step that applies to the variables the request selects."""
+        request = context.tensors
+        positions = hook.positions(request)
+        if not positions:
+            return
+        context.tensors_taken = True
+        request.bind([hook.variables[i] for i in positions], [hook.paths[i] for i in positions])
+        records, prefix = context.records, _tensors.PREFIX
+        records[prefix + "step"] = step
+        if "gradients" in request.record:
+            applied = keras_objects.clip_gradients(hook.optimizer, grads) if hook.clipping \
+                else grads
+            records[prefix + "gradients"] = [applied[i] for i in positions]
+        if "weights" in request.record:
+            records[prefix + "weights"] = [new_trainable[i] for i in positions]
+        if "learning_rate" in request.record:
+            from keras.src.backend.common.stateless_scope import StatelessScope
+
+            # The rate the update used: the optimizer's, as the step holds
+            # its variables (a schedule reads the step counter).
+            mapping = list(zip(hook.optimizer.variables, optimizer_variables))
+            with StatelessScope(state_mapping=mapping):
+                rate = hook.optimizer.learning_rate
+                rate = jnp.asarray(getattr(rate, "value", rate))
+            records[prefix + "learning_rate"] = rate
+
+    def _tensor_request(self) -> Optional[_tensors.TensorRequest]:
+        for request in self.requests:
+            if request.kind == "tensors" and not request.complete:
+                return request
+        return None
+
+    def _stepper(self, model):
+        """The step each call of this execution runs: with a `StepRecorder`,
+        the variant that records its tensors at the steps it asks for, else
+        the step (see `kerasdbg.backends.jax.step_tensors`)."""
+        step = self._jitted(model)
+        request = self._tensor_request()
+        if request is None:
+            return step
+        engine = self
+
+        def call(state, carry, data):
+            if not request.initial_handed:
+                request.take_initial(model, state[0])
+            if not request.wanted():
+                request.called()
+                return step(state, carry, data)
+            guessed = request.next_step
+            request.called()
+            logs, state, carry, records = engine._jitted(model, request)(state, carry, data)
+            return logs, state, carry, dict(records, **{_tensors.PREFIX + "guess": guessed})
+
+        return call
+
     def _train_function(self, model):
         """kerasdbg's train function of this fit: Keras's loop over
         kerasdbg's step (see the module docstring). The step is made at the
@@ -415,8 +499,10 @@ class Engine(Capture):
         engine = self
 
         def train_function(state, iterator):
-            step = engine._jitted(model)
+            step = engine._stepper(model)
             carry = engine._carry if engine._carry is not None else engine._first_carry(model)
+            if engine._wants("wrap"):
+                return engine._timed_execution(step, steps, state, carry, iterator)
             data = next(iterator)
             logs, state, carry, records = step(state, carry, data)
             engine._pending.append(records)
@@ -431,6 +517,35 @@ class Engine(Capture):
             return logs, state
 
         return train_function
+
+    def _timed_execution(self, step, steps: int, state, carry, iterator):
+        """One execution of Keras's loop, with the host's time spent
+        waiting for each batch (`next(iterator)`) and the examples in them:
+        host timing only, so the steps run as without it (no
+        `block_until_ready`: the device's work on one step goes on while
+        the host fetches the next batch). They ride on the execution's last
+        records as host values (`_TIMING`)."""
+        clock = time.perf_counter
+        waited, examples, ran = 0.0, 0.0, 0
+        logs = records = None
+        for _ in range(steps):
+            begin = clock()
+            try:
+                data = next(iterator)
+            except StopIteration:
+                if ran == 0:
+                    raise
+                break
+            waited += clock() - begin
+            examples += _examples(data)
+            logs, state, carry, records = step(state, carry, data)
+            ran += 1
+            if ran < steps:
+                self._pending.append(records)
+        self._pending.append(dict(records, **{
+            _TIMING[0]: float(ran), _TIMING[1]: waited, _TIMING[2]: examples}))
+        self._carry = carry
+        return logs, state
 
     def _graph_key(self, model) -> Optional[tuple]:
         """What the step traced for this fit depends on: a later fit with an
@@ -450,9 +565,17 @@ class Engine(Capture):
                 tuple(id(v) for v in model.trainable_variables),
                 tuple(sorted(self._initial)))
 
-    def _jitted(self, model):
+    def _jitted(self, model, tensors: Optional[_tensors.TensorRequest] = None):
         """The step of this fit: the one jitted for an earlier fit of the
-        same graph (`_graph_key`), else a new one."""
+        same graph (`_graph_key`), else a new one. With `tensors`: its
+        variant that records a `StepRecorder`'s tensors (made once a fit)."""
+        if tensors is not None:
+            if self._recording_function is None:
+                step = self._step(model, tensors)
+                if not model.run_eagerly and model.jit_compile:
+                    step = jax.jit(step, donate_argnums=0, out_shardings=self._out_shardings)
+                self._recording_function = step
+            return self._recording_function
         if self._step_function is not None:
             return self._step_function
         key = self._graph_key(model)
@@ -460,6 +583,7 @@ class Engine(Capture):
             # What its trace found: how many applies of each optimizer a step makes.
             for hook in self.hooks.values():
                 hook.applies = self._kept_applies.get(hook.number, 0)
+            self._label(self._kept_classes)
             self._step_function = self._kept_step
             return self._step_function
         self._kept_applies = {}
@@ -471,10 +595,26 @@ class Engine(Capture):
         return step
 
     def _first_carry(self, model):
-        return {"frozen": jnp.asarray(False), "calls": jnp.asarray(self._calls, jnp.int32),
-                "initial": self._initial}
+        carry = {"frozen": jnp.asarray(False), "calls": jnp.asarray(self._calls, jnp.int32),
+                 "initial": self._initial}
+        if self._wants("classes"):
+            carry[_classes.CARRY] = _classes.zeros()
+        return carry
 
-    def _step(self, model):
+    def _wants(self, kind: str) -> bool:
+        return any(r.kind == kind for r in self.requests)
+
+    def _label(self, found: Optional[tuple]) -> None:
+        """Tells the "classes" requests what the step's trace found: None (no
+        labels and class predictions to count) or the number of classes."""
+        self._kept_classes = found
+        for request in self.requests:
+            if request.kind == "classes":
+                request.labelled = found is not None
+                classes = found[0] if found is not None else 0
+                request.present = [k < classes for k in range(MAX_CLASSES)]
+
+    def _step(self, model, tensors: Optional[_tensors.TensorRequest] = None):
         engine = self
         model_ref = weakref.ref(model)  # the kept step must not keep the model alive
 
@@ -482,6 +622,7 @@ class Engine(Capture):
             model = model_ref()
             engine.trace_count += 1
             context = _StepContext(engine, carry)
+            context.tensors = tensors
             stack = getattr(_LOCAL, "stack", None)
             if stack is None:
                 stack = _LOCAL.stack = []
@@ -519,10 +660,21 @@ class Engine(Capture):
                 records[_FIRST] = context.first_step
             if context.loss is not None:
                 records[_LOSS] = context.loss
+            if tensors is not None and context.tensors_taken:
+                if "loss" in tensors.record and context.loss is not None:
+                    records[_tensors.PREFIX + "loss"] = context.loss
+                outputs = _tensors.layer_outputs(model, tensors, state, data)
+                if outputs:
+                    records[_tensors.PREFIX + "layer_outputs"] = outputs
             for name, value in logs.items():
                 if jnp.ndim(value) == 0:
                     records[f"logs/{name}"] = value
             new_carry = {"frozen": frozen, "calls": calls, "initial": carry["initial"]}
+            if _classes.CARRY in carry:
+                counted = _classes.counts(context.y, context.y_pred)
+                engine._label(None if counted is None else (counted[1],))
+                new_carry[_classes.CARRY] = carry[_classes.CARRY] if counted is None \
+                    else carry[_classes.CARRY] + counted[0]
             return logs, new_state, new_carry, records
 
         return step
@@ -538,10 +690,17 @@ class Engine(Capture):
             return  # read late: nothing decides on these records while training runs
         self._read_once = True
         pending, self._pending = self._pending, []
-        host = jax.device_get(pending)
+        totals = None
+        if self._wants("classes") and self._carry is not None:
+            totals = self._carry.get(_classes.CARRY)
+        host, totals = jax.device_get((pending, totals))
         self._several = self._several or sum(h.applies > 0 for h in self.hooks.values()) > 1
         out: Dict[int, List[Record]] = {id(r): [] for r in self.requests}
         for records in host:
+            if _tensors.PREFIX + "guess" in records:
+                for request in self.requests:
+                    if request.kind == "tensors" and _tensors.PREFIX + "step" in records:
+                        request.take(int(records[_tensors.PREFIX + "guess"]), records)
             self._calls = int(records[_CALLS])
             step = int(records[_FIRST]) if _FIRST in records else \
                 self._step_base + self._calls
@@ -569,8 +728,17 @@ class Engine(Capture):
             for request in self.requests:
                 if request.kind == "step":
                     out[id(request)].append(self._step_record(step, records))
+                elif request.kind == "wrap" and _TIMING[0] in records:
+                    out[id(request)].append(Record(
+                        step=step, skipped=False, histograms=None, tags=TIMING,
+                        values=np.asarray([records[k] for k in _TIMING], np.float64)))
         self.loss_captured = self.loss_captured or any(
             _LOSS in records for records in host)
+        if totals is not None and host:
+            # The totals after the last of these steps, as TensorFlow's capture records them.
+            for request in self.requests:
+                if request.kind == "classes" and request.labelled:
+                    out[id(request)].append(self._classes_record(request, step, totals))
         for request in self.requests:
             if out[id(request)]:
                 request.consumer(out[id(request)])
@@ -607,6 +775,14 @@ class Engine(Capture):
         return Record(step=step, skipped=skipped, values=values, histograms=histograms,
                       tags=tuple(tags), histogram_tags=histogram_tags or (),
                       optimizer=hook.name, applied=updated)
+
+    @staticmethod
+    def _classes_record(request: Request, step: int, totals) -> Record:
+        tags = tuple(_tags.statistic(_tags.CLASSES, str(k), c) if request.present[k] else None
+                     for k in range(MAX_CLASSES) for c in CLASS_COLUMNS)
+        return Record(step=step, skipped=False,
+                      values=np.asarray(totals, np.float64).reshape(-1), histograms=None,
+                      tags=tags)
 
     def _step_record(self, step: int, records: dict) -> Record:
         tags = [_tags.step_scalar("loss") if _LOSS in records else None,
@@ -647,6 +823,15 @@ class Engine(Capture):
                         values.append(1.0)
         return Record(step=step, skipped=False, values=np.asarray(values, np.float64),
                       histograms=None, tags=tuple(tags))
+
+
+def _examples(data) -> float:
+    """The examples in a batch: the length of its first array (NaN: none)."""
+    for leaf in jax.tree_util.tree_leaves(data):
+        shape = getattr(leaf, "shape", None)
+        if shape:
+            return float(shape[0])
+    return float("nan")
 
 
 def _histograms(request: Request, step, tensors):
