@@ -20,6 +20,7 @@ from kerasdbg.sinks import events as _events
 from kerasdbg.sinks import workers as _workers
 from kerasdbg.capture import keras_objects
 from kerasdbg.callbacks._copies import CopiedAsNew
+from kerasdbg.callbacks._model import ModelWithoutSync
 
 
 def selected(name: str, include: Optional[str], exclude: Optional[str]) -> bool:
@@ -150,7 +151,7 @@ def release_writer(callback, writer: Optional[_events.EventWriter]) -> None:
         writer.detach(callback)
 
 
-class RecordingCallback(CopiedAsNew, keras.callbacks.Callback):
+class RecordingCallback(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
     """Base of the callbacks that hand records to a writer and to `history`.
 
     Subclasses keep `log_dir` (or another `destination`) and `strict` as
