@@ -21,6 +21,7 @@ from kerasdbg import schedule as schedule_lib
 from kerasdbg.records import tags as _tags
 from kerasdbg.records.verdicts import verdict_markdown
 from kerasdbg.callbacks._copies import CopiedAsNew
+from kerasdbg.callbacks._model import ModelWithoutSync
 from kerasdbg.callbacks._recording import open_writer, release_writer
 from kerasdbg.callbacks.activation_statistics import find_taps
 from kerasdbg.rules._runner import RuleRunner, check_rules, rule_config, rule_from_config
@@ -44,7 +45,7 @@ _SUSPENDED_HOOKS = ("on_train_batch_end", "on_epoch_end", "on_train_end")
 _OWN_PREFIXES = _tags.prefixes(SCALAR_COLLECTIONS + (CLASSES, _tags.FAULTS, _tags.REPLICAS))
 
 
-class StopOnRule(CopiedAsNew, keras.callbacks.Callback):
+class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
     """Evaluates rules at every optimizer step of `fit` and acts when one fires.
 
     The callback records what its rules read (their `requires`): gradient and
