@@ -47,6 +47,15 @@ class StepRecorder(RecordingCallback):
     A model with nothing trainable, or no variable selected, warns once and
     records what does not need the variables.
 
+    On the JAX backend it works with any `steps_per_execution`, `jit_compile`
+    on or off, and under a `keras.distribution` (the gradients and layer
+    outputs are the global ones): the host calls a second variant of the
+    step, which also returns the tensors, at the recorded steps only (one
+    more trace and compile per fit; the other steps run as without it). The
+    layer outputs there come from `model`'s layers replayed under a
+    `StatelessScope` on the step's batch with the step's starting weights,
+    and need no static batch dimension.
+
     Memory: the recorded steps are kept in full until read, on every
     replica (steps x (2 x weights + layer outputs)). Layer outputs come from
     a replay of the forward pass at recorded steps only (Functional and

@@ -15,7 +15,7 @@ import pytest
 
 import kerasdbg
 from kerasdbg.callbacks import StopOnRule
-from kerasdbg.rules import ClassImbalance, RuleWarning
+from kerasdbg.rules import ClassImbalance, NonFiniteLoss, RuleWarning
 
 BATCH, STEPS, SAMPLES = 16, 12, 64
 CENTERS = np.array([[3, 0, 0, 0], [0, 3, 0, 0], [0, 0, 3, 0]], "float32")
@@ -168,3 +168,19 @@ def test_a_train_step_that_gives_no_labels_says_so_once():
     assert len(said) == 1, said
     assert "ClassImbalance reads classes/<k>/seen and classes/<k>/mispredicted, which this " \
         "model does not give" in said[0]
+
+
+def test_the_counts_go_on_through_a_fault_the_rules_only_warn_of(tmp_path):
+    labels = np.tile(np.arange(3), BATCH * STEPS // 3)
+    x, y = _data(labels)
+    x[2 * BATCH] = np.nan  # step 3: a NaN loss, frozen, then unfrozen (action="warn")
+    model = _model()
+    stop = StopOnRule([ClassImbalance(samples=SAMPLES), NonFiniteLoss()], action="warn",
+                      freeze_on_fault=True, log_dir=str(tmp_path), verbose=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _fit(model, x, y, [stop])
+    assert [v.step for v in stop.verdicts if v.rule == "NonFiniteLoss"] == [3], stop.verdicts
+    counts = kerasdbg.load_run(str(tmp_path)).scalars(r"classes/\d/seen")
+    last = counts[counts.step == STEPS].set_index("tag").value.to_dict()
+    assert last == {f"classes/{k}/seen": BATCH * STEPS / 3 for k in range(3)}

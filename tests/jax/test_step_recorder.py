@@ -146,3 +146,32 @@ def test_steps_the_fit_does_not_reach_are_said_once(tmp_path):
     with pytest.warns(RuntimeWarning, match=r"StepRecorder did not record step\(s\) 20 "):
         _fit(_model(spe=4), [StepRecorder(path, steps=[2, 20])])
     assert {k.rpartition("@")[2] for k in np.load(path).files if "@" in k} == {"2"}
+
+
+def test_beside_every_other_instrument_and_in_a_second_fit(tmp_path):
+    from kerasdbg.callbacks import GradientStatistics, StepTimer, StopOnRule
+
+    plain = _model(spe=2)
+    _fit(plain)
+    plain_history = _fit(plain).history
+    model = _model(spe=2)
+    gradients, timer = GradientStatistics(), StepTimer()
+    first, second = str(tmp_path / "first.npz"), str(tmp_path / "second.npz")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _fit(model, [StepRecorder(first, steps=[1, 4]), gradients, timer,
+                     StopOnRule(verbose=False)])
+        history = _fit(model, [StepRecorder(second, steps=[0, 10]), gradients, timer]).history
+    assert history == plain_history
+    for a, b in zip(plain.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert gradients.history.step.tolist() == list(range(STEPS + 1, 2 * STEPS + 1))
+    kernel = model.get_layer("hidden").kernel.path
+    trace = np.load(first)
+    assert {k.rpartition("@")[2] for k in trace.files if "@" in k} == {"1", "4"}
+    # A later fit: step 0 is behind it (the weights before training are not these).
+    trace = np.load(second)
+    assert {k.rpartition("@")[2] for k in trace.files if "@" in k} == {"10"}
+    np.testing.assert_allclose(
+        np.linalg.norm(trace[f"gradients/{kernel}@10"]),
+        gradients.history.set_index("step").loc[10, f"{kernel}/l2_norm"], rtol=1e-5)

@@ -157,7 +157,13 @@ class _Faults:
 
     def unfreeze(self) -> None:
         self.frozen = False
-        self._engine._carry = None
+        carry = self._engine._carry
+        if carry is not None and _classes.CARRY in carry:
+            # The fit's class counts go on (only the freeze starts over).
+            self._engine._carry = dict(self._engine._first_carry_of(carry),
+                                       **{_classes.CARRY: carry[_classes.CARRY]})
+        else:
+            self._engine._carry = None
 
 
 class Engine(Capture):
@@ -600,6 +606,11 @@ class Engine(Capture):
         if self._wants("classes"):
             carry[_classes.CARRY] = _classes.zeros()
         return carry
+
+    def _first_carry_of(self, carry) -> dict:
+        """A fresh carry (not frozen) with the calls counted in `carry`."""
+        return {"frozen": jnp.asarray(False), "calls": carry["calls"],
+                "initial": self._initial}
 
     def _wants(self, kind: str) -> bool:
         return any(r.kind == kind for r in self.requests)

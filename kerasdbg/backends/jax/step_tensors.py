@@ -126,6 +126,9 @@ class TensorRequest(Request):
         if outputs:
             tensors["layer_outputs"] = {name: np.asarray(value) for name, value in outputs.items()}
         self.handed.add(step)
+        if self.complete:
+            # Nothing left to read at once: the other requests may be read late.
+            self.deferred = True
         self.consumer({step: tensors})
 
 
