@@ -16,6 +16,7 @@ The chief is the task of type "chief", or worker 0 when the cluster has no
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from typing import NamedTuple, Optional
 
@@ -41,7 +42,11 @@ class Worker(NamedTuple):
 
 
 def of(strategy) -> Optional[Worker]:
-    """This process's task when `strategy` trains on several workers, else None."""
+    """This process's task when `strategy` trains on several workers, or,
+    without a strategy, when this is one of several JAX processes
+    (`jax.distributed`), else None."""
+    if strategy is None:
+        return _jax_process()
     extended = getattr(strategy, "extended", None)
     in_multi_worker = getattr(extended, "_in_multi_worker_mode", None)
     try:
@@ -57,6 +62,24 @@ def of(strategy) -> Optional[Worker]:
     chief = task_type == "chief" or (task_type == "worker" and index == 0 and "chief" not in spec)
     position = 0 if task_type == "chief" else index + (1 if "chief" in spec else 0)
     return Worker(task_type, index, count, chief, position)
+
+
+def _jax_process() -> Optional[Worker]:
+    """This process under multi-process JAX (`jax.distributed.initialize`,
+    which `keras.distribution.initialize` calls): process 0 is the chief, as
+    worker 0 is under TensorFlow. Read from JAX only where it is loaded
+    already (the JAX backend imports it): this module imports no framework."""
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return None
+    try:
+        count = int(jax.process_count())
+        index = int(jax.process_index())
+    except Exception:  # noqa: BLE001 - no JAX runtime: one process
+        return None
+    if count <= 1:
+        return None
+    return Worker("worker", index, count, index == 0, index)
 
 
 def set_output(mode: str) -> None:
