@@ -433,3 +433,43 @@ def test_taps_record_on_jax_without_tensorflow():
         "kerasdbg fit step 1 replica 0", "kerasdbg fit step 2 replica 0"]
     out = json.loads(lines[-1])
     assert out == {"steps": [1, 2], "tensorflow": []}
+
+
+def test_histogram_sample_rows_and_validation_in_fit(tmp_path):
+    expected, _ = reference_activations()
+    tap = TapLayer(stats=["mean"], histogram=True, histogram_bins=4, sample_rows=3, name="tap")
+    model = make_model(2, True, tap)
+    callback = ActivationStatistics(log_dir=str(tmp_path))
+    model.fit(X, Y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[callback],
+              validation_data=(X[:16], Y[:16]))
+    x = expected[-1]
+    np.testing.assert_allclose(tap.latest_by_mode["fit"]["mean"], x.mean(), rtol=1e-5)
+    # Validation after the epoch: evaluate's own count, on the trained weights.
+    assert tap.latest_by_mode["evaluate"]["step"] == 2
+    kernel, bias = model.get_layer("hidden").get_weights()
+    np.testing.assert_allclose(tap.latest["mean"],
+                               np.maximum(X[8:16] @ kernel + bias, 0).mean(), rtol=1e-5)
+    np.testing.assert_allclose(tap.latest_rows, np.maximum(X[8:11] @ kernel + bias, 0),
+                               rtol=1e-5, atol=1e-6)
+    counts, (low, high) = tap.latest_histogram
+    assert counts.sum() == BATCH * 6 and low == 0.0
+    np.testing.assert_allclose(high, np.maximum(X[8:16] @ kernel + bias, 0).max(), rtol=1e-5)
+    assert callback.history.step.tolist() == list(range(1, STEPS + 1))
+    assert list((tmp_path / "train").iterdir())
+
+
+def test_a_tap_on_a_structure_records_each_tensor():
+    tap = TapLayer(stats=["mean", "max"], name="tap")
+    out = tap({"a": np.ones((2, 3), "float32"), "b": [np.full((2, 1), 4.0, "float32")]})
+    assert sorted(tap.parts) == ["a", "b/0"]
+    assert tap.parts["a"].latest["mean"] == 1.0 and tap.parts["b/0"].latest["max"] == 4.0
+    assert np.asarray(out["b"][0]).tolist() == [[4.0], [4.0]]
+
+
+def test_more_steps_than_buffer_steps_in_one_execution_warns_once():
+    tap = TapLayer(stats=["mean"], buffer_steps=2, name="tap")
+    model = make_model(3, True, tap)
+    with pytest.warns(RuntimeWarning, match=r"steps_per_execution=3 is larger than "
+                                            r"buffer_steps=2"):
+        fit(model)
+    assert tap.history.step.tolist() == [2, 3, 5, 6]

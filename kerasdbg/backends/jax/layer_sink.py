@@ -49,8 +49,9 @@ class _FlushCallback(keras.callbacks.Callback):
     Under Keras's asynchronous dispatch of batch ends (a `CallbackList` whose
     callbacks are all `async_safe`, made before this one joined it) a batch's
     end runs in a thread while the next execution consumes (donates) the
-    state: this callback then reads at the loop's end only, and the records
-    of an execution the wrapper did not see arrive with the next one's.
+    state: this callback then reads the state of the execution before at the
+    next batch's begin (always dispatched in the loop's thread, before the
+    state is passed on), at an epoch's end and at the loop's end.
     """
 
     def __init__(self, sink: "LayerSink", callbacks):
@@ -59,6 +60,18 @@ class _FlushCallback(keras.callbacks.Callback):
         # Keras's CallbackList flags (keras/src/callbacks/callback_list.py).
         self._live = {mode: not getattr(callbacks, f"_async_{mode}", False)
                       for mode in ("train", "test", "predict")}
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if not self._live["train"]:
+            self._sink.flush_live()
+
+    def on_test_batch_begin(self, batch, logs=None):
+        if not self._live["test"]:
+            self._sink.flush_live()
+
+    def on_predict_batch_begin(self, batch, logs=None):
+        if not self._live["predict"]:
+            self._sink.flush_live()
 
     def on_train_batch_end(self, batch, logs=None):
         if self._live["train"]:
@@ -71,6 +84,9 @@ class _FlushCallback(keras.callbacks.Callback):
     def on_predict_batch_end(self, batch, logs=None):
         if self._live["predict"]:
             self._sink.flush_live()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._sink.flush_live()
 
     def on_train_end(self, logs=None):
         self._sink.flush_live()
