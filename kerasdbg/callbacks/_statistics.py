@@ -77,6 +77,7 @@ class StatisticsCallback(RecordingCallback):
         self._request: Optional[_capture.Request] = None
         self._rows: collections.deque = collections.deque(maxlen=history_size)
         self._columns: Dict[str, None] = {}
+        self._seen_tags: set = set()  # the tags tuples whose columns are in `_columns`
         self._clipped = 0
         self._several = False
         self._accumulating = False
@@ -104,6 +105,7 @@ class StatisticsCallback(RecordingCallback):
     def on_train_begin(self, logs=None):
         self._rows.clear()
         self._columns = {}
+        self._seen_tags = set()
         self._failed = False
         self._skipped = 0
         self._clipped = 0
@@ -160,7 +162,10 @@ class StatisticsCallback(RecordingCallback):
             if record.skipped:
                 self._skipped += 1
             self._accumulating = self._accumulating or not record.applied
-            if record.values is not None and self.history_size:
+            if record.values is not None and self.history_size \
+                    and record.tags not in self._seen_tags:
+                # Records of one layout repeat their tags: their columns once.
+                self._seen_tags.add(record.tags)
                 for tag in record.tags:
                     if tag is not None:
                         self._columns.setdefault(_tags.column(tag, self.kind), None)
