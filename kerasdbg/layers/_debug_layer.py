@@ -504,7 +504,9 @@ class DebugLayer(keras.layers.Layer):
 
         Called for you after each execution of `fit`/`evaluate`/`predict` and
         after each eager call; call it yourself after steps of your own
-        `tf.function`.
+        `tf.function`, or on JAX after a loop of your own over
+        `model.stateless_call` once the non-trainable values it returns are
+        assigned to the model's variables.
         """
         for part in (self._parts or {}).values():
             part.flush()

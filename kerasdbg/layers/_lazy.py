@@ -1,9 +1,11 @@
 """Modules imported on first use, so that `kerasdbg.layers` imports on every
 Keras backend and without TensorFlow installed.
 
-The debug layers record through TensorFlow (`kerasdbg.backends.tensorflow`);
-on another backend they refuse to be made (`DebugLayer.BACKENDS`) before
-anything here is touched, so TensorFlow is never imported there.
+The debug layers record through the backend's side
+(`kerasdbg.backends.tensorflow` or `kerasdbg.backends.jax`), imported on
+first use; on another backend they refuse to be made
+(`DebugLayer.BACKENDS`) before anything here is touched, and on JAX
+TensorFlow is never imported.
 `tests/test_boundaries.py` reads `module("...")` calls as imports.
 """
 

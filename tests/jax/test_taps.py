@@ -473,3 +473,29 @@ def test_more_steps_than_buffer_steps_in_one_execution_warns_once():
                                             r"buffer_steps=2"):
         fit(model)
     assert tap.history.step.tolist() == [2, 3, 5, 6]
+
+
+def test_a_custom_loop_over_stateless_call_records_after_flush():
+    tap = TapLayer(stats=["mean"], name="tap")
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(tap(inputs)))
+    call = jax.jit(model.stateless_call)
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+    for value in (1.0, 3.0):
+        _, non_trainable = call(trainable, non_trainable, np.full((4, 3), value, "float32"))
+    for variable, value in zip(model.non_trainable_variables, non_trainable):
+        variable.assign(value)
+    tap.flush()
+    assert [tap.latest["step"], tap.latest["mode"], tap.latest["mean"]] == [2, "call", 3.0]
+
+
+def test_a_call_inside_jax_jit_outside_keras_state_warns_once_and_runs_on():
+    tap = TapLayer(stats=["mean"], name="tap")
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(tap(inputs)))
+    x = np.ones((4, 3), "float32")
+    with pytest.warns(RuntimeWarning, match=r"TapLayer 'tap' stopped recording.*inside a JAX "
+                                            r"trace.*stateless_call"):
+        out = jax.jit(model)(x)
+    np.testing.assert_allclose(out, model.predict(x, verbose=0), rtol=1e-6)

@@ -166,6 +166,15 @@ def record(layer, inputs, where: Context, values) -> None:
     Keras's stateless scope inside a step). `values(key, x, state, mode)`
     returns the fields and the new state (`DebugLayer._compute_values` on
     JAX)."""
+    from keras.src.backend.common.stateless_scope import in_stateless_scope
+
+    if not in_stateless_scope() and isinstance(inputs, jax.core.Tracer):
+        raise RuntimeError(
+            "called inside a JAX trace (jax.jit, jax.grad, ...) outside Keras's stateless "
+            "scope, where the layer's counters and buffer cannot leave the trace; call the "
+            "model there with `model.stateless_call(trainable, non_trainable, x)`, assign "
+            "the non-trainable values it returns to `model.non_trainable_variables`, then "
+            "call `flush()`")
     mode = where.mode
     modes = layer.MODES
     mode_index = modes.index(mode)
