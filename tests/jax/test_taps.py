@@ -499,3 +499,41 @@ def test_a_call_inside_jax_jit_outside_keras_state_warns_once_and_runs_on():
                                             r"trace.*stateless_call"):
         out = jax.jit(model)(x)
     np.testing.assert_allclose(out, model.predict(x, verbose=0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("spe, jit", [(1, True), (4, False)], ids=["spe1-jit", "spe4-nojit"])
+def test_the_gan_of_keras_io_numbers_both_sub_models_by_its_step(spe, jit):
+    """tests/jax/examples.py's DCGAN step (two optimizers, the generator's in the
+    non-trainable state) with taps in both sub-models: each call of a sub-model
+    in a step (the generator and the discriminator run twice) has that step's
+    number, and training is bitwise the untapped GAN's."""
+    from tests.examples import ports
+    from tests.jax import examples
+
+    def gan(taps):
+        keras.utils.set_random_seed(0)
+        port, _, x, _ = ports._gan(4, 0, {})
+        discriminator, generator = port.discriminator, port.generator
+        if taps:
+            # The last layer of each: its Dense, its (only) Conv2D.
+            discriminator = kerasdbg.insert_taps(
+                discriminator, layers=lambda layer: type(layer) is keras.layers.Dense,
+                tap=TapLayer(stats=["mean"]))
+            generator = kerasdbg.insert_taps(
+                generator, layers=lambda layer: type(layer) is keras.layers.Conv2D,
+                tap=TapLayer(stats=["mean"]))
+        model = examples.GAN(discriminator, generator, port.latent_dim, seed=1337)
+        model.compile(d_optimizer=keras.optimizers.Adam(1e-4),
+                      g_optimizer=keras.optimizers.Adam(1e-4),
+                      loss_fn=keras.losses.BinaryCrossentropy(), steps_per_execution=spe,
+                      jit_compile=jit)
+        model.fit(x, batch_size=examples.BATCH, epochs=2, shuffle=False, verbose=0)
+        return model
+
+    plain, tapped = gan(False), gan(True)
+    for got, want in zip(tapped.trainable_variables, plain.trainable_variables):
+        assert np.array_equal(np.asarray(got.value), np.asarray(want.value)), got.path
+    steps = [step for step in range(1, 9) for _ in range(2)]
+    for sub_model in (tapped.discriminator, tapped.generator):
+        tap = next(layer for layer in sub_model.layers if isinstance(layer, TapLayer))
+        assert tap.history.step.tolist() == steps, tap.name
