@@ -376,7 +376,7 @@ class Engine(Capture):
             context.records[f"apply/{key}/norm"] = norm
             if context.tensors is not None and not context.tensors_taken:
                 self._record_tensors(context, hook, step, optimizer_variables, grads,
-                                     new_trainable)
+                                     new_trainable, skipped)
             freeze = self._freeze()
             if freeze is not None:
                 ok = reductions.all_finite([grads[i] for i in floats])
@@ -440,7 +440,7 @@ class Engine(Capture):
         return stateless_apply
 
     def _record_tensors(self, context: "_StepContext", hook: _Hook, step, optimizer_variables,
-                        grads, new_trainable) -> None:
+                        grads, new_trainable, skipped) -> None:
         """A `StepRecorder`'s tensors of this apply, when it is the first of
         the step that applies to the variables the request selects."""
         request = context.tensors
@@ -451,6 +451,7 @@ class Engine(Capture):
         request.bind([hook.variables[i] for i in positions], [hook.paths[i] for i in positions])
         records, prefix = context.records, _tensors.PREFIX
         records[prefix + "step"] = step
+        records[prefix + "skipped"] = skipped  # the loss scaler's: its step comes again
         if "gradients" in request.record:
             applied = keras_objects.clip_gradients(hook.optimizer, grads) if hook.clipping \
                 else grads

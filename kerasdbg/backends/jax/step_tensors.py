@@ -23,8 +23,9 @@ the step's own outputs:
 
 The host's guess of the step is the optimizer's counter at the fit's start
 plus the calls made; the variant also returns the step it made, and a
-guess that was wrong (a step the loss scaler skipped) is corrected for the
-next ones. The weights of step 0 are taken from the state Keras's loop
+guess that was wrong is corrected for the next ones. A step the loss
+scaler skipped (mixed precision) is not recorded: the update that follows
+carries its number and is recorded instead. The weights of step 0 are taken from the state Keras's loop
 hands the first execution.
 """
 
@@ -111,6 +112,11 @@ class TensorRequest(Request):
         step = int(records[PREFIX + "step"])
         if step != guessed:
             self.next_step += step - guessed  # the guess was off: corrected from here on
+        if bool(records.get(PREFIX + "skipped", False)):
+            # The loss scaler skipped this update and the counter did not
+            # move: the next call makes this step again, recorded then.
+            self.next_step -= 1
+            return
         if step not in self.steps or step in self.handed:
             return
         tensors: Dict[str, object] = {}
