@@ -544,8 +544,9 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
             # A collective under several workers: reached on every worker;
             # taps the model's sink already read at this step are skipped.
             if self._taps:
-                from kerasdbg.backends.tensorflow import layer_sink as _layer_sink
+                from kerasdbg.layers._debug_layer import layer_sink
 
+                _layer_sink = layer_sink()  # the debug layers' host side on this backend
                 _layer_sink.flush_layers(self._taps, _layer_sink.current_fit_step(self.model))
 
     # ------------------------------------------------------ evaluation

@@ -408,7 +408,7 @@ def test_taps_record_on_jax_without_tensorflow():
     code = WITHOUT_TENSORFLOW + textwrap.dedent("""
         import json, sys
         import keras, numpy as np
-        from kerasdbg.callbacks import ActivationStatistics
+        from kerasdbg.callbacks import ActivationStatistics, StopOnRule
         from kerasdbg.layers import PrintLayer, TapLayer
         import kerasdbg
 
@@ -418,7 +418,8 @@ def test_taps_record_on_jax_without_tensorflow():
         model.compile("sgd", "mse")
         tapped = kerasdbg.insert_taps(model, layers=["h"])
         callback = ActivationStatistics()
-        tapped.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=4, verbose=0, callbacks=[callback])
+        tapped.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=4, verbose=0,
+                   callbacks=[callback, StopOnRule()])
         print(json.dumps({"steps": callback.history.step.tolist(),
                           "tensorflow": sorted(m for m in sys.modules
                                                if m.split(".")[0] == "tensorflow")}))
