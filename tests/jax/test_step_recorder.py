@@ -204,3 +204,20 @@ def test_a_step_the_loss_scaler_skips_is_recorded_when_its_update_is_made(tmp_pa
     for variable, value in zip(recorded.trainable_variables, plain.get_weights()):
         np.testing.assert_array_equal(trace[f"weights/{variable.path}@1"], value)
         assert np.all(np.isfinite(trace[f"gradients/{variable.path}@1"]))
+
+
+def test_no_variable_matching_lists_the_variables_and_records_the_rest(tmp_path):
+    model = _model()
+    path = str(tmp_path / "t.npz")
+    with pytest.warns(RuntimeWarning) as caught:
+        _fit(model, [StepRecorder(path, include="nothing")])
+    said = [str(w.message) for w in caught if str(w.message).startswith("StepRecorder")]
+    assert len(said) == 1, said
+    assert said[0].startswith("StepRecorder records nothing this fit: none of the variables "
+                              "that optimizer applied matches include='nothing', "
+                              "exclude=None: hidden/bias, hidden/kernel, out/bias, out/kernel")
+    # What does not need the variables is recorded all the same.
+    trace = np.load(path)
+    assert sorted({k.rpartition("@")[2] for k in trace.files if "@" in k}) == ["1", "2", "3"]
+    assert "loss@1" in trace.files and "layer_outputs/out@1" in trace.files
+    assert not any(k.startswith(("gradients", "weights")) for k in trace.files)

@@ -672,7 +672,15 @@ class Engine(Capture):
                 records[_FIRST] = context.first_step
             if context.loss is not None:
                 records[_LOSS] = context.loss
-            if tensors is not None and context.tensors_taken:
+            if tensors is not None and not context.tensors_taken \
+                    and context.first_step is not None:
+                # No variable the request selects was applied: what does not
+                # need the variables is recorded all the same, and it is said.
+                records[_tensors.PREFIX + "step"] = context.first_step
+                applied = [h for h in engine.hooks.values() if h.number in context.applies]
+                tensors.unselected(", ".join(h.name for h in applied),
+                                   sorted({p for h in applied for p in h.paths}))
+            if tensors is not None and _tensors.PREFIX + "step" in records:
                 if "loss" in tensors.record and context.loss is not None:
                     records[_tensors.PREFIX + "loss"] = context.loss
                 outputs = _tensors.layer_outputs(model, tensors, state, data)

@@ -31,6 +31,7 @@ hands the first execution.
 
 from __future__ import annotations
 
+import warnings
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -71,6 +72,7 @@ class TensorRequest(Request):
         self.next_step = start + 1  # the host's guess of the next call's step
         self.paths: List[str] = []
         self.variables: list = []
+        self.why: Optional[str] = None  # why no variable is recorded (`unselected`)
         self.warned: set = set()
 
     def graph_key(self):
@@ -92,6 +94,16 @@ class TensorRequest(Request):
     def bind(self, variables, paths) -> None:
         """The variables it records (at trace time, from the first apply)."""
         self.variables, self.paths = list(variables), list(paths)
+        self.why = None
+
+    def unselected(self, names: str, paths: List[str]) -> None:
+        """At trace time: the step applied no variable this request selects
+        (`names`: the optimizers that applied, `paths`: their variables)."""
+        self.variables, self.paths = [], []
+        listing = ", ".join(paths[:8]) + (f" and {len(paths) - 8} more" if len(paths) > 8
+                                          else "")
+        self.why = (f"none of the variables that {names} applied matches "
+                    f"include={self.include!r}, exclude={self.exclude!r}: {listing}")
 
     # ----------------------------------------------------------- on host
     def take_initial(self, model, trainable_values) -> None:
@@ -119,6 +131,12 @@ class TensorRequest(Request):
             return
         if step not in self.steps or step in self.handed:
             return
+        if self.why is not None and "unselected" not in self.warned:
+            self.warned.add("unselected")
+            message = f"StepRecorder records nothing this fit: {self.why}."
+            if self.strict:
+                raise ValueError(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
         tensors: Dict[str, object] = {}
         if "loss" in self.record and PREFIX + "loss" in records:
             tensors["loss"] = np.asarray(records[PREFIX + "loss"])
