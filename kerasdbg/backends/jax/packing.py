@@ -1,0 +1,129 @@
+"""The records of a jitted step, packed into two arrays for the host.
+
+kerasdbg's JAX step returns its records as a dict of small arrays (a loss,
+a step number, a row of statistics per request, ...). Each output array of
+a jitted function costs the host a little on every call (an array object
+made, later a transfer of its own), and a step returns a dozen or more: on
+a GPU, where a small model's step takes a millisecond, that is a cost of the
+order of the step. `packed` wraps the step so that its records leave it as
+two arrays (the floating-point values, the integers and booleans), and
+`unpack` gives the host the same dict back, after one transfer.
+
+The layout (which key, where, what shape and dtype) is known when the step
+is traced; each call's records carry the layout of the trace that made them
+(a step traced again, for a last partial batch, has its own).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, NamedTuple, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PACKED = "packed/arrays"
+"""The key of the packed arrays in a step's records (with `LAYOUT`)."""
+LAYOUT = "packed/layout"
+
+LARGEST = 1 << 14
+"""Arrays with more elements stay as they are (a `StepRecorder`'s tensors):
+copying them into the packed array would cost more than their own output."""
+
+
+class _Entry(NamedTuple):
+    group: int  # 0: floating point, 1: integer or boolean
+    start: int
+    end: int
+    shape: Tuple[int, ...]
+    dtype: np.dtype
+
+
+class Layout:
+    """Where each packed record is. Not a pytree: `jax.device_get` leaves it as it is."""
+
+    def __init__(self, treedef, entries: List, kept: List[int]):
+        self.treedef = treedef
+        self.entries = entries  # per leaf: an `_Entry`, or None for a kept leaf
+        self.kept = kept  # the positions of the leaves left as they are
+
+
+class _Holder:
+    layout = None
+
+
+def _group(dtype) -> int:
+    dtype = np.dtype(dtype)
+    return 0 if np.issubdtype(dtype, np.floating) else 1
+
+
+def pack(records: Dict[str, object]):
+    """In the step: `records` as `(packed arrays, layout)`; the arrays are
+    `(floats, integers, *kept leaves)`."""
+    leaves, treedef = jax.tree_util.tree_flatten(records)
+    arrays = [jnp.asarray(leaf) for leaf in leaves]
+    groups: List[List] = [[], []]
+    sizes = [0, 0]
+    entries, kept, kept_arrays = [], [], []
+    for position, array in enumerate(arrays):
+        if array.size > LARGEST:
+            entries.append(None)
+            kept.append(position)
+            kept_arrays.append(array)
+            continue
+        group = _group(array.dtype)
+        entries.append(_Entry(group, sizes[group], sizes[group] + array.size,
+                              tuple(array.shape), np.dtype(array.dtype)))
+        sizes[group] += array.size
+        groups[group].append(array)
+    float_type = jnp.result_type(*[a.dtype for a in groups[0]]) if groups[0] else jnp.float32
+    float_type = jnp.promote_types(float_type, jnp.float32)
+    int_type = jnp.int32
+    if any(np.dtype(a.dtype).itemsize > 4 for a in groups[1]):
+        int_type = jnp.int64
+    floats = jnp.concatenate([jnp.reshape(a, [-1]).astype(float_type) for a in groups[0]]) \
+        if groups[0] else jnp.zeros([0], float_type)
+    integers = jnp.concatenate([jnp.reshape(a, [-1]).astype(int_type) for a in groups[1]]) \
+        if groups[1] else jnp.zeros([0], int_type)
+    return (floats, integers, *kept_arrays), Layout(treedef, entries, kept)
+
+
+def packed(step):
+    """`step(state, carry, data) -> (logs, state, carry, records)` whose
+    records leave it packed; the records a call returns are
+    `{PACKED: arrays, LAYOUT: layout}` (see `unpack`)."""
+    holder = _Holder()
+
+    def inner(state, carry, data):
+        logs, state, carry, records = step(state, carry, data)
+        arrays, holder.layout = pack(records)
+        return logs, state, carry, arrays
+
+    def call(jitted, state, carry, data):
+        logs, state, carry, arrays = jitted(state, carry, data)
+        return logs, state, carry, {PACKED: arrays, LAYOUT: holder.layout}
+
+    return inner, call
+
+
+def unpack(records: Dict[str, object]) -> Dict[str, object]:
+    """On the host, after `jax.device_get`: the records `pack` packed, with
+    any other key of `records` (values the host added) as it is."""
+    if PACKED not in records:
+        return records
+    arrays, layout = records[PACKED], records[LAYOUT]
+    groups = (np.asarray(arrays[0]), np.asarray(arrays[1]))
+    kept = dict(zip(layout.kept, arrays[2:]))
+    leaves = []
+    for position, entry in enumerate(layout.entries):
+        if entry is None:
+            leaves.append(kept[position])
+            continue
+        values = groups[entry.group][entry.start:entry.end]
+        leaves.append(values.astype(entry.dtype).reshape(entry.shape))
+    out = jax.tree_util.tree_unflatten(layout.treedef, leaves)
+    out.update((k, v) for k, v in records.items() if k not in (PACKED, LAYOUT))
+    return out
+
+
+__all__ = ["pack", "packed", "unpack", "Layout", "PACKED", "LAYOUT"]

@@ -1,0 +1,58 @@
+"""The packed records of JAX's step: what leaves the step is what went in."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kerasdbg.backends.jax import packing
+
+
+def records():
+    return {
+        "loss": jnp.asarray(0.25, jnp.float32),
+        "step": jnp.asarray(7, jnp.int32),
+        "frozen": jnp.asarray(True),
+        "row": jnp.asarray([[1.5, np.nan], [np.inf, -2.0]], jnp.float32),
+        "half": jnp.asarray([0.1, 65504.0], jnp.float16),
+        "hist": (jnp.arange(6, dtype=jnp.float32).reshape(2, 3), jnp.ones((2, 2))),
+        "flags": jnp.asarray([True, False, True]),
+        "big": jnp.arange(packing.LARGEST + 1, dtype=jnp.float32),
+    }
+
+
+def assert_same(got, want):
+    assert set(got) == set(want)
+    for key in want:
+        for g, w in zip(jax.tree_util.tree_leaves(got[key]), jax.tree_util.tree_leaves(want[key])):
+            w = np.asarray(w)
+            assert np.asarray(g).dtype == w.dtype, key
+            np.testing.assert_array_equal(np.asarray(g), w, err_msg=key)
+
+
+def test_a_jitted_step_returns_its_records_in_two_arrays_and_the_host_gets_them_back():
+    def step(state, carry, data):
+        return {"loss": data}, state + 1, carry, dict(records(), data=data * 2)
+
+    inner, call = packing.packed(step)
+    jitted = jax.jit(inner)
+    logs, state, carry, out = call(jitted, jnp.asarray(1.0), {}, jnp.asarray(3.0))
+    arrays = out[packing.PACKED]
+    # Floats, integers and booleans, and the one array too large to copy.
+    assert len(arrays) == 3
+    host = packing.unpack(dict(jax.device_get(out), added=1.5))
+    assert host["added"] == 1.5  # what the host adds stays as it is
+    del host["added"]
+    assert_same(host, dict(records(), data=jnp.asarray(6.0)))
+    assert float(state) == 2.0
+
+
+def test_records_without_floats_or_integers_pack():
+    for values in ({"a": jnp.asarray(1)}, {"a": jnp.asarray(1.0)}, {}):
+        arrays, layout = packing.pack(values)
+        host = packing.unpack({packing.PACKED: jax.device_get(arrays), packing.LAYOUT: layout})
+        assert_same(host, values)
+
+
+def test_unpacked_records_pass_through():
+    plain = {"a": np.asarray(1.0)}
+    assert packing.unpack(plain) is plain
