@@ -442,23 +442,13 @@ class Engine(Capture):
     def _record_tensors(self, context: "_StepContext", hook: _Hook, step, optimizer_variables,
                         grads, new_trainable, skipped) -> None:
         """A `StepRecorder`'s tensors of this apply, when it is the first of
-        the step that applies to the variables the request selects."""
+        the step that applies to the variables the request selects (the
+        learning rate: of the step's first apply, until one is selected)."""
         request = context.tensors
-        positions = hook.positions(request)
-        if not positions:
-            return
-        context.tensors_taken = True
-        request.bind([hook.variables[i] for i in positions], [hook.paths[i] for i in positions])
         records, prefix = context.records, _tensors.PREFIX
-        records[prefix + "step"] = step
-        records[prefix + "skipped"] = skipped  # the loss scaler's: its step comes again
-        if "gradients" in request.record:
-            applied = keras_objects.clip_gradients(hook.optimizer, grads) if hook.clipping \
-                else grads
-            records[prefix + "gradients"] = [applied[i] for i in positions]
-        if "weights" in request.record:
-            records[prefix + "weights"] = [new_trainable[i] for i in positions]
-        if "learning_rate" in request.record:
+        positions = hook.positions(request)
+        if "learning_rate" in request.record and (
+                positions or prefix + "learning_rate" not in records):
             from keras.src.backend.common.stateless_scope import StatelessScope
 
             # The rate the update used: the optimizer's, as the step holds
@@ -468,6 +458,18 @@ class Engine(Capture):
                 rate = hook.optimizer.learning_rate
                 rate = jnp.asarray(getattr(rate, "value", rate))
             records[prefix + "learning_rate"] = rate
+        if not positions:
+            return
+        context.tensors_taken = True
+        request.bind([hook.variables[i] for i in positions], [hook.paths[i] for i in positions])
+        records[prefix + "step"] = step
+        records[prefix + "skipped"] = skipped  # the loss scaler's: its step comes again
+        if "gradients" in request.record:
+            applied = keras_objects.clip_gradients(hook.optimizer, grads) if hook.clipping \
+                else grads
+            records[prefix + "gradients"] = [applied[i] for i in positions]
+        if "weights" in request.record:
+            records[prefix + "weights"] = [new_trainable[i] for i in positions]
 
     def _tensor_request(self) -> Optional[_tensors.TensorRequest]:
         for request in self.requests:
