@@ -430,7 +430,8 @@ def test_taps_record_on_jax_without_tensorflow():
                             env=dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu"))
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.strip().splitlines()
-    assert [line.split(" | ")[0] for line in lines[:-1]] == [
+    printed = [line for line in lines[:-1] if line.startswith("kerasdbg fit step")]
+    assert [line.split(" | ")[0] for line in printed] == [
         "kerasdbg fit step 1 replica 0", "kerasdbg fit step 2 replica 0"]
     out = json.loads(lines[-1])
     assert out == {"steps": [1, 2], "tensorflow": []}
@@ -538,3 +539,15 @@ def test_the_gan_of_keras_io_numbers_both_sub_models_by_its_step(spe, jit):
     for sub_model in (tapped.discriminator, tapped.generator):
         tap = next(layer for layer in sub_model.layers if isinstance(layer, TapLayer))
         assert tap.history.step.tolist() == steps, tap.name
+
+
+def test_train_on_batch_then_fit_number_on():
+    expected, _ = reference_activations()
+    tap = TapLayer(stats=STATS, name="tap")
+    model = make_model(1, True, tap)
+    for step in range(2):
+        rows = slice(step * BATCH, (step + 1) * BATCH)
+        model.train_on_batch(X[rows], Y[rows])
+    assert tap.history.step.tolist() == [1, 2]
+    model.fit(X[2 * BATCH:], Y[2 * BATCH:], batch_size=BATCH, shuffle=False, verbose=0)
+    check_history(tap, expected, range(1, STEPS + 1))

@@ -155,6 +155,8 @@ class LayerSink:
                 position = self.position(layer._ring.rows)
             wanted.append(position)
         chosen = [(layer, p) for layer, p in zip(layers, wanted) if p is not None]
+        if any(getattr(values[p], "is_deleted", lambda: False)() for _, p in chosen):
+            return  # a state already passed on (donated): its successor holds the rows
         try:
             tables = jax.device_get([values[p] for _, p in chosen])
         except Exception as error:  # noqa: BLE001 - the host side must not stop fit
@@ -229,6 +231,8 @@ def read(layer) -> List[np.ndarray]:
                 return []
             position = sink.position(layer._ring.rows)
             if position is not None and position < len(values):
+                if getattr(values[position], "is_deleted", lambda: False)():
+                    return []  # passed on (donated): the next read has the rows
                 return [layer_record.decode(jax.device_get(values[position]))]
     variable = layer._ring.rows
     if getattr(variable, "_value", None) is None:
