@@ -7,7 +7,6 @@ import warnings
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
 from kerasdbg import capture as _capture
-from kerasdbg.capture import interface as _interface
 from kerasdbg.capture import keras_objects
 from kerasdbg import _qualified
 from kerasdbg import _replay
@@ -200,13 +199,13 @@ class StepRecorder(RecordingCallback):
         target = _workers.file_path(self.path, strategy, "StepRecorder")
         self._writer = None if self._saved or target is None else trace_lib.TraceWriter(
             target, source="StepRecorder")
-        if (steps or initial) and _interface.backend() == "jax":
-            from kerasdbg.backends.jax import step_tensors as _jax_tensors
-
-            self._request = _jax_tensors.TensorRequest(
+        engine = _capture.engine_for(model) if steps or initial else None
+        if engine is not None and hasattr(engine, "tensor_request"):
+            # A capture with a request of its own for the tensors (JAX's).
+            self._request = engine.tensor_request(
                 steps, self.record, layers, self._consume, include=self.include,
                 exclude=self.exclude, strict=self.strict, initial=initial, start=start)
-            _capture.engine_for(model).attach(self._request)
+            engine.attach(self._request)
         elif steps or initial:
             from kerasdbg.backends.tensorflow import step_tensors as _step_tensors
 
@@ -259,7 +258,7 @@ class StepRecorder(RecordingCallback):
         missing = [s for s in self._wanted if s not in self._recorded]
         # A request that found no variable to record was said by the engine already.
         said = self._request is not None and not self._request.variables \
-            and _interface.backend() != "jax"
+            and not hasattr(self._request, "why")  # JAX's says it when it reads
         if missing and not said:
             end = max((int(keras_objects.host_value(keras_objects.raw_iterations(o)))
                        for _, o in keras_objects.find_optimizers(self.model)), default=self._start)

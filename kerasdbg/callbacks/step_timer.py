@@ -10,7 +10,6 @@ import numpy as np
 import pandas as pd
 
 from kerasdbg import capture as _capture
-from kerasdbg.capture import interface as _interface
 from kerasdbg.sinks import layout as _layout
 from kerasdbg.records import tags as _tags
 from kerasdbg import _validation as check
@@ -120,7 +119,8 @@ class StepTimer(RecordingCallback):
         self._rows = []
         self._warned = False
         self._spe = int(model.steps_per_execution)
-        self._host = _interface.backend() == "jax"
+        # A capture that times on the host (JAX's) hands over one record per execution.
+        self._host = getattr(_capture.engine_for(model), "times_on_host", False)
         if self._host:
             return self._begin_host_timing()
         tf, _buffers, internals = _tensorflow()  # noqa: F841 - TensorFlow's capture, on use

@@ -169,6 +169,15 @@ class _Faults:
 class Engine(Capture):
     """JAX's capture of one model. See the module docstring."""
 
+    times_on_host = True
+    """A "wrap" request (`StepTimer`) gets one record per execution, timed
+    on the host (`_timed_execution`), not a function around each step."""
+
+    @staticmethod
+    def tensor_request(*args, **kwargs) -> _tensors.TensorRequest:
+        """The request of a `StepRecorder` (`step_tensors.TensorRequest`)."""
+        return _tensors.TensorRequest(*args, **kwargs)
+
     def __init__(self, model):
         self._model = weakref.ref(model)
         self.requests: List[Request] = []
