@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 
 from kerasdbg.callbacks import (
-    ActivationStatistics, GradientStatistics, StopOnRule, WeightStatistics,
+    ActivationStatistics, GradientStatistics, StepRecorder, StepTimer, StopOnRule,
+    WeightStatistics,
 )
+from kerasdbg.capture import supported
 from kerasdbg.errors import UnsupportedBackendError
 from tests.conftest import reference_stats
 
@@ -183,12 +185,15 @@ def test_a_nan_in_one_devices_shard_stops_data_parallel_training_at_its_step(spe
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("make", [ActivationStatistics], ids=["ActivationStatistics"])
-def test_an_instrument_jax_cannot_record_yet_says_so_when_it_is_made(make):
-    with pytest.raises(UnsupportedBackendError,
-                       match=r"works on the TensorFlow backend only so far; Keras runs on 'jax'.*"
-                             r"GradientStatistics, WeightStatistics, StopOnRule"):
+def test_every_instrument_is_made_on_jax_and_a_kind_it_lacks_says_what_works():
+    for make in (GradientStatistics, WeightStatistics, StopOnRule, StepTimer,
+                 ActivationStatistics, lambda: StepRecorder("trace.npz")):
         make()
+    with pytest.raises(UnsupportedBackendError,
+                       match=r"Probe works on the TensorFlow backend only so far; Keras runs on "
+                             r"'jax'.*GradientStatistics, WeightStatistics, ActivationStatistics, "
+                             r"StopOnRule, StepTimer, StepRecorder"):
+        supported("Probe", "a kind no capture records")
     model = make_model()
     fit(model, [GradientStatistics()])  # the others go on working
     assert "stateless_apply" not in vars(model.optimizer)

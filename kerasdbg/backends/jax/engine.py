@@ -29,6 +29,11 @@ and leave it as outputs:
 - The host keeps each step's outputs (device arrays) and reads them once
   per execution (`collect`, one `jax.device_get`), then hands each request
   its records, with the same tags as TensorFlow's capture.
+- Only what a fit asks for is traced: the class counts of a "classes"
+  request (`classes`, totals in the carry), the host timing of a "wrap"
+  request (`_timed_execution`, nothing in the step), and for a "tensors"
+  request (`StepRecorder`) a second variant of the step, called at the
+  recorded steps only (`step_tensors`).
 
 Under `keras.distribution` (`DataParallel`, `ModelParallel`) the step is
 one jitted program over the global arrays: the gradients are the global
