@@ -551,3 +551,23 @@ def test_train_on_batch_then_fit_number_on():
     assert tap.history.step.tolist() == [1, 2]
     model.fit(X[2 * BATCH:], Y[2 * BATCH:], batch_size=BATCH, shuffle=False, verbose=0)
     check_history(tap, expected, range(1, STEPS + 1))
+
+
+def test_mixed_precision_taps_record_every_step(mixed_precision):
+    """Under mixed_float16 (a LossScaleOptimizer, float16 activations) the
+    buffer is not autocast: its int32 head survives, and the values are the
+    float16 activations' statistics."""
+    tap = TapLayer(stats=["mean", "max"], activation="relu", name="tap")
+    model = make_model(2, True, tap)
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(model)
+    assert not kerasdbg_warnings(record)
+    assert not [w for w in record if "scatter inputs have incompatible types" in str(w.message)]
+    assert tap.history.step.tolist() == list(range(1, STEPS + 1))
+    kernel, bias = model.get_layer("hidden").get_weights()
+    model.predict(X[:BATCH], batch_size=BATCH, verbose=0)
+    hidden = np.maximum(X[:BATCH].astype("float16") @ kernel.astype("float16")
+                        + bias.astype("float16"), 0)
+    np.testing.assert_allclose(tap.latest["max"], hidden.max(), rtol=1e-2)

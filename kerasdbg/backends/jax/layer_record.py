@@ -91,8 +91,10 @@ class Ring:
             width += size
         self.layout = tuple(layout)
         self.width = width
+        # Not autocast: under a mixed precision policy a layer's float reads
+        # become float16, which would garble the rows' int32 head.
         self.rows = keras.Variable(np.zeros((slots + 1, width), np.float32), dtype="float32",
-                                   trainable=False, name="rows")
+                                   trainable=False, autocast=False, name="rows")
         _mark(self.rows)
 
 
