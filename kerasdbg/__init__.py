@@ -30,7 +30,7 @@ _EXPORTS = {
     "compat": ("kerasdbg.compat", None, False),
     "compare_traces": ("kerasdbg.trace", "compare_traces", False),
     "deterministic": ("kerasdbg.determinism", "deterministic", True),
-    "doctor": ("kerasdbg.doctor", "doctor", True),
+    "doctor": ("kerasdbg.doctor", "doctor", False),
     "insert_taps": ("kerasdbg.tapping", "insert_taps", False),
     "layers": ("kerasdbg.layers", None, False),
     "load_run": ("kerasdbg.reader", "load_run", False),
@@ -53,8 +53,8 @@ def _require_tensorflow(name: str) -> None:
             f"kerasdbg.{name} needs TensorFlow >= 2.16. Install it with "
             "`pip install kerasdbg[cpu]` (CPU build) or `pip install kerasdbg[and-cuda]`, "
             "or keep the TensorFlow build you already have. Without TensorFlow (the JAX "
-            "backend: `pip install kerasdbg[jax]`), load_run, kerasdbg check and report, "
-            "the layers' module and the model tools work."
+            "backend: `pip install kerasdbg[jax]`), the callbacks, the layers, doctor, "
+            "load_run, kerasdbg check and report work."
         ) from error
 
 

@@ -192,14 +192,22 @@ def test_what_needs_tensorflow_says_how_to_install_it_on_jax():
         import json
         import kerasdbg
 
+        import keras
+
+        # doctor checks a model on JAX without TensorFlow (no tf.data to check there).
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile("sgd", "mse")
+        report = kerasdbg.doctor(model)
         try:
             kerasdbg.deterministic
         except ImportError as error:
-            print(json.dumps(str(error)))
+            print(json.dumps([str(error), type(report).__name__]))
     """)
-    assert out.startswith("kerasdbg.deterministic needs TensorFlow >= 2.16. Install it with "
-                          "`pip install kerasdbg[cpu]`"), out
-    assert "`pip install kerasdbg[jax]`), load_run, kerasdbg check and report" in out
+    message, report = out
+    assert report != "NoneType", out
+    assert message.startswith("kerasdbg.deterministic needs TensorFlow >= 2.16. Install it with "
+                              "`pip install kerasdbg[cpu]`"), message
+    assert "`pip install kerasdbg[jax]`), the callbacks, the layers, doctor, load_run" in message
 
 
 def test_the_callbacks_record_on_jax_without_tensorflow(tmp_path):
