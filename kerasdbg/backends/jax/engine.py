@@ -42,8 +42,11 @@ ones and a sharded variable is described whole, once per step.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import threading
 import time
+import warnings
 import weakref
 from typing import Dict, List, Optional
 
@@ -53,6 +56,8 @@ import numpy as np
 
 from kerasdbg import stats as stats_lib
 from kerasdbg.backends.jax import classes as _classes
+from kerasdbg.backends.jax import layer_record as _layer_record
+from kerasdbg.backends.jax import packing as _packing
 from kerasdbg.backends.jax import step_tensors as _tensors
 from kerasdbg.capture import fit_end
 from kerasdbg.capture import keras_objects
@@ -332,15 +337,19 @@ class Engine(Capture):
         self.requests = []
         self._uninstall()
 
-    def _counter_positions(self, model) -> List[int]:
-        """Where the optimizers' step counters are in Keras's state (trainable,
-        non-trainable, then the model's optimizer's variables, flattened): a
-        second optimizer of a train step written for JAX keeps its variables
-        in the non-trainable state."""
+    def _kept_positions(self, model) -> List[int]:
+        """What a freeze keeps of a step, by position in Keras's state
+        (trainable, non-trainable, then the model's optimizer's variables,
+        flattened): the optimizers' step counters, which count a frozen step
+        (as on TensorFlow) so that each step keeps its own number (a second
+        optimizer of a train step written for JAX keeps its variables in the
+        non-trainable state), and the debug layers' counters and buffers,
+        which record the faulty step (on TensorFlow they are no weights)."""
         counters = {id(keras_objects.raw_iterations(h.optimizer)) for h in self.hooks.values()}
         variables = (list(model.trainable_variables) + list(model.non_trainable_variables) +
                      (list(model.optimizer.variables) if model.optimizer is not None else []))
-        return [i for i, v in enumerate(variables) if id(v) in counters]
+        return [i for i, v in enumerate(variables)
+                if id(v) in counters or _layer_record.is_debug_variable(v)]
 
     def _freeze(self):
         for request in self.requests:
@@ -522,24 +531,48 @@ class Engine(Capture):
         engine = self
 
         def train_function(state, iterator):
-            step = engine._stepper(model)
+            step = _Guarded(engine._stepper(model))
             carry = engine._carry if engine._carry is not None else engine._first_carry(model)
-            if engine._wants("wrap"):
-                return engine._timed_execution(step, steps, state, carry, iterator)
-            data = next(iterator)
-            logs, state, carry, records = step(state, carry, data)
-            engine._pending.append(records)
             try:
-                for _ in range(steps - 1):
-                    data = next(iterator)
-                    logs, state, carry, records = step(state, carry, data)
-                    engine._pending.append(records)
-            except StopIteration:
-                pass
+                if engine._wants("wrap"):
+                    return engine._timed_execution(step, steps, state, carry, iterator)
+                data = next(iterator)
+                logs, state, carry, records = step(state, carry, data)
+                engine._pending.append(records)
+                try:
+                    for _ in range(steps - 1):
+                        data = next(iterator)
+                        logs, state, carry, records = step(state, carry, data)
+                        engine._pending.append(records)
+                except StopIteration:
+                    pass
+            except _StepFailed as failed:
+                return engine._plain_from(model, failed, steps, iterator)
             engine._carry = carry
             return logs, state
 
         return train_function
+
+    def _plain_from(self, model, failed: "_StepFailed", steps: int, iterator):
+        """kerasdbg's step failed (its trace, around a train step it cannot
+        follow: never the user's fit to break): the rest of the fit runs
+        Keras's own train function from the failed step's state and batch on,
+        and the instruments say once that they record nothing more. Raised
+        instead: with `strict=True`, or when the failed call had consumed
+        the state already (an error at run time, not at trace time)."""
+        error = failed.__cause__
+        leaves = jax.tree_util.tree_leaves(failed.state)
+        if any(r.strict for r in self.requests) or any(
+                getattr(leaf, "is_deleted", lambda: False)() for leaf in leaves):
+            raise error
+        owners = ", ".join(dict.fromkeys(r.owner for r in self.requests))
+        self.abort()  # hands out what earlier steps recorded; Keras's function back
+        warnings.warn(
+            f"kerasdbg ({owners}) could not run its step around this model's train step, so "
+            f"this fit goes on as plain Keras and they record nothing more in it. Cause: "
+            f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=2)
+        rest = itertools.chain([failed.data], itertools.islice(iterator, steps - failed.index - 1))
+        return model.train_function(failed.state, rest)
 
     def _timed_execution(self, step, steps: int, state, carry, iterator):
         """One execution of Keras's loop, with the host's time spent
@@ -563,10 +596,11 @@ class Engine(Capture):
             examples += _examples(data)
             logs, state, carry, records = step(state, carry, data)
             ran += 1
-            if ran < steps:
-                self._pending.append(records)
-        self._pending.append(dict(records, **{
-            _TIMING[0]: float(ran), _TIMING[1]: waited, _TIMING[2]: examples}))
+            self._pending.append(records)
+        # The timing rides on the execution's last records (each step's once,
+        # also when the data ends before `steps`).
+        self._pending[-1] = dict(self._pending[-1], **{
+            _TIMING[0]: float(ran), _TIMING[1]: waited, _TIMING[2]: examples})
         self._carry = carry
         return logs, state
 
@@ -594,10 +628,7 @@ class Engine(Capture):
         variant that records a `StepRecorder`'s tensors (made once a fit)."""
         if tensors is not None:
             if self._recording_function is None:
-                step = self._step(model, tensors)
-                if not model.run_eagerly and model.jit_compile:
-                    step = jax.jit(step, donate_argnums=0, out_shardings=self._out_shardings)
-                self._recording_function = step
+                self._recording_function = self._compiled(model, self._step(model, tensors))
             return self._recording_function
         if self._step_function is not None:
             return self._step_function
@@ -610,12 +641,22 @@ class Engine(Capture):
             self._step_function = self._kept_step
             return self._step_function
         self._kept_applies = {}
-        step = self._step(model)
-        if not model.run_eagerly and model.jit_compile:
-            step = jax.jit(step, donate_argnums=0, out_shardings=self._out_shardings)
+        step = self._compiled(model, self._step(model))
         self._step_function = step
         self._kept_key, self._kept_step = key, step
         return step
+
+    def _compiled(self, model, step):
+        """`step` jitted as Keras jits its own (the state donated, its
+        shardings kept), its records packed into two arrays
+        (`kerasdbg.backends.jax.packing`: each output of a jitted call costs
+        the host, a dozen per step on a GPU as much as a small model's step);
+        as it is when the model runs without `jit_compile`."""
+        if model.run_eagerly or not model.jit_compile:
+            return step
+        inner, call = _packing.packed(step)
+        jitted = jax.jit(inner, donate_argnums=0, out_shardings=self._out_shardings)
+        return functools.partial(call, jitted)
 
     def _first_carry(self, model):
         carry = {"frozen": jnp.asarray(False), "calls": jnp.asarray(self._calls, jnp.int32),
@@ -673,9 +714,7 @@ class Engine(Capture):
                 new = list(trainable) + list(non_trainable) + list(optimizer_variables)
                 old = list(state[0]) + list(state[1]) + list(state[2])
                 kept = list(_cond(keep, lambda: new, lambda: old))
-                # The step counters of the optimizers count a frozen step (as on
-                # TensorFlow), so that each step keeps its own number.
-                for position in engine._counter_positions(model):
+                for position in engine._kept_positions(model):
                     kept[position] = new[position]
                 a, b = len(trainable), len(trainable) + len(non_trainable)
                 new_state = (kept[:a], kept[a:b], kept[b:], metrics)
@@ -730,6 +769,7 @@ class Engine(Capture):
         if self._wants("classes") and self._carry is not None:
             totals = self._carry.get(_classes.CARRY)
         host, totals = jax.device_get((pending, totals))
+        host = [_packing.unpack(records) for records in host]
         self._several = self._several or sum(h.applies > 0 for h in self.hooks.values()) > 1
         out: Dict[int, List[Record]] = {id(r): [] for r in self.requests}
         for records in host:
@@ -859,6 +899,31 @@ class Engine(Capture):
                         values.append(1.0)
         return Record(step=step, skipped=False, values=np.asarray(values, np.float64),
                       histograms=None, tags=tuple(tags))
+
+
+class _StepFailed(Exception):
+    """A call of kerasdbg's step raised (the error is its `__cause__`): the
+    state and batch it was given, and its place in the execution."""
+
+    def __init__(self, state, data, index: int):
+        super().__init__("kerasdbg's step failed")
+        self.state, self.data, self.index = state, data, index
+
+
+class _Guarded:
+    """A step whose failure carries what the plain function needs to go on."""
+
+    def __init__(self, step):
+        self._step = step
+        self._calls = 0
+
+    def __call__(self, state, carry, data):
+        index = self._calls
+        self._calls += 1
+        try:
+            return self._step(state, carry, data)
+        except Exception as error:  # noqa: BLE001 - judged in `_plain_from`
+            raise _StepFailed(state, data, index) from error
 
 
 def _examples(data) -> float:
