@@ -211,6 +211,10 @@ class DebugLayer(keras.layers.Layer):
         # nothing (JAX traces it with tracers TensorFlow cannot take).
         check_backend(owner)
         super().__init__(**kwargs)
+        # An identity has nothing to rematerialize: made inside a
+        # `keras.RematScope`, the layer is not wrapped in `jax.checkpoint`
+        # (its writes could not leave it).
+        self._remat_mode = None
         self.every_n_steps = check.positive_int(owner, "every_n_steps", every_n_steps)
         self.replicas = check.one_of(owner, "replicas", replicas, REPLICAS)
         self.buffer_steps = check.positive_int(owner, "buffer_steps", buffer_steps)

@@ -571,3 +571,76 @@ def test_mixed_precision_taps_record_every_step(mixed_precision):
     hidden = np.maximum(X[:BATCH].astype("float16") @ kernel.astype("float16")
                         + bias.astype("float16"), 0)
     np.testing.assert_allclose(tap.latest["max"], hidden.max(), rtol=1e-2)
+
+
+@pytest.mark.parametrize("spe, jit", [(2, True), (1, False)])
+def test_the_taps_record_the_faulty_step_that_stop_on_rule_freezes(spe, jit):
+    """A NaN in step 3's batch: the freeze throws the step's update away, but
+    not what the tap recorded of it (on TensorFlow the buffers are no weights);
+    the tap's record of step 3 counts the NaN rows NumPy finds."""
+    from kerasdbg.callbacks import StopOnRule
+
+    bad = X.copy()
+    bad[2 * BATCH + 1, 0] = np.nan
+    tap = TapLayer(stats=("mean", "nan_count"), name="tap")
+    model = make_model(spe, jit, tap)
+    stop = StopOnRule(verbose=False)
+    model.fit(bad, Y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[stop])
+    assert [v.step for v in stop.verdicts][:1] == [3]
+    steps = list(tap.history["step"])
+    assert steps[:3] == [1, 2, 3], steps
+    expected_nan = np.isnan(np.maximum(bad[2 * BATCH:3 * BATCH] @ np.ones((5, 6)), 0)).sum()
+    row = tap.history.set_index("step").loc[3]
+    assert row["nan_count"] == expected_nan and expected_nan > 0
+    assert np.isfinite(tap.history.set_index("step").loc[2, "mean"])
+
+
+class _TappedCell(keras.layers.Layer):
+    """An RNN cell with a tap inside: Keras's JAX RNN runs it under lax.scan."""
+
+    def __init__(self, tap, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(4)
+        self.tap = tap
+        self.state_size = 4
+
+    def build(self, shape):
+        self.dense.build((None, shape[-1] + 4))
+        self.tap.build((None, 4))
+
+    def call(self, x, states):
+        h = self.tap(self.dense(keras.ops.concatenate([x, states[0]], -1)))
+        return h, [h]
+
+
+@pytest.mark.parametrize("where", ["rnn_cell", "remat"])
+def test_a_tap_inside_a_nested_jax_transform_says_so_once_and_the_fit_trains_plain(where):
+    """Inside lax.scan (an RNN cell) or jax.checkpoint (a RematScope), the
+    layer cannot record: it says so once, and the fit trains as without it."""
+    x = RNG.normal(size=(32, 5, 3)).astype("float32")
+    y = x.sum((1, 2))[:, None]
+
+    def make(tap):
+        keras.utils.set_random_seed(4)
+        if where == "rnn_cell":
+            model = keras.Sequential([keras.Input((5, 3)), keras.layers.RNN(_TappedCell(tap)),
+                                      keras.layers.Dense(1)])
+        else:
+            with keras.RematScope(mode="full"):
+                model = keras.Sequential([keras.Input((5, 3)), keras.layers.Flatten(),
+                                          keras.layers.Dense(4, activation="relu"), tap,
+                                          keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.01), "mse")
+        return model
+
+    plain = make(keras.layers.Identity())
+    plain.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    tap = TapLayer(name="inner_tap")
+    model = make(tap)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    said = [w for w in kerasdbg_warnings(record) if "stopped recording" in w]
+    assert len(said) == 1 and "within the step" in said[0], kerasdbg_warnings(record)
+    for got, want in zip(model.trainable_variables, plain.trainable_variables):
+        np.testing.assert_array_equal(np.asarray(got.value), np.asarray(want.value))

@@ -29,7 +29,7 @@ that mode, as on TensorFlow.
 from __future__ import annotations
 
 import sys
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -162,6 +162,31 @@ def _counter_values(model, state) -> list:
     return values
 
 
+# Where JAX runs a function in a trace of its own, nested in the step's: by
+# the file (and function) of its frame.
+_TRANSFORMS = (
+    ("/jax/_src/lax/control_flow/loops.py", None, "lax.scan / lax.while_loop / lax.fori_loop"),
+    ("/jax/_src/lax/control_flow/conditionals.py", None, "lax.cond / lax.switch"),
+    ("/jax/_src/ad_checkpoint.py", None, "jax.checkpoint (remat)"),
+    ("/jax/_src/api.py", "vmap_f", "jax.vmap"),
+    ("/jax/_src/api.py", "pmap_f", "jax.pmap"),
+)
+
+
+def _nested_transform() -> Optional[str]:
+    """The JAX transform the current call runs inside, within the step (a
+    frame of lax.scan, lax.cond, jax.checkpoint, vmap), or None."""
+    frame = sys._getframe(1)
+    depth = 0
+    while frame is not None and depth < 400:
+        path = frame.f_code.co_filename.replace("\\", "/")
+        for where, function, name in _TRANSFORMS:
+            if path.endswith(where) and (function is None or frame.f_code.co_name == function):
+                return name
+        frame, depth = frame.f_back, depth + 1
+    return None
+
+
 def record(layer, inputs, where: Context, values) -> None:
     """One call of `layer` (a `DebugLayer` built on JAX): counts it and, at
     the steps it selects, writes its row; every write is an `assign` (to
@@ -177,6 +202,13 @@ def record(layer, inputs, where: Context, values) -> None:
             "model there with `model.stateless_call(trainable, non_trainable, x)`, assign "
             "the non-trainable values it returns to `model.non_trainable_variables`, then "
             "call `flush()`")
+    transform = _nested_transform()
+    if transform is not None:
+        raise RuntimeError(
+            f"called inside {transform} within the step, whose values cannot leave it: a "
+            "debug layer records on JAX only where the step itself runs it (not in an RNN "
+            "cell under lax.scan, a rematerialized block, vmap, or a lax.cond branch); tap "
+            "the output of the enclosing layer instead")
     mode = where.mode
     modes = layer.MODES
     mode_index = modes.index(mode)
