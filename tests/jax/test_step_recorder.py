@@ -177,33 +177,37 @@ def test_beside_every_other_instrument_and_in_a_second_fit(tmp_path):
         gradients.history.set_index("step").loc[10, f"{kernel}/l2_norm"], rtol=1e-5)
 
 
-def test_a_step_the_loss_scaler_skips_is_recorded_when_its_update_is_made(tmp_path,
-                                                                          mixed_precision):
+@pytest.mark.parametrize("spe, batches, step", [(1, 2, 1), (4, 3, 2)])
+def test_a_step_the_loss_scaler_skips_is_recorded_when_its_update_is_made(
+        tmp_path, mixed_precision, spe, batches, step):
     """Under mixed_float16 an overflow at the first batch is skipped and the
-    step counter does not move: step 1 is the second batch's update, whose
-    weights a plain fit of the same two batches makes."""
+    step counter does not move: step `step` is batch `step + 1`'s update,
+    whose weights a plain fit of the same batches makes (also when the skip
+    is an earlier call of the same execution, which the host learns only
+    after it)."""
     y = Y.copy()
     y[:BATCH] *= 1e4  # the first batch overflows float16
-    x2, y2 = X[:2 * BATCH], y[:2 * BATCH]
+    x2, y2 = X[:batches * BATCH], y[:batches * BATCH]
 
     def model():
         keras.utils.set_random_seed(5)
         made = keras.Sequential([keras.Input((5,)), keras.layers.Dense(6, name="hidden"),
                                  keras.layers.Dense(1, name="out", dtype="float32")])
-        made.compile(keras.optimizers.SGD(RATE), "mse")
+        made.compile(keras.optimizers.SGD(RATE), "mse", steps_per_execution=spe)
         return made
 
     plain = model()
     plain.fit(x2, y2, batch_size=BATCH, shuffle=False, verbose=0)
-    assert int(plain.optimizer.iterations.numpy()) == 1  # one update: the first was skipped
+    # One update fewer than batches: the first was skipped.
+    assert int(plain.optimizer.iterations.numpy()) == step
     recorded = model()
     path = str(tmp_path / "trace.npz")
     recorded.fit(x2, y2, batch_size=BATCH, shuffle=False, verbose=0,
-                 callbacks=[StepRecorder(path, steps=[1], record=["gradients", "weights"])])
+                 callbacks=[StepRecorder(path, steps=[step], record=["gradients", "weights"])])
     trace = np.load(path)
     for variable, value in zip(recorded.trainable_variables, plain.get_weights()):
-        np.testing.assert_array_equal(trace[f"weights/{variable.path}@1"], value)
-        assert np.all(np.isfinite(trace[f"gradients/{variable.path}@1"]))
+        np.testing.assert_array_equal(trace[f"weights/{variable.path}@{step}"], value)
+        assert np.all(np.isfinite(trace[f"gradients/{variable.path}@{step}"]))
 
 
 def test_no_variable_matching_lists_the_variables_and_records_the_rest(tmp_path):

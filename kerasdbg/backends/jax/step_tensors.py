@@ -70,6 +70,8 @@ class TensorRequest(Request):
         self.initial = initial
         self.initial_handed = not initial
         self.next_step = start + 1  # the host's guess of the next call's step
+        self.first = start + 1  # the fit's first step: earlier ones are out of reach
+        self.passed = start  # the latest step a recorded call was seen to make
         self.paths: List[str] = []
         self.variables: list = []
         self.why: Optional[str] = None  # why no variable is recorded (`unselected`)
@@ -84,8 +86,15 @@ class TensorRequest(Request):
         return len(self.handed) == len(self.steps) and self.initial_handed
 
     def wanted(self) -> bool:
-        """Whether the next call's step is one to record (and not yet recorded)."""
-        return self.next_step in self.steps and self.next_step not in self.handed
+        """Whether the next call may make a step to record (not yet recorded).
+
+        The host's guess (the fit's first step plus the calls made) is
+        corrected when the records are read, once per execution; in between
+        it runs ahead of the actual step wherever the loss scaler skipped an
+        update (the counter stays), never behind. So from its guessed call
+        on, a step is recorded by every call until one is seen to make it."""
+        return any(self.passed < s <= self.next_step and s >= self.first
+                   for s in self.steps if s not in self.handed)
 
     def called(self) -> None:
         """One call of the step made (the guess moves on)."""
@@ -129,6 +138,7 @@ class TensorRequest(Request):
             # move: the next call makes this step again, recorded then.
             self.next_step -= 1
             return
+        self.passed = max(self.passed, step)
         if step not in self.steps or step in self.handed:
             return
         if self.why is not None and "unselected" not in self.warned:
