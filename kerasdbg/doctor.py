@@ -361,7 +361,9 @@ def _strategy_findings(strategy, model, tpu: bool, replicas: int) -> List[Findin
 
 
 def _loss_findings(loss, replicas: int) -> List[Finding]:
-    if loss is None or replicas <= 1:
+    # On JAX a step is one program over the global batch (keras.distribution):
+    # a mean loss is the global batch's mean, in a custom loop too.
+    if loss is None or replicas <= 1 or keras.config.backend() != "tensorflow":
         return []
     reduction = getattr(loss, "reduction", None)
     reduction = getattr(reduction, "value", reduction)
@@ -373,9 +375,7 @@ def _loss_findings(loss, replicas: int) -> List[Finding]:
         "in a custom loop each replica divides by its own batch, so the summed gradient is "
         f"{replicas} times too large (fit scales it for you; a custom loop does not)",
         "use `reduction=\"none\"` and `tf.nn.compute_average_loss(per_example_loss, "
-        "global_batch_size=GLOBAL_BATCH)`" if keras.config.backend() == "tensorflow" else
-        "use `reduction=\"none\"` and divide the summed per-example loss by the global batch "
-        "size")]
+        "global_batch_size=GLOBAL_BATCH)`")]
 
 
 def doctor(

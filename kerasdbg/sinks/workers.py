@@ -69,9 +69,10 @@ def _jax_process() -> Optional[Worker]:
     which `keras.distribution.initialize` calls): process 0 is the chief, as
     worker 0 is under TensorFlow. Read from JAX only where it is loaded
     already (the JAX backend imports it): this module imports no framework."""
+    keras = sys.modules.get("keras")
     jax = sys.modules.get("jax")
-    if jax is None:
-        return None
+    if jax is None or keras is None or keras.config.backend() != "jax":
+        return None  # JAX loaded beside TensorFlow's Keras: not asked (it would start JAX)
     try:
         count = int(jax.process_count())
         index = int(jax.process_index())

@@ -48,6 +48,10 @@ def test_data_parallel_devices_count_as_replicas():
         assert [f.check for f in found] == ["steps_per_execution", "feature width"]
         assert found[0].what == "steps_per_execution is 1 under DataParallel (2 devices)"
         assert _checks(model=_model(spe=8)) == ["feature width"]
+        # A custom loop's mean loss is the global batch's on JAX (one program over
+        # the global batch): no "summed gradient too large" warning.
+        assert _checks(model=_model(spe=8), loss=keras.losses.MeanSquaredError()) == \
+            ["feature width"]
     finally:
         keras.distribution.set_distribution(None)
     assert _checks(model=_model(spe=1)) == ["feature width"]  # one device: no round trip to save

@@ -33,7 +33,8 @@ def _model(spe=1, jit=True):
 
 
 def _fit(model, callbacks=(), x=X, y=Y, **kwargs):
-    return model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+    kwargs.setdefault("epochs", 1)
+    return model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0,
                      callbacks=list(callbacks), **kwargs)
 
 
@@ -86,12 +87,16 @@ def test_a_slow_input_is_measured_and_diagnosed(spe):
 
 
 def test_a_last_short_execution_counts_the_steps_it_ran():
+    from kerasdbg.callbacks import GradientStatistics
+
     model = _model(spe=3)
-    timer = StepTimer()
-    _fit(model, [timer])  # 8 steps: executions of 3, 3 and 2
-    assert timer.history.steps.tolist() == [3, 3, 2]
-    assert timer.history.step.tolist() == [3, 6, 8]
-    assert timer.history.examples.tolist() == [24.0, 24.0, 16.0]
+    timer, gradients = StepTimer(), GradientStatistics()
+    _fit(model, [timer, gradients], epochs=2)  # 8 steps an epoch: executions of 3, 3 and 2
+    assert timer.history.steps.tolist() == [3, 3, 2] * 2
+    assert timer.history.step.tolist() == [3, 6, 8, 11, 14, 16]
+    assert timer.history.examples.tolist() == [24.0, 24.0, 16.0] * 2
+    # The other instruments get each step once, the short execution's last one too.
+    assert gradients.history.step.tolist() == list(range(1, 2 * STEPS + 1))
 
 
 def test_data_parallel_counts_the_global_batch():
