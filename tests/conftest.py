@@ -23,6 +23,9 @@ if BACKEND == "jax":
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                " --xla_force_host_platform_device_count=2"
                                " --xla_gpu_deterministic_ops=true").strip()
+    # Full float32 matrix products: a GPU's default (TF32) rounds them to about
+    # 1e-3, beyond the tolerance of the NumPy references. No effect on CPU.
+    os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 import numpy as np  # noqa: E402
