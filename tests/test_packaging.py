@@ -146,8 +146,14 @@ try:
     raise SystemExit("TensorFlow is installed here")
 except ModuleNotFoundError:
     pass
+import numpy as np
+
+# A tap records an eager call on JAX; what needs TensorFlow says so when made.
+tap = kerasdbg.layers.TapLayer(stats=["max"])
+tap(np.arange(6, dtype="float32").reshape(2, 3))
+recorded = tap.latest
 try:
-    kerasdbg.layers.TapLayer()
+    kerasdbg.layers.PrintLayer(printing="immediate")
     refused = ""
 except UnsupportedBackendError as error:
     refused = str(error)
@@ -156,15 +162,15 @@ with contextlib.redirect_stdout(report):
     code = cli.main(["report", sys.argv[1]])
 frame = load_run(sys.argv[1]).scalars("gradients/global_norm")
 print(json.dumps({"backend": keras.config.backend(), "steps": frame["step"].tolist(),
-                  "report": code, "refused": refused,
+                  "report": code, "refused": refused, "recorded": recorded,
                   "where": kerasdbg.__file__}))
 """
 
 
 def test_the_wheel_with_the_jax_extra_installs_without_tensorflow_and_reads_runs(dist, tmp_path):
     """`pip install kerasdbg[jax]` into a clean environment: no TensorFlow
-    comes with it; kerasdbg, its layers' module, `load_run` and `kerasdbg
-    report` work there on a run recorded here (on TensorFlow)."""
+    comes with it; kerasdbg, a tap, `load_run` and `kerasdbg report` work
+    there on a run recorded here (on TensorFlow)."""
     import keras
     import numpy as np
 
@@ -193,4 +199,5 @@ def test_the_wheel_with_the_jax_extra_installs_without_tensorflow_and_reads_runs
                           timeout=300, env=env).strip().splitlines()[-1])
     assert out["where"].startswith(str(venv)), out
     assert out["backend"] == "jax" and out["steps"] == [1, 2] and out["report"] == 0, out
-    assert "Works on: tensorflow" in out["refused"], out
+    assert out["recorded"] == {"step": 1, "mode": "call", "max": 5.0}, out
+    assert "printing='immediate' prints with tf.print" in out["refused"], out
