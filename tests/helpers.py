@@ -1,10 +1,11 @@
 """A small MLP, its data, an independent reference of its SGD training, and a
 deliberately broken train step (replicas that drift apart)."""
 
-import textwrap
 import keras
 import numpy as np
 import tensorflow as tf
+
+from tests.blockers import WITHOUT_TENSORFLOW  # noqa: F401 - the tests import it from here
 
 LEARNING_RATE = 0.05
 BATCH = 8
@@ -84,17 +85,4 @@ def traced_functions(model) -> list:
     return found
 
 
-# A machine without TensorFlow, for code run in a fresh interpreter: `import
-# tensorflow` fails there as it does where TensorFlow is not installed, and
-# `importlib.util.find_spec` finds nothing (Keras, TensorBoard and JAX are there).
-WITHOUT_TENSORFLOW = textwrap.dedent("""
-    import importlib.abc, sys
 
-    class WithoutTensorFlow(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] == "tensorflow":
-                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-            return None
-
-    sys.meta_path.insert(0, WithoutTensorFlow())
-""")

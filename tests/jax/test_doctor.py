@@ -10,19 +10,8 @@ import jax
 import keras
 from kerasdbg.doctor import doctor
 
-# tests.helpers.WITHOUT_TENSORFLOW's blocker (that module imports TensorFlow,
-# which the JAX run does not).
-WITHOUT_TENSORFLOW = textwrap.dedent("""
-    import importlib.abc, sys
+from tests.blockers import WITHOUT_TENSORFLOW
 
-    class WithoutTensorFlow(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] == "tensorflow":
-                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-            return None
-
-    sys.meta_path.insert(0, WithoutTensorFlow())
-""")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
