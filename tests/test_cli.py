@@ -9,7 +9,7 @@ import pytest
 
 from kerasdbg import cli, load_run
 from kerasdbg.sinks import events as _events
-from tests.test_faults import tmpfs
+from tests.mounts import tmpfs
 
 
 @pytest.fixture(scope="module")

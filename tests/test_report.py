@@ -20,7 +20,7 @@ from kerasdbg.callbacks import WeightStatistics
 from kerasdbg.report import NotARunError, write_report
 from kerasdbg.rules import NonFiniteLoss, RuleWarning
 from tests.helpers import BATCH, LEARNING_RATE, X, Y, make_mlp, reference_training
-from tests.test_faults import tmpfs
+from tests.mounts import tmpfs
 from tests.test_tensorboard import _chromium
 
 STEPS = len(X) // BATCH
