@@ -19,9 +19,8 @@ _LOCATED = {
     _tags.NAN_SOURCE_TRAIN_STEP: (
         "every layer output of the model's forward pass was finite; the train step "
         "computes more than it (its own loss or sub-models)"),
-    _tags.NAN_SOURCE_GRADIENTS: (
-        "the layer outputs were not examined (kerasdbg examines them on the TensorFlow "
-        "backend only so far)"),
+    # Written by earlier versions on JAX, which examined the gradients only.
+    _tags.NAN_SOURCE_GRADIENTS: "the layer outputs were not examined",
 }
 
 

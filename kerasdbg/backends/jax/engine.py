@@ -54,9 +54,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kerasdbg import _replay
 from kerasdbg import stats as stats_lib
 from kerasdbg.backends.jax import classes as _classes
 from kerasdbg.backends.jax import layer_record as _layer_record
+from kerasdbg.backends.jax import nan_source as _nan_source
 from kerasdbg.backends.jax import packing as _packing
 from kerasdbg.backends.jax import step_tensors as _tensors
 from kerasdbg.capture import fit_end
@@ -77,6 +79,7 @@ _FIRST = _tags.step_scalar("first")
 _FROZEN = _tags.step_scalar("frozen")
 _FAULT = _tags.step_scalar("fault")
 _LOSS = _tags.LOSS
+_NAN_LAYER = "nan_source/layer"  # the position of the first non-finite layer output
 
 # The keys of what `_timed_execution` adds to an execution's last records:
 # its train steps, the host's seconds in `next(iterator)`, the examples.
@@ -208,6 +211,7 @@ class Engine(Capture):
         self._read_once = False
         self._initial: Dict[str, list] = {}
         self._located = False  # whether this fit's first fault was located
+        self._nan_layers: List[str] = []  # the layers the NaN replay examines, in its order
         # The step of this fit, and the one kept for a later fit of the same graph.
         self._step_function = None
         self._recording_function = None  # the step variant of a StepRecorder's steps
@@ -670,6 +674,20 @@ class Engine(Capture):
         return {"frozen": jnp.asarray(False), "calls": carry["calls"],
                 "initial": self._initial}
 
+    def _localizes(self) -> bool:
+        return any(r.localize for r in self.requests)
+
+    def _nan_layer(self, model, first_fault, state, data):
+        """In the step: where the replay of a first fault found the first
+        non-finite layer output (`nan_source`), else `NONE_FOUND` (no fault,
+        or no layers to replay), as an int32 scalar."""
+        if not _nan_source.replayable(model, data):
+            return jnp.asarray(_nan_source.NONE_FOUND, jnp.int32)
+        names = self._nan_layers
+        return _cond(first_fault,
+                     lambda: _nan_source.first_nonfinite_layer(model, state, data, names),
+                     lambda: jnp.asarray(_nan_source.NONE_FOUND, jnp.int32))
+
     def _wants(self, kind: str) -> bool:
         return any(r.kind == kind for r in self.requests)
 
@@ -718,6 +736,9 @@ class Engine(Capture):
                     kept[position] = new[position]
                 a, b = len(trainable), len(trainable) + len(non_trainable)
                 new_state = (kept[:a], kept[a:b], kept[b:], metrics)
+                if engine._localizes():
+                    records[_NAN_LAYER] = engine._nan_layer(
+                        model, jnp.logical_and(fault, jnp.logical_not(frozen)), state, data)
                 frozen = jnp.logical_or(frozen, fault)
             calls = carry["calls"] + 1
             records[_CALLS] = calls
@@ -860,6 +881,22 @@ class Engine(Capture):
                       values=np.asarray(totals, np.float64).reshape(-1), histograms=None,
                       tags=tags)
 
+    def _nan_source(self, records: dict) -> List[tuple]:
+        """`(tag, value)` of the layer part of a first fault's NaNSource:
+        `located` (`NAN_SOURCE_*`), then the first layer output that held
+        NaN/Inf, or the subclassed model whose layers the replay cannot see."""
+        model = self._model()
+        index = int(records.get(_NAN_LAYER, _nan_source.NONE_FOUND))
+        tag = _tags.fault("nan_source", "located")
+        if 0 <= index < len(self._nan_layers):
+            return [(tag, float(_tags.NAN_SOURCE_LAYER)),
+                    (_tags.fault("nan_source", "layer", self._nan_layers[index]), 1.0)]
+        if model is not None and not _replay.is_graph_model(model):
+            return [(tag, float(_tags.NAN_SOURCE_HIDDEN)),
+                    (_tags.fault("nan_source", "model", model.name), 1.0)]
+        located = _tags.NAN_SOURCE_LOSS if self.loss_captured else _tags.NAN_SOURCE_TRAIN_STEP
+        return [(tag, float(located))]
+
     def _step_record(self, step: int, records: dict) -> Record:
         tags = [_tags.step_scalar("loss") if _LOSS in records else None,
                 _tags.step_scalar("frozen"), _tags.step_scalar("fault")]
@@ -877,13 +914,13 @@ class Engine(Capture):
                 and freeze.max_gradient_norm is not None:
             tags.append(_tags.fault("freeze", "max_gradient_norm"))
             values.append(float(freeze.max_gradient_norm))
-        if bool(records[_FAULT]) and not self._located \
-                and any(r.localize for r in self.requests):
-            # The first fault of the fit: which gradients held NaN/Inf (the
-            # layer outputs are examined on TensorFlow only so far).
+        if bool(records[_FAULT]) and not self._located and self._localizes():
+            # The first fault of the fit: the first layer output and the
+            # gradients that held NaN/Inf.
             self._located = True
-            tags.append(_tags.fault("nan_source", "located"))
-            values.append(float(_tags.NAN_SOURCE_GRADIENTS))
+            for tag, value in self._nan_source(records):
+                tags.append(tag)
+                values.append(value)
             for hook in sorted(self.hooks.values(), key=lambda h: h.number):
                 floats = [p for p, v in zip(hook.paths, hook.variables)
                           if keras_objects.is_float(v)]
