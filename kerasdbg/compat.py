@@ -71,11 +71,11 @@ def fix_multi_worker_fit() -> bool:
         True
         >>> kerasdbg.compat.undo_multi_worker_fit()
     """
-    from kerasdbg.backends.tensorflow import keras_internals as internals
+    from kerasdbg.backends.tensorflow import multi_worker_fit
 
-    if internals.multi_worker_fit_fixed():
+    if multi_worker_fit.multi_worker_fit_fixed():
         return True
-    if not internals.multi_worker_fit_is_broken():
+    if not multi_worker_fit.multi_worker_fit_is_broken():
         import keras
 
         warnings.warn(
@@ -83,7 +83,7 @@ def fix_multi_worker_fit() -> bool:
             f"the multi-worker bugs ({UPSTREAM_ISSUE}, {LOOP_ISSUE}); nothing was changed.",
             UserWarning, stacklevel=2)
         return False
-    internals.fix_multi_worker_fit()
+    multi_worker_fit.fix_multi_worker_fit()
     return True
 
 
@@ -95,9 +95,9 @@ def undo_multi_worker_fit() -> None:
         >>> import kerasdbg
         >>> kerasdbg.compat.undo_multi_worker_fit()
     """
-    from kerasdbg.backends.tensorflow import keras_internals as internals
+    from kerasdbg.backends.tensorflow import multi_worker_fit
 
-    internals.undo_multi_worker_fit()
+    multi_worker_fit.undo_multi_worker_fit()
 
 
 def set_worker_output(mode: str) -> None:

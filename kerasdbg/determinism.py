@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from kerasdbg.backends.tensorflow import keras_internals as internals
+from kerasdbg.backends.tensorflow import randomness
 from kerasdbg import _validation as check
 
 
@@ -63,7 +63,7 @@ class deterministic:  # noqa: N801 - used as a function: `with kerasdbg.determin
         self._saved = {
             "python": random.getstate(),
             "numpy": np.random.get_state(),
-            **internals.random_state(),
+            **randomness.random_state(),
         }
         keras.utils.set_random_seed(self.seed)
         tf.config.experimental.enable_op_determinism()
@@ -73,4 +73,4 @@ class deterministic:  # noqa: N801 - used as a function: `with kerasdbg.determin
         saved, self._saved = self._saved, None
         random.setstate(saved["python"])
         np.random.set_state(saved["numpy"])
-        internals.set_random_state(saved)
+        randomness.set_random_state(saved)

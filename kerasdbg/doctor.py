@@ -50,10 +50,22 @@ def _tf():
     return tf
 
 
-def _internals():
-    from kerasdbg.backends.tensorflow import keras_internals
+def _datasets():
+    from kerasdbg.backends.tensorflow import datasets
 
-    return keras_internals
+    return datasets
+
+
+def _distribute():
+    from kerasdbg.backends.tensorflow import distribute
+
+    return distribute
+
+
+def _multi_worker_fit():
+    from kerasdbg.backends.tensorflow import multi_worker_fit
+
+    return multi_worker_fit
 
 
 def _tensorflow_installed() -> bool:
@@ -165,7 +177,7 @@ def _kind(dataset) -> str:
 
 def _heavy(dataset) -> Optional[str]:
     """Why a map dataset's function is expensive, or None."""
-    ops = _internals().map_function_ops(dataset)
+    ops = _datasets().map_function_ops(dataset)
     heavy = sorted({op for op in ops if any(h in op for h in HEAVY_OPS)})
     if heavy:
         return f"its function runs {', '.join(heavy)}"
@@ -180,7 +192,7 @@ def _data_findings(dataset, replicas: int, tpu: bool, xla: bool, unknown: bool,
     specs = _specs(dataset)
     batch = specs[0].shape[0] if specs and specs[0].shape.rank else None
     # The batch size of a pipeline without drop_remainder, for the checks after the first.
-    size = batch if batch is not None else _internals().dataset_batch_size(dataset)
+    size = batch if batch is not None else _datasets().dataset_batch_size(dataset)
     if (xla or unknown) and specs and batch is None:
         found.append(Finding(
             _portability("error" if tpu else "warning", unknown), "dynamic batch dimension",
@@ -238,7 +250,7 @@ def _first_of_each(found: List[Finding]) -> List[Finding]:
 
 def _pipeline_findings(dataset) -> List[Finding]:
     found = []
-    chain = _internals().dataset_chain(dataset)  # last transformation first
+    chain = _datasets().dataset_chain(dataset)  # last transformation first
     kinds = [_kind(d) for d in chain]
     if kinds and kinds[0] != "prefetch":
         found.append(Finding(
@@ -283,10 +295,12 @@ def _layers(model):
 def _keras_fails(names=None) -> bool:
     """Whether Keras's trainer has the code that fails (all of
     `_MULTI_WORKER_BUGS`, or `names`) and `fix_multi_worker_fit` is not in place."""
-    internals = _internals()
+    from kerasdbg.capture.keras_objects import KerasInternalsError
+
+    fix = _multi_worker_fit()
     try:
-        return internals.multi_worker_fit_is_broken(names) and not internals.multi_worker_fit_fixed()
-    except internals.KerasInternalsError:  # a Keras that moved the code: unknown
+        return fix.multi_worker_fit_is_broken(names) and not fix.multi_worker_fit_fixed()
+    except KerasInternalsError:  # a Keras that moved the code: unknown
         return False
 
 
@@ -307,7 +321,7 @@ def _distribution_findings(name: Optional[str], model, tpu: bool,
 
 
 def _strategy_findings(strategy, model, tpu: bool, replicas: int) -> List[Finding]:
-    tf, internals = _tf(), _internals()
+    tf = _tf()
     found = []
     name = type(strategy).__name__
     compiled = model is not None and getattr(model, "compiled", False)
@@ -316,7 +330,7 @@ def _strategy_findings(strategy, model, tpu: bool, replicas: int) -> List[Findin
     # MultiWorkerMirroredStrategy on several workers (on one, Keras's fit works).
     multi_worker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) \
         and _workers.of(strategy) is not None
-    collective = multi_worker or (replicas > 1 and internals.all_reduces_collectively(strategy))
+    collective = multi_worker or (replicas > 1 and _distribute().all_reduces_collectively(strategy))
     # Under a collective all-reduce, Keras fails steps_per_execution > 1 unless fixed.
     loop_fails = collective and _keras_fails(["_make_function"])
     if compiled and spe == 1 and (tpu or replicas > 1) and not (multi_worker and _keras_fails()):
@@ -350,7 +364,7 @@ def _strategy_findings(strategy, model, tpu: bool, replicas: int) -> List[Findin
             "error", "Keras: MultiWorkerMirroredStrategy",
             "MultiWorkerMirroredStrategy with Keras 3 fit",
             f"Keras 3 fit fails on two or more workers with: {MULTI_WORKER_ERROR} "
-            f"({internals.MULTI_WORKER_ISSUE})",
+            f"({_multi_worker_fit().MULTI_WORKER_ISSUE})",
             "call `kerasdbg.compat.fix_multi_worker_fit()` on every worker before `fit`"))
     if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
         found.append(Finding(

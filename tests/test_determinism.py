@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import kerasdbg
-from kerasdbg.backends.tensorflow import keras_internals as internals
+from kerasdbg.backends.tensorflow import randomness
 from kerasdbg.callbacks import StepRecorder
 from tests.helpers import BATCH, X, Y
 
@@ -43,18 +43,18 @@ def test_previous_state_is_restored_on_exit_and_on_error():
     random.seed(11)
     np.random.seed(11)
     tf.random.set_seed(None)
-    before = (random.getstate(), np.random.get_state()[1].copy(), internals.random_state())
+    before = (random.getstate(), np.random.get_state()[1].copy(), randomness.random_state())
     with pytest.raises(RuntimeError, match="inside"):
         with kerasdbg.deterministic(1):
-            assert internals.random_state()["op_determinism"] is True
-            assert internals.random_state()["tf_seed"] == 1
+            assert randomness.random_state()["op_determinism"] is True
+            assert randomness.random_state()["tf_seed"] == 1
             random.random()
             np.random.rand()
             raise RuntimeError("inside")
     assert random.getstate() == before[0]
     np.testing.assert_array_equal(np.random.get_state()[1], before[1])
-    assert internals.random_state() == before[2]
-    assert internals.random_state()["op_determinism"] is False
+    assert randomness.random_state() == before[2]
+    assert randomness.random_state()["op_determinism"] is False
 
 
 def test_the_same_block_cannot_be_entered_twice():

@@ -157,13 +157,13 @@ def test_keras_mirrored_combinations():
     assert "ReductionToOneDevice" in found[0].fix
     assert "kerasdbg.compat.fix_multi_worker_fit()" in found[0].fix
     # With the fix in place Keras's fit runs there: no finding.
-    from kerasdbg.backends.tensorflow import keras_internals as _keras_internals
+    from kerasdbg.backends.tensorflow import multi_worker_fit
 
-    _keras_internals.fix_multi_worker_fit()
+    multi_worker_fit.fix_multi_worker_fit()
     try:
         assert [f.check for f in doctor(model=model, verbose=False)] == ["feature width"]
     finally:
-        _keras_internals.undo_multi_worker_fit()
+        multi_worker_fit.undo_multi_worker_fit()
     found = doctor(model=_model(strategy="mirrored", spe=2, jit=True), verbose=False)
     assert [f.check for f in found] == ["Keras: MirroredStrategy + jit_compile"]
     assert "Trying to access resource" in found[0].why

@@ -7,21 +7,23 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from kerasdbg.backends.tensorflow import keras_internals as internals
+from kerasdbg.backends.tensorflow import distribute, multi_worker_fit
+from kerasdbg.backends.tensorflow import optimizer_routing as routing
+from kerasdbg.capture import keras_objects
 from tests.conftest import make_strategy
 from tests.helpers import make_mlp
 
 
 def test_optimizer_methods_and_signatures_are_where_kerasdbg_expects_them():
     optimizer = keras.optimizers.SGD()
-    internals.check_supported(optimizer)
-    reduce = getattr(optimizer, internals.REDUCE_METHOD)
+    routing.check_supported(optimizer)
+    reduce = getattr(optimizer, routing.REDUCE_METHOD)
     assert list(inspect.signature(reduce).parameters) == ["grads_and_vars"]
     assert list(inspect.signature(optimizer.apply).parameters) == ["grads", "trainable_variables"]
     assert "force" in inspect.signature(keras.Model.make_train_function).parameters
     scaled = keras.optimizers.LossScaleOptimizer(optimizer)
-    assert internals.inner_optimizer(scaled) is optimizer
-    internals.check_supported(scaled)
+    assert keras_objects.inner_optimizer(scaled) is optimizer
+    routing.check_supported(scaled)
 
 
 @pytest.mark.parametrize("kind", ["clipnorm", "global_clipnorm", "clipvalue"])
@@ -30,7 +32,7 @@ def test_the_gradients_are_clipped_by_the_optimizers_own_method(kind):
     makes it; the expected values here are the clipping written in NumPy."""
     grads = [np.array([3.0, 4.0], np.float32), None, np.array([[12.0, -5.0]], np.float32)]
     optimizer = keras.optimizers.SGD(**{kind: 2.0})
-    clipped = internals.clip_gradients(optimizer, [None if g is None else tf.constant(g)
+    clipped = keras_objects.clip_gradients(optimizer, [None if g is None else tf.constant(g)
                                                    for g in grads])
     assert clipped[1] is None
     if kind == "clipnorm":
@@ -49,7 +51,7 @@ def test_fit_goes_through_the_patched_instance_methods():
     model.compile(keras.optimizers.SGD(0.1), "mse")
     optimizer = model.optimizer
     seen = {"apply": 0, "reduce": 0}
-    original_apply, original_reduce = optimizer.apply, getattr(optimizer, internals.REDUCE_METHOD)
+    original_apply, original_reduce = optimizer.apply, getattr(optimizer, routing.REDUCE_METHOD)
 
     def apply(grads, trainable_variables=None):
         seen["apply"] += 1
@@ -59,17 +61,17 @@ def test_fit_goes_through_the_patched_instance_methods():
         seen["reduce"] += 1
         reduced = original_reduce(grads_and_vars)
         # The result pairs every gradient with the tf.Variable of a model weight.
-        keys = {internals.variable_key(optimizer, v) for v in model.trainable_variables}
-        assert {internals.variable_key(optimizer, v) for _, v in reduced} == keys
+        keys = {keras_objects.variable_key(optimizer, v) for v in model.trainable_variables}
+        assert {keras_objects.variable_key(optimizer, v) for _, v in reduced} == keys
         return reduced
 
-    internals.patch(optimizer, "apply", apply)
-    internals.patch(optimizer, internals.REDUCE_METHOD, reduce)
+    keras_objects.patch(optimizer, "apply", apply)
+    keras_objects.patch(optimizer, routing.REDUCE_METHOD, reduce)
     try:
         model.fit(np.ones((4, 6)), np.ones((4, 3)), batch_size=2, epochs=1, verbose=0)
     finally:
-        internals.unpatch(optimizer, "apply")
-        internals.unpatch(optimizer, internals.REDUCE_METHOD)
+        keras_objects.unpatch(optimizer, "apply")
+        keras_objects.unpatch(optimizer, routing.REDUCE_METHOD)
     assert seen == {"apply": 1, "reduce": 1}  # traced once
     assert "apply" not in vars(optimizer)
 
@@ -88,11 +90,11 @@ def test_callbacks_see_on_train_begin_before_the_first_trace():
                 order.append("trace")
                 return original(grads, trainable_variables)
 
-            internals.patch(self.model.optimizer, "apply", apply)
+            keras_objects.patch(self.model.optimizer, "apply", apply)
             self.model.make_train_function(force=True)
 
         def on_train_end(self, logs=None):
-            internals.unpatch(self.model.optimizer, "apply")
+            keras_objects.unpatch(self.model.optimizer, "apply")
 
     model.fit(np.ones((4, 6)), np.ones((4, 3)), batch_size=2, epochs=1, verbose=0, callbacks=[Spy()])
     assert order == ["on_train_begin", "trace"]
@@ -100,20 +102,20 @@ def test_callbacks_see_on_train_begin_before_the_first_trace():
 
 def test_double_patch_is_refused():
     optimizer = keras.optimizers.SGD()
-    internals.patch(optimizer, "apply", lambda *a: None)
+    keras_objects.patch(optimizer, "apply", lambda *a: None)
     try:
-        with pytest.raises(internals.KerasInternalsError, match="already patched"):
-            internals.patch(optimizer, "apply", lambda *a: None)
+        with pytest.raises(keras_objects.KerasInternalsError, match="already patched"):
+            keras_objects.patch(optimizer, "apply", lambda *a: None)
     finally:
-        internals.unpatch(optimizer, "apply")
+        keras_objects.unpatch(optimizer, "apply")
 
 
 def test_the_loop_names_the_debug_layers_rely_on_still_exist():
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
-    for step_method in internals.STEP_METHODS:
+    for step_method in keras_objects.STEP_METHODS:
         assert callable(getattr(TensorFlowTrainer, step_method))
-    for loop, attribute in internals.FUNCTION_ATTRIBUTES.items():
+    for loop, attribute in keras_objects.FUNCTION_ATTRIBUTES.items():
         code = inspect.unwrap(getattr(TensorFlowTrainer, loop)).__code__
         assert "callbacks" in code.co_varnames, loop
         assert attribute in code.co_names, (loop, attribute)
@@ -124,7 +126,7 @@ def test_step_context_sees_fit_evaluate_predict_and_plain_calls():
 
     class Probe(keras.layers.Layer):
         def call(self, x):
-            context = internals.step_context()
+            context = keras_objects.step_context()
             seen.append((context.mode, context.model is holder.get("model"),
                          context.callbacks is not None))
             return x
@@ -184,15 +186,15 @@ def test_the_first_fit_traces_once_when_the_optimizer_is_built_before_it():
     # Not before a subclassed model's first call: its variables do not exist yet.
     sub = keras.Sequential([keras.layers.Dense(3)])
     sub.compile(keras.optimizers.Adam(0.01), "mse")
-    assert not internals.build_optimizer_before_trace(sub) and not sub.optimizer.built
+    assert not routing.build_optimizer_before_trace(sub) and not sub.optimizer.built
 
 
 # ------------------------------------------------------------ multi-worker fit
-@pytest.mark.parametrize("name", sorted(internals._MULTI_WORKER_BUGS))
+@pytest.mark.parametrize("name", sorted(multi_worker_fit._MULTI_WORKER_BUGS))
 def test_keras_still_has_the_multi_worker_bug_the_fix_replaces(name):
     """Fails loudly when Keras fixes keras-team/keras#20585 or #19246 or moves
     the functions: the fix, its docs and the doctor's findings need a look then."""
-    assert internals.multi_worker_fit_is_broken([name])
+    assert multi_worker_fit.multi_worker_fit_is_broken([name])
 
 
 def test_the_multi_worker_fix_is_idempotent_undoable_and_changes_nothing_on_one_worker(recwarn):
@@ -213,7 +215,7 @@ def test_the_multi_worker_fix_is_idempotent_undoable_and_changes_nothing_on_one_
         assert trainer.TensorFlowTrainer.__dict__["_maybe_symbolic_build"] is replaced
         assert trainer.TensorFlowTrainer.__dict__["_make_function"] is made
         # The bug is still read from Keras's own code while the fix is in place.
-        assert internals.multi_worker_fit_is_broken()
+        assert multi_worker_fit.multi_worker_fit_is_broken()
         # One process under MirroredStrategy: the same training as without the fix.
         trained = []
         for fixed in (True, False):
@@ -234,7 +236,7 @@ def test_the_multi_worker_fix_is_idempotent_undoable_and_changes_nothing_on_one_
         assert trainer.TensorFlowTrainer.__dict__["_make_function"] is make
         kerasdbg.compat.undo_multi_worker_fit()  # nothing to undo: no error
     finally:
-        internals.undo_multi_worker_fit()
+        multi_worker_fit.undo_multi_worker_fit()
     assert not [w for w in recwarn if "kerasdbg" in str(w.message)]
 
 
@@ -247,10 +249,10 @@ def test_the_fix_runs_steps_per_execution_under_the_collective_all_reduce(recwar
     from kerasdbg.callbacks import GradientStatistics
     from tests.helpers import BATCH, LEARNING_RATE, X, Y, reference_training
 
-    internals.fix_multi_worker_fit()
+    multi_worker_fit.fix_multi_worker_fit()
     try:
         strategy = make_strategy("mirrored", collective=True)
-        assert internals.all_reduces_collectively(strategy)
+        assert distribute.all_reduces_collectively(strategy)
         with strategy.scope():
             model = make_mlp()
             model.compile(keras.optimizers.SGD(LEARNING_RATE), "mse", steps_per_execution=4)
@@ -259,7 +261,7 @@ def test_the_fix_runs_steps_per_execution_under_the_collective_all_reduce(recwar
         history = model.fit(X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
                             callbacks=[statistics])
     finally:
-        internals.undo_multi_worker_fit()
+        multi_worker_fit.undo_multi_worker_fit()
     reference = reference_training(initial, len(X) // BATCH)
     assert int(model.optimizer.iterations.numpy()) == len(reference)
     for actual, expected in zip(model.get_weights(), reference[-1]["after"]):
@@ -283,7 +285,7 @@ def test_the_steps_loop_ends_with_a_dataset_of_unknown_length_and_in_evaluate():
 
     data = tf.data.Dataset.from_tensor_slices((X, Y)).filter(lambda x, y: True).batch(BATCH)
     assert data.cardinality().numpy() == tf.data.UNKNOWN_CARDINALITY
-    internals.fix_multi_worker_fit()
+    multi_worker_fit.fix_multi_worker_fit()
     try:
         with make_strategy("mirrored", collective=True).scope():
             model = make_mlp()
@@ -292,7 +294,7 @@ def test_the_steps_loop_ends_with_a_dataset_of_unknown_length_and_in_evaluate():
         model.fit(data, epochs=1, verbose=0)
         evaluated = model.evaluate(data, verbose=0)
     finally:
-        internals.undo_multi_worker_fit()
+        multi_worker_fit.undo_multi_worker_fit()
     reference = reference_training(initial, len(X) // BATCH)
     assert int(model.optimizer.iterations.numpy()) == len(reference)
     after = reference[-1]["after"]
@@ -303,7 +305,7 @@ def test_the_steps_loop_ends_with_a_dataset_of_unknown_length_and_in_evaluate():
 
 
 def test_the_fix_leaves_keras_loop_where_it_works():
-    internals.fix_multi_worker_fit()
+    multi_worker_fit.fix_multi_worker_fit()
     try:
         for strategy, spe in ((tf.distribute.MirroredStrategy(
                 ["CPU:0", "CPU:1"], cross_device_ops=tf.distribute.ReductionToOneDevice()), 4),
@@ -315,7 +317,7 @@ def test_the_fix_leaves_keras_loop_where_it_works():
             model.make_train_function()
             assert model.train_function.__qualname__.startswith("TensorFlowTrainer._make_function.")
     finally:
-        internals.undo_multi_worker_fit()
+        multi_worker_fit.undo_multi_worker_fit()
 
 
 @pytest.mark.parametrize("name, collective", [
@@ -330,18 +332,17 @@ def test_the_fix_replaces_keras_steps_loop_only_under_a_collective_all_reduce(na
         "mirrored_collective": lambda: tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"]),
         "mirrored_one_device": lambda: tf.distribute.MirroredStrategy(["CPU:0"]),
     }
-    assert internals.all_reduces_collectively(strategies[name]()) is collective
+    assert distribute.all_reduces_collectively(strategies[name]()) is collective
 
 
 def test_the_multi_worker_fix_says_so_where_keras_has_no_bug(monkeypatch):
     import kerasdbg
 
-    monkeypatch.setitem(internals._MULTI_WORKER_BUGS, "_maybe_symbolic_build", "not in the code")
-    monkeypatch.setitem(internals._MULTI_WORKER_BUGS, "reduce_per_replica", "not in the code")
-    monkeypatch.setitem(internals._MULTI_WORKER_BUGS, "_make_function", "not in the code")
+    for name in ("_maybe_symbolic_build", "reduce_per_replica", "_make_function"):
+        monkeypatch.setitem(multi_worker_fit._MULTI_WORKER_BUGS, name, "not in the code")
     with pytest.warns(UserWarning, match=r"does not have the multi-worker bugs .*20585.*19246.*nothing"):
         assert kerasdbg.compat.fix_multi_worker_fit() is False
-    assert not internals.multi_worker_fit_fixed()
+    assert not multi_worker_fit.multi_worker_fit_fixed()
 
 
 def test_set_worker_output_refuses_other_modes():

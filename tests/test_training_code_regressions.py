@@ -19,7 +19,8 @@ import tensorflow as tf
 
 import kerasdbg
 from kerasdbg.sinks import events as _events
-from kerasdbg.backends.tensorflow import keras_internals as internals
+from kerasdbg.capture import keras_objects
+from kerasdbg.backends.tensorflow import optimizer_routing as routing
 from kerasdbg.callbacks import GradientStatistics, StepRecorder, StepTimer, StopOnRule
 from kerasdbg.callbacks import WeightStatistics
 from kerasdbg.rules import ExplodingTensor, FreezeOnFault, NaNSource, NonFiniteLoss
@@ -34,9 +35,9 @@ Y = RNG.normal(size=(32, 1)).astype("float32")
 def _plain_state(model):
     """Nothing of kerasdbg left in the model, its optimizers or Keras's classes."""
     assert "train_step" not in vars(model) and "compute_loss" not in vars(model)
-    for _, optimizer in internals.find_optimizers(model):
-        assert not {"apply", internals.REDUCE_METHOD} & set(vars(optimizer))
-    assert not internals.routes_active()
+    for _, optimizer in keras_objects.find_optimizers(model):
+        assert not {"apply", routing.REDUCE_METHOD} & set(vars(optimizer))
+    assert not routing.routes_active()
 
 
 def _norms_match_capture(rows, captured):
@@ -922,7 +923,7 @@ def test_5_the_first_fit_of_a_process_that_raises_is_cleaned_up_too(tmp_path):
     script.write_text(
         "import numpy as np, keras\n"
         "from kerasdbg.callbacks import GradientStatistics\n"
-        "from kerasdbg.backends.tensorflow import keras_internals as internals\n"
+        "from kerasdbg.backends.tensorflow import optimizer_routing as routing\n"
         "class Stop(keras.callbacks.Callback):\n"
         "    def on_train_batch_end(self, batch, logs=None):\n"
         "        raise KeyboardInterrupt\n"
@@ -933,7 +934,7 @@ def test_5_the_first_fit_of_a_process_that_raises_is_cleaned_up_too(tmp_path):
         "          callbacks=[GradientStatistics(), Stop()])\n"
         "except KeyboardInterrupt:\n"
         "    pass\n"
-        "print('clean' if 'train_step' not in vars(m) and not internals.routes_active() "
+        "print('clean' if 'train_step' not in vars(m) and not routing.routes_active() "
         "else 'patched')\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,

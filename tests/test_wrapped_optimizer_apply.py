@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from kerasdbg.backends.tensorflow import keras_internals as internals
+from kerasdbg.backends.tensorflow import optimizer_routing as routing
 from kerasdbg.callbacks import GradientStatistics, StopOnRule, WeightStatistics
 
 RNG = np.random.default_rng(9)
@@ -143,7 +143,7 @@ def test_gradients_and_weights_are_recorded_through_a_wrapped_class_apply(wrappe
         np.testing.assert_allclose(actual.numpy(), expected, rtol=1e-5, atol=1e-7)
     # The tool's wrapper is back where it put it; nothing of kerasdbg is left.
     assert owner.__dict__["apply"] is wrapper
-    assert not internals.routes_active()
+    assert not routing.routes_active()
 
 
 @pytest.mark.parametrize("step", ["standard", "custom"])
@@ -240,4 +240,4 @@ def test_an_apply_of_another_signature_is_left_alone_and_recorded_through_keras_
     model.fit(X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[gradients])
     history = gradients.history.sort_values("step")
     np.testing.assert_allclose(history["m/out/kernel/l2_norm"], norms, rtol=1e-5)
-    assert "apply" in PairsApply.__dict__ and not internals.routes_active()
+    assert "apply" in PairsApply.__dict__ and not routing.routes_active()

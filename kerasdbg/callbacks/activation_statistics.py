@@ -134,9 +134,9 @@ class ActivationStatistics(RecordingCallback):
         # One trace of the train function, not two (the taps' graph is large);
         # on JAX the step is traced once anyway.
         if not on_jax() and keras_objects.uses_standard_train_step(self.model):
-            from kerasdbg.backends.tensorflow import keras_internals
+            from kerasdbg.backends.tensorflow import optimizer_routing
 
-            keras_internals.build_optimizer_before_trace(self.model)
+            optimizer_routing.build_optimizer_before_trace(self.model)
 
     def on_train_batch_end(self, batch, logs=None):
         # The model's layer sink flushed the taps after the execution; this

@@ -25,9 +25,9 @@ def _tensorflow():
     imported on use (StepTimer runs on the TensorFlow backend only)."""
     import tensorflow as tf
 
-    from kerasdbg.backends.tensorflow import buffers, keras_internals
+    from kerasdbg.backends.tensorflow import buffers, variable_reads
 
-    return tf, buffers, keras_internals
+    return tf, buffers, variable_reads
 
 
 class StepTimer(RecordingCallback):
@@ -123,7 +123,7 @@ class StepTimer(RecordingCallback):
         self._host = getattr(_capture.engine_for(model), "times_on_host", False)
         if self._host:
             return self._begin_host_timing()
-        tf, _buffers, internals = _tensorflow()  # noqa: F841 - TensorFlow's capture, on use
+        tf, _buffers, reads = _tensorflow()  # noqa: F841 - TensorFlow's capture, on use
         self._timed = getattr(model, "jit_compile", False) is not True
         self._writer = self._open_writer()
         _layout.add("StepTimer", self._writer, _layout.timing_lines(self._timed), self.strict)
@@ -160,7 +160,7 @@ class StepTimer(RecordingCallback):
 
     def _timed_step(self, step_function, data, row):
         """The train step between two timestamps (in the graph)."""
-        tf, _buffers, internals = _tensorflow()  # noqa: F841 - TensorFlow's capture, on use
+        tf, _buffers, reads = _tensorflow()  # noqa: F841 - TensorFlow's capture, on use
         model, buffer = self.model, self._buffer
         flat = [t for t in tf.nest.flatten(data) if tf.is_tensor(t)]
         with tf.control_dependencies(flat):
@@ -175,7 +175,7 @@ class StepTimer(RecordingCallback):
         # Reads made after the step wait for its writes: the update writes
         # the trainable variables.
         done = [t for t in tf.nest.flatten(logs) if tf.is_tensor(t)]
-        done += [internals.read(v) for v in model.trainable_variables]
+        done += [reads.read(v) for v in model.trainable_variables]
         with tf.control_dependencies(done):
             end = tf.timestamp()
         examples = tf.cast(tf.shape(flat[0])[0], tf.float64) if flat and flat[0].shape.rank \
@@ -206,7 +206,7 @@ class StepTimer(RecordingCallback):
     def _record(self, end: float) -> None:
         if self._host:
             return self._record_host(end)
-        tf, _buffers, internals = _tensorflow()  # noqa: F841 - TensorFlow's capture, on use
+        tf, _buffers, reads = _tensorflow()  # noqa: F841 - TensorFlow's capture, on use
         engine = _capture.engine_for(self.model)
         last = engine.collector.train_steps()
         steps = last - self._last

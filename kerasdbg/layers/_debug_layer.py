@@ -53,7 +53,8 @@ from kerasdbg.sinks import workers as _workers
 tf = _lazy.module("tensorflow")
 _buffers = _lazy.module("kerasdbg.backends.tensorflow.buffers")
 graph_functions = _lazy.module("kerasdbg.backends.tensorflow.graph_functions")
-internals = _lazy.module("kerasdbg.backends.tensorflow.keras_internals")
+keras_objects = _lazy.module("kerasdbg.capture.keras_objects")
+reads = _lazy.module("kerasdbg.backends.tensorflow.variable_reads")
 _layer_sink = _lazy.module("kerasdbg.backends.tensorflow.layer_sink")
 _jax_record = _lazy.module("kerasdbg.backends.jax.layer_record")
 _jax_sink = _lazy.module("kerasdbg.backends.jax.layer_sink")
@@ -351,7 +352,7 @@ class DebugLayer(keras.layers.Layer):
         if on_jax():
             self._record_jax(inputs)
             return inputs
-        context = internals.step_context()
+        context = keras_objects.step_context()
         try:
             self._record(inputs, context)
         except Exception as error:  # noqa: BLE001 - any failure of ours
@@ -422,7 +423,7 @@ class DebugLayer(keras.layers.Layer):
                     stacklevel=4,
                 )
 
-    def _record(self, inputs, context: internals.StepContext) -> None:
+    def _record(self, inputs, context: keras_objects.StepContext) -> None:
         if self._failed:
             return
         self._host.traced_in.add(context.mode)
@@ -442,11 +443,11 @@ class DebugLayer(keras.layers.Layer):
         else:
             write()
 
-    def _step(self, inputs, context: internals.StepContext, records: bool) -> dict:
+    def _step(self, inputs, context: keras_objects.StepContext, records: bool) -> dict:
         """Runs this call's shared step function (`_step_function`) on the
         layer's variables and writes back the counters and the state; with
         `records` False it only counts. Returns the function's outputs."""
-        counters = internals.step_counters(context.model) \
+        counters = keras_objects.step_counters(context.model) \
             if context.model is not None and context.mode == "fit" else []
         state_variable = self._state_variable() if records else None
         call = _step_function(
@@ -454,8 +455,8 @@ class DebugLayer(keras.layers.Layer):
             self._ring.layout, self._ring.slots, context.mode, self.every_n_steps)
         outputs = call(
             inputs,
-            [internals.read(v) for v in (self.calls, self.mode_calls, *counters)],
-            None if state_variable is None else internals.read(state_variable),
+            [reads.read(v) for v in (self.calls, self.mode_calls, *counters)],
+            None if state_variable is None else reads.read(state_variable),
         )
         # Keras's `assign`: inside a stateless scope it goes to the scope.
         self.calls.assign(outputs["calls"])

@@ -27,7 +27,8 @@ import pytest
 import tensorflow as tf
 
 import kerasdbg
-from kerasdbg.backends.tensorflow import keras_internals as internals
+from kerasdbg.backends.tensorflow import multi_worker_fit
+from kerasdbg.backends.tensorflow import optimizer_routing as routing
 from kerasdbg.callbacks import ActivationStatistics, GradientStatistics, StopOnRule
 from kerasdbg.callbacks import WeightStatistics
 from tests.conftest import make_strategy
@@ -162,11 +163,11 @@ def keras_fix(request):
     if request.node.callspec.params["strategy_name"] != "mirrored_collective":
         yield
         return
-    internals.fix_multi_worker_fit()
+    multi_worker_fit.fix_multi_worker_fit()
     try:
         yield
     finally:
-        internals.undo_multi_worker_fit()
+        multi_worker_fit.undo_multi_worker_fit()
 
 
 @pytest.mark.parametrize("name, strategy_name, spe, jit", _cases())
@@ -264,7 +265,7 @@ def test_every_instrument_on_the_port(name, strategy_name, spe, jit, tmp_path, k
 
     # Nothing of kerasdbg is left behind.
     assert "train_step" not in vars(trained) and "compute_loss" not in vars(trained)
-    assert not internals.routes_active()
+    assert not routing.routes_active()
 
 
 def _returned(name):

@@ -146,12 +146,12 @@ def evaluate_and_predict(spe):
 
 def doctor_findings():
     """What `kerasdbg.doctor` says on a worker, without the fix and with it."""
-    from kerasdbg.backends.tensorflow import keras_internals as _keras_internals
+    from kerasdbg.backends.tensorflow import multi_worker_fit
 
     with STRATEGY.scope():
         model = _model()
         model.compile("sgd", "mse", steps_per_execution=4)
-    _keras_internals.undo_multi_worker_fit()
+    multi_worker_fit.undo_multi_worker_fit()
     try:
         unfixed = [(f.check, f.fix) for f in kerasdbg.doctor(strategy=STRATEGY, verbose=False)]
         unfixed_spe4 = [f.check for f in kerasdbg.doctor(model=model, strategy=STRATEGY,

@@ -3,7 +3,7 @@
 One engine per model, shared by every kerasdbg callback on it. During a `fit`
 it wraps the model's `train_step` (an instance attribute, for the duration
 of the `fit`). While that step is traced, every optimizer's `apply` is
-routed through the engine (`keras_internals.optimizer_routes`), so each
+routed through the engine (`optimizer_routing.optimizer_routes`), so each
 optimizer step of the train step, of any optimizer wherever the model keeps
 it, computes the requested statistics in-graph and stores them in ring
 buffers with one row per train step of an execution. After each execution
@@ -64,4 +64,12 @@ for, is the backend-neutral one in `kerasdbg.capture`):
 - `engine`: the core: `engine_for` and `Engine` (the life cycle above, the
   wrapped train step, the routing of the optimizer applies, the train
   step's own row) and the cleanup when a `fit` ends.
+
+What TensorFlow and its Keras backend keep private is read in one module per
+concern (the parts every backend shares are in
+`kerasdbg.capture.keras_objects`): `optimizer_routing` (the optimizer
+methods routed during a trace), `distribute` (replica contexts and the
+all-reduce), `variable_reads`, `datasets` (the pipeline `kerasdbg.doctor`
+reads), `randomness` (the global seeds `kerasdbg.deterministic` puts back)
+and `multi_worker_fit` (the fix behind `kerasdbg.compat.fix_multi_worker_fit`).
 """

@@ -17,19 +17,20 @@ import tensorflow as tf
 
 from kerasdbg.backends.tensorflow import buffers as _buffers
 from kerasdbg.records import tags as _tags
-from kerasdbg.backends.tensorflow import keras_internals as internals
+from kerasdbg.capture import keras_objects
+from kerasdbg.backends.tensorflow import variable_reads as reads
 from kerasdbg import stats as stats_lib
 from kerasdbg.capture.requests import Request
 
 
 def _zeros_like(variable) -> tf.Tensor:
-    return tf.zeros(variable.shape, internals.read_handle(variable).dtype.base_dtype)
+    return tf.zeros(variable.shape, reads.read_handle(variable).dtype.base_dtype)
 
 
 def _flat_dtype(variable) -> tf.DType:
     """The dtype of the variable's values as the statistics take them
     (`stats.flat_tensors`: floating point kept, anything else float32)."""
-    dtype = internals.read_handle(variable).dtype.base_dtype
+    dtype = reads.read_handle(variable).dtype.base_dtype
     return dtype if dtype.is_floating else tf.float32
 
 
@@ -39,11 +40,11 @@ class Hook:
     def __init__(self, name: str, optimizer, index: int):
         self.name = name
         self.optimizer = optimizer
-        self.inner = internals.inner_optimizer(optimizer)
+        self.inner = keras_objects.inner_optimizer(optimizer)
         self.index = index
         self.channels: List["Channel"] = []
-        self.clipping = internals.clipping(optimizer)
-        self.accumulation = internals.accumulation_steps(optimizer)
+        self.clipping = keras_objects.clipping(optimizer)
+        self.accumulation = keras_objects.accumulation_steps(optimizer)
         self.scaled = self.inner is not optimizer
         # One copy of the weights before each update (update ratios) and one
         # at the start of the fit (distances), shared by the channels (of the
@@ -159,7 +160,7 @@ class Channel:
         self.index = index
         self.variables = list(variables)
         self.paths = paths
-        self.keys = [internals.variable_key(hook.optimizer, v) for v in self.variables]
+        self.keys = [keras_objects.variable_key(hook.optimizer, v) for v in self.variables]
         self.meta: Optional[tf.Variable] = None
         self.slots: Dict[int, Slot] = {}
         self.considered: set = set()  # the requests `build` has given their slots
@@ -206,7 +207,7 @@ class Channel:
                 continue
             self.considered.add(id(request))
             positions = [i for i, (v, p) in enumerate(zip(self.variables, self.paths))
-                         if internals.is_float(v) and request.selects(p)]
+                         if keras_objects.is_float(v) and request.selects(p)]
             if request.kind == "tensors":
                 if request.channel is not None:
                     continue

@@ -18,7 +18,7 @@ import numpy as np
 
 from kerasdbg.backends.tensorflow import buffers as _buffers
 from kerasdbg.records import tags as _tags
-from kerasdbg.backends.tensorflow import keras_internals as internals
+from kerasdbg.capture import keras_objects
 from kerasdbg.backends.tensorflow.channels import Channel
 from kerasdbg.capture.requests import CLASS_COLUMNS, MAX_CLASSES, Record, Request, _STEP_FIXED
 
@@ -224,7 +224,7 @@ class Collector:
         (`Engine.bypassed`) are not recorded; "" when there is none."""
         if not self.engine.bypassed:
             return ""
-        names = {id(o): n for n, o in internals.find_optimizers(model)}
+        names = {id(o): n for n, o in keras_objects.find_optimizers(model)}
         said = []
         for key, optimizer in self.engine.bypassed.items():
             name = names.get(key, getattr(optimizer, "name", "?"))
@@ -260,7 +260,7 @@ class Collector:
                     why = (f"the model {model.name!r} has no trainable variables, so no "
                            "optimizer applied gradients")
                 else:
-                    found = [name for name, _ in internals.find_optimizers(model)]
+                    found = [name for name, _ in keras_objects.find_optimizers(model)]
                     why = ("no optimizer applied gradients in the train step (kerasdbg sees "
                            "every Keras optimizer's `apply`/`apply_gradients` called inside "
                            f"`train_step`; the model holds: {', '.join(found) or 'none'}). "

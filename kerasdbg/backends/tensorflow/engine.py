@@ -21,7 +21,10 @@ import tensorflow as tf
 
 from kerasdbg.backends.tensorflow import buffers as _buffers
 from kerasdbg.sinks import events as _events
-from kerasdbg.backends.tensorflow import keras_internals as internals
+from kerasdbg.backends.tensorflow import distribute
+from kerasdbg.capture import keras_objects
+from kerasdbg.backends.tensorflow import optimizer_routing as routing
+from kerasdbg.backends.tensorflow import variable_reads as reads
 from kerasdbg.backends.tensorflow.channels import Channel, Hook
 from kerasdbg.capture import fit_end
 from kerasdbg.backends.tensorflow.collect import Collector
@@ -154,7 +157,7 @@ def _route_reduce(optimizer, original, grads_and_vars):
         reduced = list(grads_and_vars)
     else:
         reduced = original(grads_and_vars)
-    context = _CONTEXTS.get((internals.replica_id(), id(optimizer)))
+    context = _CONTEXTS.get((distribute.replica_id(), id(optimizer)))
     if context is not None:
         engine = context.state.engine
         engine._guard(lambda: engine.quantities.record_applied(context, reduced))
@@ -171,7 +174,7 @@ def _route_reduce(optimizer, original, grads_and_vars):
 def _route_update(optimizer, original, distribution, grads_and_vars, learning_rate):
     """The variables' update, skipped in a frozen step of an apply that has
     a `Gate` (`Faults.apply_unless_frozen`)."""
-    gate = _GATES.get((internals.replica_id(), id(optimizer)))
+    gate = _GATES.get((distribute.replica_id(), id(optimizer)))
     if gate is None:
         return original(distribution, grads_and_vars, learning_rate)
     _skip_if(gate.frozen, optimizer, lambda: original(distribution, grads_and_vars,
@@ -189,11 +192,11 @@ def _route_weight_decay(optimizer, original, variables):
     earlier step left, and the values before it are put back once this
     step's fault test says so (that condition waits for the batch, the decay
     does not)."""
-    gate = _GATES.get((internals.replica_id(), id(optimizer)))
+    gate = _GATES.get((distribute.replica_id(), id(optimizer)))
     if gate is None or getattr(optimizer, "weight_decay", None) is None:
         return original(variables)
     variables = list(variables)
-    before = [tf.identity(internals.read(v)) for v in variables]
+    before = [tf.identity(reads.read(v)) for v in variables]
     _skip_if(gate.frozen_before, optimizer, lambda: original(variables))
 
     def restore():
@@ -211,15 +214,15 @@ def _skip_if(flag, optimizer, function) -> None:
     before it: a condition that read `iterations` would hold back `apply`'s
     count of the step (written after it) until the condition's inputs are
     known, where plain Keras counts it without the batch."""
-    iterations = internals.raw_iterations(optimizer)
-    step_count = internals.read(iterations)
+    iterations = keras_objects.raw_iterations(optimizer)
+    step_count = reads.read(iterations)
 
     def run():
-        object.__setattr__(optimizer, internals.ITERATIONS_ATTRIBUTE, step_count)
+        object.__setattr__(optimizer, keras_objects.ITERATIONS_ATTRIBUTE, step_count)
         try:
             function()
         finally:
-            object.__setattr__(optimizer, internals.ITERATIONS_ATTRIBUTE, iterations)
+            object.__setattr__(optimizer, keras_objects.ITERATIONS_ATTRIBUTE, iterations)
         return tf.constant(True)
 
     tf.cond(flag, lambda: tf.constant(False), run)
@@ -293,7 +296,7 @@ class Engine(Capture):
                 "before `fit`."
             )
         if not self.installed:
-            internals.check_supported(model.optimizer)
+            routing.check_supported(model.optimizer)
             self._install(model)
         self.requests.append(request)
 
@@ -302,8 +305,8 @@ class Engine(Capture):
         if self._prepared or not self.requests:
             return
         model = self._model()
-        if internals.uses_standard_train_step(model):
-            internals.build_optimizer_before_trace(model)
+        if keras_objects.uses_standard_train_step(model):
+            routing.build_optimizer_before_trace(model)
         n = int(model.steps_per_execution)
         strategy = model.distribute_strategy
         if self._calls is None:
@@ -320,7 +323,7 @@ class Engine(Capture):
             self.channels, self.hooks = [], {}
             self._step_values = None
         self._steps_per_execution, self.rows = n, rows
-        found = internals.find_optimizers(model)
+        found = keras_objects.find_optimizers(model)
         self._fit_requests = list(self.requests)
         self._take_traced(model, found)
         with strategy.scope():
@@ -342,17 +345,17 @@ class Engine(Capture):
             # The optimizers that are built: their channel is known now. With
             # several, which one applies first is known only in the trace.
             built = [(name, o) for name, o in found
-                     if internals.inner_optimizer(o).built
-                     and getattr(internals.inner_optimizer(o), "_trainable_variables", None)]
+                     if keras_objects.inner_optimizer(o).built
+                     and getattr(keras_objects.inner_optimizer(o), "_trainable_variables", None)]
             for name, optimizer in built:
                 hook = self._hook(optimizer, name)
-                self._channel_now(hook, 0,
-                                  internals.optimizer_variables(internals.inner_optimizer(optimizer)),
-                                  bind_tensors=len(built) == 1)
+                variables = keras_objects.optimizer_variables(
+                    keras_objects.inner_optimizer(optimizer))
+                self._channel_now(hook, 0, variables, bind_tensors=len(built) == 1)
         for hook in self.hooks.values():
             if hook.started is not None:  # distances count from this fit's start
                 hook.started.assign(tf.zeros([], tf.int64))
-        iterations = [int(internals.read(internals.raw_iterations(o)).numpy()) for _, o in found]
+        iterations = [int(reads.read(keras_objects.raw_iterations(o)).numpy()) for _, o in found]
         self.collector.begin_fit(iterations, int(self._calls.numpy()))
         self.faults.begin_fit()
         self._step_warned = False
@@ -399,7 +402,7 @@ class Engine(Capture):
                       self._loss_function, *optimizers, *variables)
         values = (keys, self._steps_per_execution, self.rows, model.jit_compile,
                   tuple(name for name, _ in found),
-                  tuple(internals.inner_optimizer(o).built for o in optimizers),
+                  tuple(keras_objects.inner_optimizer(o).built for o in optimizers),
                   tuple(bool(v.trainable) for v in variables))
         return identities, values
 
@@ -409,7 +412,7 @@ class Engine(Capture):
         if self._plain is _ABSENT or self._plain is None:
             return
         _pop_traced(self._plain)
-        key = self._graph_key(model, internals.find_optimizers(model), self._plain)
+        key = self._graph_key(model, keras_objects.find_optimizers(model), self._plain)
         if key is None:
             return
         positions = {id(r): k for k, r in enumerate(self._fit_requests)}
@@ -540,7 +543,7 @@ class Engine(Capture):
         fit_end.cancel_fit_end(model, self)
         for name, value in self._shadowed.items():
             if value is _ABSENT:
-                internals.unpatch(model, name)
+                keras_objects.unpatch(model, name)
             else:
                 object.__setattr__(model, name, value)
         if self._plain is not _ABSENT:
@@ -552,11 +555,11 @@ class Engine(Capture):
         """Runs trace-time instrumentation; a failure warns unless strict."""
         if self._failed or not self._prepared:
             return None
-        depth = internals.name_scope_depth()
+        depth = keras_objects.name_scope_depth()
         try:
             return function()
         except Exception as error:  # noqa: BLE001 - any failure of ours
-            internals.drop_name_scopes(depth)
+            keras_objects.drop_name_scopes(depth)
             if any(r.strict for r in self.requests):
                 raise
             self._failed = True
@@ -584,7 +587,7 @@ class Engine(Capture):
         previous = getattr(_TLS, "state", None)
         _TLS.state = state
         try:
-            with internals.optimizer_routes(_route_apply, _route_reduce, _route_update,
+            with routing.optimizer_routes(_route_apply, _route_reduce, _route_update,
                                           _route_weight_decay):
                 logs = step_function(data)
         finally:
@@ -604,7 +607,8 @@ class Engine(Capture):
             hook = self.hooks.get(id(optimizer))
             if hook is None:
                 if name is None:
-                    names = dict((id(o), n) for n, o in internals.find_optimizers(self._model()))
+                    names = dict((id(o), n)
+                                 for n, o in keras_objects.find_optimizers(self._model()))
                     name = names.get(id(optimizer), optimizer.name)
                 hook = Hook(name, optimizer, len(self.hooks))
                 self.hooks[id(optimizer)] = hook
@@ -614,15 +618,15 @@ class Engine(Capture):
         """Display paths: unique over the model's variables, stable across channels."""
         model = self._model()
         every = list(model.variables) if model is not None else []
-        known = dict(zip((id(internals.read_handle(v)) for v in every), unique_paths(every)))
-        return [known.get(id(internals.read_handle(v))) or getattr(v, "path", None) or v.name
+        known = dict(zip((id(reads.read_handle(v)) for v in every), unique_paths(every)))
+        return [known.get(id(reads.read_handle(v))) or getattr(v, "path", None) or v.name
                 for v in variables]
 
     def _channel_now(self, hook: Hook, index: int, variables, bind_tensors: bool = True) -> Channel:
         """The channel of the `index`-th apply of `hook` on `variables`,
         created now (eagerly, or in a cross-replica context) if needed;
         `bind_tensors=False` leaves a `StepRecorder` to the first apply."""
-        keys = [internals.variable_key(hook.optimizer, v) for v in variables]
+        keys = [keras_objects.variable_key(hook.optimizer, v) for v in variables]
         requests = [r for r in self.requests if bind_tensors or r.kind != "tensors"]
         with self._lock:
             for channel in hook.channels:
@@ -639,7 +643,7 @@ class Engine(Capture):
 
     def _channel(self, hook: Hook, index: int, variables) -> Channel:
         """`_channel_now` from the trace: buffers are created outside it."""
-        keys = [internals.variable_key(hook.optimizer, v) for v in variables]
+        keys = [keras_objects.variable_key(hook.optimizer, v) for v in variables]
 
         def ready():
             for channel in hook.channels:
@@ -658,19 +662,19 @@ class Engine(Capture):
                 self._channel_now(hook, index, variables)
 
         # Every replica calls this (merge_call runs `create` once, for all).
-        internals.merge_call(create)
+        distribute.merge_call(create)
         channel = ready()
         if channel is None:
             raise RuntimeError(f"kerasdbg: no channel for apply {index} of {hook.name}")
         return channel
 
     def _apply(self, state: _StepState, optimizer, original, grads, trainable_variables):
-        inner = internals.inner_optimizer(optimizer)
+        inner = keras_objects.inner_optimizer(optimizer)
         grads = list(grads)
         if trainable_variables is not None:
             variables = list(trainable_variables)
         elif inner.built:
-            variables = internals.optimizer_variables(inner)
+            variables = keras_objects.optimizer_variables(inner)
         else:
             variables = None
         if not grads or variables is None or len(variables) != len(grads):
@@ -684,7 +688,7 @@ class Engine(Capture):
             return original(grads, trainable_variables)
         context = _ApplyContext(state, channel)
         before = self._guard(lambda: self._before_apply(context, optimizer, grads))
-        key = (internals.replica_id(), id(inner))
+        key = (distribute.replica_id(), id(inner))
         _CONTEXTS[key] = context
         try:
             applied = None
@@ -704,7 +708,7 @@ class Engine(Capture):
     def _before_apply(self, context: _ApplyContext, optimizer, grads) -> bool:
         channel, state = context.channel, context.state
         hook = channel.hook
-        step = internals.read(internals.raw_iterations(optimizer)) + 1
+        step = reads.read(keras_objects.raw_iterations(optimizer)) + 1
         context.step = step
         if state.first_step is None:
             state.first_step = step
@@ -727,7 +731,7 @@ class Engine(Capture):
     def _after_apply(self, context: _ApplyContext, optimizer) -> None:
         channel, hook = context.channel, context.channel.hook
         step = context.step
-        after = internals.read(internals.raw_iterations(optimizer))
+        after = reads.read(keras_objects.raw_iterations(optimizer))
         skipped = tf.equal(after, step - 1)
         train_id = context.state.train_id
         row = self._row(train_id)
@@ -743,7 +747,7 @@ class Engine(Capture):
             _buffers.run_if(
                 _and(slot.request.histograms_at(step), updates),
                 lambda slot=slot: self.quantities.record_histograms(
-                    slot, [internals.read(v) for v in slot.variables], row, train_id),
+                    slot, [reads.read(v) for v in slot.variables], row, train_id),
             )
         tensors = self._tensor_request(channel)
         if tensors is not None and context.step_slots is not None:

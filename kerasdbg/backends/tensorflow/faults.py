@@ -24,7 +24,10 @@ from kerasdbg.backends.tensorflow import buffers as _buffers
 from kerasdbg.backends.tensorflow import graph_functions
 from kerasdbg import _replay
 from kerasdbg.records import tags as _tags
-from kerasdbg.backends.tensorflow import keras_internals as internals
+from kerasdbg.backends.tensorflow import distribute
+from kerasdbg.capture import keras_objects
+from kerasdbg.backends.tensorflow import optimizer_routing as routing
+from kerasdbg.backends.tensorflow import variable_reads as reads
 from kerasdbg import stats as stats_lib
 from kerasdbg.backends.tensorflow.channels import _zeros_like
 from kerasdbg.backends.tensorflow.quantities import _dense, _several_replicas
@@ -157,7 +160,7 @@ class Faults:
 
                 def save():
                     for variable, copy in state:
-                        copy.assign(internals.read(variable))
+                        copy.assign(reads.read(variable))
                     saved.assign(tf.ones([], tf.int64))
 
                 self._save = (state, strategy, tf.function(save, autograph=False))
@@ -166,7 +169,7 @@ class Faults:
     @staticmethod
     def _state_variables(model) -> list:
         return [v for v in model.non_trainable_variables
-                if internals.is_float(v) and not internals.on_read(v)]
+                if keras_objects.is_float(v) and not reads.on_read(v)]
 
     def _state_matches(self, variables) -> bool:
         known = [s[0] for s in self._state]
@@ -378,7 +381,7 @@ class Faults:
 
         def save():
             for variable, copy in self._state:
-                copy.assign(tf.cast(internals.read(variable), copy.dtype))
+                copy.assign(tf.cast(reads.read(variable), copy.dtype))
             self._state_saved.assign(tf.ones([], tf.int64))
             return tf.constant(False)
 
@@ -408,18 +411,18 @@ class Faults:
         get it in cross-replica context, as `LossScaleOptimizer` does.
         """
 
-        inner = internals.inner_optimizer(optimizer)
+        inner = keras_objects.inner_optimizer(optimizer)
         scaled = inner is not optimizer
         # Built here, not inside a branch (a LossScaleOptimizer builds in apply).
-        internals.ensure_built(optimizer, trainable_variables)
+        keras_objects.ensure_built(optimizer, trainable_variables)
         no_merge_call = tf.__internal__.distribute.strategy_supports_no_merge_call()
         # One replica: the routes swap the optimizer's step count for a read
         # of it while they trace, which replicas tracing at once would mix.
-        variables = (internals.optimizer_variables(inner) if trainable_variables is None
+        variables = (keras_objects.optimizer_variables(inner) if trainable_variables is None
                      else list(trainable_variables))
         if (no_merge_call and _several_replicas() is None and frozen_before is not None
-                and internals.update_gateable(optimizer, variables)):
-            key = (internals.replica_id(), id(inner))
+                and routing.update_gateable(optimizer, variables)):
+            key = (distribute.replica_id(), id(inner))
             GATES[key] = Gate(frozen, frozen_before)
             try:
                 original_apply(grads, trainable_variables)
@@ -434,10 +437,10 @@ class Faults:
                 scale = optimizer.dynamic_scale
                 grads = [g if g is None else g / tf.cast(scale, g.dtype) for g in grads]
             if trainable_variables is None:
-                trainable_variables = internals.optimizer_variables(inner)
-            variables = [internals.read_handle(v) for v in trainable_variables]
-            getattr(inner, internals.REDUCE_METHOD)(list(zip(grads, variables)))
-            internals.raw_iterations(optimizer).assign_add(1)
+                trainable_variables = keras_objects.optimizer_variables(inner)
+            variables = [reads.read_handle(v) for v in trainable_variables]
+            getattr(inner, routing.REDUCE_METHOD)(list(zip(grads, variables)))
+            keras_objects.raw_iterations(optimizer).assign_add(1)
 
         def branch(function):
             def run():
@@ -480,7 +483,7 @@ class Faults:
         if freeze is not None:
             frozen = self._frozen.read_value() > 0
             if not self._state_matches(self._state_variables(model)):
-                internals.merge_call(lambda: self._make_state_now(model))
+                distribute.merge_call(lambda: self._make_state_now(model))
             self._keep_state_unless_frozen(frozen)
         return frozen
 

@@ -28,7 +28,8 @@ from typing import List
 import keras
 import tensorflow as tf
 
-from kerasdbg.backends.tensorflow import keras_internals as internals
+from kerasdbg.backends.tensorflow import variable_reads as reads
+from kerasdbg.capture import keras_objects
 
 _SINKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -45,7 +46,7 @@ class _FlushCallback(keras.callbacks.Callback):
     def _flush_unless_wrapped(self, mode: str) -> None:
         # The execution that traced ran unwrapped: always flush after it.
         model = self._target()
-        function = getattr(model, internals.FUNCTION_ATTRIBUTES[mode], None)
+        function = getattr(model, keras_objects.FUNCTION_ATTRIBUTES[mode], None)
         if mode not in self._seen or not getattr(function, "_kerasdbg_flushes", False):
             self._seen.add(mode)
             self._sink.flush()
@@ -91,9 +92,9 @@ class LayerSink:
                 layers.append(layer)
         flush_layers(layers, fit_step, alone)
 
-    def hook(self, context: internals.StepContext) -> None:
+    def hook(self, context: keras_objects.StepContext) -> None:
         model = context.model
-        attribute = internals.FUNCTION_ATTRIBUTES[context.mode]
+        attribute = keras_objects.FUNCTION_ATTRIBUTES[context.mode]
         function = getattr(model, attribute, None)
         if function is not None and not getattr(function, "_kerasdbg_flushes", False):
             setattr(model, attribute, self._flushing(function, model, context.mode))
@@ -190,13 +191,13 @@ def _flush_across_workers(layers) -> None:
 
 def current_fit_step(model):
     """`(key, step)` of the model's train-step counters after a train call
-    (`internals.step_counters`), or None."""
+    (`keras_objects.step_counters`), or None."""
     try:
-        counters = internals.step_counters(model)
+        counters = keras_objects.step_counters(model)
         if not counters:
             return None
         return tuple(id(v) for v in counters), max(
-            int(internals.read(v).numpy()) for v in counters)
+            int(reads.read(v).numpy()) for v in counters)
     except Exception:  # noqa: BLE001 - then every layer reads in full
         return None
 
@@ -208,7 +209,7 @@ def sink_for(model) -> LayerSink:
     return sink
 
 
-def register(layer, context: internals.StepContext) -> None:
+def register(layer, context: keras_objects.StepContext) -> None:
     """Called by a debug layer at trace time inside a Keras loop."""
     if context.model is None:
         return

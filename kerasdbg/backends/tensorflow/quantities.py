@@ -20,7 +20,8 @@ import tensorflow as tf
 
 from kerasdbg.backends.tensorflow import buffers as _buffers
 from kerasdbg.backends.tensorflow import graph_functions
-from kerasdbg.backends.tensorflow import keras_internals as internals
+from kerasdbg.capture import keras_objects
+from kerasdbg.backends.tensorflow import variable_reads as reads
 from kerasdbg import stats as stats_lib
 from kerasdbg.quantities import reductions
 from kerasdbg.capture.requests import MAX_CLASSES, WEIGHT_EXTRA_STATISTICS, _and, _scheduled
@@ -74,7 +75,7 @@ class Quantities:
         if not (starts or snapshots):
             return
         # The copies' layout is `stats.plan` of these same values (`Channel.copy_groups`).
-        now = stats_lib.Packed.of([internals.read(v) for v in channel.variables])
+        now = stats_lib.Packed.of([reads.read(v) for v in channel.variables])
 
         def assign(copies):
             for copy, vector in zip(copies, now.vectors):
@@ -140,9 +141,9 @@ class Quantities:
         applied = list(grads)
         if hook.accumulation:
             variables = [v for v, g in zip(context.channel.variables, grads) if g is not None]
-            accumulated = iter(internals.accumulators(optimizer, variables))
+            accumulated = iter(keras_objects.accumulators(optimizer, variables))
             applied = [None if g is None else
-                       (g + tf.cast(internals.read(next(accumulated)), g.dtype)) / hook.accumulation
+                       (g + tf.cast(reads.read(next(accumulated)), g.dtype)) / hook.accumulation
                        for g in applied]
         if not hook.clipping:
             return applied, None
@@ -152,7 +153,7 @@ class Quantities:
             return applied, tf.constant(False)
         # What the optimizer applies is what its own clipping makes of them;
         # whether it clipped is judged on the norms (or largest magnitudes).
-        applied = internals.clip_gradients(optimizer, applied)
+        applied = keras_objects.clip_gradients(optimizer, applied)
         if kind == "clipvalue":
             clipped = tf.reduce_any(tf.stack([tf.reduce_max(tf.abs(g)) > value for g in present]))
         else:
@@ -172,7 +173,7 @@ class Quantities:
         if channel.hook.separate:
             grads = context.applied
         else:
-            by_key = {internals.variable_key(inner, v): g for g, v in reduced if g is not None}
+            by_key = {keras_objects.variable_key(inner, v): g for g, v in reduced if g is not None}
             grads = [by_key.get(k) for k in channel.keys]
         step = context.step
         row, train_id = self.engine._row(context.state.train_id), context.state.train_id
@@ -277,7 +278,7 @@ class Quantities:
 
         stats = {s for slot in slots for s in slot.request.base_stats}
         ratio, distance = "update_ratio" in stats, "distance_from_start" in stats
-        inputs = [stats_lib.Packed.of([internals.read(channel.variables[i]) for i in wanted]),
+        inputs = [stats_lib.Packed.of([reads.read(channel.variables[i]) for i in wanted]),
                   _copies_of(channel, channel.previous, wanted) if ratio else [],
                   _copies_of(channel, channel.initial, wanted) if distance else []]
         plan = _scheduled_table(slots, step, updates, _weight_table, (ratio, distance), inputs)

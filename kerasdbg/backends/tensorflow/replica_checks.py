@@ -15,7 +15,8 @@ import numpy as np
 import tensorflow as tf
 
 from kerasdbg.backends.tensorflow import buffers as _buffers
-from kerasdbg.backends.tensorflow import keras_internals as internals
+from kerasdbg.backends.tensorflow import variable_reads as reads
+from kerasdbg.capture import keras_objects
 from kerasdbg.capture.requests import unique_paths
 
 TINY = 1e-30
@@ -30,9 +31,9 @@ class ReplicaChecksums:
 
     def __init__(self, model):
         self.strategy = model.distribute_strategy
-        variables = [v for v in model.trainable_variables if internals.is_float(v)]
+        variables = [v for v in model.trainable_variables if keras_objects.is_float(v)]
         paths = unique_paths(variables)
-        handles = [internals.read_handle(v) for v in variables]
+        handles = [reads.read_handle(v) for v in variables]
         copies = [self.strategy.experimental_local_results(h) for h in handles]
         local = max((len(c) for c in copies), default=0)
         # Only mirrored variables (a worker may hold one copy of each): one

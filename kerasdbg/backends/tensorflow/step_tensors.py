@@ -35,7 +35,8 @@ import tensorflow as tf
 from kerasdbg.backends.tensorflow import buffers as _buffers
 from kerasdbg.backends.tensorflow import quantities
 from kerasdbg.capture.requests import Request
-from kerasdbg.backends.tensorflow import keras_internals as internals
+from kerasdbg.capture import keras_objects
+from kerasdbg.backends.tensorflow import variable_reads as reads
 from kerasdbg import _replay
 
 from kerasdbg.capture.requests import RECORDABLE  # noqa: E402,F401 - what a request may record
@@ -113,7 +114,7 @@ class TensorRequest(Request):
             # The weights of step 0, copied in the graph before the first update
             # (a variable created in this trace has no value to read yet).
             self.initial_buffers = [
-                _buffers.on_read_variable(tf.zeros(v.shape, internals.read_handle(v).dtype.base_dtype),
+                _buffers.on_read_variable(tf.zeros(v.shape, reads.read_handle(v).dtype.base_dtype),
                                           "kerasdbg_trace_initial") for v in self.variables]
             self.initial_set = _buffers.on_read_variable(tf.zeros([], tf.int64),
                                                          "kerasdbg_trace_initial_set")
@@ -125,7 +126,7 @@ class TensorRequest(Request):
         def slots(kind):
             return [
                 _buffers.on_read_variable(
-                    tf.zeros([n] + list(v.shape), internals.read(v).dtype), f"kerasdbg_trace_{kind}")
+                    tf.zeros([n] + list(v.shape), reads.read(v).dtype), f"kerasdbg_trace_{kind}")
                 for v in self.variables
             ] if kind in self.record else []
 
@@ -160,7 +161,7 @@ class TensorRequest(Request):
         if self.initial:
             def start():
                 for buffer, variable in zip(self.initial_buffers, self.variables):
-                    buffer.assign(internals.read(variable))
+                    buffer.assign(reads.read(variable))
                 self.initial_set.assign(tf.ones([], tf.int64))
                 return tf.constant(True)
 
@@ -170,8 +171,8 @@ class TensorRequest(Request):
             return hit, slot
 
         def write_rate():
-            rate = internals.inner_optimizer(optimizer).learning_rate
-            _buffers.write_row(self.learning_rate, slot, tf.cast(internals.read(rate), tf.float64))
+            rate = keras_objects.inner_optimizer(optimizer).learning_rate
+            _buffers.write_row(self.learning_rate, slot, tf.cast(reads.read(rate), tf.float64))
             return tf.constant(True)
 
         def write():
@@ -191,8 +192,8 @@ class TensorRequest(Request):
         return hit, slot
 
     def _record_outputs(self, model, x, slot) -> None:
-        state = [v for v in model.non_trainable_variables if not internals.on_read(v)]
-        saved = [internals.read(v) for v in state]
+        state = [v for v in model.non_trainable_variables if not reads.on_read(v)]
+        saved = [reads.read(v) for v in state]
         outputs: Dict[str, tf.Tensor] = {}
 
         def on_output(name, value):
@@ -268,7 +269,7 @@ class TensorRequest(Request):
 
         def write():
             for buffer, variable in zip(self.weights, self.variables):
-                _buffers.write_row(buffer, slot, internals.read(variable))
+                _buffers.write_row(buffer, slot, reads.read(variable))
             _buffers.write_row(self.slot_ids, slot, tf.cast(step, tf.int64))
             return tf.constant(True)
 
