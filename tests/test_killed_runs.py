@@ -68,20 +68,20 @@ KILLS = {
 }
 
 
-def _start(log_dir, steps_per_epoch, kill_step):
-    return subprocess.Popen([sys.executable, "-c", _CHILD, log_dir, str(steps_per_epoch),
+def _start(child, log_dir, steps_per_epoch, kill_step):
+    return subprocess.Popen([sys.executable, "-c", child, log_dir, str(steps_per_epoch),
                              str(kill_step)],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
 
 
-@pytest.fixture(scope="module")
-def killed(tmp_path_factory):
-    """name -> the log directory of a child SIGKILLed as soon as it reports its step
-    (the children run side by side: their start, TensorFlow's import, is most of
-    their time; each is killed at its own step, whatever the others do)."""
-    root = tmp_path_factory.mktemp("killed")
-    children = {name: _start(str(root / name), steps_per_epoch, kill_step)
-                for name, (steps_per_epoch, kill_step) in KILLS.items()}
+def kill_children(root, child, kills=KILLS):
+    """name -> the log directory of a child (the Python code `child`, with
+    the arguments log_dir, steps per epoch and kill step) SIGKILLed as soon as
+    it reports its step (the children run side by side: their start, the
+    backend's import, is most of their time; each is killed at its own step,
+    whatever the others do)."""
+    children = {name: _start(child, str(root / name), steps_per_epoch, kill_step)
+                for name, (steps_per_epoch, kill_step) in kills.items()}
     deadline = time.monotonic() + TIMEOUT
     pending = {child.stdout.fileno(): name for name, child in children.items()}
     partial = {name: b"" for name in children}
@@ -93,20 +93,26 @@ def killed(tmp_path_factory):
             for fd in ready:
                 name = pending[fd]
                 chunk = os.read(fd, 65536)
-                child = children[name]
-                assert chunk, f"{name}: the child ended before its step (exit {child.poll()})"
+                process = children[name]
+                assert chunk, f"{name}: the child ended before its step (exit {process.poll()})"
                 *lines, partial[name] = (partial[name] + chunk).split(b"\n")
-                if lines and int(lines[-1]) >= KILLS[name][1]:
-                    child.send_signal(signal.SIGKILL)
-                    assert child.wait(timeout=30) == -signal.SIGKILL
+                if lines and int(lines[-1]) >= kills[name][1]:
+                    process.send_signal(signal.SIGKILL)
+                    assert process.wait(timeout=30) == -signal.SIGKILL
                     del pending[fd]
     finally:
-        for child in children.values():
-            if child.poll() is None:
-                child.kill()
-                child.wait(timeout=30)
-            child.stdout.close()
-    return {name: str(root / name) for name in KILLS}
+        for process in children.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait(timeout=30)
+            process.stdout.close()
+    return {name: str(root / name) for name in kills}
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """name -> the log directory of a child SIGKILLed at its step (`KILLS`)."""
+    return kill_children(tmp_path_factory.mktemp("killed"), _CHILD)
 
 
 def _tensorboard_scalars(run_dir):
