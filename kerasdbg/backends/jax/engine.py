@@ -79,7 +79,6 @@ _FIRST = _tags.step_scalar("first")
 _FROZEN = _tags.step_scalar("frozen")
 _FAULT = _tags.step_scalar("fault")
 _LOSS = _tags.LOSS
-_NAN_LAYER = "nan_source/layer"  # the position of the first non-finite layer output
 
 # The keys of what `_timed_execution` adds to an execution's last records:
 # its train steps, the host's seconds in `next(iterator)`, the examples.
@@ -202,6 +201,8 @@ class Engine(Capture):
         self._several = False
         self._plain = None
         self._pending: list = []
+        # With NaN location: each pending step's batch (else None), read with its records.
+        self._pending_data: list = []
         self._carry = None
         self._calls = 0
         self._step_base = 0
@@ -211,7 +212,6 @@ class Engine(Capture):
         self._read_once = False
         self._initial: Dict[str, list] = {}
         self._located = False  # whether this fit's first fault was located
-        self._nan_layers: List[str] = []  # the layers the NaN replay examines, in its order
         # The step of this fit, and the one kept for a later fit of the same graph.
         self._step_function = None
         self._recording_function = None  # the step variant of a StepRecorder's steps
@@ -292,6 +292,7 @@ class Engine(Capture):
         self.loss_captured = False
         self._read_once = False
         self._pending = []
+        self._pending_data = []
         self._carry = None
         self._calls = 0
         iterations = [int(np.asarray(keras_objects.raw_iterations(h.optimizer).value))
@@ -330,6 +331,7 @@ class Engine(Capture):
         self._carry = None
         self._initial = {}
         self._pending = []
+        self._pending_data = []
         self.hooks = {}
 
     def _after_failed_fit(self) -> None:
@@ -542,12 +544,12 @@ class Engine(Capture):
                     return engine._timed_execution(step, steps, state, carry, iterator)
                 data = next(iterator)
                 logs, state, carry, records = step(state, carry, data)
-                engine._pending.append(records)
+                engine._add(records, data)
                 try:
                     for _ in range(steps - 1):
                         data = next(iterator)
                         logs, state, carry, records = step(state, carry, data)
-                        engine._pending.append(records)
+                        engine._add(records, data)
                 except StopIteration:
                     pass
             except _StepFailed as failed:
@@ -600,7 +602,7 @@ class Engine(Capture):
             examples += _examples(data)
             logs, state, carry, records = step(state, carry, data)
             ran += 1
-            self._pending.append(records)
+            self._add(records, data)
         # The timing rides on the execution's last records (each step's once,
         # also when the data ends before `steps`).
         self._pending[-1] = dict(self._pending[-1], **{
@@ -677,16 +679,11 @@ class Engine(Capture):
     def _localizes(self) -> bool:
         return any(r.localize for r in self.requests)
 
-    def _nan_layer(self, model, first_fault, state, data):
-        """In the step: where the replay of a first fault found the first
-        non-finite layer output (`nan_source`), else `NONE_FOUND` (no fault,
-        or no layers to replay), as an int32 scalar."""
-        if not _nan_source.replayable(model, data):
-            return jnp.asarray(_nan_source.NONE_FOUND, jnp.int32)
-        names = self._nan_layers
-        return _cond(first_fault,
-                     lambda: _nan_source.first_nonfinite_layer(model, state, data, names),
-                     lambda: jnp.asarray(_nan_source.NONE_FOUND, jnp.int32))
+    def _add(self, records, data) -> None:
+        """Keeps a step's records until they are read, and with NaN location
+        its batch (a reference, no copy: the batches of one execution)."""
+        self._pending.append(records)
+        self._pending_data.append(data if self._localizes() else None)
 
     def _wants(self, kind: str) -> bool:
         return any(r.kind == kind for r in self.requests)
@@ -736,9 +733,6 @@ class Engine(Capture):
                     kept[position] = new[position]
                 a, b = len(trainable), len(trainable) + len(non_trainable)
                 new_state = (kept[:a], kept[a:b], kept[b:], metrics)
-                if engine._localizes():
-                    records[_NAN_LAYER] = engine._nan_layer(
-                        model, jnp.logical_and(fault, jnp.logical_not(frozen)), state, data)
                 frozen = jnp.logical_or(frozen, fault)
             calls = carry["calls"] + 1
             records[_CALLS] = calls
@@ -786,6 +780,7 @@ class Engine(Capture):
             return  # read late: nothing decides on these records while training runs
         self._read_once = True
         pending, self._pending = self._pending, []
+        batches, self._pending_data = self._pending_data, []
         totals = None
         if self._wants("classes") and self._carry is not None:
             totals = self._carry.get(_classes.CARRY)
@@ -793,7 +788,7 @@ class Engine(Capture):
         host = [_packing.unpack(records) for records in host]
         self._several = self._several or sum(h.applies > 0 for h in self.hooks.values()) > 1
         out: Dict[int, List[Record]] = {id(r): [] for r in self.requests}
-        for records in host:
+        for records, batch in itertools.zip_longest(host, batches[:len(host)]):
             if _tensors.PREFIX + "guess" in records:
                 for request in self.requests:
                     if request.kind == "tensors" and _tensors.PREFIX + "step" in records:
@@ -824,7 +819,7 @@ class Engine(Capture):
                             skipped, updated))
             for request in self.requests:
                 if request.kind == "step":
-                    out[id(request)].append(self._step_record(step, records))
+                    out[id(request)].append(self._step_record(step, records, batch))
                 elif request.kind == "wrap" and _TIMING[0] in records:
                     out[id(request)].append(Record(
                         step=step, skipped=False, histograms=None, tags=TIMING,
@@ -881,23 +876,37 @@ class Engine(Capture):
                       values=np.asarray(totals, np.float64).reshape(-1), histograms=None,
                       tags=tags)
 
-    def _nan_source(self, records: dict) -> List[tuple]:
+    def _nan_source(self, batch) -> List[tuple]:
         """`(tag, value)` of the layer part of a first fault's NaNSource:
         `located` (`NAN_SOURCE_*`), then the first layer output that held
-        NaN/Inf, or the subclassed model whose layers the replay cannot see."""
+        NaN/Inf, or the subclassed model whose layers the replay cannot see.
+
+        The faulty step's forward pass is replayed here, on the host's call,
+        once per fit: on its batch (`batch`, kept with its records) and the
+        weights the loop holds now, which the freeze kept at those the step
+        started from (`nan_source`). Nothing of it is traced or compiled
+        before a fault."""
         model = self._model()
-        index = int(records.get(_NAN_LAYER, _nan_source.NONE_FOUND))
         tag = _tags.fault("nan_source", "located")
-        if 0 <= index < len(self._nan_layers):
-            return [(tag, float(_tags.NAN_SOURCE_LAYER)),
-                    (_tags.fault("nan_source", "layer", self._nan_layers[index]), 1.0)]
         if model is not None and not _replay.is_graph_model(model):
             return [(tag, float(_tags.NAN_SOURCE_HIDDEN)),
                     (_tags.fault("nan_source", "model", model.name), 1.0)]
+        if model is not None and batch is not None and _nan_source.replayable(model, batch):
+            names: List[str] = []
+            try:
+                index = _nan_source.replay(model, _loop_weights(model), batch, names)
+            except Exception as error:  # noqa: BLE001 - the verdict says what was examined
+                warnings.warn(f"kerasdbg (NaNSource) could not replay the faulty step's layers, "
+                              f"so its verdict names the gradients only. Cause: "
+                              f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=2)
+                return [(tag, float(_tags.NAN_SOURCE_GRADIENTS))]
+            if index is not None:
+                return [(tag, float(_tags.NAN_SOURCE_LAYER)),
+                        (_tags.fault("nan_source", "layer", names[index]), 1.0)]
         located = _tags.NAN_SOURCE_LOSS if self.loss_captured else _tags.NAN_SOURCE_TRAIN_STEP
         return [(tag, float(located))]
 
-    def _step_record(self, step: int, records: dict) -> Record:
+    def _step_record(self, step: int, records: dict, batch=None) -> Record:
         tags = [_tags.step_scalar("loss") if _LOSS in records else None,
                 _tags.step_scalar("frozen"), _tags.step_scalar("fault")]
         values = [float(records.get(_LOSS, np.nan)), float(records[_FROZEN]),
@@ -918,7 +927,7 @@ class Engine(Capture):
             # The first fault of the fit: the first layer output and the
             # gradients that held NaN/Inf.
             self._located = True
-            for tag, value in self._nan_source(records):
+            for tag, value in self._nan_source(batch):
                 tags.append(tag)
                 values.append(value)
             for hook in sorted(self.hooks.values(), key=lambda h: h.number):
@@ -936,6 +945,20 @@ class Engine(Capture):
                         values.append(1.0)
         return Record(step=step, skipped=False, values=np.asarray(values, np.float64),
                       histograms=None, tags=tuple(tags))
+
+
+def _loop_weights(model):
+    """`(trainable, non_trainable)` values of `model` now: those of the
+    running loop's state (Keras writes them back to the variables only at
+    an epoch's end), else the variables'."""
+    state = getattr(model, "_jax_state", None) or {}
+    trainable = state.get("trainable_variables")
+    non_trainable = state.get("non_trainable_variables")
+    if trainable is None:
+        trainable = [v.value for v in model.trainable_variables]
+    if non_trainable is None:
+        non_trainable = [v.value for v in model.non_trainable_variables]
+    return trainable, non_trainable
 
 
 class _StepFailed(Exception):

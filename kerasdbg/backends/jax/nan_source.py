@@ -1,17 +1,17 @@
 """Where the first non-finite value of a faulty JAX step came from.
 
-At the first step whose loss or gradients held NaN/Inf, kerasdbg's step
+At the first step of a fit whose loss or gradients held NaN/Inf, the host
 replays the model's forward pass on that step's batch, layer call by layer
-call, with the weights the step started from, and records the position of
-the first layer output (inputs first, in graph order) that held NaN/Inf. The
-replay sits in a condition taken only then: a healthy step runs the fault
-test and nothing more (`jax.lax.cond` in a jitted step; without `jit_compile`
-a Python branch on the concrete test).
+call, with the weights the step started from, and finds the first layer
+output (inputs first, in graph order) that held NaN/Inf. Nothing of it is in
+kerasdbg's step: a healthy fit traces, compiles and runs no replay.
 
-The replay runs under a `StatelessScope` mapped to the step's own state, as
-Keras's train step calls the model: its writes (a BatchNormalization's moving
-statistics, a seed generator's state) are thrown away, and the batch and
-weights are those of the faulty step.
+The engine keeps a reference to each step's batch until the step's records
+are read (the batches of one execution), and the NaN guard keeps the weights
+of the faulty step's start in the loop's state. The replay runs op by op
+under a `StatelessScope` mapped to those weights, as Keras's train step calls
+the model (`training=True`): its writes (a BatchNormalization's moving
+statistics, a seed generator's state) are thrown away.
 """
 
 from __future__ import annotations
@@ -20,12 +20,9 @@ from typing import List, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kerasdbg import _replay
-from kerasdbg.quantities import reductions
-
-NONE_FOUND = -1
-"""The recorded position when no layer output held NaN/Inf."""
 
 
 def replayable(model, data) -> bool:
@@ -34,33 +31,29 @@ def replayable(model, data) -> bool:
     return _replay.is_graph_model(model) and _inputs(data) is not None
 
 
-def first_nonfinite_layer(model, state, data, names: List[str]):
-    """In the step: the position in `names` of the first layer output of
-    `model` on `data`'s inputs that held NaN/Inf, with the weights in `state`
-    (Keras's `(trainable, non_trainable, ...)` state), as an int32 scalar
-    (`NONE_FOUND` when none did). `names` is filled with the qualified names
-    of the layers, in the order of the positions."""
+def replay(model, weights, data, names: List[str]) -> Optional[int]:
+    """The position in `names` of the first layer output of `model` on
+    `data`'s inputs that held NaN/Inf, with the weights `(trainable,
+    non_trainable)` (values in the order of the model's variables), or None
+    when none did. `names` receives the qualified names of the layers
+    examined, in order (a layer once per floating-point output)."""
     from keras.src.backend.common.stateless_scope import StatelessScope
 
-    x = _inputs(data)
+    trainable, non_trainable = weights
     flags = []
-    del names[:]
 
     def on_output(name, outputs):
         for tensor in jax.tree_util.tree_leaves(outputs):
             if hasattr(tensor, "dtype") and jnp.issubdtype(tensor.dtype, jnp.floating):
                 names.append(name)
-                flags.append(jnp.logical_not(reductions.all_finite(tensor)))
+                flags.append(jnp.logical_not(jnp.all(jnp.isfinite(tensor))))
 
-    mapping = list(zip(model.trainable_variables, state[0])) + \
-        list(zip(model.non_trainable_variables, state[1]))
+    mapping = list(zip(model.trainable_variables, trainable)) + \
+        list(zip(model.non_trainable_variables, non_trainable))
     with StatelessScope(state_mapping=mapping):
-        _replay.call_layer_by_layer(model, x, True, on_output)
-    if not flags:
-        return jnp.asarray(NONE_FOUND, jnp.int32)
-    bad = jnp.stack(flags)
-    return jnp.where(jnp.any(bad), jnp.argmax(bad).astype(jnp.int32),
-                     jnp.asarray(NONE_FOUND, jnp.int32))
+        _replay.call_layer_by_layer(model, _inputs(data), True, on_output)
+    bad = np.asarray(jax.device_get(flags), bool) if flags else np.zeros(0, bool)
+    return int(np.argmax(bad)) if bad.any() else None
 
 
 def _inputs(data) -> Optional[object]:
@@ -70,4 +63,4 @@ def _inputs(data) -> Optional[object]:
     return x
 
 
-__all__ = ["NONE_FOUND", "first_nonfinite_layer", "replayable"]
+__all__ = ["replay", "replayable"]
