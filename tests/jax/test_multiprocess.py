@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 import keras
 import numpy as np
-import pytest
 
 from kerasdbg import load_run
 
