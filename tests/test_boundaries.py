@@ -290,3 +290,26 @@ def test_imports_run_from_higher_layers_to_lower_ones_only():
                     wrong.append(f"{module} ({LAYERS[own][0]}) imports {imported} "
                                  f"({LAYERS[_layer_of(imported)][0]})")
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_tensorflow_engines_parts_read_it_through_its_view_only():
+    """`Quantities`, `Faults` and `Collector` read the TensorFlow engine
+    through the `EngineView` it hands them: no private member of the view,
+    no reference to the engine itself, and its class named in annotations
+    only (checked on the source)."""
+    import ast
+
+    wrong = []
+    for name in ("quantities", "faults", "collect"):
+        path = os.path.join(ROOT, "kerasdbg", "backends", "tensorflow", name + ".py")
+        with open(path) as source:
+            tree = ast.parse(source.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == \
+                    "kerasdbg.backends.tensorflow.engine":
+                wrong += [f"{name}:{node.lineno}: imports {a.name}" for a in node.names
+                          if a.name == "Engine"]
+            elif isinstance(node, ast.Attribute) and (node.attr == "engine" or (
+                    ast.unparse(node.value) == "self._view" and node.attr.startswith("_"))):
+                wrong.append(f"{name}:{node.lineno}: reads {ast.unparse(node)}")
+    assert not wrong, "\n".join(wrong)

@@ -360,3 +360,25 @@ def test_repeated_fits_keep_no_traced_step_alive(tmp_path, nan_guard):
             assert not held, held
     assert load_run(str(tmp_path / "3")).scalars("gradients/.*/l2_norm").step.max() == \
         4 * len(X) // BATCH
+
+
+def test_the_engines_view_is_read_only_and_holds_the_engine_weakly():
+    """What `Quantities`, `Faults` and `Collector` read of the engine
+    (`EngineView`): its state now, nothing written through it, and the
+    engine freed with its model (a proxy, no cycle)."""
+    from kerasdbg.backends.tensorflow.engine import Engine, EngineView
+
+    model = make_mlp()
+    _compile(model, spe=3)
+    engine = Engine(model)
+    view = EngineView(engine)
+    assert view.model is model and view.requests == [] and view.rows is None
+    assert view.calls is None and view.step_values is None and not view.wants("step")
+    with pytest.raises(AttributeError):
+        view.rows = 3
+    engine.rows = 3
+    assert view.rows == 3
+    del engine
+    gc.collect()
+    with pytest.raises(ReferenceError):
+        _ = view.requests

@@ -63,7 +63,8 @@ for, is the backend-neutral one in `kerasdbg.capture`):
   (`Collector`).
 - `engine`: the core: `engine_for` and `Engine` (the life cycle above, the
   wrapped train step, the routing of the optimizer applies, the train
-  step's own row) and the cleanup when a `fit` ends.
+  step's own row) and the cleanup when a `fit` ends. It hands `quantities`,
+  `faults` and `collect` a read-only `EngineView` of what they read of it.
 
 What TensorFlow and its Keras backend keep private is read in one module per
 concern (the parts every backend shares are in

@@ -11,7 +11,6 @@ request recorded nothing by construction.
 from __future__ import annotations
 
 import warnings
-import weakref
 from typing import TYPE_CHECKING, Dict, List, Optional
 
 import numpy as np
@@ -23,17 +22,20 @@ from kerasdbg.backends.tensorflow.channels import Channel
 from kerasdbg.capture.requests import CLASS_COLUMNS, MAX_CLASSES, Record, Request, _STEP_FIXED
 
 if TYPE_CHECKING:
-    from kerasdbg.backends.tensorflow.engine import Engine
+    from kerasdbg.backends.tensorflow.engine import EngineView
+    from kerasdbg.backends.tensorflow.faults import Faults
 
 
 class Collector:
     """What the host reads of one engine's buffers; owned by the `Engine`,
-    whose `collect` (at each batch end) calls it while the fit is prepared."""
+    whose `collect` (at each batch end) calls it while the fit is prepared.
 
-    def __init__(self, engine: "Engine"):
-        # A proxy: the engine owns this object, and no cycle delays freeing
-        # the engine (its buffers) once its model is gone.
-        self.engine = weakref.proxy(engine)
+    It reads the engine through `view` only, and reports the faults the step
+    rows say were found late to `faults`."""
+
+    def __init__(self, view: "EngineView", faults: "Faults"):
+        self._view = view
+        self._faults = faults
         self._last_call = 0
         self._first_call = 0
         self._step_base = 0
@@ -55,10 +57,10 @@ class Collector:
 
     def step_of(self, train_id: int) -> int:
         """The step of a train step that ran (host read of the step buffer)."""
-        engine = self.engine
-        if engine._step_values is None:
+        view = self._view
+        if view.step_values is None:
             return self.fit_step(train_id)
-        row = _buffers.read(engine._step_values)[(train_id - 1) % engine.rows]
+        row = _buffers.read(view.step_values)[(train_id - 1) % view.rows]
         return self.fit_step(train_id, row[1] if int(row[0]) == train_id else np.nan)
 
     def fit_step(self, train_id: int, step: float = np.nan) -> int:
@@ -75,7 +77,8 @@ class Collector:
 
     def train_steps(self) -> int:
         """The train-step id of the last train step run (host read)."""
-        return int(_buffers.read(self.engine._calls)) if self.engine._calls is not None else 0
+        calls = self._view.calls
+        return int(_buffers.read(calls)) if calls is not None else 0
 
     def collect(self, final: bool = True, batch: Optional[int] = None) -> None:
         """Reads the rows written since the last call and hands them out.
@@ -92,19 +95,20 @@ class Collector:
             self._checked_batch = batch
         else:
             self._checked_batch = None
-        for request in self.engine.requests:
+        view = self._view
+        for request in view.requests:
             if request.kind == "tensors" and request.channel is not None:
                 request.collect()
         # Each callback collects at each batch end; the first read tells the
         # later ones there is nothing new (a read costs 10-30 us).
-        calls = int(_buffers.read(self.engine._calls))
+        calls = int(_buffers.read(view.calls))
         if calls <= self._last_call:
             return
-        n, rows = self.engine._steps_per_execution, self.engine.rows
+        n, rows = view.steps_per_execution, view.rows
         if not final and self._saw_steps and calls - self._last_call + n <= rows:
             return
         first = max(self._last_call + 1, calls - rows + 1)
-        if first > self._last_call + 1 and self.engine._wants(
+        if first > self._last_call + 1 and view.wants(
                 "gradients", "weights", "step", "classes"):
             warnings.warn(
                 f"kerasdbg lost {first - self._last_call - 1} step records: the "
@@ -114,11 +118,11 @@ class Collector:
                 stacklevel=3,  # the caller of `Engine.collect`
             )
         ids = list(range(first, calls + 1))
-        records: Dict[int, List[Record]] = {id(r): [] for r in self.engine.requests}
+        records: Dict[int, List[Record]] = {id(r): [] for r in view.requests}
         self._collect_steps(ids, records)
-        several = self.engine.several_optimizers
-        ordered: Dict[int, list] = {id(r): [] for r in self.engine.requests}
-        for channel in self.engine.channels:
+        several = view.several_optimizers
+        ordered: Dict[int, list] = {id(r): [] for r in view.requests}
+        for channel in view.channels:
             if channel.slots:
                 self._collect_channel(channel, ids, ordered, several)
         for key, entries in ordered.items():
@@ -126,7 +130,7 @@ class Collector:
             records[key] += [record for _, _, record in sorted(entries, key=lambda e: e[:2])]
         self._last_call = calls
         self._saw_steps = True
-        for request in self.engine.requests:
+        for request in view.requests:
             if records[id(request)]:
                 request.consumer(records[id(request)])
         if not self._diagnosed:
@@ -134,20 +138,21 @@ class Collector:
             self._diagnose()
 
     def _collect_steps(self, ids, records) -> None:
-        requests = [r for r in self.engine.requests if r.kind in ("step", "classes")]
-        if not requests or self.engine._step_values is None:
+        view = self._view
+        requests = [r for r in view.requests if r.kind in ("step", "classes")]
+        if not requests or view.step_values is None:
             return
-        n = self.engine.rows
-        replicas = _buffers.read_replicas(self.engine._step_values)
+        n = view.rows
+        replicas = _buffers.read_replicas(view.step_values)
         table = replicas[0]
-        names = self.engine._step_names
+        names = view.step_names
         for train_id in ids:
             row = table[(train_id - 1) % n]
             if int(row[0]) != train_id:
                 continue
             step = self.fit_step(train_id, row[1])
             if row[6] > 0:  # a fault found after other applies of this train step
-                self.engine.faults.late_fault(step, int(row[6]))
+                self._faults.late_fault(step, int(row[6]))
             scalars = np.mean([r[(train_id - 1) % n][_STEP_FIXED:_STEP_FIXED + len(names)]
                                for r in replicas], axis=0) if names else np.zeros(0)
             for request in requests:
@@ -163,7 +168,7 @@ class Collector:
                         continue  # compute_loss's loss of the step comes first
                     tags.append(_tags.step_scalar(name))
                     values.append(value)
-                for tag, value in self.engine.faults.scalars(step, row).items():
+                for tag, value in self._faults.scalars(step, row).items():
                     tags.append(tag)
                     values.append(value)
                 records[id(request)].append(Record(
@@ -181,7 +186,7 @@ class Collector:
                         values=totals.reshape(-1), histograms=None, tags=tags))
 
     def _collect_channel(self, channel: Channel, ids, records, several: bool) -> None:
-        n = self.engine.rows
+        n = self._view.rows
         meta = _buffers.read(channel.meta)
         rows = [((i - 1) % n, i) for i in ids if meta[(i - 1) % n, 0] == i]
         if not rows:
@@ -222,11 +227,12 @@ class Collector:
     def _bypassed(self, model) -> str:
         """Why the optimizers whose `apply` did not pass through kerasdbg
         (`Engine.bypassed`) are not recorded; "" when there is none."""
-        if not self.engine.bypassed:
+        bypassed = self._view.bypassed
+        if not bypassed:
             return ""
         names = {id(o): n for n, o in keras_objects.find_optimizers(model)}
         said = []
-        for key, optimizer in self.engine.bypassed.items():
+        for key, optimizer in bypassed.items():
             name = names.get(key, getattr(optimizer, "name", "?"))
             own = vars(optimizer).get("apply")
             how = (f"the optimizer holds an `apply` of its own ({_qualname(own)}) that reaches "
@@ -241,21 +247,22 @@ class Collector:
     def _diagnose(self) -> None:
         """After the first execution with steps: says once, for each request
         that recorded nothing by construction, why."""
-        model = self.engine._model()
-        applied = [h for h in self.engine.hooks.values() if h.channels]
+        view = self._view
+        model = view.model
+        applied = [h for h in view.hooks.values() if h.channels]
         bypassed = self._bypassed(model)
         silent: Dict[tuple, List[Request]] = {}
-        for request in self.engine.requests:
+        for request in view.requests:
             if not request.per_variable:
                 continue
             if request.kind == "tensors" and request.channel is not None and (
                     request.variables or not {"gradients", "weights"} & set(request.record)):
                 continue
-            if bypassed and not self.engine.routed:
+            if bypassed and not view.routed:
                 why = bypassed  # its channel may exist (built before the trace), never written
-            elif any(id(request) in c.slots for c in self.engine.channels):
+            elif any(id(request) in c.slots for c in view.channels):
                 continue
-            elif not self.engine.channels:
+            elif not view.channels:
                 if not model.trainable_variables:
                     why = (f"the model {model.name!r} has no trainable variables, so no "
                            "optimizer applied gradients")
@@ -268,14 +275,14 @@ class Collector:
                            "non-Keras optimizer), there is nothing to record")
             else:
                 names = ", ".join(h.name for h in applied)
-                paths = sorted({p for c in self.engine.channels for p in c.paths})
+                paths = sorted({p for c in view.channels for p in c.paths})
                 listing = ", ".join(paths[:8]) + (f" and {len(paths) - 8} more"
                                                   if len(paths) > 8 else "")
                 why = (f"none of the variables that {names} applied matches "
                        f"include={request.include!r}, exclude={request.exclude!r}: "
                        f"{listing}")
             silent.setdefault((request.owner, why), []).append(request)
-        watching = [r for r in self.engine.requests if r.per_variable]
+        watching = [r for r in view.requests if r.per_variable]
         if bypassed and not silent and watching:
             # The others are recorded; this one is not.
             message = f"kerasdbg records nothing of an optimizer this fit: {bypassed}."

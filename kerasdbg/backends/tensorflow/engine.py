@@ -228,6 +228,98 @@ def _skip_if(flag, optimizer, function) -> None:
     tf.cond(flag, lambda: tf.constant(False), run)
 
 
+class EngineView:
+    """What the engine's parts read of it, read-only: the `Collector` on the
+    host, `Quantities` and `Faults` in the trace. Live (each property reads
+    the engine's current state, which changes between fits) and cheap (one
+    attribute read each: the collector reads at every batch end).
+
+    It refers to the engine weakly: the engine owns its parts, and no cycle
+    delays freeing the engine (its buffers) once its model is gone.
+    """
+
+    __slots__ = ("_engine",)
+
+    def __init__(self, engine: "Engine"):
+        self._engine = weakref.proxy(engine)
+
+    @property
+    def model(self):
+        """The model, or None once it is gone."""
+        return self._engine._model()
+
+    @property
+    def requests(self) -> List[Request]:
+        """The requests attached, in order."""
+        return self._engine.requests
+
+    @property
+    def hooks(self) -> Dict[int, Hook]:
+        """The optimizers seen, by id."""
+        return self._engine.hooks
+
+    @property
+    def channels(self) -> List[Channel]:
+        """The applies seen, in the order they were created (`Channel.number`)."""
+        return self._engine.channels
+
+    @property
+    def rows(self) -> Optional[int]:
+        """The rows of every buffer (a multiple of `steps_per_execution`)."""
+        return self._engine.rows
+
+    @property
+    def steps_per_execution(self) -> Optional[int]:
+        return self._engine._steps_per_execution
+
+    @property
+    def calls(self) -> Optional[tf.Variable]:
+        """The buffer of the train-step id of the last train step run."""
+        return self._engine._calls
+
+    @property
+    def step_values(self) -> Optional[tf.Variable]:
+        """The buffer of the train steps' own rows (see `Engine.__init__`), or None."""
+        return self._engine._step_values
+
+    @property
+    def step_names(self) -> List[str]:
+        """The names of the scalars the train step returns, as in the step rows."""
+        return self._engine._step_names
+
+    @property
+    def several_optimizers(self) -> bool:
+        return self._engine.several_optimizers
+
+    @property
+    def loss_captured(self) -> bool:
+        """Whether the traced train step called `compute_loss`."""
+        return self._engine.loss_captured
+
+    @property
+    def bypassed(self) -> Dict[int, object]:
+        """The optimizers that applied gradients without their `apply`
+        passing through the route, by id."""
+        return self._engine.bypassed
+
+    @property
+    def routed(self) -> set:
+        """The ids of the optimizers whose `apply` passed through the route."""
+        return self._engine.routed
+
+    def wants(self, *kinds: str) -> bool:
+        """Whether a request of one of these kinds is attached."""
+        return self._engine._wants(*kinds)
+
+    def row(self, train_id):
+        """The buffers' row of train step `train_id` (in-graph)."""
+        return self._engine._row(train_id)
+
+    def tensor_request(self, channel: Channel) -> Optional[Request]:
+        """The `tensors` request bound to `channel`, or None."""
+        return self._engine._tensor_request(channel)
+
+
 _ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -278,9 +370,10 @@ class Engine(Capture):
         self._fit_requests: List[Request] = []
         # What the requests record, computed in the graph; the fault test,
         # freeze and NaN localisation, with their variables; the host's reads.
-        self.quantities = Quantities(self)
-        self.faults = Faults(self)
-        self.collector = Collector(self)
+        view = EngineView(self)
+        self.quantities = Quantities(view)
+        self.faults = Faults(view)
+        self.collector = Collector(view, self.faults)
 
     # ----------------------------------------------------------- lifecycle
     def attach(self, request: Request) -> None:

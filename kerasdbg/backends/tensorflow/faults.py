@@ -13,7 +13,6 @@ non-finite values first appear. On the host, what was found becomes the
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING, Dict, List, NamedTuple, Optional, Tuple
 
 import keras
@@ -35,7 +34,7 @@ from kerasdbg.quantities import reductions
 from kerasdbg.capture.requests import Freeze
 
 if TYPE_CHECKING:
-    from kerasdbg.backends.tensorflow.engine import Engine, _ApplyContext, _StepState
+    from kerasdbg.backends.tensorflow.engine import EngineView, _ApplyContext, _StepState
 
 
 MAX_FLAGGED = 4096
@@ -87,10 +86,8 @@ class Faults:
     by the `Engine`, which calls it before each optimizer apply, for the
     update itself, at the end of each train step and when it collects."""
 
-    def __init__(self, engine: "Engine"):
-        # A proxy: the engine owns this object, and no cycle delays freeing
-        # the engine (its buffers) once its model is gone.
-        self.engine = weakref.proxy(engine)
+    def __init__(self, view: "EngineView"):
+        self._view = view
         self._frozen: Optional[tf.Variable] = None
         # Non-trainable state the forward pass updates (BatchNormalization's
         # moving statistics) and its copy after the last unfrozen step.
@@ -128,7 +125,7 @@ class Faults:
 
     def _freeze(self) -> Optional[Freeze]:
         """The faults that freeze the weights: the union over the requests."""
-        specs = [r.freeze for r in self.engine.requests if r.freeze is not None]
+        specs = [r.freeze for r in self._view.requests if r.freeze is not None]
         if not specs:
             return None
         norms = [s.max_gradient_norm for s in specs if s.max_gradient_norm is not None]
@@ -139,7 +136,7 @@ class Faults:
         )
 
     def _localizes(self) -> bool:
-        return any(r.localize for r in self.engine.requests)
+        return any(r.localize for r in self._view.requests)
 
     def _prepare_state(self, model, strategy) -> None:
         """Copies of the forward pass's state variables, for frozen steps.
@@ -232,7 +229,7 @@ class Faults:
         freeze = self._freeze()
         # The faults are tested to freeze, or only to localise a NaN.
         watched = freeze or (Freeze() if self._localizes() else None)
-        wants_loss = self.engine._wants("step", "tensors")
+        wants_loss = self._view.wants("step", "tensors")
         local = None if state.loss is None else tf.reduce_sum(tf.cast(state.loss, tf.float64))
         if watched is None:
             if local is not None and wants_loss and state.loss_sum is None:
@@ -294,7 +291,7 @@ class Faults:
         (`_graph_functions`): no step instantiates it, so the graph
         optimizer never works on this second forward pass, until a fault.
         """
-        model = self.engine._model()
+        model = self._view.model
         row = self._nan_row
         x = context.state.x
         number = context.channel.number
@@ -524,7 +521,7 @@ class Faults:
         if indices and min(indices) < len(self.nan_layers):
             layer = self.nan_layers[min(indices)]
         number = int(hits[0][2])
-        channels = self.engine.channels
+        channels = self._view.channels
         channel = channels[number] if 0 <= number < len(channels) else None
         flags = np.any([r[3:] for r in hits], axis=0)
         paths = channel.paths if channel is not None else []
@@ -569,13 +566,13 @@ class Faults:
         source = self.nan_source() if self._localizes() else None
         if source is None or source["step"] != step:
             return scalars
-        model = self.engine._model()
+        model = self._view.model
         layer = source["layer"]
         if layer is not None:
             located = _tags.NAN_SOURCE_LAYER
             scalars[_tags.fault("nan_source", "layer", layer)] = 1.0
         elif _replay.is_graph_model(model):
-            located = (_tags.NAN_SOURCE_LOSS if self.engine.loss_captured
+            located = (_tags.NAN_SOURCE_LOSS if self._view.loss_captured
                        else _tags.NAN_SOURCE_TRAIN_STEP)
         else:
             located = _tags.NAN_SOURCE_HIDDEN
@@ -583,6 +580,6 @@ class Faults:
         scalars[_tags.fault("nan_source", "located")] = float(located)
         for path in source["variables"]:
             scalars[_tags.fault("nan_source", "gradient", path)] = 1.0
-        if self.engine.several_optimizers and source.get("optimizer"):
+        if self._view.several_optimizers and source.get("optimizer"):
             scalars[_tags.fault("nan_source", "optimizer", source["optimizer"])] = 1.0
         return scalars

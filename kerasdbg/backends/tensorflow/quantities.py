@@ -11,7 +11,6 @@ step whatever the number of requests asking for it.
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING, Dict, List
 
 import keras
@@ -29,7 +28,7 @@ from kerasdbg.backends.tensorflow.channels import Slot
 from kerasdbg.schedule import Schedule
 
 if TYPE_CHECKING:
-    from kerasdbg.backends.tensorflow.engine import Engine, _ApplyContext, _StepState
+    from kerasdbg.backends.tensorflow.engine import EngineView, _ApplyContext, _StepState
 
 
 def _dense(gradient) -> tf.Tensor:
@@ -51,10 +50,8 @@ class Quantities:
     slots' buffers, in the graph; owned by the `Engine`, which calls it
     around each optimizer apply and at the end of each train step."""
 
-    def __init__(self, engine: "Engine"):
-        # A proxy: the engine owns this object, and no cycle delays freeing
-        # the engine (its buffers) once its model is gone.
-        self.engine = weakref.proxy(engine)
+    def __init__(self, view: "EngineView"):
+        self._view = view
 
     def copy_weights(self, context: _ApplyContext) -> None:
         """Before the update: the weights at the fit's start (distances from
@@ -104,7 +101,7 @@ class Quantities:
         optimizer rewrites the update, and so its last bit."""
         channel, hook = context.channel, context.channel.hook
         slots = channel.slots_of("gradients")
-        tensors = self.engine._tensor_request(channel)
+        tensors = self._view.tensor_request(channel)
         if not slots and tensors is None:
             return
         step = context.step
@@ -125,7 +122,7 @@ class Quantities:
                 clipped = reduced[-1] > 0
         context.clipped = clipped
         context.applied = applied
-        row, train_id = self.engine._row(context.state.train_id), context.state.train_id
+        row, train_id = self._view.row(context.state.train_id), context.state.train_id
         if slots:
             self._write_gradients(slots, grads, step, row, train_id, clipped, applied=False)
             self._write_gradients(slots, applied, step, row, train_id, None, applied=True)
@@ -176,8 +173,8 @@ class Quantities:
             by_key = {keras_objects.variable_key(inner, v): g for g, v in reduced if g is not None}
             grads = [by_key.get(k) for k in channel.keys]
         step = context.step
-        row, train_id = self.engine._row(context.state.train_id), context.state.train_id
-        tensors = self.engine._tensor_request(channel)
+        row, train_id = self._view.row(context.state.train_id), context.state.train_id
+        tensors = self._view.tensor_request(channel)
         if tensors is not None and grads is not None:
             tensors.record_gradients(step, [grads[i] for i in tensors.positions])
         if channel.hook.separate:
