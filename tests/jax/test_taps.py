@@ -644,3 +644,47 @@ def test_a_tap_inside_a_nested_jax_transform_says_so_once_and_the_fit_trains_pla
     assert len(said) == 1 and "within the step" in said[0], kerasdbg_warnings(record)
     for got, want in zip(model.trainable_variables, plain.trainable_variables):
         np.testing.assert_array_equal(np.asarray(got.value), np.asarray(want.value))
+
+
+@pytest.mark.parametrize("capture", [False, True], ids=["taps", "taps+GradientStatistics"])
+def test_each_loop_gives_the_model_its_functions_back_and_the_next_records_again(capture):
+    """The sink wraps the model's train/test/predict functions for a loop only:
+    after fit (also one that raised), evaluate and predict, the model holds
+    Keras's own functions, and the next loop records again."""
+    from kerasdbg.callbacks import GradientStatistics
+
+    def callbacks():
+        return [GradientStatistics()] if capture else []
+
+    def unwrapped():
+        for attribute in ("train_function", "test_function", "predict_function"):
+            function = vars(model).get(attribute)
+            assert not getattr(function, "_kerasdbg_flushes", False), attribute
+
+    tap = TapLayer(stats=STATS, name="tap")
+    model = make_model(2, True, tap)
+    fit(model, callbacks())
+    unwrapped()
+    assert list(tap.history["step"]) == list(range(1, STEPS + 1))
+    fit(model, callbacks())
+    unwrapped()
+    assert list(tap.history["step"]) == list(range(1, 2 * STEPS + 1))
+    model.evaluate(X, Y, batch_size=16, verbose=0)
+    unwrapped()
+    assert tap.latest_by_mode["evaluate"]["step"] == 3
+    model.predict(X, batch_size=24, verbose=0)
+    unwrapped()
+    assert tap.latest_by_mode["predict"]["step"] == 2
+
+    class Boom(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch >= 1:
+                raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        fit(model, callbacks() + [Boom()])
+    unwrapped()
+    fit(model, callbacks())
+    unwrapped()
+    # The fit that raised ran one execution (2 steps) and recorded it.
+    assert list(tap.history["step"]) == list(range(1, 3 * STEPS + 3))

@@ -19,6 +19,11 @@ sink of the model whose step calls it; the sink then
   the wrapped one (`kerasdbg.backends.jax.engine`).
 
 Flushing is idempotent: each layer hands out only rows it has not handed out.
+
+When the loop ends (a `fit` however it ends, through `capture.fit_end`; an
+`evaluate` or `predict` outside a fit at its `on_*_end`), the model's
+functions are given back unwrapped, and the callback leaves a `CallbackList`
+the user made; the next loop wraps them again (`_wrap_makers`).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import keras
 import numpy as np
 
 from kerasdbg.backends.jax import layer_record
-from kerasdbg.capture import keras_objects
+from kerasdbg.capture import fit_end, keras_objects
 
 FUNCTION_ATTRIBUTES = {"fit": "train_function", "evaluate": "test_function",
                        "predict": "predict_function"}
@@ -60,10 +65,14 @@ class _FlushCallback(keras.callbacks.Callback):
         # Keras's CallbackList flags (keras/src/callbacks/callback_list.py).
         self._live = {mode: not getattr(callbacks, f"_async_{mode}", False)
                       for mode in ("train", "test", "predict")}
+        self._last = False  # whether the restore was moved after the fit's other cleanups
 
     def on_train_batch_begin(self, batch, logs=None):
         if not self._live["train"]:
             self._sink.flush_live()
+        if not self._last:
+            self._last = True
+            self._sink.restore_last()
 
     def on_test_batch_begin(self, batch, logs=None):
         if not self._live["test"]:
@@ -90,12 +99,21 @@ class _FlushCallback(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self._sink.flush_live()
+        self._sink.restore_last()
+
+    def _ended(self) -> None:
+        """An evaluate or predict ended: outside a fit, the model is given back."""
+        model = self._sink._model()
+        if model is not None and not _fit_running(model):
+            self._sink.restore()
 
     def on_test_end(self, logs=None):
         self._sink.flush_live()
+        self._ended()
 
     def on_predict_end(self, logs=None):
         self._sink.flush_live()
+        self._ended()
 
 
 class LayerSink:
@@ -107,6 +125,8 @@ class LayerSink:
         self._positions: Optional[Dict[int, int]] = None
         # The non-trainable values read last (the list Keras's loop holds).
         self._last_read = None
+        # The CallbackLists this sink's callback joined (weakly).
+        self._lists: "weakref.WeakSet" = weakref.WeakSet()
 
     def layers(self) -> list:
         alive = []
@@ -168,12 +188,28 @@ class LayerSink:
                            layer._records([layer_record.decode(table)]))
 
     def hook(self, where: layer_record.Context) -> None:
-        model = where.model
-        attribute = FUNCTION_ATTRIBUTES[where.mode]
+        self.wrap(where.model, where.mode)
+        self.add_callback(where.callbacks)
+
+    def wrap(self, model, mode: str) -> None:
+        """Wraps the model's function of the loop `mode` ("fit", "evaluate",
+        "predict") to flush after each execution, until the loop ends."""
+        attribute = FUNCTION_ATTRIBUTES[mode]
         function = getattr(model, attribute, None)
         if function is not None and not getattr(function, "_kerasdbg_flushes", False):
             setattr(model, attribute, self._flushing(function))
-        self.add_callback(where.callbacks)
+        if _fit_running(model):
+            # However the fit ends (Keras calls no callback when it raises).
+            fit_end.on_fit_end(model, self, self.restore)
+
+    def restore_last(self) -> None:
+        """Moves the restore after the fit's other cleanups: kerasdbg's
+        capture, which gives back the function it found (this sink's
+        wrapper, in a later fit), registers its own at the fit's start."""
+        model = self._model()
+        if model is not None:
+            fit_end.cancel_fit_end(model, self)
+            fit_end.on_fit_end(model, self, self.restore)
 
     def add_callback(self, callbacks) -> None:
         if callbacks is not None and not any(
@@ -181,6 +217,21 @@ class LayerSink:
             # First: the other callbacks (ActivationStatistics, the user's) then
             # see this execution's records.
             callbacks.callbacks.insert(0, _FlushCallback(self, callbacks))
+            self._lists.add(callbacks)
+
+    def restore(self) -> None:
+        """Gives the model its functions back unwrapped and takes the
+        flushing callback out of the lists it joined."""
+        model = self._model()
+        if model is not None:
+            for attribute in FUNCTION_ATTRIBUTES.values():
+                function = vars(model).get(attribute)
+                if getattr(function, "_kerasdbg_flushes", False):
+                    setattr(model, attribute, function.__wrapped__)
+        for callbacks in list(self._lists):
+            callbacks.callbacks[:] = [c for c in callbacks.callbacks
+                                      if not (isinstance(c, _FlushCallback) and c._sink is self)]
+        self._lists = weakref.WeakSet()
 
     def _flushing(self, function):
         sink = self
@@ -263,6 +314,18 @@ def flush_model(model) -> None:
 _WRAPPED = "_kerasdbg_layer_sink"
 
 
+def _fit_running(model) -> bool:
+    """Whether a `fit` of `model` is on the calling thread's stack."""
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _wrap_makers() -> None:
     """Makes each loop of a model with registered layers flush them
     (`_FlushCallback`); idempotent. Keras's loops call `make_*_function`
@@ -273,10 +336,11 @@ def _wrap_makers() -> None:
         if original is None or getattr(original, _WRAPPED, False):
             continue
 
-        def wrapped(self, *args, _original=original, **kwargs):
+        def wrapped(self, *args, _original=original, _mode=MAKERS[name], **kwargs):
             result = _original(self, *args, **kwargs)
             sink = _SINKS.get(self)
             if sink is not None and sink.layers():
+                sink.wrap(self, _mode)
                 sink.add_callback(keras_objects.running_callbacks(self))
             return result
 
