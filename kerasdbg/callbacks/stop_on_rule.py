@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import sys
 import warnings
 import weakref
@@ -23,24 +22,23 @@ from kerasdbg.records.verdicts import verdict_markdown
 from kerasdbg.callbacks._copies import CopiedAsNew
 from kerasdbg.callbacks._model import ModelWithoutSync
 from kerasdbg.callbacks._recording import open_writer, release_writer
+from kerasdbg.callbacks._suspension import suspend_others
 from kerasdbg.callbacks.activation_statistics import find_taps
+from kerasdbg.capture.step_rows import LOSS_TAG, StepRows
 from kerasdbg.rules._runner import RuleRunner, check_rules, rule_config, rule_from_config
 from kerasdbg.rules.defaults import default_rules, reads_any
 from kerasdbg.rules.all_zero import AllZero
 from kerasdbg.rules.faults import FreezeOnFault, NaNSource
 from kerasdbg.rules.rule import CLASSES, SCALAR_COLLECTIONS, Rule, RuleFired, RuleWarning
 from kerasdbg.rules.rule import Verdict, tag_pattern
-from kerasdbg.rules._decay import DECAY
 
 ACTIONS = ("stop", "raise", "warn")
-LOSS_TAG = _tags.step_scalar("loss")
 VERDICT_TAG = _tags.VERDICTS
 DEFAULT_SUSPEND = (
     keras.callbacks.BackupAndRestore,
     keras.callbacks.ModelCheckpoint,
     keras.callbacks.EarlyStopping,
 )
-_SUSPENDED_HOOKS = ("on_train_batch_end", "on_epoch_end", "on_train_end")
 # The tags StopOnRule writes itself (the statistics callbacks write the rest).
 _OWN_PREFIXES = _tags.prefixes(SCALAR_COLLECTIONS + (CLASSES, _tags.FAULTS, _tags.REPLICAS))
 
@@ -254,15 +252,13 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
         self.verdicts: List[Verdict] = []
         self._requests: List[_capture.Request] = []
         self._taps = []
-        self._pending: Dict[int, Dict[str, float]] = {}
+        self._rows: Optional[StepRows] = None
         self._runner: Optional[RuleRunner] = None
-        self._decaying = None
         self._kept = False
         self._writer: Optional[_events.EventWriter] = None
         self._last_step = 0
         self._done = False
         self._silent: List[Rule] = []
-        self._loss_checked = False
 
     def get_config(self) -> dict:
         """The constructor's arguments, JSON-able: rules as `{"class_name",
@@ -342,7 +338,10 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self.verdicts = []
-        self._pending = {}
+        # This fit's records, merged per step for the rules.
+        self._rows = StepRows(
+            self.model, self.loss, lambda: _capture.engine_for(self.model).loss_captured,
+            self._first_step)
         self._done = False
         self._silent = []
         self._replica_every = None
@@ -350,9 +349,7 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
         self._iterations = self._start_iterations = None
         self._batches = self._epoch_batches = 0
         self._replicas = None
-        self._loss_checked = False
         self.loss_source = None
-        self._decaying = None
         self._last_step = 0
         if getattr(self.model, "optimizer", None) is not None:
             self._last_step = int(keras_objects.host_value(
@@ -395,82 +392,24 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
                                        getattr(self.model, "distribute_strategy", None))
             _layout.add(type(self).__name__, self._writer, _layout.loss_lines(), self.strict)
         engine = _capture.engine_for(self.model)
+        rows = self._rows
         for request in requests:
-            request.consumer = lambda records, request=request: self._take(request, records)
+            request.consumer = lambda records, request=request: rows.take(request, records)
             engine.attach(request)
         self._requests = requests
         for tap in self._taps:
-            tap.add_listener(self._take_tap)
+            tap.add_listener(rows.take_tap)
         # Whatever way this fit ends, the taps forget this callback.
         _capture.on_fit_end(self.model, self, self._finish)
 
     # --------------------------------------------------------- records
-    def _take(self, request: _capture.Request, records: List[_capture.Record]) -> None:
-        kind = request.kind
-        for record in records:
-            # A step the loss scaler skipped shares its number with the next
-            # one; only its loss is kept, and a non-finite one is not overwritten.
-            if record.values is None or (record.skipped and kind != "step"):
-                continue
-            if not record.applied and kind == "weights":
-                continue  # gradient accumulation: no update at this batch
-            row = self._pending.setdefault(record.step, {})
-            values = dict((t, float(v)) for t, v in zip(record.tags, record.values)
-                          if t is not None)
-            if kind == "step":
-                values = self._step_values(values)
-            elif kind == "weights":
-                values.update(self._decay_fractions(record.step))
-            for tag, value in values.items():
-                if not (tag == LOSS_TAG and not math.isfinite(row.get(tag, 0.0))):
-                    row[tag] = value
-
-    def _decay_fractions(self, step: int) -> Dict[str, float]:
-        """`step/weight_decay_fraction`: learning rate x weight decay of each
-        optimizer that decays (`step/<optimizer>/...` with several), at
-        `step`, for `VanishingGradient` to tell the decay's part of an update
-        from the gradient's. Left out where not known (absent, never a guess)."""
-        if self._decaying is None:
-            found = [(name, keras_objects.inner_optimizer(o))
-                     for name, o in keras_objects.find_optimizers(self.model)]
-            several = len(found) > 1
-            self._decaying = [(name if several else None, o) for name, o in found
-                              if getattr(o, "weight_decay", None)]
-        fractions = {}
-        for name, optimizer in self._decaying:
-            try:
-                fraction = _learning_rate_at(self.model, optimizer, step) * \
-                    float(optimizer.weight_decay)
-            except Exception:  # noqa: BLE001 - not known: absent
-                continue
-            if math.isfinite(fraction):
-                fractions[_tags.per_optimizer(_tags.STEP, DECAY, name)] = fraction
-        return fractions
-
-    def _step_values(self, values: Dict[str, float]) -> Dict[str, float]:
-        """`step/loss` from the loss this callback was told to read, else from
-        `compute_loss`, else from the train step's `loss` (see `loss_source`)."""
-        named = _tags.step_scalar(self.loss) if self.loss else None
-        returned = sorted(_tags.scalar_name(t) for t in values
-                          if t not in (_tags.step_scalar("frozen"), _tags.step_scalar("fault")))
-        if named is not None and named in values:
-            values[LOSS_TAG] = values[named]
-            source = f"the train step's {self.loss!r}"
-        elif named is not None:
-            # The scalar asked for is not there: no other loss stands in for it.
-            values.pop(LOSS_TAG, None)
-            source = None
-        elif LOSS_TAG in values:
-            source = "compute_loss" if _capture.engine_for(self.model).loss_captured \
-                else "the train step's 'loss'"
-        else:
-            source = None
-        if not self._loss_checked:
-            self._loss_checked = True
-            self.loss_source = source
-            self._check_loss(values, returned)
-            self._check_classes()
-        return values
+    def _first_step(self, values: Dict[str, float], returned: List[str],
+                    source: Optional[str]) -> None:
+        """At the first step row (`StepRows`): where the loss was read, and
+        whether the rules have what they read."""
+        self.loss_source = source
+        self._check_loss(values, returned)
+        self._check_classes()
 
     def _check_classes(self) -> None:
         """Says once when a rule reads class counts and the train step gives
@@ -490,7 +429,7 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
                    "(at most 1000 classes), so there is nothing to count. They will not fire.")
         if self.strict:
             raise ValueError(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=6)
+        warnings.warn(message, RuntimeWarning, stacklevel=7)
 
     def _check_loss(self, values: Dict[str, float], returned: List[str]) -> None:
         """Says once when a rule reads the loss and there is none to read
@@ -527,15 +466,7 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
                    f"not give: {why}. They will not fire.")
         if self.strict:
             raise ValueError(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=6)
-
-    def _take_tap(self, tap, rows) -> None:
-        for row, _ in rows:
-            record = self._pending.setdefault(row["step"], {})
-            record.update(
-                (_tags.statistic(_tags.ACTIVATIONS, tap.name, k), float(v))
-                for k, v in row.items() if k not in ("step", "mode")
-            )
+        warnings.warn(message, RuntimeWarning, stacklevel=7)
 
     def _gather(self) -> None:
         try:
@@ -607,9 +538,8 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
                           f"could not be compared, so ReplicaConsistency will not fire. "
                           f"Cause: {type(error).__name__}: {error}", RuntimeWarning, stacklevel=3)
             return
-        row = self._pending.setdefault(step, {})
-        row.update({_tags.statistic(_tags.REPLICAS, path, "spread"): value
-                    for path, value in spreads.items()})
+        self._rows.add(step, {_tags.statistic(_tags.REPLICAS, path, "spread"): value
+                              for path, value in spreads.items()})
 
     def on_epoch_end(self, epoch, logs=None):
         self._evaluate_pending()
@@ -680,7 +610,7 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
             engine.detach(request)
         self._requests = []
         for tap in self._taps:
-            tap.remove_listener(self._take_tap)
+            tap.remove_listener(self._rows.take_tap)
         self._taps = []
         release_writer(self, self._writer)
 
@@ -695,9 +625,7 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
             warnings.warn(f"StopOnRule could not read its records; training goes on. "
                           f"Cause: {type(error).__name__}: {error}", RuntimeWarning, stacklevel=2)
             return
-        for step in sorted(self._pending):
-            # In tag order, as offline, so that verdicts list tensors alike.
-            record = dict(sorted(self._pending.pop(step).items()))
+        for step, record in self._rows.pop_in_order():
             self._last_step = max(self._last_step, step)
             if self._done or step < self.start_step:
                 continue
@@ -747,50 +675,10 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
             _events.flush_all()
             raise RuleFired(verdicts)
         self.model.stop_training = True
-        self._suspend_others()
-
-    def _suspend_others(self) -> None:
-        callbacks = keras_objects.running_callbacks(self.model)
-        if callbacks is None or not self.suspend:
-            return
-        for callback in callbacks.callbacks:
-            if callback is not self and isinstance(callback, self.suspend):
-                _silence(callback)
+        suspend_others(self, self.suspend)
 
 
 _TRAININGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 """model -> {rules' key: (weak references to its optimizers, the last step
 seen, the rules' state)}: what `StopOnRule` rules saw of a training, kept
 for its next fit (in the model's absence, nothing is kept)."""
-
-
-def _learning_rate_at(model, optimizer, step: int) -> float:
-    """The learning rate `optimizer` applied at optimizer step `step` (its
-    schedule at the iterations before the step; else its current value, as
-    the fit holds it)."""
-    rate = optimizer._learning_rate
-    if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
-        return float(keras.ops.convert_to_numpy(rate(max(int(step) - 1, 0))))
-    if isinstance(rate, keras.Variable):
-        return float(keras_objects.current_value(model, rate))
-    if callable(rate):
-        rate = rate()
-    return float(keras.ops.convert_to_numpy(rate))
-
-
-def _silence(callback) -> None:
-    """Turns the callback's remaining hooks of this fit into no-ops.
-
-    Its `on_train_end` (the last hook of a fit) removes the shadows again.
-    """
-
-    def nothing(*args, **kwargs):
-        return None
-
-    def last(*args, **kwargs):
-        for hook in _SUSPENDED_HOOKS:
-            keras_objects.unpatch(callback, hook)
-
-    for hook in _SUSPENDED_HOOKS:
-        keras_objects.unpatch(callback, hook)
-        keras_objects.patch(callback, hook, last if hook == "on_train_end" else nothing)

@@ -12,6 +12,8 @@ the records go) and attaches it to the one `Capture` of its model
   `keras.config.backend()`), `supported` (the clear error on a backend
   without a capture).
 - `planner`: what rules need, turned into requests (`plan`).
+- `step_rows`: the records of a fit merged into one row per step, in step
+  order, for the rules (`StepRows`).
 - `keras_objects`: the parts of Keras every backend shares (the model's
   optimizers, step counters, the loop running a model).
 - `fit_end`: cleanups that run however a `fit` ends.
