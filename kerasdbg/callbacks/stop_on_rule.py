@@ -131,10 +131,12 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
         max_gradient_norm: with `freeze_on_fault`, also a global gradient
             norm above this is a fault. Defaults to `None`.
         locate_nan: at the first non-finite loss or gradient, replay that
-            step's forward pass layer by layer (inside a `tf.cond` taken only
-            then) and report, as a `NaNSource` verdict, the first layer whose
-            output held NaN/Inf and the variables whose gradient did; None
-            turns it on like `freeze_on_fault`. Defaults to `None`.
+            step's forward pass layer by layer (on TensorFlow inside a
+            `tf.cond` taken only then; on JAX by the host, with the weights
+            the freeze kept, so there it needs `freeze_on_fault`) and report,
+            as a `NaNSource` verdict, the first layer whose output held NaN/Inf
+            and the variables whose gradient did; None turns it on like
+            `freeze_on_fault`. Defaults to `None`.
         log_dir: TensorBoard log directory for the verdicts and the
             `step/` and `epoch/` scalars, or None. Defaults to `None`.
         suspend: callback classes silenced after "stop". Defaults to

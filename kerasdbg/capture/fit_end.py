@@ -18,11 +18,14 @@ from kerasdbg.capture import keras_objects
 _CLEANUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def on_fit_end(model, key, cleanup: Callable[[], None]) -> None:
+def on_fit_end(model, key, cleanup: Callable[[], None], last: bool = False) -> None:
     """Runs `cleanup()` when the running `fit` of `model` ends, however it
-    ends, unless `cancel_fit_end(model, key)` came first."""
+    ends, unless `cancel_fit_end(model, key)` came first. The cleanups run in
+    the order they were registered, those registered with `last=True` after
+    all the others (a wrapper given back after whatever restores what it
+    wraps)."""
     install()
-    _CLEANUPS.setdefault(model, {})[key] = cleanup
+    _CLEANUPS.setdefault(model, {})[key] = (cleanup, last)
 
 
 def cancel_fit_end(model, key) -> None:
@@ -36,7 +39,9 @@ def _after_fit(model) -> None:
     cleanups = _CLEANUPS.pop(model, None) if model in _CLEANUPS else None
     if cleanups is None:
         return
-    for key, cleanup in cleanups.items():
+    ordered = [(key, cleanup) for key, (cleanup, last) in cleanups.items() if not last] + \
+        [(key, cleanup) for key, (cleanup, last) in cleanups.items() if last]
+    for key, cleanup in ordered:
         try:
             cleanup()
         except Exception as error:  # noqa: BLE001 - the fit's own outcome comes first

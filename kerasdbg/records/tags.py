@@ -298,8 +298,8 @@ NAN_SOURCE_TRAIN_STEP = 3
 NAN_SOURCE_HIDDEN = 4
 """The model is subclassed: its layers are not visible to the replay."""
 NAN_SOURCE_GRADIENTS = 5
-"""Only the gradients were examined (runs of earlier kerasdbg versions on
-JAX): which of them held NaN/Inf."""
+"""Only the gradients were examined (on JAX, when the replay of the layers
+could not run or had no inputs): which of them held NaN/Inf."""
 
 
 def fault(group: str, kind: str, name: Optional[str] = None) -> str:

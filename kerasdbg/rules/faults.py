@@ -19,7 +19,7 @@ _LOCATED = {
     _tags.NAN_SOURCE_TRAIN_STEP: (
         "every layer output of the model's forward pass was finite; the train step "
         "computes more than it (its own loss or sub-models)"),
-    # Written by earlier versions on JAX, which examined the gradients only.
+    # On JAX when the replay could not run (it says why) or had no inputs.
     _tags.NAN_SOURCE_GRADIENTS: "the layer outputs were not examined",
 }
 
@@ -105,8 +105,8 @@ class NaNSource(Rule):
 
     With `StopOnRule(locate_nan=True)` (on by default when a rule watches
     NaN/Inf), the first step with a non-finite loss or gradient replays its
-    forward pass layer by layer (inside a `tf.cond` taken only then) and
-    records the first layer whose output held NaN/Inf and the variables
+    forward pass layer by layer (on TensorFlow inside a `tf.cond` taken only
+    then, on JAX by the host) and records the first layer whose output held NaN/Inf and the variables
     whose gradient did. This rule reports them at that step. Having it in
     `StopOnRule`'s rules turns the localisation on.
 

@@ -160,7 +160,7 @@ def test_the_verdicts_are_the_same_offline(tmp_path, case):
     assert [(v.rule, v.step, v.reason, v.tensors, v.severity) for v in offline] == online
 
 
-def test_a_healthy_fit_is_bitwise_plain_keras_with_the_replay_in_the_step():
+def test_a_healthy_fit_with_nan_location_is_bitwise_plain_keras():
     plain = _model(spe=2)
     plain_history = _fit(plain, X, []).history
     model = _model(spe=2)
@@ -170,3 +170,75 @@ def test_a_healthy_fit_is_bitwise_plain_keras_with_the_replay_in_the_step():
     assert history == plain_history
     for a, b in zip(plain.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+def _regularized(spe, jit):
+    """BatchNormalization, Dropout (a seed generator's state) and Adam: every
+    kind of state a step changes besides the weights."""
+    keras.utils.set_random_seed(9)
+    model = keras.Sequential([keras.Input((3,), name="x"), keras.layers.Dense(6, name="d"),
+                              keras.layers.BatchNormalization(name="bn"),
+                              keras.layers.Dropout(0.3, name="drop"),
+                              keras.layers.Dense(1, name="o")], name="r")
+    model.compile(keras.optimizers.Adam(0.01), "mse", steps_per_execution=spe, jit_compile=jit)
+    return model
+
+
+@pytest.mark.parametrize("spe, jit, timed", [(1, True, False), (3, True, False),
+                                              (3, False, False), (4, True, True)])
+def test_the_replay_gets_the_faulty_batch_and_the_state_its_step_started_from(
+        monkeypatch, spe, jit, timed):
+    """A spy on the replay: its batch is the faulty step's, and its weights
+    (BatchNormalization's moving statistics and the dropout seed's state too)
+    are, bit for bit, those of a plain fit over the batches before it."""
+    from kerasdbg.backends.jax import nan_source
+    from kerasdbg.callbacks import StepTimer
+
+    bad = 5
+    seen = []
+    original = nan_source.replay
+
+    def spy(model, weights, data, names):
+        seen.append(([np.asarray(w) for w in weights[0]], [np.asarray(w) for w in weights[1]],
+                     np.asarray(data[0])))
+        return original(model, weights, data, names)
+
+    monkeypatch.setattr(nan_source, "replay", spy)
+    y = Y.copy()
+    y[(bad - 1) * BATCH + 1] = np.nan
+    before = _regularized(spe, jit)
+    _fit(before, X, [], steps=bad - 1)
+    model = _regularized(spe, jit)
+    callbacks = [StopOnRule(NonFiniteLoss(), verbose=False)]
+    if timed:
+        callbacks.append(StepTimer())  # the timed execution's path
+    _fit(model, X, callbacks, y=y)
+    assert len(seen) == 1
+    trainable, non_trainable, batch = seen[0]
+    np.testing.assert_array_equal(batch, X[(bad - 1) * BATCH:bad * BATCH])
+    for got, variable in zip(trainable, before.trainable_variables):
+        np.testing.assert_array_equal(got, np.asarray(variable.value), err_msg=variable.path)
+    for got, variable in zip(non_trainable, before.non_trainable_variables):
+        np.testing.assert_array_equal(got, np.asarray(variable.value), err_msg=variable.path)
+    assert len(non_trainable) >= 3  # the moving mean and variance, the seed's state
+    assert _source(callbacks[0]).step == bad
+
+
+def test_a_gradient_norm_above_the_limit_is_frozen_but_not_looked_into_as_a_nan():
+    stop = StopOnRule(NonFiniteLoss(), max_gradient_norm=1e-3, verbose=False)
+    model = _model()
+    start = [np.asarray(w) for w in model.get_weights()]
+    _fit(model, X, [stop])
+    assert [v.rule for v in stop.verdicts] == ["FreezeOnFault"], stop.verdicts
+    for a, b in zip(start, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_without_the_freeze_nan_location_says_it_cannot_look():
+    stop = StopOnRule(NonFiniteLoss(), freeze_on_fault=False, locate_nan=True, verbose=False)
+    with pytest.warns(RuntimeWarning, match="on the JAX backend NaNSource needs the NaN guard"):
+        _fit(_model(), _with_batch(3, np.nan), [stop])
+    assert [v.rule for v in stop.verdicts] == ["NonFiniteLoss"], stop.verdicts
+    with pytest.raises(ValueError, match="NaNSource needs the NaN guard"):
+        _fit(_model(), X, [StopOnRule(NonFiniteLoss(), freeze_on_fault=False, locate_nan=True,
+                                      strict=True)])

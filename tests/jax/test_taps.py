@@ -669,6 +669,12 @@ def test_each_loop_gives_the_model_its_functions_back_and_the_next_records_again
     fit(model, callbacks())
     unwrapped()
     assert list(tap.history["step"]) == list(range(1, 2 * STEPS + 1))
+    if capture:
+        from kerasdbg.backends.jax import engine
+
+        # One trace: the second fit reused the step jitted for the first
+        # (a fit that raises, below, leaves none to reuse).
+        assert engine.engine_for(model).trace_count == 1
     model.evaluate(X, Y, batch_size=16, verbose=0)
     unwrapped()
     assert tap.latest_by_mode["evaluate"]["step"] == 3
@@ -684,7 +690,16 @@ def test_each_loop_gives_the_model_its_functions_back_and_the_next_records_again
     with pytest.raises(RuntimeError, match="boom"):
         fit(model, callbacks() + [Boom()])
     unwrapped()
+
+    class EarlyBoom(keras.callbacks.Callback):  # after kerasdbg's capture is in place
+        def on_epoch_begin(self, epoch, logs=None):
+            raise RuntimeError("early boom")
+
+    with pytest.raises(RuntimeError, match="early boom"):
+        fit(model, callbacks() + [EarlyBoom()])
+    unwrapped()
     fit(model, callbacks())
     unwrapped()
     # The fit that raised ran one execution (2 steps) and recorded it.
     assert list(tap.history["step"]) == list(range(1, 3 * STEPS + 3))
+

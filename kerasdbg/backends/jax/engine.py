@@ -78,6 +78,7 @@ _CALLS = _tags.step_scalar("calls")
 _FIRST = _tags.step_scalar("first")
 _FROZEN = _tags.step_scalar("frozen")
 _FAULT = _tags.step_scalar("fault")
+_NONFINITE = "fault/nonfinite"  # the step's fault is a NaN/Inf (not a norm above the limit)
 _LOSS = _tags.LOSS
 
 # The keys of what `_timed_execution` adds to an execution's last records:
@@ -102,6 +103,7 @@ class _StepContext:
         self.carry = carry
         self.records: Dict[str, object] = {}
         self.oks: List[object] = []
+        self.finites: List[object] = []  # whether each apply's gradients were finite
         self.applies: Dict[int, int] = {}
         self.loss = None
         self.first_step = None
@@ -227,6 +229,15 @@ class Engine(Capture):
         if getattr(model, "optimizer", None) is None:
             raise ValueError("kerasdbg: the model has no optimizer; call `model.compile()` "
                              "before `fit`.")
+        if request.kind == "step" and request.localize and request.freeze is None:
+            # The faulty step's weights are those the freeze keeps: without it
+            # they are gone when the host reads the step.
+            message = (f"{request.owner}: on the JAX backend NaNSource needs the NaN guard "
+                       "(freeze_on_fault=True): without it this fit's faulty step is not "
+                       "looked into and NaNSource will not fire.")
+            if request.strict:
+                raise ValueError(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
         if not self.installed:
             self._install(model)
         self.requests.append(request)
@@ -409,6 +420,7 @@ class Engine(Capture):
             freeze = self._freeze()
             if freeze is not None:
                 ok = reductions.all_finite([grads[i] for i in floats])
+                context.finites.append(ok)
                 if hook.scale_index is not None and freeze.max_gradient_norm is None:
                     ok = jnp.asarray(True)  # an overflow is the loss scaler's to skip
                 if any(r.localize for r in self.requests):
@@ -623,7 +635,9 @@ class Engine(Capture):
         # Keras's own train function of this fit: `compile` makes a new one
         # (another loss or metrics), so a recompiled model traces again.
         return (tuple(keys), id(step), bool(model.jit_compile), bool(model.run_eagerly),
-                _Same(distribution_lib.distribution()), _Same(self._plain),
+                _Same(distribution_lib.distribution()),
+                # Keras's function, also when the debug layers wrap it for a loop.
+                _Same(getattr(self._plain, "__wrapped__", self._plain)),
                 tuple((h.number, _Same(h.optimizer)) for h in self.hooks.values()),
                 tuple(id(v) for v in model.trainable_variables),
                 tuple(sorted(self._initial)))
@@ -683,7 +697,7 @@ class Engine(Capture):
         """Keeps a step's records until they are read, and with NaN location
         its batch (a reference, no copy: the batches of one execution)."""
         self._pending.append(records)
-        self._pending_data.append(data if self._localizes() else None)
+        self._pending_data.append(data if self._localizes() and not self._located else None)
 
     def _wants(self, kind: str) -> bool:
         return any(r.kind == kind for r in self.requests)
@@ -724,6 +738,13 @@ class Engine(Capture):
                     oks.append(reductions.all_finite(context.loss))
                 ok = jnp.all(jnp.stack(oks)) if oks else jnp.asarray(True)
                 fault = jnp.logical_not(ok)
+                finites = list(context.finites)
+                if context.loss is not None:
+                    finites.append(reductions.all_finite(context.loss))
+                if finites:
+                    # A fault NaNSource looks into: a NaN/Inf, not a norm above the limit.
+                    records[_NONFINITE] = jnp.logical_and(
+                        fault, jnp.logical_not(jnp.all(jnp.stack(finites))))
                 keep = jnp.logical_and(ok, jnp.logical_not(frozen))
                 trainable, non_trainable, optimizer_variables, metrics = new_state
                 new = list(trainable) + list(non_trainable) + list(optimizer_variables)
@@ -891,18 +912,20 @@ class Engine(Capture):
         if model is not None and not _replay.is_graph_model(model):
             return [(tag, float(_tags.NAN_SOURCE_HIDDEN)),
                     (_tags.fault("nan_source", "model", model.name), 1.0)]
-        if model is not None and batch is not None and _nan_source.replayable(model, batch):
-            names: List[str] = []
-            try:
-                index = _nan_source.replay(model, _loop_weights(model), batch, names)
-            except Exception as error:  # noqa: BLE001 - the verdict says what was examined
-                warnings.warn(f"kerasdbg (NaNSource) could not replay the faulty step's layers, "
-                              f"so its verdict names the gradients only. Cause: "
-                              f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=2)
-                return [(tag, float(_tags.NAN_SOURCE_GRADIENTS))]
-            if index is not None:
-                return [(tag, float(_tags.NAN_SOURCE_LAYER)),
-                        (_tags.fault("nan_source", "layer", names[index]), 1.0)]
+        if model is None or batch is None or not _nan_source.replayable(model, batch):
+            # No batch to replay (a train step given no inputs): not examined.
+            return [(tag, float(_tags.NAN_SOURCE_GRADIENTS))]
+        names: List[str] = []
+        try:
+            index = _nan_source.replay(model, _loop_weights(model), batch, names)
+        except Exception as error:  # noqa: BLE001 - the verdict says what was examined
+            warnings.warn(f"kerasdbg (NaNSource) could not replay the faulty step's layers, "
+                          f"so its verdict names the gradients only. Cause: "
+                          f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=2)
+            return [(tag, float(_tags.NAN_SOURCE_GRADIENTS))]
+        if index is not None:
+            return [(tag, float(_tags.NAN_SOURCE_LAYER)),
+                    (_tags.fault("nan_source", "layer", names[index]), 1.0)]
         located = _tags.NAN_SOURCE_LOSS if self.loss_captured else _tags.NAN_SOURCE_TRAIN_STEP
         return [(tag, float(located))]
 
@@ -923,7 +946,7 @@ class Engine(Capture):
                 and freeze.max_gradient_norm is not None:
             tags.append(_tags.fault("freeze", "max_gradient_norm"))
             values.append(float(freeze.max_gradient_norm))
-        if bool(records[_FAULT]) and not self._located and self._localizes():
+        if bool(records.get(_NONFINITE, False)) and not self._located and self._localizes():
             # The first fault of the fit: the first layer output and the
             # gradients that held NaN/Inf.
             self._located = True

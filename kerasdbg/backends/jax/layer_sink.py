@@ -65,14 +65,10 @@ class _FlushCallback(keras.callbacks.Callback):
         # Keras's CallbackList flags (keras/src/callbacks/callback_list.py).
         self._live = {mode: not getattr(callbacks, f"_async_{mode}", False)
                       for mode in ("train", "test", "predict")}
-        self._last = False  # whether the restore was moved after the fit's other cleanups
 
     def on_train_batch_begin(self, batch, logs=None):
         if not self._live["train"]:
             self._sink.flush_live()
-        if not self._last:
-            self._last = True
-            self._sink.restore_last()
 
     def on_test_batch_begin(self, batch, logs=None):
         if not self._live["test"]:
@@ -99,7 +95,6 @@ class _FlushCallback(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self._sink.flush_live()
-        self._sink.restore_last()
 
     def _ended(self) -> None:
         """An evaluate or predict ended: outside a fit, the model is given back."""
@@ -199,17 +194,10 @@ class LayerSink:
         if function is not None and not getattr(function, "_kerasdbg_flushes", False):
             setattr(model, attribute, self._flushing(function))
         if _fit_running(model):
-            # However the fit ends (Keras calls no callback when it raises).
-            fit_end.on_fit_end(model, self, self.restore)
-
-    def restore_last(self) -> None:
-        """Moves the restore after the fit's other cleanups: kerasdbg's
-        capture, which gives back the function it found (this sink's
-        wrapper, in a later fit), registers its own at the fit's start."""
-        model = self._model()
-        if model is not None:
-            fit_end.cancel_fit_end(model, self)
-            fit_end.on_fit_end(model, self, self.restore)
+            # However the fit ends (Keras calls no callback when it raises);
+            # last: kerasdbg's capture gives back the function it found (this
+            # sink's wrapper, in a later fit) in a cleanup of its own.
+            fit_end.on_fit_end(model, self, self.restore, last=True)
 
     def add_callback(self, callbacks) -> None:
         if callbacks is not None and not any(
