@@ -294,6 +294,18 @@ def _loop_frame(frame, model, loops=LOOP_METHODS):
         frame = frame.f_back
     return None
 
+def fit_running(model) -> bool:
+    """Whether a `fit` of `model` is on the calling thread's stack.
+
+    Examples:
+        >>> import keras
+        >>> fit_running(keras.Sequential([keras.layers.Dense(1)]))
+        False
+    """
+    import sys
+
+    return _loop_frame(sys._getframe(1), model, ("fit",)) is not None
+
 def _loop_callbacks(frame, model):
     """The `callbacks` local of the Keras loop running `model` above `frame`."""
     from keras.src.callbacks.callback_list import CallbackList

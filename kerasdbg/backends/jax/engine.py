@@ -733,15 +733,14 @@ class Engine(Capture):
             records = dict(context.records)
             fault = jnp.asarray(False)
             if engine._freeze() is not None:
-                oks = list(context.oks)
+                oks, finites = list(context.oks), list(context.finites)
                 if context.loss is not None:
-                    oks.append(reductions.all_finite(context.loss))
+                    loss_finite = reductions.all_finite(context.loss)
+                    oks.append(loss_finite)
+                    finites.append(loss_finite)
                 ok = jnp.all(jnp.stack(oks)) if oks else jnp.asarray(True)
                 fault = jnp.logical_not(ok)
-                finites = list(context.finites)
-                if context.loss is not None:
-                    finites.append(reductions.all_finite(context.loss))
-                if finites:
+                if finites and engine._localizes():
                     # A fault NaNSource looks into: a NaN/Inf, not a norm above the limit.
                     records[_NONFINITE] = jnp.logical_and(
                         fault, jnp.logical_not(jnp.all(jnp.stack(finites))))

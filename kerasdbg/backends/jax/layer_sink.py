@@ -99,7 +99,7 @@ class _FlushCallback(keras.callbacks.Callback):
     def _ended(self) -> None:
         """An evaluate or predict ended: outside a fit, the model is given back."""
         model = self._sink._model()
-        if model is not None and not _fit_running(model):
+        if model is not None and not keras_objects.fit_running(model):
             self._sink.restore()
 
     def on_test_end(self, logs=None):
@@ -193,7 +193,7 @@ class LayerSink:
         function = getattr(model, attribute, None)
         if function is not None and not getattr(function, "_kerasdbg_flushes", False):
             setattr(model, attribute, self._flushing(function))
-        if _fit_running(model):
+        if keras_objects.fit_running(model):
             # However the fit ends (Keras calls no callback when it raises);
             # last: kerasdbg's capture gives back the function it found (this
             # sink's wrapper, in a later fit) in a cleanup of its own.
@@ -300,18 +300,6 @@ def flush_model(model) -> None:
 
 
 _WRAPPED = "_kerasdbg_layer_sink"
-
-
-def _fit_running(model) -> bool:
-    """Whether a `fit` of `model` is on the calling thread's stack."""
-    import sys
-
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
-            return True
-        frame = frame.f_back
-    return False
 
 
 def _wrap_makers() -> None:
