@@ -6,6 +6,7 @@ import gc
 import os
 import re
 import shutil
+import sys
 import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -206,8 +207,18 @@ def _fresh_keras_state():
     are frozen (`gc.freeze()`: out of the collector's way; reference counting still frees
     them); every `FULL_COLLECTION_EVERY` tests they are unfrozen and collected, so that
     cycles that died since (a model, its graphs) do not pile up.
+
+    A test that failed (or xfailed) leaves its traceback in `sys.last_traceback`
+    for post-mortem debugging, and its frames hold the test's model and its
+    tf.data iterators: frozen, they would die at a later full collection, where
+    TensorFlow's iterator destructor waits for the pipeline's autotuning thread
+    (`Model::OptimizeLoop`, asleep on a timed wait): full collections of 35-80 s
+    were seen. They are dropped here, so such a test's objects go with it.
     """
     yield
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, name):
+            delattr(sys, name)
     keras.backend.clear_session()
     _TESTS_SINCE_FULL_COLLECTION[0] += 1
     if _TESTS_SINCE_FULL_COLLECTION[0] >= FULL_COLLECTION_EVERY:

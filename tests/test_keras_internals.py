@@ -26,6 +26,22 @@ def test_optimizer_methods_and_signatures_are_where_kerasdbg_expects_them():
     routing.check_supported(scaled)
 
 
+def test_the_learning_rate_as_set_is_the_schedule_the_variable_or_the_callable():
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=1, decay_rate=0.5)
+    scheduled = keras.optimizers.SGD(learning_rate=schedule)
+    assert keras_objects.learning_rate_as_set(scheduled) is schedule
+    assert keras_objects.learning_rate_as_set(keras.optimizers.LossScaleOptimizer(scheduled)) \
+        is schedule
+    plain = keras.optimizers.SGD(learning_rate=0.25)
+    assert isinstance(keras_objects.learning_rate_as_set(plain), keras.Variable)
+    np.testing.assert_allclose(np.asarray(keras_objects.learning_rate_as_set(plain)), 0.25)
+
+    def rate():
+        return 0.5
+
+    assert keras_objects.learning_rate_as_set(keras.optimizers.SGD(learning_rate=rate)) is rate
+
+
 @pytest.mark.parametrize("kind", ["clipnorm", "global_clipnorm", "clipvalue"])
 def test_the_gradients_are_clipped_by_the_optimizers_own_method(kind):
     """kerasdbg records the applied gradient as Keras's `_clip_gradients`

@@ -155,6 +155,12 @@ def step_counters(model) -> list:
         return [raw_iterations(optimizer)] if optimizer is not None else []
     return [raw_iterations(o) for _, o in find_optimizers(model)]
 
+def learning_rate_as_set(optimizer):
+    """The learning rate the optimizer was given: a `LearningRateSchedule`, a
+    variable, a callable or a number (`optimizer.learning_rate` is a schedule's
+    value at the current iterations, not the schedule)."""
+    return inner_optimizer(optimizer)._learning_rate
+
 def accumulation_steps(optimizer) -> Optional[int]:
     """The optimizer's `gradient_accumulation_steps`, or None."""
     return getattr(inner_optimizer(optimizer), "gradient_accumulation_steps", None) or None

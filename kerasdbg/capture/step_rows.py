@@ -140,7 +140,7 @@ def learning_rate_at(model, optimizer, step: int) -> float:
     """The learning rate `optimizer` applied at optimizer step `step` (its
     schedule at the iterations before the step; else its current value, as
     the fit holds it)."""
-    rate = optimizer._learning_rate
+    rate = keras_objects.learning_rate_as_set(optimizer)
     if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
         return float(keras.ops.convert_to_numpy(rate(max(int(step) - 1, 0))))
     if isinstance(rate, keras.Variable):
