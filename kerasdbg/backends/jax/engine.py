@@ -59,6 +59,7 @@ from kerasdbg import stats as stats_lib
 from kerasdbg.backends.jax import classes as _classes
 from kerasdbg.backends.jax import layer_record as _layer_record
 from kerasdbg.backends.jax import nan_source as _nan_source
+from kerasdbg.backends.jax import ops as _ops
 from kerasdbg.backends.jax import packing as _packing
 from kerasdbg.backends.jax import step_tensors as _tensors
 from kerasdbg.capture import fit_end
@@ -426,7 +427,7 @@ class Engine(Capture):
                 if any(r.localize for r in self.requests):
                     # Which gradients held NaN/Inf, computed at a fault only.
                     tensors = [grads[i] for i in floats]
-                    context.records[f"apply/{key}/nonfinite"] = _cond(
+                    context.records[f"apply/{key}/nonfinite"] = _ops.cond(
                         reductions.all_finite(tensors),
                         lambda: jnp.zeros([len(tensors)], jnp.bool_),
                         lambda: jnp.stack([jnp.logical_not(reductions.all_finite(g))
@@ -748,7 +749,7 @@ class Engine(Capture):
                 trainable, non_trainable, optimizer_variables, metrics = new_state
                 new = list(trainable) + list(non_trainable) + list(optimizer_variables)
                 old = list(state[0]) + list(state[1]) + list(state[2])
-                kept = list(_cond(keep, lambda: new, lambda: old))
+                kept = list(_ops.cond(keep, lambda: new, lambda: old))
                 for position in engine._kept_positions(model):
                     kept[position] = new[position]
                 a, b = len(trainable), len(trainable) + len(non_trainable)
@@ -1028,7 +1029,7 @@ def _histograms(request: Request, step, tensors):
         return (jnp.full(counts.shape, np.nan, counts.dtype),
                 jnp.full(ranges.shape, np.nan, ranges.dtype))
 
-    return _cond(request.histograms_at(step), compute, nothing)
+    return _ops.cond(request.histograms_at(step), compute, nothing)
 
 
 def _scheduled(request: Request, step, compute):
@@ -1051,19 +1052,7 @@ def _scheduled(request: Request, step, compute):
 
     if full is False:
         return part()
-    return _cond(full, lambda: compute(stats), part)
-
-
-def _cond(predicate, true_fn, false_fn):
-    """`true_fn()` if `predicate` else `false_fn()`: a Python branch when the
-    predicate is known (a step that runs op by op, `jit_compile=False`,
-    would compile both branches of a `lax.cond` again at every step), else
-    one `lax.cond`."""
-    if isinstance(predicate, (bool, np.bool_)):
-        return true_fn() if predicate else false_fn()
-    if not isinstance(predicate, jax.core.Tracer):
-        return true_fn() if bool(predicate) else false_fn()
-    return jax.lax.cond(predicate, true_fn, false_fn)
+    return _ops.cond(full, lambda: compute(stats), part)
 
 
 def _clipped(clipping, grads, norm):

@@ -37,6 +37,7 @@ import keras
 import numpy as np
 
 from kerasdbg import stats as stats_lib
+from kerasdbg.backends.jax import ops as _ops
 from kerasdbg.capture import keras_objects
 
 HEAD = ("id", "mode", "step")
@@ -246,10 +247,10 @@ def record(layer, inputs, where: Context, values) -> None:
             return jnp.zeros([ring.width], jnp.float32), state
 
         if state is None:
-            row = jax.lax.cond(selected, lambda: row_and_state()[0], lambda: skipped()[0])
+            row = _ops.cond(selected, lambda: row_and_state()[0], lambda: skipped()[0])
             new_state = None
         else:
-            row, new_state = jax.lax.cond(selected, row_and_state, skipped)
+            row, new_state = _ops.cond(selected, row_and_state, skipped)
         slot = jnp.where(selected, slot, ring.slots)
     ring.rows.assign(ring.rows.value.at[slot].set(row))
     layer.calls.assign(calls)
