@@ -212,8 +212,8 @@ def _fresh_keras_state():
     for post-mortem debugging, and its frames hold the test's model and its
     tf.data iterators: frozen, they would die at a later full collection, where
     TensorFlow's iterator destructor waits for the pipeline's autotuning thread
-    (`Model::OptimizeLoop`, asleep on a timed wait): full collections of 35-80 s
-    were seen. They are dropped here, so such a test's objects go with it.
+    (a stack dump showed it in `Model::OptimizeLoop`, on a timed wait): full
+    collections of 35-80 s were seen. They are dropped here, so such a test's objects go with it.
     """
     yield
     for name in ("last_type", "last_value", "last_traceback", "last_exc"):

@@ -96,12 +96,13 @@ def clip_by_value(x, low, high):
 
 def cond(predicate, true_fn, false_fn):
     """`true_fn()` if `predicate` else `false_fn()`: a Python branch when the
-    predicate is known, a concrete array included (a step that runs op by op,
-    `jit_compile=False`, would compile both branches of a `lax.cond` again at
-    each call), else one `lax.cond`."""
+    predicate is known, a concrete array this process can read included (a
+    step that runs op by op, `jit_compile=False`, would compile both branches
+    of a `lax.cond` again at each call), else one `lax.cond`."""
     if isinstance(predicate, (bool, np.bool_)):
         return true_fn() if predicate else false_fn()
-    if not isinstance(predicate, jax.core.Tracer):
+    if not isinstance(predicate, jax.core.Tracer) \
+            and getattr(predicate, "is_fully_addressable", True):
         return true_fn() if bool(predicate) else false_fn()
     return jax.lax.cond(predicate, lambda: true_fn(), lambda: false_fn())
 
