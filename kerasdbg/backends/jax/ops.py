@@ -104,7 +104,7 @@ def cond(predicate, true_fn, false_fn):
     if not isinstance(predicate, jax.core.Tracer) \
             and getattr(predicate, "is_fully_addressable", True):
         return true_fn() if bool(predicate) else false_fn()
-    return jax.lax.cond(predicate, lambda: true_fn(), lambda: false_fn())
+    return jax.lax.cond(predicate, true_fn, false_fn)
 
 
 def gather(params, indices):
