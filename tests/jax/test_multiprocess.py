@@ -92,7 +92,8 @@ def run_cluster(tmp_path, nan: bool):
     """Runs the two processes to the end (bounded); returns their results."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    env = dict(os.environ, XLA_FLAGS="", PYTHONPATH=os.getcwd())
+    env = dict(os.environ, XLA_FLAGS="",
+               PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
     port = _free_port()
     processes = [subprocess.Popen(
         [sys.executable, str(script), str(port), str(index), str(tmp_path),

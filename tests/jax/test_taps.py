@@ -76,7 +76,7 @@ def kerasdbg_warnings(record):
 
 @pytest.fixture
 def data_parallel():
-    devices = jax.devices()
+    devices = jax.devices("cpu")  # also on a machine with a GPU
     assert len(devices) == 2, "tests/conftest.py gives JAX two CPU devices"
     keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
     try:
@@ -403,7 +403,7 @@ def test_taps_record_on_jax_without_tensorflow():
     import sys
     import textwrap
 
-    from tests.helpers import WITHOUT_TENSORFLOW
+    from tests.blockers import WITHOUT_TENSORFLOW  # tests.helpers imports TensorFlow
 
     code = WITHOUT_TENSORFLOW + textwrap.dedent("""
         import json, sys
