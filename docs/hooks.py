@@ -13,7 +13,12 @@ this hook
   GitHub and in the site;
 - shows a link to any other file of the repository (`../bench/x.py`) as its
   text alone: the site has no page for it. A link to no file at all is left as it
-  is, for mkdocs to report.
+  is, for mkdocs to report;
+- gives each notebook page the table of contents of its rendered headings.
+  mkdocs-jupyter builds a notebook's from a second Markdown rendering from
+  which it removes every code span first: a heading "1. `PrintLayer`" came out
+  as "1." linking to `#1`, an anchor that does not exist (the heading's id is
+  `1-printlayer`). The entries here are the headings' own ids and text.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Optional
 
 from mkdocs.plugins import event_priority
 from mkdocs.structure.files import File, Files
+from mkdocs.structure.toc import get_toc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,6 +40,10 @@ MAPPED = {"README.md": "readme.md", "notebooks/": "notebooks/"}
 # An inline link or image: `[text](target)` or `[text](target "title")`.
 LINK = re.compile(r"(!?\[[^\]]*\]\()([^)\s]+)((?:\s+\"[^\"]*\")?\))")
 FENCE = re.compile(r"^\s*(```|~~~)")
+# A heading of a rendered notebook: nbconvert's `<hN id="...">text<a class="anchor-link" ...>`.
+HEADING = re.compile(r'<h([1-6])\b[^>]*\bid="([^"]+)"[^>]*>(.*?)</h\1>', re.S)
+ANCHOR_LINK = re.compile(r'<a\b[^>]*class="anchor-link"[^>]*>.*?</a>', re.S)
+TAG = re.compile(r"<[^>]+>")
 
 
 def _inside(path: str, directory: str) -> bool:
@@ -95,3 +105,28 @@ def on_page_markdown(markdown: str, page, config, files: Files) -> str:
             fenced = not fenced
         lines.append(line if fenced else LINK.sub(rewrite, line))
     return "\n".join(lines)
+
+
+def headings_toc(html: str) -> list:
+    """The table-of-contents tokens of the headings in `html`, nested by level.
+
+    Each token is what Python-Markdown's toc extension gives mkdocs: `level`,
+    `id` (the heading's own), `name` (its text, code spans' text included, still
+    HTML-escaped, the pilcrow link left out) and `children`.
+    """
+    tokens, open_tokens = [], []  # open_tokens: the chain of the last heading's parents
+    for level, anchor, inner in HEADING.findall(html):
+        name = " ".join(TAG.sub("", ANCHOR_LINK.sub("", inner)).split())
+        token = {"level": int(level), "id": anchor, "name": name, "children": []}
+        while open_tokens and open_tokens[-1]["level"] >= token["level"]:
+            open_tokens.pop()
+        (open_tokens[-1]["children"] if open_tokens else tokens).append(token)
+        open_tokens.append(token)
+    return tokens
+
+
+def on_page_content(html: str, page, config, files: Files) -> str:
+    """A notebook page's table of contents, from its rendered headings (see the module)."""
+    if page.file.src_uri.endswith(".ipynb"):
+        page.toc = get_toc(headings_toc(html))
+    return html
