@@ -8,6 +8,7 @@ every guide. One build serves all the tests of this module.
 """
 
 import ast
+import html
 import inspect
 import json
 import os
@@ -17,6 +18,8 @@ import subprocess
 import sys
 
 import pytest
+from mkdocs_jupyter.utils import slugify
+from nbconvert.filters.strings import _convert_header_id
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "kerasdbg"
@@ -30,8 +33,9 @@ COMMAND_LINE = {"kerasdbg.cli", "kerasdbg.demo"}
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> pathlib.Path:
-    """The site, built by the venv's mkdocs into a temporary directory."""
-    out = tmp_path_factory.mktemp("site")
+    """The site, built by the venv's mkdocs into a temporary directory; mkdocs's log (stdout
+    and stderr) is `build.log` beside it."""
+    out = tmp_path_factory.mktemp("docs") / "site"
     result = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
@@ -42,6 +46,7 @@ def site(tmp_path_factory) -> pathlib.Path:
         "`mkdocs build --strict` failed (install the docs extra: pip install -e '.[docs]'):\n"
         f"{result.stdout}\n{result.stderr}"
     )
+    (out.parent / "build.log").write_text(result.stdout + result.stderr, encoding="utf-8")
     return out
 
 
@@ -182,3 +187,111 @@ def test_docstring_examples_are_in_an_examples_section():
         "docstring examples outside an indented `Examples:` section (write `Examples:` and "
         "indent the `>>>` lines under it):\n" + "\n".join(sorted(set(problems)))
     )
+
+
+# ---------------------------------------------------------------- links and formatting
+HREF = re.compile(r'\bhref="([^"]*)"')
+ID = re.compile(r'\bid="([^"]+)"')
+
+
+def _page_of(site: pathlib.Path, page: pathlib.Path, target: str):
+    """`(file, anchor)` that a relative `href` of `page` points to (a directory: its
+    index.html), or None for a link that leaves the site (a URL, `mailto:`, `//host`)."""
+    if re.match(r"^[a-z][a-z0-9+.-]*:|^//", target, re.IGNORECASE):
+        return None
+    path, _, anchor = target.partition("#")
+    path = path.partition("?")[0]
+    if not path:
+        return page, anchor
+    resolved = (site / path.lstrip("/")) if path.startswith("/") else (page.parent / path)
+    if path.endswith("/") or resolved.is_dir():
+        resolved = resolved / "index.html"
+    return resolved.resolve(), anchor
+
+
+def test_every_internal_link_resolves(site):
+    # mkdocs --strict checks the Markdown's links; this checks what the pages hold once
+    # rendered: the navigation, the notebooks' tables of contents and links, the API
+    # reference's cross-references, the README's links mapped by docs/hooks.py.
+    ids, broken, checked = {}, [], 0
+    pages = sorted(site.rglob("*.html"))
+    for page in pages:
+        ids[page.resolve()] = set(ID.findall(page.read_text(encoding="utf-8")))
+    for page in pages:
+        for target in HREF.findall(page.read_text(encoding="utf-8")):
+            found = _page_of(site, page, target)
+            if found is None:
+                continue
+            checked += 1
+            file, anchor = found
+            if not file.exists():
+                broken.append(f"{page.relative_to(site)}: {target} (no file)")
+            elif anchor and file.suffix == ".html" and anchor not in ids[file]:
+                broken.append(f"{page.relative_to(site)}: {target} (no id {anchor!r} there)")
+    assert checked > 1000, f"only {checked} internal links found: is the site complete?"
+    assert not broken, f"{len(broken)} internal links of the site lead nowhere:\n" + "\n".join(
+        sorted(set(broken))[:50])
+
+
+def _source_headings(path: pathlib.Path, level: int):
+    """The text of a notebook's Markdown headings of `level`, code spans shown as their text."""
+    headings = []
+    for cell in json.loads(path.read_text(encoding="utf-8"))["cells"]:
+        if cell["cell_type"] == "markdown":
+            for line in "".join(cell["source"]).splitlines():
+                if line.startswith("#" * level + " "):
+                    headings.append(line[level + 1:].replace("`", "").strip())
+    return headings
+
+
+def test_every_notebook_table_of_contents_links_its_headings(site):
+    # The table of contents in a notebook page's sidebar: one entry a section heading, with
+    # its code spans' text, linking to the anchor the renderer gave that heading (the id
+    # mkdocs-jupyter's slugify makes of the heading's text).
+    problems = []
+    for path in NOTEBOOKS:
+        page = (site / "notebooks" / path.stem / "index.html").read_text(encoding="utf-8")
+        toc = page.split('data-md-component="toc"', 1)[-1].split("</nav>", 1)[0]
+        entries = [(anchor, html.unescape(" ".join(re.sub(r"<[^>]+>", "", text).split())))
+                   for anchor, text in re.findall(
+                       r'<a href="#([^"]*)" class="md-nav__link">(.*?)</a>', toc, re.S)]
+        headings = _source_headings(path, 2)
+        expected = [(_convert_header_id(slugify(text)), text) for text in headings]
+        if entries != expected:
+            problems.append(f"{path.name}: table of contents {entries}, headings {expected}")
+        page_ids = set(ID.findall(page))
+        problems += [f"{path.name}: #{anchor} ({text!r}) is no id on the page"
+                     for anchor, text in entries if anchor not in page_ids]
+    assert not problems, "\n".join(problems)
+
+
+def test_signatures_are_formatted(site):
+    log = (site.parent / "build.log").read_text(encoding="utf-8")
+    assert "Formatting signatures requires" not in log, (
+        "mkdocstrings found no formatter: install the docs extra (ruff)")
+    pages = list((site / "reference").rglob("*.html"))
+    signatures = [html.unescape(re.sub(r"<[^>]+>", "", block)) for page in pages
+                  for block in re.findall(r'<div class="doc-signature[^"]*">(.*?)</div>',
+                                          page.read_text(encoding="utf-8"), re.S)]
+    assert len(signatures) > 50, f"only {len(signatures)} signatures in the reference"
+    long_lines = [line for signature in signatures for line in signature.splitlines()
+                  if len(line) > 80]
+    assert not long_lines, f"signature lines over mkdocs.yml's line_length of 80: {long_lines}"
+    # A signature with several parameters is one parameter a line.
+    assert any(line.startswith("    log_dir: ") for signature in signatures
+               for line in signature.splitlines()), signatures[:3]
+
+
+def test_notebook_outputs_wrap_at_spaces(site):
+    # JupyterLab's stylesheet, inlined in every notebook page, wraps outputs anywhere
+    # (`word-break: break-all`); docs/stylesheets/notebooks.css puts word wrapping back.
+    css = (site / "stylesheets" / "notebooks.css").read_text(encoding="utf-8")
+    rule = re.search(r"([^{}]*\.jp-OutputArea-output pre)\s*\{([^}]*)\}", css)
+    assert rule and "word-break: normal" in rule.group(2), css
+    # More specific than JupyterLab's `.jupyter-wrapper .jp-OutputArea-output pre`.
+    assert rule.group(1).split("/*")[-1].split("*/")[-1].count(".") > 2, rule.group(1)
+    for path in NOTEBOOKS:
+        page = (site / "notebooks" / path.stem / "index.html").read_text(encoding="utf-8")
+        assert 'href="../../stylesheets/notebooks.css"' in page, path.name
+        assert "word-break:break-all" in page, (
+            f"{path.name}: JupyterLab's stylesheet changed; check the override is still needed")
