@@ -15,9 +15,11 @@ import pandas as pd
 from kerasdbg.records import tags as _tags
 from kerasdbg.records.verdicts import verdict_rows
 from kerasdbg.reader import Run, load_run
+from kerasdbg.rules.remedies import LEARNING_RATE_RULES, REMEDIES, learning_rate_note
 
-__all__ = ("NotARunError", "collect", "first_positive_step", "mean_norms", "other_trainings",
-           "require_run", "summary", "write_report")
+__all__ = ("NotARunError", "collect", "first_positive_step", "mean_norms", "median_norms",
+           "other_trainings", "require_run", "run_title", "stop_on_rule_steps", "summary",
+           "write_report")
 
 KERASDBG_PREFIXES = _tags.KERASDBG_PREFIXES
 """Tags that kerasdbg writes start with one of these."""
@@ -142,6 +144,15 @@ def collect(log_dir: str, run_name: str = "train",
               if name in run.runs and run.tags(r"epoch_.+", run=name)]
     data["epochs"] = (pd.concat(epochs, ignore_index=True) if epochs
                       else pd.DataFrame(columns=["run", "tag", "step", "wall_time", "value"]))
+    # StopOnRule records whether each step faulted or froze: that it ran, even
+    # when no rule fired; a NaN's source as `faults/nan_source/...` scalars.
+    data["rule_steps"] = _wide(run, _tags.scalar_pattern(_tags.STEP, ["fault", "frozen"]),
+                               run_name)
+    data["nan_source"] = _wide(run, "^" + re.escape(_tags.fault("nan_source", "layer")) + "/",
+                               run_name)
+    data["tap_extremes"] = _wide(run, _tags.statistic_pattern(
+        _tags.ACTIVATIONS, ["max", "min", "nan_count", "inf_count"]), run_name)
+    data["learning_rate"] = _learning_rate(data["epochs"])
     verdicts = pd.DataFrame()
     if run.tags(_tags.VERDICTS, kind="text", run=run_name):
         verdicts = run.texts(_tags.VERDICTS, run=run_name)[["step", "text"]]
@@ -150,6 +161,14 @@ def collect(log_dir: str, run_name: str = "train",
     if progress:
         progress(total, total, "read")
     return data
+
+
+def _learning_rate(epochs: pd.DataFrame) -> Optional[float]:
+    """The learning rate Keras's TensorBoard callback wrote (`epoch_learning_rate`,
+    its last finite value), or None."""
+    values = epochs[epochs.tag == "epoch_learning_rate"].sort_values("step").value
+    values = values[np.isfinite(values.to_numpy(dtype=float))]
+    return float(values.iloc[-1]) if len(values) else None
 
 
 def require_run(run: Run, run_name: str = "train") -> List[str]:
@@ -257,10 +276,57 @@ def mean_norms(norms: pd.DataFrame) -> pd.Series:
     return norms.replace([np.inf, -np.inf], np.nan).mean().dropna().sort_values()
 
 
+def median_norms(norms: pd.DataFrame, before: Optional[int] = None) -> pd.Series:
+    """Each column's median over the steps (before step `before` when given),
+    finite values only, smallest first: a median is not pulled up by the few
+    steps of a run that exploded, as a mean is.
+
+    Examples:
+        >>> import pandas as pd
+        >>> from kerasdbg.report import median_norms
+        >>> frame = pd.DataFrame({"a": [1.0, 2.0, 3.0, 1e30], "b": [0.5, 0.7, 0.6, float("nan")]},
+        ...                      index=[1, 2, 3, 4])
+        >>> median_norms(frame).to_dict()
+        {'b': 0.6, 'a': 2.5}
+        >>> median_norms(frame, before=4).to_dict()
+        {'b': 0.6, 'a': 2.0}
+    """
+    if before is not None:
+        norms = norms[norms.index < before]
+    return norms.replace([np.inf, -np.inf], np.nan).median().dropna().sort_values()
+
+
+def run_title(data: Dict[str, object]) -> str:
+    """The run as a user names it: its directory's name (`lr_too_high`), and the
+    training when it is not the first (`train-2`).
+
+    Examples:
+        >>> from kerasdbg.report import run_title
+        >>> run_title({"log_dir": "runs/demo/lr_too_high/", "run": "train"})
+        'lr_too_high'
+        >>> run_title({"log_dir": "runs/x", "run": "train-2"})
+        'x (training train-2)'
+    """
+    name = os.path.basename(os.path.normpath(os.path.abspath(str(data["log_dir"]))))
+    return name + ("" if data["run"] == "train" else f" (training {data['run']})")
+
+
+def stop_on_rule_steps(data: Dict[str, object]) -> List[int]:
+    """The steps at which `StopOnRule` ran its rules, from its records
+    (`step/fault`, `step/frozen`); empty when it did not run with a `log_dir`."""
+    return sorted(int(s) for s in data.get("rule_steps", pd.DataFrame()).index)
+
+
+def _steps_text(steps: List[int]) -> str:
+    return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
+
+
 def summary(data: Dict[str, object], top: int = 3) -> str:
     """A short text summary of `collect`'s data: steps, the first non-finite
-    step, the variables with the largest and smallest mean gradient norms,
-    and the number of rule verdicts.
+    step, the variables with the largest and smallest median gradient norms
+    (over the steps before the first non-finite one), the number of rule
+    verdicts (or that `StopOnRule` ran and none fired), and what to try for
+    each rule that fired.
 
     Examples:
         >>> import keras, numpy as np, tempfile
@@ -275,11 +341,11 @@ def summary(data: Dict[str, object], top: int = 3) -> str:
         ...     print(line)
           steps recorded: 4 (1-4)
           first non-finite step: none
-          largest mean gradient norms:  m/d/kernel (...), m/d/bias (...)
-          smallest mean gradient norms: m/d/bias (...), m/d/kernel (...)
-          rule verdicts: 0
+          largest median gradient norms:  m/d/kernel (...), m/d/bias (...)
+          smallest median gradient norms: m/d/bias (...), m/d/kernel (...)
+          rule verdicts: 0 (no StopOnRule(log_dir=...) records: no rule ran)
     """
-    lines = [f"run {data['run']!r} of {data['log_dir']}"]
+    lines = [f"run {run_title(data)} ({data['log_dir']})"]
     norms: pd.DataFrame = data["gradient_norms"]
     global_norm: pd.DataFrame = data["global_norm"]
     loss: pd.DataFrame = data["loss"]
@@ -290,14 +356,35 @@ def summary(data: Dict[str, object], top: int = 3) -> str:
     first = _first_nonfinite(data)
     lines.append(f"  first non-finite step: {first if first is not None else 'none'}")
     if len(norms.columns):
-        mean = mean_norms(norms)
-        mean.index = _tensors(mean.index)
-        lines.append("  largest mean gradient norms:  " + ", ".join(
-            f"{name} ({value:.3g})" for name, value in mean.iloc[::-1][:top].items()))
-        lines.append("  smallest mean gradient norms: " + ", ".join(
-            f"{name} ({value:.3g})" for name, value in mean.iloc[:top].items()))
+        median = median_norms(norms, before=first)
+        median.index = _tensors(median.index)
+        kept = sorted(int(s) for s in norms.index if first is None or s < first)
+        over = (f" ({_steps_text(kept)}, before the first non-finite step)"
+                if first is not None and kept else "")
+        lines.append(f"  largest median gradient norms{over}:  " + ", ".join(
+            f"{name} ({value:.3g})" for name, value in median.iloc[::-1][:top].items()))
+        lines.append(f"  smallest median gradient norms{over}: " + ", ".join(
+            f"{name} ({value:.3g})" for name, value in median.iloc[:top].items()))
     verdicts: pd.DataFrame = data["verdicts"]
-    lines.append(f"  rule verdicts: {_verdict_count(verdicts)}")
+    count = _verdict_count(verdicts)
+    ran = stop_on_rule_steps(data)
+    if count:
+        why = ""
+    elif ran:
+        why = f" (StopOnRule ran its rules at {_steps_text(ran)}: none fired)"
+    else:
+        why = " (no StopOnRule(log_dir=...) records: no rule ran)"
+    lines.append(f"  rule verdicts: {count}{why}")
+    note = learning_rate_note(data.get("learning_rate"))
+    fired = list(dict.fromkeys(r["rule"] for r in _verdict_rows(verdicts) if r["rule"]))
+    if note and any(rule in LEARNING_RATE_RULES for rule in fired):
+        lines.append(f"  likely cause: {note}")
+    tries: Dict[str, List[str]] = {}
+    for rule in fired:
+        if rule in REMEDIES:
+            tries.setdefault(REMEDIES[rule].tries[0], []).append(rule)
+    for text, rules in tries.items():
+        lines.append(f"  try: {text} ({', '.join(rules)}; more in report.html)")
     rollbacks = data.get("rollbacks")
     if rollbacks is not None and len(rollbacks):
         first = rollbacks.iloc[0]
@@ -342,7 +429,7 @@ def _verdict_table(verdicts: pd.DataFrame) -> str:
     if not rows:
         return "<p>None recorded (StopOnRule(log_dir=...) writes them).</p>"
     body = "".join(
-        f"<tr><td>{html.escape(r['rule'])}</td><td>{r['step']}</td>"
+        f"<tr><td>{_rule_link(r['rule'])}</td><td>{r['step']}</td>"
         f"<td>{_tensor_cell(r['tensors'], r['hidden'])}</td><td>{html.escape(r['reason'])}</td></tr>"
         for r in rows[:VERDICT_ROWS])
     left = len(rows) - VERDICT_ROWS
@@ -352,6 +439,128 @@ def _verdict_table(verdicts: pd.DataFrame) -> str:
             '<col style="width:33%"><col style="width:46%"></colgroup>'
             "<tr><th>rule</th><th>step</th><th>tensors</th><th>reason</th></tr>"
             f"{body}</table>{note}")
+
+
+def _rule_link(rule: str) -> str:
+    """The rule's name, linked to its "What to try" entry when it has one."""
+    if rule in REMEDIES:
+        return f'<a href="#try-{html.escape(rule)}">{html.escape(rule)}</a>'
+    return html.escape(rule)
+
+
+def _no_verdicts(data: Dict[str, object]) -> str:
+    """What the verdict section says when no rule fired: that StopOnRule ran
+    (from its records) and nothing fired, or that no rule ran."""
+    ran = stop_on_rule_steps(data)
+    notes = [r["reason"] for r in _verdict_rows(data["verdicts"]) if not r["rule"]]
+    said = "".join(f"<p>{html.escape(n)}</p>" for n in notes)
+    if ran:
+        return (f"<p>No rule fired: StopOnRule ran its rules at {_steps_text(ran)} "
+                "(its <code>step/fault</code> and <code>step/frozen</code> records) and none "
+                f"gave a verdict.</p>{said}")
+    return ("<p>No rule ran: the run holds no StopOnRule records (StopOnRule(log_dir=...) "
+            f"writes them, and its verdicts).</p>{said}")
+
+
+def _layer_variables(data: Dict[str, object], layer: str) -> List[str]:
+    """The recorded variables of a layer (`m/conv2/kernel` of `conv2`)."""
+    names = _tensors(data["gradient_norms"].columns) + _tensors(data["update_ratios"].columns)
+    return list(dict.fromkeys(n for n in names if layer in n.split("/")[:-1]))
+
+
+def _value_at(frame: pd.DataFrame, column: str, step: int) -> Optional[float]:
+    if column not in frame.columns or step not in frame.index:
+        return None
+    value = frame.at[step, column]
+    return None if pd.isna(value) else float(value)
+
+
+def _nan_source_facts(data: Dict[str, object], layer: str, step: int) -> List[str]:
+    """What the records say of a layer whose output first held NaN/Inf at `step`:
+    its weights' gradient norms and update ratios at the step before, and the
+    taps' largest values and NaN/Inf counts at the step (the layer's inputs when
+    a tap sits before it)."""
+    facts = []
+    norms, ratios = data["gradient_norms"], data["update_ratios"]
+    for name in _layer_variables(data, layer):
+        parts = []
+        for label, frame, stat in (("gradient norm", norms, "l2_norm"),
+                                   ("update ratio", ratios, "update_ratio")):
+            value = _value_at(frame, _tags.statistic(
+                _tags.GRADIENTS if frame is norms else _tags.WEIGHTS, name, stat), step - 1)
+            if value is not None:
+                parts.append(f"{label} {value:.3g}")
+        if parts:
+            facts.append(f"{name} at step {step - 1}: " + ", ".join(parts))
+    taps = data.get("tap_extremes", pd.DataFrame())
+    for tap in dict.fromkeys(_tensors(taps.columns)):
+        parts = []
+        for stat in ("max", "min", "nan_count", "inf_count"):
+            value = _value_at(taps, _tags.statistic(_tags.ACTIVATIONS, tap, stat), step)
+            if value is not None and (stat in ("max", "min") or value):
+                parts.append(f"{stat} {value:.3g}")
+        if parts:
+            facts.append(f"tap {tap} at step {step}: " + ", ".join(parts))
+    return facts
+
+
+def _remedies(data: Dict[str, object]) -> str:
+    """The "What to try" section: for each rule that fired (its first verdict),
+    the likely causes and what to try, with the run's own facts (its learning
+    rate against the usual ranges; a NaN's layer and what was recorded around
+    it)."""
+    rows = [r for r in _verdict_rows(data["verdicts"]) if r["rule"]]
+    first = {}
+    for row in rows:
+        first.setdefault(row["rule"], row)
+    if not first:
+        return ""
+    rate = data.get("learning_rate")
+    note = learning_rate_note(rate)
+    blocks = []
+    for rule, row in first.items():
+        remedy = REMEDIES.get(rule)
+        if remedy is None:
+            continue
+        facts = []
+        if rule in LEARNING_RATE_RULES and note:
+            facts.append("The learning rate (above) is the likely cause.")
+        if rule == "NaNSource":
+            found = data.get("nan_source", pd.DataFrame())
+            layers = [c for c in found.columns if _value_at(found, c, row["step"]) is not None]
+            layer = layers[0][len(_tags.fault("nan_source", "layer")) + 1:] if layers else (
+                row["tensors"][0] if row["tensors"] else None)
+            if layer:
+                found = _nan_source_facts(data, layer, row["step"])
+                facts.append(
+                    f"Layer {layer!r} first held NaN/Inf at step {row['step']}. Recorded around "
+                    "it (its weights at the step before; the taps at the step: the layer's "
+                    "input where a tap sits before it): " + (
+                        "; ".join(found) if found else "nothing (no statistics of its "
+                        "weights or of a tap)") + ".")
+        items = "".join(f"<li>{_code_spans(c)}</li>" for c in remedy.causes)
+        tries = "".join(f"<li>{_code_spans(t)}</li>" for t in remedy.tries)
+        said = "".join(f"<p><strong>{html.escape(f)}</strong></p>" for f in facts)
+        blocks.append(
+            f'<div class="remedy" id="try-{html.escape(rule)}"><h3>{html.escape(rule)} '
+            f"(first at step {row['step']})</h3>{said}<p>Likely causes:</p><ul>{items}</ul>"
+            f"<p>What to try:</p><ul>{tries}</ul></div>")
+    if not blocks:
+        return ""
+    head = ""
+    if note and any(rule in LEARNING_RATE_RULES for rule in first):
+        head = (f'<p class="cause"><strong>{html.escape(note[0].upper() + note[1:])}.</strong> '
+                "(From Keras's <code>epoch_learning_rate</code>; the optimizer is not "
+                "recorded, so the ranges of the common ones are given.)</p>")
+    elif rate is None and any(rule in LEARNING_RATE_RULES for rule in first):
+        head = ("<p>The learning rate is not recorded (Keras's TensorBoard callback in the "
+                "same log_dir writes it as <code>epoch_learning_rate</code>).</p>")
+    return "<h2>What to try</h2>" + head + "".join(blocks)
+
+
+def _code_spans(text: str) -> str:
+    """`text` escaped, its `backquoted` parts as <code>."""
+    return re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(text))
 
 
 def _first_nonfinite(data) -> Optional[int]:
@@ -400,15 +609,25 @@ def _plot_lines(frame: pd.DataFrame, title: str, ylabel: str, path: str,
         values = finite.to_numpy(dtype=float)
         values = values[~np.isnan(values)]
         log = bool(values.size and values.min() > 0 and values.max() / values.min() > 1e3)
-    entries = len(frame.columns) + (mark is not None)
-    # Beyond four entries the legend goes to the right, off the lines.
-    figure, axes = plt.subplots(figsize=(8 if entries <= 4 else 10, 3.6))
+    drawn = []
     for column, label in zip(frame.columns, labels or list(frame.columns)):
         series = finite[column].dropna()
         if log:
             series = series[series > 0]
-        axes.plot(series.index, series.to_numpy(), label=label, linewidth=1.2,
-                  marker="o" if len(series) <= 12 else None, markersize=3)
+        if len(series):  # a series with nothing to draw stays out of the legend
+            drawn.append((label, series))
+    entries = len(drawn) + (mark is not None)
+    # Beyond four entries the legend goes to the right, off the lines.
+    figure, axes = plt.subplots(figsize=(8 if entries <= 4 else 10, 3.6))
+    for label, series in drawn:
+        steps = series.index.to_numpy(dtype=float)
+        values = series.to_numpy(dtype=float)
+        # A line joins consecutive steps only: a marker on each recorded step,
+        # no line drawn across steps that were not recorded (sampled statistics).
+        gap = np.flatnonzero(np.diff(steps) > 1) + 1
+        axes.plot(np.insert(steps, gap, np.nan), np.insert(values, gap, np.nan),
+                  label=label, linewidth=1.2, marker="o",
+                  markersize=3 if len(series) <= 60 else 1.5)
     if mark is not None:
         axes.axvline(mark, color="crimson", linestyle="--", linewidth=1,
                      label=f"first non-finite step ({mark})")
@@ -433,6 +652,14 @@ def _largest(frame: pd.DataFrame, count: int) -> List[str]:
     order = sorted(range(len(frame.columns)),
                    key=lambda i: (np.isnan(peaks.iloc[i]), -np.nan_to_num(peaks.iloc[i]), i))
     return [frame.columns[i] for i in order[:count]]
+
+
+_OFFSETS = ("bias", "beta", "gamma", "moving_mean", "moving_variance")
+
+
+def _is_offset(variable: str) -> bool:
+    """A bias or a normalisation layer's weight (`.../bias`, `.../gamma`), not a kernel."""
+    return variable.rsplit("/", 1)[-1] in _OFFSETS
 
 
 def _name_order(names: List[str]) -> List[str]:
@@ -463,20 +690,21 @@ def _plot_epochs(epochs: pd.DataFrame, path: str) -> str:
         bad = []
         for run, series in epochs[epochs.tag == metric].groupby("run", sort=False):
             finite = np.isfinite(series.value.to_numpy(dtype=float))
-            axes.plot(series.step[finite], series.value[finite], marker="o", label=run,
+            # Keras writes epoch 1 as step 0; users count from 1.
+            axes.plot(series.step[finite] + 1, series.value[finite], marker="o", label=run,
                       linewidth=1.2)
-            bad += [f"{run} {int(e)}" for e in series.step[~finite]]
+            bad += [f"{run} {int(e) + 1}" for e in series.step[~finite]]
         if bad:
             axes.text(0.02, 0.95, "non-finite at epoch: " + ", ".join(bad), color="crimson",
                       fontsize=7, transform=axes.transAxes, va="top")
-        shown = sorted(epochs.step.unique())
+        shown = sorted(int(e) + 1 for e in epochs.step.unique())
         if len(shown) <= 12:
             axes.set_xticks(shown)
             axes.set_xlim(shown[0] - 0.5, shown[-1] + 0.5)
         else:
             axes.xaxis.set_major_locator(MaxNLocator(integer=True))
         axes.set_title(metric, fontsize=9)
-        axes.set_xlabel("epoch (from 0, as Keras writes it)", fontsize=8)
+        axes.set_xlabel("epoch", fontsize=8)
         axes.legend(fontsize=7, loc="best")
         axes.grid(alpha=0.3)
     for axes in list(grid.flat)[len(metrics):]:
@@ -487,9 +715,9 @@ def _plot_epochs(epochs: pd.DataFrame, path: str) -> str:
 def _plot_heatmap(frame: pd.DataFrame, path: str, title: str, what: str,
                   log: bool = True, unit: str = "") -> str:
     """Steps x columns of `frame` as colours, one row per column in name order,
-    log10 (blank: zero or non-finite) or linear (0-1, for fractions). Row labels
-    thin out (every n-th) to stay legible with hundreds of rows; the height is
-    bounded."""
+    log10 (blank: zero or non-finite) or linear (0-1, for fractions). Every row
+    is named up to about 340 rows (the figure grows with them); beyond, the
+    labels thin out (every n-th) and the height is bounded."""
     plt, MaxNLocator = _pyplot()
 
     names = _name_order(list(frame.columns))
@@ -501,7 +729,8 @@ def _plot_heatmap(frame: pd.DataFrame, path: str, title: str, what: str,
         else:
             shown = np.where(np.isfinite(values), values, np.nan)
     rows = len(names)
-    height = min(max(2.0, 0.8 + max(0.32 * min(rows, 20), 0.11 * rows)), 12.0)
+    # 11 px a row names every row up to ~340 (a ResNet50's 214 variables); beyond, every n-th.
+    height = min(max(2.0, 0.8 + max(0.32 * min(rows, 20), 0.115 * rows)), 40.0)
     stride = max(1, math.ceil(rows * 10 / (96 * (height - 0.8))))  # >= 10 px per label
     figure, axes = plt.subplots(figsize=(8, height))
     image = axes.imshow(shown, aspect="auto", interpolation="nearest", cmap="viridis",
@@ -534,8 +763,8 @@ def _epoch_table(epochs: pd.DataFrame) -> str:
             values = epochs[(epochs.tag == metric) & (epochs.run == run)].value
             cells += f"<td>{float(values.iloc[-1]):.4g}</td>" if len(values) else "<td></td>"
         body += f"<tr><td>{html.escape(metric)}</td>{cells}</tr>"
-    epoch = int(epochs.step.iloc[0])
-    return (f"<p>One epoch (epoch {epoch}, from 0 as Keras writes it): its values.</p>"
+    epoch = int(epochs.step.iloc[0]) + 1  # Keras writes epoch 1 as step 0
+    return (f"<p>Epoch {epoch}, the only one recorded: its values.</p>"
             f'<table class="epochs"><tr><th>metric</th>{head}</tr>{body}</table>')
 
 
@@ -619,7 +848,8 @@ def _write(data: Dict[str, object], out: Optional[str]) -> str:
                         + f'<img src="{html.escape(name)}" alt="{html.escape(alt or title)}">')
 
     def per_variable(stem: str, title: str, frame: pd.DataFrame, labels: List[str],
-                     plot_title: str, ylabel: str, what: str, log: bool) -> None:
+                     plot_title: str, ylabel: str, what: str, log: bool,
+                     kernels_first: bool = False) -> None:
         """A line per column; beyond TOP_LINES, the largest ones and a heatmap of all."""
         frame = frame.copy()
         frame.columns = labels
@@ -627,20 +857,34 @@ def _write(data: Dict[str, object], out: Optional[str]) -> str:
             figure(f"{stem}.png", title, lambda p: _plot_lines(
                 frame, plot_title, ylabel, p, log=log))
             return
-        drawn = _largest(frame, TOP_LINES)
         prefix = _common_prefix(labels)
         under = f" (names under <code>{html.escape(prefix)}</code>)" if prefix else ""
-        caption = (f'<p class="caption">Lines: the {len(drawn)} of {len(labels)} {what} with '
-                   f"the largest maximum{under}; the heatmap below shows all {len(labels)}.</p>")
+        kernels = [c for c in labels if not _is_offset(c)] if kernels_first else []
+        if kernels and len(kernels) < len(labels):
+            # A bias or a normalisation's scale moves far more, relative to its size,
+            # than a kernel: ranked together, the largest are all biases.
+            drawn = _largest(frame[kernels], TOP_LINES)
+            caption = (f'<p class="caption">Lines: the {len(drawn)} of {len(kernels)} kernels '
+                       f"with the largest maximum{under} (biases and normalisation weights, "
+                       f"{len(labels) - len(kernels)} more, move more relative to their size "
+                       f"and are ranked apart); the heatmap below shows all {len(labels)}.</p>")
+        else:
+            drawn = _largest(frame, TOP_LINES)
+            caption = (f'<p class="caption">Lines: the {len(drawn)} of {len(labels)} {what} '
+                       f"with the largest maximum{under}; the heatmap below shows all "
+                       f"{len(labels)}.</p>")
         figure(f"{stem}.png", title, lambda p: _plot_lines(
-            frame[drawn], f"{plot_title}: the {len(drawn)} largest", ylabel, p, log=log,
+            frame[drawn], f"{plot_title}: the {len(drawn)} largest"
+            + (" kernels" if kernels and len(kernels) < len(labels) else ""), ylabel, p, log=log,
             labels=[d[len(prefix):] for d in drawn]),
             alt=f"{title}, lines: {', '.join(drawn)}", caption=caption)
         figure(f"{stem}_heatmap.png", None, lambda p: _plot_heatmap(
             frame, p, f"{plot_title}, all {len(labels)}", what, log=log, unit=ylabel),
             alt=f"{title}: heatmap of all {len(labels)} {what}")
 
-    sections.append("<h2>Rule verdicts</h2>" + _verdict_table(data["verdicts"]))
+    table = (_verdict_table(data["verdicts"]) if any(r["rule"] for r in _verdict_rows(
+        data["verdicts"])) else _no_verdicts(data))
+    sections.append("<h2>Rule verdicts</h2>" + table + _remedies(data))
     first = _first_nonfinite(data)
     loss: pd.DataFrame = data["loss"]
     if len(loss.columns):
@@ -665,7 +909,8 @@ def _write(data: Dict[str, object], out: Optional[str]) -> str:
     if len(ratios.columns):
         per_variable("update_ratios", "Update ratio per variable", ratios,
                      _tensors(ratios.columns),
-                     "update ratio ||dw|| / ||w||", "ratio", "variables", log=True)
+                     "update ratio ||dw|| / ||w||", "ratio", "variables", log=True,
+                     kernels_first=True)
     health: pd.DataFrame = data["activations"]
     fractions = [c for c in health.columns if _tags.tag_parts(c)[2].endswith("_fraction")]
     if fractions:

@@ -55,19 +55,25 @@ def test_report_plots_and_summarizes_a_healthy_run(tmp_path, capsys):
         assert name in page
     for png in out.glob("*.png"):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # The order of the variables by mean gradient norm, from GradientTape.
+    # The order of the variables by median gradient norm, from GradientTape.
     reference = reference_training(initial, STEPS)
-    means = {p: np.mean([np.linalg.norm(r["grads"][i]) for r in reference])
-             for i, p in enumerate(paths)}
-    ranked = sorted(means, key=means.get)
+    medians = {p: np.median([np.linalg.norm(r["grads"][i]) for r in reference])
+               for i, p in enumerate(paths)}
+    ranked = sorted(medians, key=medians.get)
     summary = printed.out
+    assert summary.startswith("run logs (")  # the run's directory, as the user named it
     assert f"steps recorded: {STEPS} (1-{STEPS})" in summary
     assert "first non-finite step: none" in summary
-    largest = re.search(r"largest mean gradient norms:\s+(.*)", summary).group(1)
+    largest = re.search(r"largest median gradient norms:\s+(.*)", summary).group(1)
     assert [part.split(" (")[0] for part in largest.split(", ")] == ranked[::-1][:3]
     value = float(re.search(rf"{re.escape(ranked[-1])} \(([^)]+)\)", largest).group(1))
-    assert value == pytest.approx(means[ranked[-1]], rel=1e-2)  # printed with 3 digits
-    assert "rule verdicts: 0" in summary
+    assert value == pytest.approx(medians[ranked[-1]], rel=1e-2)  # printed with 3 digits
+    # StopOnRule ran (its records) and nothing fired: said, not "none recorded".
+    ran = kerasdbg.load_run(log_dir).steps("step/fault")
+    assert ran == list(range(1, STEPS + 1))
+    said = f"StopOnRule ran its rules at steps 1-{STEPS}"
+    assert f"rule verdicts: 0 ({said}: none fired)" in summary
+    assert f"No rule fired: {said}" in page and "None recorded" not in page
     assert "7/7 read" in printed.err  # the progress bar
 
 
@@ -318,13 +324,17 @@ def test_report_at_resnet50_scale_stays_legible(tmp_path, monkeypatch):
         assert row[2]["code"] == tensors[:5]
     assert rows[2][2]["text"].endswith("… and more")  # 12 tensors, cut at 5 by the writer
 
-    # One line per variable: the 10 with the largest maximum (legend), a heatmap of all.
-    peaks = ratios.max(axis=1)
-    largest = [VARIABLES[v] for v in np.argsort(-peaks)[:TOP]]
+    # One line per variable: the 10 kernels with the largest maximum (legend; biases
+    # and normalisation weights ranked apart), a heatmap of all, every row named.
+    kernels = [v for v, name in enumerate(VARIABLES) if name.endswith("/kernel")]
+    peaks = ratios[kernels].max(axis=1)
+    largest = [VARIABLES[kernels[v]] for v in np.argsort(-peaks)[:TOP]]
     alt = parsed.images["update_ratios.png"]
     assert alt.split("lines: ")[1].split(", ") == largest
-    assert "the 10 of 214 variables with the largest maximum" in text
+    assert f"the 10 of {len(kernels)} kernels with the largest maximum" in text
     assert "the heatmap below shows all 214" in text
+    with Image.open(os.path.join(out, "update_ratios_heatmap.png")) as image:
+        assert image.size[1] >= 214 * 10  # >= 10 px a row: each row's name fits
     assert "Lines: the 10 of 32 tap statistics" in text
     assert "gradient_heatmap.png" in parsed.images
 
