@@ -28,6 +28,7 @@ _EXPORTS = {
     "callbacks": ("kerasdbg.callbacks", None, False),
     "check_run": ("kerasdbg.offline", "check_run", False),
     "compat": ("kerasdbg.compat", None, False),
+    "compare_runs": ("kerasdbg.run_comparison", "compare_runs", False),
     "compare_traces": ("kerasdbg.trace", "compare_traces", False),
     "deterministic": ("kerasdbg.determinism", "deterministic", True),
     "doctor": ("kerasdbg.doctor", "doctor", False),

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
+import tempfile
 from typing import List, Optional
 
 EXAMPLES = """examples:
   kerasdbg demo --out runs/demo      train the demo and write TensorBoard logs
   kerasdbg tags runs/demo/healthy    list the scalar tags of a log directory
   kerasdbg report runs/demo/lr_too_high --out report/   plots and a summary in report.html
+  kerasdbg report runs/demo/healthy runs/demo/lr_too_high  two runs side by side: where they diverge
   kerasdbg check runs/demo/lr_too_high                      the default rules, as StopOnRule()
   kerasdbg check LOG_DIR --rule DeadReLU:layer_fraction=0.3 --rule ExplodingTensor
   kerasdbg compare tf1.npz keras.npz                        two step traces, tensor by tensor
@@ -109,14 +112,23 @@ def _parser() -> argparse.ArgumentParser:
         "global gradient norm, a per-layer gradient-norm heatmap, update ratios and "
         "activation health: the 10 largest as lines and all of them as a heatmap), the "
         "epoch logs (a plot for several epochs, a table for one), and prints a short "
-        "summary (first non-finite step, largest and smallest gradients). "
+        "summary (first non-finite step, largest and smallest gradients), with what to try "
+        "for each rule that fired. With two log directories, compare.html puts them side by "
+        "side: the first step where their loss or global gradient norm diverge, both "
+        "overlaid, and the verdicts of each. "
         "Exit status 2 on a missing, empty or not-a-run directory, or when the report "
         "cannot be written. "
         "Example: kerasdbg report runs/demo/lr_too_high --out report/",
     )
     report.add_argument("log_dir")
-    report.add_argument("--out", default=None, help="output directory (default: LOG_DIR/report)")
+    report.add_argument("other", nargs="?", default=None, metavar="LOG_DIR_B",
+                        help="a second log directory to compare LOG_DIR with")
+    report.add_argument("--out", default=None, help="output directory (default: LOG_DIR/report, "
+                        "or LOG_DIR/report/vs_<name of LOG_DIR_B> for two)")
     report.add_argument("--run", default="train", help="run of the log directory (default: train)")
+    report.add_argument("--rtol", type=float, default=1e-2,
+                        help="with two runs: the relative difference of the loss or the global "
+                        "norm at which they count as diverged (default: 0.01)")
     check = commands.add_parser(
         "check",
         help="run rules on a recorded log directory; exit status 1 when one fires",
@@ -180,12 +192,47 @@ def _compare(args) -> int:
     return 0 if result.passed else 1
 
 
+# What TensorFlow's C++ writes to stderr as it loads, whatever TF_CPP_MIN_LOG_LEVEL
+# says (absl logs oneDNN's note before reading it): nothing a user of the command acts on.
+_START_UP = re.compile(
+    r"All log messages before absl::InitializeLog\(\) is called|port\.cc:\d+\] oneDNN custom "
+    r"operations|cpu_feature_guard\.cc:\d+\]|^To enable the following instructions:")
+
+
+def _import_quietly() -> None:
+    """Imports Keras (which imports its backend, TensorFlow by default: every
+    command reads or writes through it) with TensorFlow's start-up lines
+    left out of stderr; anything else written meanwhile is passed on."""
+    # A level the user set is kept; 2 leaves out TensorFlow's INFO and WARNING lines.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if "keras" in sys.modules:
+        return
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (AttributeError, OSError, ValueError):  # no file descriptor 2 (an embedding)
+        import keras  # noqa: F401
+        return
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            import keras  # noqa: F401
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = [line for line in caught.read().decode(errors="replace").splitlines(True)
+                    if not _START_UP.search(line)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Runs the `kerasdbg` command; returns its exit status."""
-    # TensorFlow's start-up lines (CPU features, absl) say nothing to a user of
-    # the command; a value the user set is kept.
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     args = _parser().parse_args(argv)
+    _import_quietly()
     if args.command == "demo":
         if args.epochs < 1:
             print(f"kerasdbg demo: --epochs must be >= 1. Received: {args.epochs}", file=sys.stderr)
@@ -204,6 +251,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _check(args)
     if args.command == "compare":
         return _compare(args)
+    if args.command == "report" and args.other is not None:
+        from kerasdbg.run_comparison import main_compare
+
+        return main_compare(args.log_dir, args.other, args.out, args.run, args.rtol)
     if args.command == "report":
         from kerasdbg.report import main_report
 

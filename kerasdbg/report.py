@@ -425,7 +425,11 @@ def _tensor_cell(tensors: List[str], hidden: int) -> str:
 
 def _verdict_table(verdicts: pd.DataFrame) -> str:
     """The verdicts as an HTML table (rule, step, tensors, reason), every text escaped."""
-    rows = _verdict_rows(verdicts)
+    return _rows_table(_verdict_rows(verdicts))
+
+
+def _rows_table(rows: List[Dict[str, object]]) -> str:
+    """Verdict rows (`_verdict_rows`) as the HTML table of `_verdict_table`."""
     if not rows:
         return "<p>None recorded (StopOnRule(log_dir=...) writes them).</p>"
     body = "".join(
@@ -598,10 +602,10 @@ def _save(plt, figure, path: str) -> str:
 
 def _plot_lines(frame: pd.DataFrame, title: str, ylabel: str, path: str,
                 log: Optional[bool] = False, labels: Optional[List[str]] = None,
-                mark: Optional[int] = None) -> str:
+                mark: Optional[int] = None, mark_label: str = "first non-finite step") -> str:
     """Lines over optimizer steps. `log=None` picks a log scale when the finite
     values are positive and span more than three decades (a diverging loss);
-    `mark` draws the first non-finite step."""
+    `mark` draws a step (by default the first non-finite one: `mark_label`)."""
     plt, MaxNLocator = _pyplot()
 
     finite = frame.replace([np.inf, -np.inf], np.nan)
@@ -630,7 +634,7 @@ def _plot_lines(frame: pd.DataFrame, title: str, ylabel: str, path: str,
                   markersize=3 if len(series) <= 60 else 1.5)
     if mark is not None:
         axes.axvline(mark, color="crimson", linestyle="--", linewidth=1,
-                     label=f"first non-finite step ({mark})")
+                     label=f"{mark_label} ({mark})")
     if log:
         axes.set_yscale("log")
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))

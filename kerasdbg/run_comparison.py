@@ -1,0 +1,339 @@
+"""`compare_runs`: two recorded runs side by side (`kerasdbg report RUN_A RUN_B`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import os
+import sys
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import pandas as pd
+
+from kerasdbg import report as _report
+from kerasdbg.reader import load_run
+from kerasdbg.records import tags as _tags
+
+__all__ = ("Divergence", "RunComparison", "compare_runs", "write_comparison")
+
+@dataclasses.dataclass(frozen=True)
+class Divergence:
+    """Where two runs first differ: the step, the series (`tag`), its value in
+    each run, and why it counts (`reason`).
+
+    Examples:
+        >>> from kerasdbg.run_comparison import Divergence
+        >>> Divergence(3, "step/loss", 0.5, float("nan"), "non-finite in b only").step
+        3
+    """
+
+    step: int
+    tag: str
+    value_a: float
+    value_b: float
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RunComparison:
+    """What `compare_runs` returns.
+
+    Attributes:
+        a: the first log directory, as given.
+        b: the second log directory, as given.
+        names: the runs as the report names them (their directories' names).
+        loss: the loss (`step/loss`) per step, a column per run (`names`);
+            empty when neither run recorded it.
+        global_norm: the global gradient norm per step, likewise.
+        steps_compared: the steps at which both runs recorded a compared
+            series, in order.
+        divergence: the first step where the runs differ (a `Divergence`),
+            or None when they agree at every step compared.
+        verdicts_a: the rule verdicts of `a`, rows of `rule`, `step`,
+            `tensors`, `reason` (those `kerasdbg report` shows).
+        verdicts_b: those of `b`.
+        rtol: the relative tolerance used.
+        atol: the absolute tolerance used.
+
+    Examples:
+        >>> from kerasdbg.run_comparison import RunComparison
+        >>> "divergence" in RunComparison.__dataclass_fields__
+        True
+    """
+
+    a: str
+    b: str
+    names: Tuple[str, str]
+    loss: pd.DataFrame
+    global_norm: pd.DataFrame
+    steps_compared: List[int]
+    divergence: Optional[Divergence]
+    verdicts_a: List[Dict[str, object]]
+    verdicts_b: List[Dict[str, object]]
+    rtol: float
+    atol: float
+
+    def __str__(self) -> str:
+        a, b = self.names
+        lines = [f"runs {a} ({self.a}) and {b} ({self.b})"]
+        if not self.steps_compared:
+            lines.append("  no step recorded in both: nothing compared")
+        else:
+            steps = self.steps_compared
+            lines.append(f"  steps compared: {len(steps)} ({steps[0]}-{steps[-1]})")
+        d = self.divergence
+        if d is not None:
+            lines.append(f"  first divergence: step {d.step}, {d.tag}: {a} {d.value_a:.6g}, "
+                         f"{b} {d.value_b:.6g} ({d.reason})")
+        elif self.steps_compared:
+            lines.append(f"  first divergence: none (equal within rtol={self.rtol:g}, "
+                         f"atol={self.atol:g} at every step compared)")
+        for name, rows in ((a, self.verdicts_a), (b, self.verdicts_b)):
+            fired = [f"{r['rule']} at step {r['step']}" for r in rows if r["rule"]]
+            lines.append(f"  verdicts of {name}: {', '.join(fired) if fired else 'none'}")
+        return "\n".join(lines)
+
+
+def _read(log_dir, argument: str, run_name: str) -> Dict[str, object]:
+    """One run's loss and global norms (long form: a NaN it wrote stays a NaN),
+    its name and verdicts; an error says which argument it was about."""
+    if not isinstance(log_dir, (str, os.PathLike)):
+        raise TypeError(f"compare_runs: `{argument}` must be a log directory (a path). "
+                        f"Received: {argument}={log_dir!r}")
+    log_dir = os.fspath(log_dir)
+    try:
+        run = load_run(log_dir)
+        _report.require_run(run, run_name)
+    except _report.NotARunError as error:
+        raise _report.NotARunError(f"compare_runs: `{argument}` is not a run: {error}") from None
+    except FileNotFoundError as error:
+        raise FileNotFoundError(f"compare_runs: `{argument}`: {error}") from None
+    pattern = _tags.any_pattern([_tags.scalar_pattern(_tags.STEP, ["loss"]),
+                                 _tags.per_optimizer_pattern(_tags.GRADIENTS, _tags.GLOBAL_NORM)])
+    series = {}
+    if run.tags(pattern, run=run_name):
+        rows = run.scalars(pattern, run=run_name).sort_values("step", kind="stable")
+        for tag, group in rows.groupby("tag", sort=True):
+            group = group.drop_duplicates("step", keep="last")  # a rollback's later write
+            series[tag] = pd.Series(group.value.to_numpy(dtype=float),
+                                    index=group.step.to_numpy(dtype=int), name=tag)
+    verdicts = pd.DataFrame()
+    if run.tags(_tags.VERDICTS, kind="text", run=run_name):
+        verdicts = run.texts(_tags.VERDICTS, run=run_name)[["step", "text"]]
+    data = {"log_dir": log_dir, "run": run_name}
+    return {"title": _report.run_title(data), "series": series,
+            "verdicts": _report._verdict_rows(verdicts)}
+
+
+def _differs(a: float, b: float, rtol: float, atol: float) -> Optional[str]:
+    """Why `a` and `b` count as different, or None: one finite and the other
+    not, or both finite and |a - b| > atol + rtol * max(|a|, |b|)."""
+    finite_a, finite_b = np.isfinite(a), np.isfinite(b)
+    if finite_a != finite_b:
+        return f"non-finite in {'b' if finite_a else 'a'} only"
+    if not finite_a:
+        return None  # both NaN/Inf: they agree that the step failed
+    gap = abs(a - b)
+    if gap > atol + rtol * max(abs(a), abs(b)):
+        scale = max(abs(a), abs(b))
+        return (f"relative difference {gap / scale:.3g} > rtol={rtol:g}" if scale
+                else f"difference {gap:.3g}")
+    return None
+
+
+def compare_runs(a: str, b: str, run_name: str = "train", rtol: float = 1e-2,
+                 atol: float = 1e-12) -> RunComparison:
+    """Two recorded runs side by side: where they first diverge, their loss
+    and global gradient norm per step, and the verdicts of each.
+
+    The first divergence is the first step recorded in both runs at which the
+    loss (`step/loss`) or the global gradient norm differ: finite in one run
+    and NaN/Inf in the other, or both finite and
+    `|a - b| > atol + rtol * max(|a|, |b|)`. At one step the loss is looked
+    at before the norm. Two runs from the same initial weights and batches
+    (seeded) agree at step 1 and part where their learning rates, data or
+    code first make a difference.
+
+    Args:
+        a: a log directory written by kerasdbg's callbacks (e.g. the healthy run).
+        b: another one (e.g. the broken run, or the run after a fix).
+        run_name: the run of each log directory. Defaults to `"train"`.
+        rtol: relative tolerance, >= 0. Defaults to `1e-2`.
+        atol: absolute tolerance, >= 0. Defaults to `1e-12`.
+
+    Returns:
+        A `RunComparison`; `str()` of it is the summary `kerasdbg report A B`
+        prints.
+
+    Raises:
+        NotARunError: `a` or `b` holds no run kerasdbg can read (the message
+            names the argument and says why).
+        FileNotFoundError: `a` or `b` is not a directory.
+        TypeError: `a` or `b` is not a path.
+        ValueError: a tolerance is negative or not a number.
+
+    Examples:
+        >>> import keras, numpy as np, tempfile
+        >>> from kerasdbg import compare_runs
+        >>> from kerasdbg.callbacks import GradientStatistics
+        >>> def train(learning_rate):
+        ...     log_dir = tempfile.mkdtemp()
+        ...     keras.utils.set_random_seed(0)
+        ...     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        ...     model.compile(keras.optimizers.SGD(learning_rate), "mse")
+        ...     _ = model.fit(np.ones((4, 3)), np.ones((4, 1)), batch_size=1, verbose=0,
+        ...                   callbacks=[GradientStatistics(log_dir)])
+        ...     return log_dir
+        >>> result = compare_runs(train(0.01), train(1.0))
+        >>> result.divergence.step, result.divergence.tag
+        (2, 'step/loss')
+    """
+    for name, value in (("rtol", rtol), ("atol", atol)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"compare_runs: `{name}` must be a float >= 0. "
+                            f"Received: {name}={value!r}")
+        if not value >= 0 or not np.isfinite(value):
+            raise ValueError(f"compare_runs: `{name}` must be a float >= 0. "
+                             f"Received: {name}={value!r}")
+    data_a, data_b = _read(a, "a", run_name), _read(b, "b", run_name)
+    names = (data_a["title"], data_b["title"])
+    if names[0] == names[1]:  # two directories of the same name: tell them apart
+        names = (f"{names[0]} (a)", f"{names[1]} (b)")
+    # The loss first, then each optimizer's global norm both runs recorded.
+    compared = [t for t in sorted(set(data_a["series"]) & set(data_b["series"]),
+                                  key=lambda t: (t != _tags.LOSS, t))]
+    steps, divergence = set(), None
+    for tag in compared:
+        steps.update(int(s) for s in data_a["series"][tag].index.intersection(
+            data_b["series"][tag].index))
+    for step in sorted(steps):
+        for tag in compared:
+            sa, sb = data_a["series"][tag], data_b["series"][tag]
+            if step not in sa.index or step not in sb.index:
+                continue
+            reason = _differs(float(sa[step]), float(sb[step]), rtol, atol)
+            if reason is not None:
+                divergence = Divergence(step, tag, float(sa[step]), float(sb[step]), reason)
+                break
+        if divergence is not None:
+            break
+
+    def side_by_side(tag: Optional[str]) -> pd.DataFrame:
+        columns = {name: data["series"][tag] for name, data in zip(names, (data_a, data_b))
+                   if tag in data["series"]}
+        return (pd.concat(columns, axis=1).sort_index() if columns
+                else pd.DataFrame(columns=list(names), dtype=float))
+
+    norms = [t for t in sorted(set(data_a["series"]) | set(data_b["series"])) if t != _tags.LOSS]
+    return RunComparison(
+        a=os.fspath(a), b=os.fspath(b), names=names, loss=side_by_side(_tags.LOSS),
+        global_norm=side_by_side(norms[0] if norms else None), steps_compared=sorted(steps),
+        divergence=divergence, verdicts_a=data_a["verdicts"], verdicts_b=data_b["verdicts"],
+        rtol=float(rtol), atol=float(atol))
+
+
+AROUND = 3
+"""Steps shown on each side of the first divergence in the comparison's table."""
+
+
+def _around(comparison: RunComparison) -> str:
+    """The loss and norm of both runs at the steps around the first divergence."""
+    d = comparison.divergence
+    table = pd.concat({"loss": comparison.loss, "global norm": comparison.global_norm}, axis=1)
+    if d is None or not len(table):
+        return ""
+    table = table[(table.index >= d.step - AROUND) & (table.index <= d.step + AROUND)]
+    head = "".join(f"<th>{html.escape(what)}: {html.escape(name)}</th>"
+                   for what, name in table.columns)
+    body = ""
+    for step, row in table.iterrows():
+        style = ' class="diverged"' if step == d.step else ""
+        cells = "".join(f"<td>{v:.6g}</td>" for v in row.to_numpy(dtype=float))
+        body += f"<tr{style}><td>{step}</td>{cells}</tr>"
+    return f'<table class="around"><tr><th>step</th>{head}</tr>{body}</table>'
+
+
+def write_comparison(comparison: RunComparison, out: str) -> str:
+    """Writes `compare.html` (the summary, where the runs diverge, the loss
+    and the global gradient norm of both overlaid with the divergence
+    marked, the values around it, the verdicts of each) and its plots into
+    `out`; returns the page's path.
+
+    Args:
+        comparison: from `compare_runs`.
+        out: a directory (made if missing).
+
+    Raises:
+        NotADirectoryError: `out` is a file.
+        OSError: a file could not be written; the error names it.
+
+    Examples:
+        >>> import os, tempfile
+        >>> import pandas as pd
+        >>> from kerasdbg.run_comparison import RunComparison, write_comparison
+        >>> empty = pd.DataFrame(columns=["a", "b"], dtype=float)
+        >>> page = write_comparison(RunComparison("x/a", "x/b", ("a", "b"), empty, empty, [],
+        ...                                       None, [], [], 0.01, 0.0), tempfile.mkdtemp())
+        >>> os.path.basename(page)
+        'compare.html'
+    """
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise NotADirectoryError(
+            f"write_comparison: `out` must be a directory (made if missing), not a file. "
+            f"Received: out={out!r}")
+    os.makedirs(out, exist_ok=True)
+    a, b = comparison.names
+    d = comparison.divergence
+    mark = {} if d is None else {"mark": d.step, "mark_label": "first divergence"}
+    sections = []
+    if d is not None:
+        sections.append(
+            f"<h2>Where they diverge</h2><p>First at step {d.step}: <code>{html.escape(d.tag)}"
+            f"</code> is {d.value_a:.6g} in {html.escape(a)} and {d.value_b:.6g} in "
+            f"{html.escape(b)} ({html.escape(d.reason)}). A step counts as diverged when "
+            "the loss or a global gradient norm is finite in one run and not in the other, "
+            f"or differs by more than atol + rtol &middot; max(|a|, |b|) (rtol="
+            f"{comparison.rtol:g}, atol={comparison.atol:g}).</p>" + _around(comparison))
+    for stem, title, frame, log in (("loss", "Loss", comparison.loss, None),
+                                    ("global_norm", "Global gradient norm",
+                                     comparison.global_norm, True)):
+        if frame.notna().to_numpy().any():
+            path = os.path.join(out, f"{stem}.png")
+            _report._plot_lines(frame, f"{title.lower()}: {a} and {b}", title.lower(), path,
+                                log=log, **mark)
+            sections.append(f"<h2>{html.escape(title)}</h2>"
+                            f'<img src="{stem}.png" alt="{html.escape(title)} of {html.escape(a)} '
+                            f'and {html.escape(b)}">')
+    for name, rows in ((a, comparison.verdicts_a), (b, comparison.verdicts_b)):
+        sections.append(f"<h2>Verdicts of {html.escape(name)}</h2>" + _report._rows_table(rows))
+    page = os.path.join(out, "compare.html")
+    with open(page, "w", encoding="utf-8") as stream:
+        stream.write(
+            "<!DOCTYPE html><html><head><meta charset='utf-8'><title>kerasdbg: "
+            f"{html.escape(a)} and {html.escape(b)}</title><style>{_report._STYLE}"
+            "tr.diverged td{background:#fde2e1}</style></head><body>"
+            f"<h1>{html.escape(a)} and {html.escape(b)}</h1>"
+            f"<pre>{html.escape(str(comparison))}</pre>{''.join(sections)}</body></html>")
+    return page
+
+
+def main_compare(a: str, b: str, out: Optional[str], run_name: str, rtol: float) -> int:
+    """`kerasdbg report RUN_A RUN_B`: exit status 0, or 2 on bad input or when
+    the page cannot be written."""
+    try:
+        comparison = compare_runs(a, b, run_name=run_name, rtol=rtol)
+        out = out or os.path.join(a, "report", "vs_" + os.path.basename(os.path.normpath(b)))
+        page = write_comparison(comparison, out)
+    except (FileNotFoundError, NotADirectoryError, _report.NotARunError, ValueError,
+            TypeError) as error:
+        print(f"kerasdbg report: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:
+        where = f" ({error.filename})" if error.filename else ""
+        print(f"kerasdbg report: could not write the comparison in {out!r}: "
+              f"{error.strerror or error}{where}", file=sys.stderr)
+        return 2
+    print(comparison)
+    print(f"report: {page}")
+    return 0
