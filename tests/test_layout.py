@@ -30,14 +30,23 @@ from tests.helpers import BATCH, X, Y
 from tests.test_tensorboard import _chromium, _get, serve
 
 LOAD_TIMEOUT_S = 60
-# The layout the issue asks for: category -> its charts, in order.
+# The layout the issue asks for: category -> its charts, in order; the
+# per-variable charts last, in a closed category.
+EVERY = "every variable and tap"
 CHARTS = {
-    "loss and gradient norm": ["loss and global norm(s)"],
-    "gradients": ["gradient l2 norm of every variable"],
-    "weights": ["weight update ratios", "weight norms"],
-    "activations": ["dead / saturated fractions"],
+    "loss": ["loss", "log10 loss"],
+    "gradients": ["global norm", "log10 global norm",
+                  "log10 largest l2 norm in each group of variables",
+                  "largest l2 norm in each group of variables",
+                  "log10 largest and smallest l2 norm of all variables"],
+    "weights": ["log10 largest update ratio in each group of variables",
+                "fraction of variables with update ratio above 0.01",
+                "largest weight l2 norm in each group of variables"],
+    "activations": ["largest dead / saturated fraction in each group of taps"],
     "timing": ["seconds per execution and per step: input, compute", "input fraction",
                "examples per second"],
+    EVERY: ["gradient l2 norm of every variable", "weight update ratio of every variable",
+            "weight l2 norm of every variable", "dead / saturated fraction of every tap"],
 }
 # StepTimer's tags, from its docstring.
 SECONDS = ["time/execution_seconds", "time/step_seconds", "time/input_seconds",
@@ -57,20 +66,39 @@ def _tapped_model():
 
 def _expected_tags(model):
     """Chart title -> the tags it should draw, from the model's variables and
-    taps and the callbacks' documented tags."""
+    taps and the callbacks' documented tags. The model's six variables are
+    six groups (at most ten: one each), named by their paths."""
     paths = [v.path for v in model.trainable_variables]
     health = {"relu": "dead_fraction", "tanh": "saturated_fraction"}
+    taps = {layer.name: health[layer.activation] for layer in model.layers
+            if isinstance(layer, TapLayer)}
     return {
-        "loss and global norm(s)": {"step/loss", "gradients/global_norm"},
-        "gradient l2 norm of every variable": {f"gradients/{p}/l2_norm" for p in paths},
-        "weight update ratios": {f"weights/{p}/update_ratio" for p in paths},
-        "weight norms": {f"weights/{p}/l2_norm" for p in paths},
-        "dead / saturated fractions": {
-            f"activations/{layer.name}/{health[layer.activation]}"
-            for layer in model.layers if isinstance(layer, TapLayer)},
+        "loss": {"step/loss"},
+        "log10 loss": {"views/step/loss/log10"},
+        "global norm": {"gradients/global_norm"},
+        "log10 global norm": {"views/gradients/global_norm/log10"},
+        "log10 largest l2 norm in each group of variables": {
+            f"views/gradients/l2_norm/log10_max/{p}" for p in paths},
+        "largest l2 norm in each group of variables": {
+            f"views/gradients/l2_norm/max/{p}" for p in paths},
+        "log10 largest and smallest l2 norm of all variables": {
+            "views/gradients/l2_norm/log10_max", "views/gradients/l2_norm/log10_min"},
+        "log10 largest update ratio in each group of variables": {
+            f"views/weights/update_ratio/log10_max/{p}" for p in paths},
+        "fraction of variables with update ratio above 0.01": {
+            "views/weights/update_ratio/fraction_above_0.01"},
+        "largest weight l2 norm in each group of variables": {
+            f"views/weights/l2_norm/max/{p}" for p in paths},
+        "largest dead / saturated fraction in each group of taps": {
+            f"views/activations/{stat}/max/{tap}" for tap, stat in taps.items()},
         "seconds per execution and per step: input, compute": set(SECONDS),
         "input fraction": {"time/input_fraction"},
         "examples per second": {"time/examples_per_second"},
+        "gradient l2 norm of every variable": {f"gradients/{p}/l2_norm" for p in paths},
+        "weight update ratio of every variable": {f"weights/{p}/update_ratio" for p in paths},
+        "weight l2 norm of every variable": {f"weights/{p}/l2_norm" for p in paths},
+        "dead / saturated fraction of every tap": {
+            f"activations/{tap}/{stat}" for tap, stat in taps.items()},
     }
 
 
@@ -149,11 +177,11 @@ def test_each_callback_adds_its_charts_and_the_last_layout_holds_all(trained):
     layouts = _layouts(os.path.join(log_dir, "train"))
     # One layout per callback that added charts, in the order of `callbacks`.
     assert [list(_titles(layout)) for layout in layouts] == [
-        ["loss and gradient norm", "gradients"],
-        ["loss and gradient norm", "gradients", "weights"],
-        ["loss and gradient norm", "gradients", "weights", "timing"],
-        ["loss and gradient norm", "gradients", "weights", "timing"],  # + step/loss
-        ["loss and gradient norm", "gradients", "weights", "activations", "timing"],
+        ["gradients", EVERY],
+        ["gradients", "weights", EVERY],
+        ["gradients", "weights", "timing", EVERY],
+        ["loss", "gradients", "weights", "timing", EVERY],
+        ["loss", "gradients", "weights", "activations", "timing", EVERY],
     ]
     assert _titles(layouts[-1]) == CHARTS
 
@@ -161,7 +189,9 @@ def test_each_callback_adds_its_charts_and_the_last_layout_holds_all(trained):
 def test_the_plugin_serves_the_merged_layout(server):
     layout = _served_layout(server)
     assert _titles(layout) == CHARTS
-    assert all(not category.get("closed", False) for category in layout["category"])
+    # Only the per-variable charts are closed at first.
+    assert {c["title"]: c.get("closed", False) for c in layout["category"]} == {
+        title: title == EVERY for title in CHARTS}
 
 
 def test_each_chart_draws_the_tags_of_its_statistic(server, trained):
@@ -202,11 +232,13 @@ def test_only_charts_of_recorded_tags_and_no_rewrite_in_a_second_fit(tmp_path):
     layouts = _layouts(os.path.join(log_dir, "train"))
     assert len(layouts) == 3
     assert _titles(layouts[-1]) == {
-        "loss and gradient norm": ["loss and global norm(s)"],
-        "weights": ["weight update ratios"],
-        "timing": ["seconds per execution and per step: input, compute"]}
-    loss, _, seconds = (c.chart[0] for c in layouts[-1].category)
-    assert list(loss.multiline.tag) == ["^gradients/(.+/)?global_norm$"]
+        "gradients": ["global norm", "log10 global norm"],
+        "weights": ["log10 largest update ratio in each group of variables",
+                    "fraction of variables with update ratio above 0.01"],
+        "timing": ["seconds per execution and per step: input, compute"],
+        EVERY: ["weight update ratio of every variable"]}
+    norm, _, seconds, _ = (c.chart[0] for c in layouts[-1].category)
+    assert list(norm.multiline.tag) == ["^gradients/(.+/)?global_norm$"]
     assert [t for t in SECONDS if re.match(seconds.multiline.tag[0], t)] == SECONDS[:2]
 
 

@@ -108,7 +108,7 @@ def test_every_tag_of_a_recorded_run_parses_into_its_parts_and_rebuilds_to_itsel
                 assert parts[2] in stats.STATISTICS, tag
             if parsed.form == "per_optimizer":
                 assert parts[2] is None, tag  # one optimizer: the short tags
-    assert forms == {"statistic", "per_optimizer", "scalar", "fault", "tensor", "VERDICTS"}
+    assert forms == {"statistic", "per_optimizer", "scalar", "fault", "tensor", "VERDICTS", "view"}
 
 
 def test_the_documented_tags_are_written_and_are_what_the_builders_make(recorded):

@@ -128,8 +128,11 @@ class StatisticsCallback(RecordingCallback):
             deferred=True,
         )
         self._writer = self._open_writer()
+        # Per-variable charts only for a few variables (known once the model is built).
+        count = len(select_variables(self.model, self.include, self.exclude)[1]) \
+            if self.model.built else None
         _layout.add(type(self).__name__, self._writer,
-                    _layout.statistics_lines(self.kind, self.stats), self.strict)
+                    _layout.statistics_lines(self.kind, self.stats, count), self.strict)
         _capture.engine_for(self.model).attach(self._request)
 
     def on_train_batch_begin(self, batch, logs=None):
@@ -179,12 +182,13 @@ class StatisticsCallback(RecordingCallback):
                 self._clipped += int(bool(clipped) and clipped[0] > 0)
             if self._writer is None or record.skipped:
                 continue
-            scalars = {}
+            scalars, views = {}, {}
             if record.values is not None:
                 scalars = {
                     tag: value for tag, value in zip(record.tags, record.values)
                     if tag is not None
                 }
+                views = _layout.views(self.kind, record.tags, record.values)
                 if self.kind == "gradients" and isinstance(
                         self._optimizer(record.optimizer), keras.optimizers.LossScaleOptimizer):
                     scalars[_tags.per_optimizer(self.kind, "skipped_updates",
@@ -196,7 +200,7 @@ class StatisticsCallback(RecordingCallback):
                 for i, tag in enumerate(record.histogram_tags):
                     if tag is not None and np.all(np.isfinite(ranges[i])):
                         histograms[tag] = (counts[i], *ranges[i])
-            self._writer.write(record.step, scalars, histograms)
+            self._writer.write(record.step, scalars, histograms, views=views)
 
     def _optimizer(self, name: Optional[str]):
         engine = _capture.engine_for(self.model)

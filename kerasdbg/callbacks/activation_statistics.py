@@ -98,6 +98,9 @@ class ActivationStatistics(RecordingCallback):
         self.strict = check.boolean(owner, "strict", strict)
         self._taps: List[TapLayer] = []
         self._steps: "collections.OrderedDict[int, Dict[str, float]]" = collections.OrderedDict()
+        # step -> the taps' health fractions written at it, for the views
+        # across taps (written once every tap's rows of the step are in).
+        self._pending: Dict[int, Dict[str, float]] = {}
         self._writer: Optional[_events.EventWriter] = None
         self._failed = False
         self._checked = False
@@ -114,6 +117,7 @@ class ActivationStatistics(RecordingCallback):
     # --------------------------------------------------------- callbacks
     def on_train_begin(self, logs=None):
         self._steps.clear()
+        self._pending.clear()
         self._checked = False
         taps = find_taps(self.model)
         self._taps = [t for t in taps if selected(t.name, self.include, self.exclude)]
@@ -128,7 +132,7 @@ class ActivationStatistics(RecordingCallback):
             warnings.warn(message, RuntimeWarning, stacklevel=2)
         self._writer = self._open_writer()
         _layout.add(type(self).__name__, self._writer, _layout.activation_lines(
-            name for tap in self._taps for name in tap.health), self.strict)
+            (name for tap in self._taps for name in tap.health), len(self._taps)), self.strict)
         for tap in self._taps:
             tap.add_listener(self._consume)
         # One trace of the train function, not two (the taps' graph is large);
@@ -143,6 +147,7 @@ class ActivationStatistics(RecordingCallback):
         # catches what it could not, reading only taps whose every_n_steps
         # selected one of the steps since the last check.
         self._flush(_layer_sink().current_fit_step(self.model))
+        self._guarded(self._write_views)
         if not self._checked:
             self._checked = True
             self._check_taps_ran()
@@ -164,11 +169,13 @@ class ActivationStatistics(RecordingCallback):
 
     def on_epoch_end(self, epoch, logs=None):
         self._flush(_layer_sink().current_fit_step(self.model))
+        self._guarded(self._write_views)
         if self._writer is not None:
             self._writer.flush()
 
     def on_train_end(self, logs=None):
         self._flush(_layer_sink().current_fit_step(self.model))
+        self._guarded(self._write_views)
         for tap in self._taps:
             tap.remove_listener(self._consume)
         release_writer(self, self._writer)
@@ -199,6 +206,21 @@ class ActivationStatistics(RecordingCallback):
                     histograms[_tags.tensor(_tags.ACTIVATIONS, tap.name)] = (
                         record.values["hist_counts"], low, high)
             self._writer.write(step, scalars, histograms)
+            health = {t: v for t, v in scalars.items()
+                      if _tags.tag_parts(t)[2] in tap.health}
+            if health:
+                self._pending.setdefault(step, {}).update(health)
+
+    def _write_views(self) -> None:
+        """Writes the views across taps (`_layout.views`) of the steps whose
+        rows are in: after the flush that follows each execution."""
+        pending, self._pending = self._pending, {}
+        if self._writer is None:
+            return
+        for step in sorted(pending):
+            values = pending[step]
+            self._writer.write(step, views=_layout.views(
+                _tags.ACTIVATIONS, list(values), list(values.values())))
 
     # ----------------------------------------------------------- results
     @property

@@ -76,6 +76,14 @@ SCALAR_COLLECTIONS = (STEP, EPOCH)
 step, from `StopOnRule`), `epoch/<log>` (Keras's epoch logs: `epoch/loss`,
 `epoch/val_loss`, ...)."""
 
+VIEWS = "views"
+"""Tags `views/<collection>/<statistic>/<view>` and
+`views/<collection>/<statistic>/<view>/<group>` (`view`): scalars derived
+from a step's records for TensorBoard's charts (`kerasdbg.sinks.layout`):
+`views/step/loss/log10`, `views/gradients/l2_norm/log10_max/<group>`, ...
+Written to the event file only: they are not records (the reader, the
+rules and the report never read them)."""
+
 VERDICTS = "rules/verdicts"
 """The text tag of `StopOnRule`'s verdicts (`kerasdbg.records.verdicts`)."""
 
@@ -262,6 +270,18 @@ def any_pattern(patterns: Sequence[str]) -> str:
     return "|".join(patterns)
 
 
+def view_pattern(collection: str, statistic, view: str, grouped: bool = False) -> str:
+    """The tags `view(collection, statistic, view)` (`grouped`: of every
+    group, `view(collection, statistic, view, <group>)`); `statistic` a
+    name, a sequence of names, or None for any."""
+    if statistic is None:
+        stats = "[^/]+"
+    else:
+        stats = _alternatives([statistic] if isinstance(statistic, str) else list(statistic))
+    group = "/.+" if grouped else ""
+    return f"^{re.escape(VIEWS)}/{re.escape(collection)}/{stats}/{re.escape(view)}{group}$"
+
+
 def tag_pattern(collection: str, statistic: str, name: str = "<name>") -> str:
     """How the tags of a `requires` pair look, for messages: `step/loss`,
     `gradients/global_norm`, `<collection>/<name>/<statistic>`."""
@@ -307,6 +327,70 @@ def fault(group: str, kind: str, name: Optional[str] = None) -> str:
     return f"{FAULTS}/{group}/{kind}" if name is None else f"{FAULTS}/{group}/{kind}/{name}"
 
 
+# ---------------------------------------------------------------- views
+def view(collection: str, statistic: str, view: str, group: Optional[str] = None) -> str:
+    """`views/<collection>/<statistic>/<view>[/<group>]` (see `VIEWS`): e.g.
+    `view("gradients", "l2_norm", "log10_max", "conv2")`."""
+    tag = f"{VIEWS}/{collection}/{statistic}/{view}"
+    return tag if group is None else f"{tag}/{group}"
+
+
+_SEPARATORS = re.compile(r"[/_.\-]")
+
+
+def _prefix(name: str, depth: int) -> str:
+    """`name` up to its `depth`-th separator (`/`, `_`, `.`, `-`), or whole."""
+    cuts = [m.start() for m in _SEPARATORS.finditer(name)]
+    return name if depth > len(cuts) else name[:cuts[depth - 1]]
+
+
+def groups(names: Sequence[str], limit: int = 10) -> List[str]:
+    """The group of each of `names` (variable paths, tap names), for charts
+    of at most `limit` lines: the names' longest common prefix of whole
+    `/`-parts left out, the deepest prefix (cut at `/`, `_`, `.` or `-`)
+    that gives at most `limit` groups. When even the first cut gives one
+    group (or the first gives more than `limit`), the names of the first
+    cut that gives more than `limit` are split, in order, into at most
+    `limit` runs named `<first>..<last>`. Groups keep the order of the names.
+
+    Examples:
+        >>> from kerasdbg.records import tags
+        >>> tags.groups(["m/conv2_block1_1_conv/kernel", "m/conv2_block2_1_bn/beta",
+        ...              "m/conv3_block1_1_conv/kernel", "m/predictions/bias"], limit=3)
+        ['conv2', 'conv2', 'conv3', 'predictions']
+        >>> tags.groups(["cnn/conv1/kernel", "cnn/conv1/bias", "cnn/dense/kernel"])
+        ['conv1/kernel', 'conv1/bias', 'dense/kernel']
+    """
+    names = list(names)
+    if not names:
+        return []
+    parts = [n.split("/") for n in names]
+    common = 0
+    while (len(names) > 1 and all(len(p) > common + 1 for p in parts)
+           and len({p[common] for p in parts}) == 1):
+        common += 1
+    rest = ["/".join(p[common:]) for p in parts]
+    deepest = max(len(_SEPARATORS.findall(n)) for n in rest) + 1
+    chosen = None
+    for depth in range(1, deepest + 1):
+        keys = [_prefix(n, depth) for n in rest]
+        if len(set(keys)) > limit:
+            break
+        chosen = keys
+    else:
+        return chosen
+    if chosen is not None and len(set(chosen)) > 1:
+        return chosen
+    # One group, or more than `limit` at the first cut: the names of the
+    # first cut that gives more than `limit`, in order, split into runs.
+    order = list(dict.fromkeys(keys))
+    size = -(-len(order) // limit)
+    runs = [order[i:i + size] for i in range(0, len(order), size)]
+    name_of = {key: run[0] if len(run) == 1 else f"{run[0]}..{run[-1]}"
+               for run in runs for key in run}
+    return [name_of[key] for key in keys]
+
+
 # ------------------------------------------------------- whole tags
 PER_OPTIMIZER_NAMES = (GLOBAL_NORM, CLIPPED)
 """The last parts of `gradients/` and `applied_gradients/` tags that are one
@@ -318,7 +402,7 @@ PLUGINS = ("scalars", "histograms", "text")
 class ParsedTag(NamedTuple):
     """A tag taken apart: `form`, the name of the function of this module
     that builds it (`statistic`, `per_optimizer`, `scalar`, `fault`,
-    `tensor`; `VERDICTS` for the constant), and `parts`, its arguments.
+    `tensor`, `view`; `VERDICTS` for the constant), and `parts`, its arguments.
     `build` puts it back together."""
 
     form: str
@@ -356,6 +440,12 @@ def parse(tag: str, plugin: str = "scalars") -> Optional[ParsedTag]:
         return ParsedTag("per_optimizer", (collection, last, head))
     if collection in SCALAR_COLLECTIONS + (TIME,):
         return ParsedTag("scalar", (collection, rest))
+    if collection == VIEWS:
+        parts = rest.split("/", 3)
+        if len(parts) < 3 or not all(parts):
+            return None
+        return ParsedTag("view", (parts[0], parts[1], parts[2],
+                                  parts[3] if len(parts) == 4 else None))
     if collection == FAULTS:
         group, _, more = rest.partition("/")
         kind, _, name = more.partition("/")
@@ -373,4 +463,4 @@ def build(parsed: ParsedTag) -> str:
 
 
 _BUILDERS = {"statistic": statistic, "per_optimizer": per_optimizer, "scalar": scalar,
-             "fault": fault, "tensor": tensor}
+             "fault": fault, "tensor": tensor, "view": view}

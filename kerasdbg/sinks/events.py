@@ -30,7 +30,7 @@ import shutil
 import socket
 import time
 import warnings
-from typing import Dict, Hashable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, Hashable, List, Mapping, NamedTuple, Optional, Tuple
 
 import numpy as np
 from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2
@@ -100,6 +100,8 @@ class EventWriter:
         # what -> (path, error) of the sinks that failed.
         self.failures: Dict[str, Tuple[str, BaseException]] = {}
         self._last_flush = time.monotonic()
+        # Functions of a step's scalars -> views, added by the layout (`derive`).
+        self._derived: List[Callable[[Mapping[str, float]], Dict[str, float]]] = []
         try:
             _tfrecord.makedirs(log_dir)
             self._writer = _tfrecord.record_writer(self.path)
@@ -202,6 +204,13 @@ class EventWriter:
         self._described.add(tag)
         return plugin.create_summary_metadata(display_name=tag, description="")
 
+    def derive(self, function: Callable[[Mapping[str, float]], Dict[str, float]]) -> None:
+        """Adds `views` that `write` derives from the scalars of every write:
+        `function(scalars) -> {tag: value}` (the log10 of the loss, which
+        `kerasdbg.sinks.layout` draws). Added once however often given."""
+        if function not in self._derived:
+            self._derived.append(function)
+
     def write(
         self,
         step: int,
@@ -210,6 +219,7 @@ class EventWriter:
         texts: Mapping[str, str] = (),
         wall_time: Optional[float] = None,
         unique: bool = False,
+        views: Mapping[str, float] = (),
     ) -> None:
         """Writes one event holding every value of `step`.
 
@@ -222,23 +232,33 @@ class EventWriter:
             unique: leave out each scalar that this writer already wrote at
                 this step with the same value (several `StopOnRule`s in one
                 log directory each record `step/loss`). Defaults to `False`.
+            views: tag -> value of scalars derived for TensorBoard's charts
+                (`kerasdbg.sinks.layout.views`): written to the event file
+                only, not to the analysis store (they are not records),
+                with those of the functions given to `derive`; `unique`
+                applies to them too. Defaults to `()`.
         """
         if self.failures:
             self._report()
             if self._writer is None:
                 return
-        scalars = dict(scalars)
+        scalars, views = dict(scalars), dict(views)
+        for function in self._derived:
+            views.update(function(scalars))
         if unique:
-            for tag in list(scalars):
-                last = (int(step), float(scalars[tag]))
-                if _same(self._unique.get(tag), last):
-                    del scalars[tag]
-                self._unique[tag] = last
+            for values in (scalars, views):
+                for tag in list(values):
+                    last = (int(step), float(values[tag]))
+                    if _same(self._unique.get(tag), last):
+                        del values[tag]
+                    self._unique[tag] = last
         event = event_pb2.Event(
             wall_time=time.time() if wall_time is None else wall_time, step=int(step)
         )
         if scalars:
             event.summary.CopyFrom(self._scalar_summary(scalars))
+        for tag, value in views.items():
+            event.summary.value.add(tag=tag, simple_value=float(value))
         for tag, (counts, low, high) in dict(histograms).items():
             event.summary.value.add(
                 tag=tag,

@@ -6,6 +6,15 @@ which lines their tags draw (`Line`: a chart and a regular expression of
 tags); the custom-scalars plugin ("Custom Scalars" tab) draws every tag a
 line's expression matches in that line's chart.
 
+A chart a person can read draws a few lines: the open categories draw, per
+group of variables or taps (`tags.groups`: at most `MAX_LINES`, named after
+the layers, `conv2`..`conv5` for a ResNet50), the largest gradient norm,
+update ratio, weight norm and dead fraction, written beside the records by
+the callbacks as `views/...` scalars (`views`); the loss and the global
+norm on charts of their own, each also as log10 (the plugin has no log
+axis). The per-variable and per-tap charts come last, in a closed category,
+and only where they draw at most `MAX_LINES` lines.
+
 The plugin reads one layout per run: of the points of its tag
 (`custom_scalars__config__`) it asks the data provider for one
 (`downsample=1`), which is the last one read (both TensorBoard's Python
@@ -19,9 +28,12 @@ layouts by category title.)
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
-from typing import Iterable, List, NamedTuple, Optional, Sequence
+from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
 
 from tensorboard.compat.proto import summary_pb2, tensor_pb2
 from tensorboard.compat.proto import tensor_shape_pb2, types_pb2
@@ -40,17 +52,44 @@ class Chart(NamedTuple):
     title: str
 
 
-LOSS = Chart("loss and gradient norm", "loss and global norm(s)")
-GRADIENT_NORMS = Chart("gradients", "gradient l2 norm of every variable")
-UPDATE_RATIOS = Chart("weights", "weight update ratios")
-WEIGHT_NORMS = Chart("weights", "weight norms")
-HEALTH = Chart("activations", "dead / saturated fractions")
+MAX_LINES = 10
+"""The most lines a chart of the open categories draws: per-variable and
+per-tap series are drawn as `MAX_LINES` groups or fewer (`tags.groups`)."""
+UPDATE_RATIO_ABOVE = 0.01
+"""The update ratio above which a variable counts in the chart of the
+fraction of variables moving fast (a rule of thumb puts healthy ratios near
+0.001)."""
+EVERY = "every variable and tap"
+"""The category of the per-variable and per-tap charts: closed at first, and
+written only where a chart would draw at most `MAX_LINES` lines or the count
+is not known when the layout is written (the Scalars tab keeps every tag)."""
+
+LOSS = Chart("loss", "loss")
+LOG_LOSS = Chart("loss", "log10 loss")
+GLOBAL_NORM = Chart("gradients", "global norm")
+LOG_GLOBAL_NORM = Chart("gradients", "log10 global norm")
+GRADIENT_GROUPS = Chart("gradients", "log10 largest l2 norm in each group of variables")
+GRADIENT_GROUPS_RAW = Chart("gradients", "largest l2 norm in each group of variables")
+GRADIENT_EXTREMES = Chart("gradients", "log10 largest and smallest l2 norm of all variables")
+UPDATE_RATIO_GROUPS = Chart("weights", "log10 largest update ratio in each group of variables")
+UPDATE_RATIO_FRACTION = Chart(
+    "weights", f"fraction of variables with update ratio above {UPDATE_RATIO_ABOVE:g}")
+WEIGHT_GROUPS = Chart("weights", "largest weight l2 norm in each group of variables")
+HEALTH_GROUPS = Chart("activations", "largest dead / saturated fraction in each group of taps")
 SECONDS = Chart("timing", "seconds per execution and per step: input, compute")
 INPUT_FRACTION = Chart("timing", "input fraction")
 THROUGHPUT = Chart("timing", "examples per second")
-CHARTS = (LOSS, GRADIENT_NORMS, UPDATE_RATIOS, WEIGHT_NORMS, HEALTH, SECONDS,
-          INPUT_FRACTION, THROUGHPUT)
+GRADIENT_NORMS = Chart(EVERY, "gradient l2 norm of every variable")
+UPDATE_RATIOS = Chart(EVERY, "weight update ratio of every variable")
+WEIGHT_NORMS = Chart(EVERY, "weight l2 norm of every variable")
+HEALTH = Chart(EVERY, "dead / saturated fraction of every tap")
+CHARTS = (LOSS, LOG_LOSS, GLOBAL_NORM, LOG_GLOBAL_NORM, GRADIENT_GROUPS, GRADIENT_GROUPS_RAW,
+          GRADIENT_EXTREMES, UPDATE_RATIO_GROUPS, UPDATE_RATIO_FRACTION, WEIGHT_GROUPS,
+          HEALTH_GROUPS, SECONDS, INPUT_FRACTION, THROUGHPUT, GRADIENT_NORMS, UPDATE_RATIOS,
+          WEIGHT_NORMS, HEALTH)
 """Every chart, in the order the dashboard shows them."""
+CLOSED = (EVERY,)
+"""The categories shown closed (a click opens them)."""
 
 TIMED_SECONDS = ("execution_seconds", "step_seconds", "input_seconds", "compute_seconds")
 """`StepTimer`'s `time/` tags in seconds (under XLA only the first two)."""
@@ -64,29 +103,59 @@ class Line(NamedTuple):
 
 
 # ------------------------------------------------------ what each callback draws
-def statistics_lines(kind: str, stats: Sequence[str]) -> List[Line]:
+def _few(count: Optional[int]) -> bool:
+    """Whether a chart of `count` lines (None: not known yet) is drawn."""
+    return count is None or count <= MAX_LINES
+
+
+def statistics_lines(kind: str, stats: Sequence[str], count: Optional[int] = None) -> List[Line]:
     """The lines of `GradientStatistics` (`kind="gradients"`) or
-    `WeightStatistics` (`"weights"`) recording `stats`."""
+    `WeightStatistics` (`"weights"`) recording `stats` of `count` variables
+    (None: not known yet): the views of `views` and, for a few variables,
+    the per-variable charts."""
     lines = []
-    if kind == "gradients":
+    norm = "l2_norm"
+    if kind == _tags.GRADIENTS:
         # Recorded whatever `stats` are; several optimizers: one norm each.
-        lines.append(Line(LOSS, _tags.per_optimizer_pattern(kind, "global_norm")))
-        if "l2_norm" in stats:
-            lines.append(Line(GRADIENT_NORMS, _tags.statistic_pattern(kind, "l2_norm")))
-    elif kind == "weights":
+        lines.append(Line(GLOBAL_NORM, _tags.per_optimizer_pattern(kind, _tags.GLOBAL_NORM)))
+        # `.../log10/<optimizer>` with several optimizers.
+        lines.append(Line(LOG_GLOBAL_NORM, _tags.any_pattern([
+            _tags.view_pattern(kind, _tags.GLOBAL_NORM, "log10"),
+            _tags.view_pattern(kind, _tags.GLOBAL_NORM, "log10", grouped=True)])))
+        if norm in stats:
+            lines += [Line(GRADIENT_GROUPS, _tags.view_pattern(kind, norm, "log10_max", True)),
+                      Line(GRADIENT_GROUPS_RAW, _tags.view_pattern(kind, norm, "max", True)),
+                      Line(GRADIENT_EXTREMES, _tags.view_pattern(kind, norm, "log10_max")),
+                      Line(GRADIENT_EXTREMES, _tags.view_pattern(kind, norm, "log10_min"))]
+            if _few(count):
+                lines.append(Line(GRADIENT_NORMS, _tags.statistic_pattern(kind, norm)))
+    elif kind == _tags.WEIGHTS:
         if "update_ratio" in stats:
-            lines.append(Line(UPDATE_RATIOS, _tags.statistic_pattern(kind, "update_ratio")))
-        if "l2_norm" in stats:
-            lines.append(Line(WEIGHT_NORMS, _tags.statistic_pattern(kind, "l2_norm")))
+            lines += [
+                Line(UPDATE_RATIO_GROUPS,
+                     _tags.view_pattern(kind, "update_ratio", "log10_max", True)),
+                Line(UPDATE_RATIO_FRACTION,
+                     _tags.view_pattern(kind, "update_ratio", _fraction_view()))]
+            if _few(count):
+                lines.append(Line(UPDATE_RATIOS, _tags.statistic_pattern(kind, "update_ratio")))
+        if norm in stats:
+            lines.append(Line(WEIGHT_GROUPS, _tags.view_pattern(kind, norm, "max", True)))
+            if _few(count):
+                lines.append(Line(WEIGHT_NORMS, _tags.statistic_pattern(kind, norm)))
     return lines
 
 
-def activation_lines(health: Iterable[str]) -> List[Line]:
-    """The lines of `ActivationStatistics` whose taps record these health
-    fractions (`TapLayer.health`)."""
-    health = set(health)
-    return [Line(HEALTH, _tags.statistic_pattern(_tags.ACTIVATIONS, name))
-            for name in stats_lib.HEALTH_STATISTICS if name in health]
+def activation_lines(health: Iterable[str], count: Optional[int] = None) -> List[Line]:
+    """The lines of `ActivationStatistics` whose `count` taps (None: not
+    known) record these health fractions (`TapLayer.health`)."""
+    recorded = set(health)
+    health = [name for name in stats_lib.HEALTH_STATISTICS if name in recorded]
+    if not health:
+        return []
+    lines = [Line(HEALTH_GROUPS, _tags.view_pattern(_tags.ACTIVATIONS, health, "max", True))]
+    if _few(count):
+        lines.append(Line(HEALTH, _tags.statistic_pattern(_tags.ACTIVATIONS, health)))
+    return lines
 
 
 def timing_lines(timed: bool) -> List[Line]:
@@ -100,8 +169,134 @@ def timing_lines(timed: bool) -> List[Line]:
 
 
 def loss_lines() -> List[Line]:
-    """The line of `StopOnRule`: the loss of each step."""
-    return [Line(LOSS, _tags.scalar_pattern(_tags.STEP, ["loss"]))]
+    """The lines of `StopOnRule`: the loss of each step, and its log10."""
+    return [Line(LOSS, _tags.scalar_pattern(_tags.STEP, ["loss"])),
+            Line(LOG_LOSS, _tags.view_pattern(_tags.STEP, "loss", "log10"))]
+
+
+# ------------------------------------------------------------------ views
+def _fraction_view() -> str:
+    return f"fraction_above_{UPDATE_RATIO_ABOVE:g}"
+
+
+def _log10(values: np.ndarray) -> np.ndarray:
+    """log10 of each value: -inf at 0, NaN below 0 (no warning)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.log10(values)
+
+
+def loss_views(scalars: Mapping[str, float]) -> Dict[str, float]:
+    """`views/step/<loss>/log10` of each loss `step/<loss>` in `scalars`."""
+    losses = _tags.step_losses(scalars)
+    if not losses:
+        return {}
+    values = _log10(np.array(list(losses.values()), np.float64))
+    return {_tags.view(_tags.STEP, name, "log10"): float(v) for name, v in zip(losses, values)}
+
+
+class _Plan(NamedTuple):
+    """Where the views of one tuple of tags take their values."""
+
+    groups: Tuple[str, ...]
+    # statistic -> (indices of its per-tensor tags in the tuple, group of each as an
+    # index into `groups`)
+    statistics: Dict[str, Tuple[np.ndarray, np.ndarray]]
+    # (index, view tag) of each per-optimizer global norm
+    global_norms: Tuple[Tuple[int, str], ...]
+
+
+_VIEWED = {_tags.GRADIENTS: ("l2_norm",), _tags.WEIGHTS: ("l2_norm", "update_ratio"),
+           _tags.ACTIVATIONS: stats_lib.HEALTH_STATISTICS}
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(kind: str, tags: Tuple[Optional[str], ...]) -> _Plan:
+    wanted = _VIEWED.get(kind, ())
+    tensors: Dict[str, None] = {}
+    found = []
+    global_norms = []
+    for i, tag in enumerate(tags):
+        if tag is None:
+            continue
+        if kind == _tags.GRADIENTS and _tags.is_per_optimizer(tag, kind, _tags.GLOBAL_NORM):
+            optimizer = tag[len(kind) + 1:-len(_tags.GLOBAL_NORM) - 1] or None
+            global_norms.append((i, _tags.view(kind, _tags.GLOBAL_NORM, "log10", optimizer)))
+            continue
+        parts = _tags.tag_parts(tag)
+        if parts is None or parts[0] != kind or parts[2] not in wanted:
+            continue
+        tensors.setdefault(parts[1], None)
+        found.append((i, parts[1], parts[2]))
+    names = list(tensors)
+    group_of = dict(zip(names, _tags.groups(names, MAX_LINES)))
+    groups = tuple(dict.fromkeys(group_of.values()))
+    number = {g: k for k, g in enumerate(groups)}
+    statistics = {}
+    for stat in wanted:
+        chosen = [(i, number[group_of[t]]) for i, t, s in found if s == stat]
+        if chosen:
+            index, group = (np.array(c, np.int64) for c in zip(*chosen))
+            statistics[stat] = (index, group)
+    return _Plan(groups, statistics, tuple(global_norms))
+
+
+def _group_max(values: np.ndarray, group: np.ndarray, count: int) -> np.ndarray:
+    """The largest of `values` in each of `count` groups, NaN left out (NaN
+    where a group holds only NaN)."""
+    out = np.full(count, -np.inf)
+    np.fmax.at(out, group, np.where(np.isnan(values), -np.inf, values))
+    seen = np.zeros(count, bool)
+    seen[group[~np.isnan(values)]] = True
+    return np.where(seen, out, np.nan)
+
+
+def views(kind: str, tags: Sequence[Optional[str]], values: Sequence[float]) -> Dict[str, float]:
+    """The scalars of TensorBoard's readable charts derived from one step's
+    records of `kind` (`tags[i]` holding `values[i]`; a None tag is left
+    out): per group of variables or taps (`tags.groups`, at most
+    `MAX_LINES`), the largest value of a statistic (`max`; `log10_max` of
+    gradient norms and update ratios); across all variables the log10 of the largest
+    and the smallest gradient norm and the fraction of variables whose
+    update ratio is above `UPDATE_RATIO_ABOVE`; log10 of the global norm.
+    A NaN value is left out of a largest or smallest (NaN when all are);
+    log10 of 0 is -inf. Tags: `tags.view`.
+
+    Examples:
+        >>> from kerasdbg.sinks import layout
+        >>> views = layout.views("gradients", ["gradients/global_norm",
+        ...     "gradients/m/a/kernel/l2_norm", "gradients/m/b/kernel/l2_norm"], [5.0, 3.0, 4.0])
+        >>> views["views/gradients/global_norm/log10"], views["views/gradients/l2_norm/max/b/kernel"]
+        (0.6989700043360187, 4.0)
+    """
+    plan = _plan(kind, tuple(tags))
+    values = np.asarray(values, np.float64)
+    out: Dict[str, float] = {}
+    for index, tag in plan.global_norms:
+        out[tag] = float(_log10(values[index]))
+    count = len(plan.groups)
+    for stat, (index, group) in plan.statistics.items():
+        chosen = values[index]
+        largest = _group_max(chosen, group, count)
+        # The groups holding a tensor of this statistic (a tap records
+        # either its dead or its saturated fraction).
+        held = [(name, value) for name, value, n in zip(
+            plan.groups, largest, np.bincount(group, minlength=count)) if n]
+        if stat == "update_ratio" or (kind == _tags.GRADIENTS and stat == "l2_norm"):
+            for name, value in held:
+                out[_tags.view(kind, stat, "log10_max", name)] = float(_log10(value))
+        if stat != "update_ratio":
+            for name, value in held:
+                out[_tags.view(kind, stat, "max", name)] = float(value)
+        finite = chosen[~np.isnan(chosen)]
+        if kind == _tags.GRADIENTS and stat == "l2_norm":
+            low, high = (float(finite.min()), float(finite.max())) if finite.size \
+                else (np.nan, np.nan)
+            out[_tags.view(kind, stat, "log10_max")] = float(_log10(high))
+            out[_tags.view(kind, stat, "log10_min")] = float(_log10(low))
+        if stat == "update_ratio":
+            fraction = float(np.mean(finite > UPDATE_RATIO_ABOVE)) if finite.size else np.nan
+            out[_tags.view(kind, stat, _fraction_view())] = fraction
+    return out
 
 
 # ----------------------------------------------------------------- layout
@@ -117,7 +312,8 @@ def layout(lines: Iterable[Line]) -> layout_pb2.Layout:
         if chart not in patterns:
             continue
         if chart.category not in categories:
-            categories[chart.category] = proto.category.add(title=chart.category)
+            categories[chart.category] = proto.category.add(
+                title=chart.category, closed=chart.category in CLOSED)
         categories[chart.category].chart.add(
             title=chart.title,
             multiline=layout_pb2.MultilineChartContent(tag=sorted(patterns[chart])))
@@ -164,6 +360,9 @@ def add(owner: str, writer: Optional[_events.EventWriter], lines: Iterable[Line]
     """
     if writer is None:
         return
+    lines = list(lines)
+    if any(line.chart == LOG_LOSS for line in lines):
+        writer.derive(loss_views)  # the loss's writer (`StopOnRule`) writes its log10 too
     run = _RUNS.setdefault(writer, _Run())
     merged = run.lines | frozenset(lines)
     if merged == run.lines:
