@@ -58,7 +58,8 @@ def train(log_dir: str, learning_rate: float, epochs: int, optimizer: str = "ada
     import keras
 
     from kerasdbg import insert_taps
-    from kerasdbg.callbacks import ActivationStatistics, GradientStatistics, StopOnRule
+    from kerasdbg.callbacks import ActivationStatistics, GradientStatistics, StepTimer
+    from kerasdbg.callbacks import StopOnRule
     from kerasdbg.callbacks import WeightStatistics
     from kerasdbg.layers import TapLayer
     from kerasdbg.rules import RuleWarning, default_rules
@@ -94,8 +95,8 @@ def train(log_dir: str, learning_rate: float, epochs: int, optimizer: str = "ada
             epochs=epochs,
             validation_split=0.1,
             verbose=0,
-            callbacks=[gradients, weights, ActivationStatistics(log_dir), stop, watch,
-                       keras.callbacks.TensorBoard(log_dir)],
+            callbacks=[gradients, weights, ActivationStatistics(log_dir), StepTimer(log_dir),
+                       stop, watch, keras.callbacks.TensorBoard(log_dir)],
         )
     verdicts = sorted(watch.verdicts + stop.verdicts, key=lambda verdict: verdict.step)
     return gradients, verdicts, bool(stop.verdicts), model
@@ -200,10 +201,14 @@ def run_demo(out: str = "runs/demo", epochs: int = 3) -> Dict[str, str]:
         "lr_too_high": dict(learning_rate=30.0, optimizer="sgd"),
     }
     dirs = {}
-    print(f"kerasdbg demo: training a small CNN twice ({epochs} epochs each) ...")
+    print(f"kerasdbg demo: training a small CNN twice ({epochs} epochs each) ...", flush=True)
     for name, settings in runs.items():
         log_dir = os.path.join(out, name)
         before = _runs(log_dir)
+        # Said before the run: its first step traces the instrumented train step
+        # (seconds; a longer one says so itself, `kerasdbg.capture.progress`).
+        print(f"  {name}: training with {settings['optimizer']}, learning rate "
+              f"{settings['learning_rate']:g} ...", flush=True)
         try:
             gradients, verdicts, stopped, model = train(log_dir, epochs=epochs, **settings)
         except Exception as error:  # noqa: BLE001 - tf.errors of every kind

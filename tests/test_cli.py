@@ -47,7 +47,11 @@ def test_demo_runs_the_healthy_run_to_its_end_and_a_rule_stops_the_other(demo):
     out, printed = demo
     healthy = load_run(str(out / "healthy"))
     assert healthy.steps("step/loss") == list(range(1, 28))  # 1728 samples / 64, one epoch
-    assert healthy.tags(kind="text") == []
+    # Both StopOnRules ran and neither fired: the run's last text says so.
+    from kerasdbg.records.verdicts import no_verdict, verdict_rows
+
+    last = healthy.texts("rules/verdicts").text.iloc[-1]
+    assert verdict_rows(last) == [] and len(no_verdict(last)) == 2, last
     assert "rules: none fired" in printed
     broken = load_run(str(out / "lr_too_high"))
     verdicts = broken.texts("rules/verdicts")
@@ -78,6 +82,23 @@ def test_help_explains_each_command(capsys):
         cli.main(["--help"])
     text = capsys.readouterr().out
     assert "demo" in text and "tags" in text and "example" in text.lower()
+
+
+def test_the_command_says_nothing_of_tensorflows_start_up(tmp_path):
+    """The installed `kerasdbg` entry point, in a fresh process with no
+    TF_CPP_MIN_LOG_LEVEL set: stderr holds what the command says, none of the
+    lines TensorFlow's C++ writes as it loads (absl, oneDNN, CPU features;
+    `check` loads TensorFlow, Keras's backend, as every command does)."""
+    import shutil
+    import subprocess
+    import sys
+
+    _log_dir(tmp_path)
+    command = shutil.which("kerasdbg", path=os.path.dirname(sys.executable))
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    done = subprocess.run([command, "check", str(tmp_path)], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.stderr.splitlines() == ["kerasdbg check: 0 of 1 rules fired"], done.stderr
 
 
 # ------------------------------------------------- directories that are not a run
@@ -176,9 +197,9 @@ def test_check_gives_the_verdicts_stop_on_rule_gave_during_the_demo(demo, capsys
     said = capsys.readouterr()
     assert said.out == "" and " 0 of " in said.err
     broken = load_run(str(out / "lr_too_high"))
+    # The last write holds every verdict of the run.
     online = sorted((row["step"], row["rule"], row["reason"])
-                    for text in broken.texts("rules/verdicts").text
-                    for row in verdict_rows(text))
+                    for row in verdict_rows(broken.texts("rules/verdicts").text.iloc[-1]))
     assert cli.main(["check", str(out / "lr_too_high")]) == 1
     printed = capsys.readouterr().out.splitlines()
     offline = sorted((int(m.group(2)), m.group(1), m.group(0).removeprefix("(info) "))

@@ -3,6 +3,7 @@
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 
 from kerasdbg.callbacks import GradientStatistics, StopOnRule
-from kerasdbg.rules import NonFiniteLoss, RuleWarning
+from kerasdbg.rules import NonFiniteLoss, Rule, RuleWarning
 from tests.helpers import BATCH, LEARNING_RATE, X, Y, make_mlp, reference_training
 
 STEPS = len(X) // BATCH
@@ -38,9 +39,31 @@ def _get(base, path, **query):
         return json.loads(response.read().decode("utf-8"))
 
 
+EARLY, HEALTHY_STEPS = 3, 3
+
+
+class _FiresAt(Rule):
+    """Fires at one step (a verdict before the fault's, in the same text)."""
+
+    requires = (("step", "loss"),)
+
+    def __init__(self, step):
+        self.step = step
+
+    def check(self, step, record):
+        if step == self.step:
+            return self.verdict(step, "the chosen step", {"step/loss": record["step/loss"]})
+        return None
+
+    def get_config(self):
+        return {"step": self.step}
+
+
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
-    """A run with a NaN batch at step FAULT, and its GradientTape reference."""
+    """A run with a NaN batch at step FAULT (and a rule firing at step EARLY),
+    its GradientTape reference, and a healthy run `healthy/train` of
+    HEALTHY_STEPS steps under the same log directory."""
     log_dir = str(tmp_path_factory.mktemp("tb") / "logs")
     model = make_mlp()
     model.compile(keras.optimizers.SGD(LEARNING_RATE), "mse")
@@ -48,10 +71,16 @@ def recorded(tmp_path_factory):
     y = Y.copy()
     y[(FAULT - 1) * BATCH] = np.inf
     callbacks = [GradientStatistics(log_dir, histogram_every_n_steps=2),
-                 StopOnRule(NonFiniteLoss(), action="warn", log_dir=log_dir, verbose=False)]
+                 StopOnRule(NonFiniteLoss(), action="warn", log_dir=log_dir, verbose=False),
+                 StopOnRule(_FiresAt(EARLY), action="warn", log_dir=log_dir, verbose=False)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuleWarning)
         model.fit(X, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=callbacks)
+    healthy = make_mlp()
+    healthy.compile(keras.optimizers.SGD(LEARNING_RATE), "mse")
+    healthy.fit(X[:HEALTHY_STEPS * BATCH], Y[:HEALTHY_STEPS * BATCH], batch_size=BATCH,
+                verbose=0, callbacks=[StopOnRule(NonFiniteLoss(), verbose=False,
+                                                 log_dir=os.path.join(log_dir, "healthy"))])
     reference = reference_training(initial, FAULT - 1)
     return log_dir, model, reference
 
@@ -135,10 +164,24 @@ def test_histograms_are_listed_and_hold_every_element(server, recorded):
 
 
 def test_the_verdict_text_is_served_at_its_step(server):
-    assert "rules/verdicts" in _get(server, "/data/plugin/text/tags")["train"]
+    """Each write holds the run's verdicts so far in step order (TensorBoard
+    shows the newest first: it reads top to bottom), as a list; a run whose
+    rules ran and did not fire says so."""
+    tags = _get(server, "/data/plugin/text/tags")
+    assert "rules/verdicts" in tags["train"] and "rules/verdicts" in tags["healthy/train"]
     served = _get(server, "/data/plugin/text/text", run="train", tag="rules/verdicts")
-    assert [int(entry["step"]) for entry in served] == [FAULT]
-    assert f"NonFiniteLoss at step {FAULT}: the loss is inf" in served[0]["text"]
+    assert [int(entry["step"]) for entry in served] == [EARLY, FAULT]
+    items = [re.findall(r"<li><strong>step (\d+) · (\w+)</strong>", entry["text"])
+             for entry in served]
+    assert items == [[(str(EARLY), "_FiresAt")],
+                     [(str(EARLY), "_FiresAt"), (str(FAULT), "NonFiniteLoss"),
+                      (str(FAULT), "NaNSource")]]
+    assert "<table" not in served[-1]["text"]
+    assert f"<strong>step {FAULT} · NonFiniteLoss</strong>: the loss is inf" in served[-1]["text"]
+    healthy = _get(server, "/data/plugin/text/text", run="healthy/train", tag="rules/verdicts")
+    assert [int(entry["step"]) for entry in healthy] == [HEALTHY_STEPS]
+    assert (f"No verdict: NonFiniteLoss, FreezeOnFault, NaNSource ran over steps "
+            f"1-{HEALTHY_STEPS} and none fired.") in healthy[0]["text"]
 
 
 def _chromium():

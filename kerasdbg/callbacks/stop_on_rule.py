@@ -18,7 +18,7 @@ from kerasdbg import _validation as check
 from kerasdbg.sinks import workers as _workers
 from kerasdbg import schedule as schedule_lib
 from kerasdbg.records import tags as _tags
-from kerasdbg.records.verdicts import verdict_markdown
+from kerasdbg.records.verdicts import notes_line, verdict_markdown
 from kerasdbg.callbacks._copies import CopiedAsNew
 from kerasdbg.callbacks._model import ModelWithoutSync
 from kerasdbg.callbacks._recording import open_writer, release_writer
@@ -68,13 +68,24 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
       current epoch still runs.
     - "raise": raises `kerasdbg.rules.RuleFired` carrying the verdicts, after
       restoring the model's train step; no other callback runs.
-    - "warn": issues a `kerasdbg.rules.RuleWarning` (a `DiagnosisWarning`,
-      not printed as well) and training goes on.
+    - "warn": issues a `kerasdbg.rules.RuleWarning` (a `DiagnosisWarning`)
+      and training goes on. The warning is the verdict's one channel (no
+      `kerasdbg:` line as well), attributed to the line that called `fit`,
+      so the `warnings` module filters it (`"ignore"` in a sweep) or makes
+      it an error (`"error"` in a test).
     - a callable: called as `action(verdicts, model)`.
 
-    Verdicts of severity "info" (tensors that are zero by construction in a
-    healthy network, e.g. the key bias of `MultiHeadAttention`; see
-    `VanishingGradient`) are printed and recorded once, never acted on.
+    Each verdict is said once: with "warn" by its warning, else (with
+    `verbose`) as a `kerasdbg: <reason>` line. Verdicts of severity "info"
+    (tensors that are zero by construction in a healthy network, e.g. the
+    bias of a convolution followed by `BatchNormalization`; see
+    `VanishingGradient`) are never acted on: they are recorded (in
+    `verdicts` and the text) and printed together, in one line at the end
+    of the fit (`kerasdbg: information, not faults (...)`). The text
+    (`rules/verdicts`) holds, at each write, every verdict so far of the
+    StopOnRules writing to that run, in step order (TensorBoard shows the
+    newest write first); a fit in which rules ran and none fired ends it
+    with "No verdict: <rules> ran over steps <a>-<b> and none fired.".
 
     The loss of a step (`step/loss`) is, in this order: the scalar named by
     `loss` among those the train step returns; the loss `compute_loss`
@@ -261,6 +272,8 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
         self._last_step = 0
         self._done = False
         self._silent: List[Rule] = []
+        self._notes: List[Verdict] = []
+        self._ran: Optional[tuple] = None
 
     def get_config(self) -> dict:
         """The constructor's arguments, JSON-able: rules as `{"class_name",
@@ -340,6 +353,8 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self.verdicts = []
+        self._notes = []  # this fit's "info" verdicts, printed in one line at its end
+        self._ran = None  # the first and last step the rules were checked on
         # This fit's records, merged per step for the rules.
         self._rows = StepRows(
             self.model, self.loss, lambda: _capture.engine_for(self.model).loss_captured,
@@ -392,6 +407,8 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
         if self.log_dir is not None:
             self._writer = open_writer(self, self.log_dir, self.strict,
                                        getattr(self.model, "distribute_strategy", None))
+            if self._writer is not None:
+                _shown(self._writer, self.model)[1].clear()  # "No verdict" is a fit's
             _layout.add(type(self).__name__, self._writer, _layout.loss_lines(), self.strict)
         engine = _capture.engine_for(self.model)
         rows = self._rows
@@ -559,6 +576,10 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         self._evaluate_pending()
         self._keep_training(self.strict)
+        if self._ran is not None and not any(v.severity == "fault" for v in self.verdicts):
+            # Rules ran and none fired: said in the text, or it reads as no rules.
+            rules = [r.name for r in self._runner.rules if r not in self._silent]
+            self._write_verdicts(self._ran[1], ran=(rules, *self._ran))
         self._finish()
 
     def _optimizers(self) -> list:
@@ -606,6 +627,9 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
 
     def _finish(self) -> None:
         self._keep_training()
+        notes, self._notes = self._notes, []
+        if notes and self.verbose and getattr(self, "_prints", True):
+            print(f"kerasdbg: {notes_line(notes)}", file=sys.stdout, flush=True)
         _capture.cancel_fit_end(self.model, self)
         engine = _capture.engine_for(self.model)
         for request in self._requests:
@@ -631,6 +655,7 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
             self._last_step = max(self._last_step, step)
             if self._done or step < self.start_step:
                 continue
+            self._ran = (step if self._ran is None else self._ran[0], step)
             self._write(step, record)
             verdicts = self._runner.check(step, record)
             self._evaluate(step, verdicts)
@@ -643,26 +668,37 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
             self._writer.write(step, scalars, unique=True)
 
     # ----------------------------------------------------------- acting
+    def _write_verdicts(self, step: int, new: Sequence[Verdict] = (),
+                        ran: Optional[tuple] = None) -> None:
+        """Writes the text of the run's verdicts so far (`new` added), in step
+        order, with the "No verdict" lines so far of this fit (`ran` added)."""
+        if self._writer is None:
+            return
+        shown, quiet = _shown(self._writer, self.model)
+        shown.extend(new)
+        quiet.extend([ran] if ran is not None else [])
+        self._writer.write(step, texts={VERDICT_TAG: verdict_markdown(shown, quiet)})
+        self._writer.flush()
+
     def _evaluate(self, step: int, verdicts: List[Verdict]) -> None:
         if not verdicts:
             return
         self.verdicts.extend(verdicts)
-        if self._writer is not None:
-            self._writer.write(step, texts={VERDICT_TAG: verdict_markdown(verdicts)})
-            self._writer.flush()
-        if self.verbose and getattr(self, "_prints", True):
-            for verdict in verdicts:
-                # With "warn" a fault is said once, by its RuleWarning.
-                if self.action != "warn" or verdict.severity != "fault":
-                    print(f"kerasdbg: {verdict.reason}", file=sys.stdout, flush=True)
-        # Information (zero by construction) is recorded and printed, never acted on.
+        self._write_verdicts(step, verdicts)
+        # Information (zero by construction) is recorded, printed in one line
+        # at the end of the fit, never acted on.
+        self._notes.extend(v for v in verdicts if v.severity != "fault")
         verdicts = [v for v in verdicts if v.severity == "fault"]
         if not verdicts:
             return
+        if self.verbose and getattr(self, "_prints", True) and self.action != "warn":
+            for verdict in verdicts:  # with "warn", said once, by its RuleWarning
+                print(f"kerasdbg: {verdict.reason}", file=sys.stdout, flush=True)
         engine = _capture.engine_for(self.model)
         if self.action == "warn":
+            level = _caller_of_fit()
             for verdict in verdicts:
-                warnings.warn(verdict.reason, RuleWarning, stacklevel=3)
+                warnings.warn(verdict.reason, RuleWarning, stacklevel=level)
             if self.freeze_on_fault and engine.faults.frozen:
                 engine.faults.unfreeze()
             return
@@ -678,6 +714,40 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
             raise RuleFired(verdicts)
         self.model.stop_training = True
         suspend_others(self, self.suspend)
+
+
+_LIBRARIES = ("kerasdbg", "keras", "tensorflow", "jax", "contextlib", "functools")
+
+
+def _caller_of_fit() -> int:
+    """The `stacklevel` that attributes a warning issued by this function's
+    caller to the first frame outside Keras and kerasdbg: the user's line
+    that called `fit` (not kerasdbg's `self._evaluate_pending()`)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        if frame.f_globals.get("__name__", "").partition(".")[0] not in _LIBRARIES:
+            return level
+        frame, level = frame.f_back, level + 1
+    return 1
+
+
+_SHOWN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+"""writer -> (the model, weakly; the verdicts written to its run so far; the
+"No verdict" lines of the fit): the StopOnRules of a training that write to
+one run share one verdict text."""
+
+
+def _shown(writer, model) -> tuple:
+    """`(verdicts, quiet)`: the verdicts written so far to `writer`'s run by
+    `model`'s training, and the rules of its last fit that ran and did not
+    fire (lists to extend)."""
+    try:
+        kept = _SHOWN.get(writer)
+        if kept is None or kept[0]() is not model:
+            kept = _SHOWN[writer] = (weakref.ref(model), [], [])
+        return kept[1], kept[2]
+    except TypeError:  # a writer or model not weakly referable: this write only
+        return [], []
 
 
 _TRAININGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

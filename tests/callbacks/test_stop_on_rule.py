@@ -1,6 +1,7 @@
 """StopOnRule: per-step loss, freezing on a fault, the actions, and online = offline."""
 
 import os
+import re
 import warnings
 
 import keras
@@ -15,6 +16,7 @@ from kerasdbg.rules import (
     AllZero, DeadReLU, ExplodingTensor, LossNotDecreasing, NonFiniteLoss, RuleFired, RuleWarning,
     UnchangedTensor, VanishingGradient, WeightUpdateRatio,
 )
+from kerasdbg.records.verdicts import no_verdict, verdict_rows
 from kerasdbg.rules import FreezeOnFault, NaNSource
 from tests.conftest import make_strategy, matrix, only_upstream_failure
 
@@ -294,13 +296,115 @@ def test_a_second_stop_on_rule_neither_reports_nor_lifts_the_freeze_of_the_first
 # --------------------------------------------------------- TensorBoard text
 def test_verdicts_are_written_as_text_at_their_step(tmp_path):
     model = _model(spe=4)
-    _fit(model, _with_batch(FAULT, np.nan),
-         [StopOnRule([NonFiniteLoss(), ExplodingTensor()], log_dir=str(tmp_path), verbose=False)])
+    stop = StopOnRule([NonFiniteLoss(), ExplodingTensor()], log_dir=str(tmp_path), verbose=False)
+    _fit(model, _with_batch(FAULT, np.nan), [stop])
     texts = kerasdbg.load_run(str(tmp_path)).texts("rules/verdicts")
     assert texts.step.tolist() == [FAULT]
-    assert "| NonFiniteLoss | 7 | step/loss |" in texts.text[0]
-    assert "| ExplodingTensor | 7 | m/d/bias, m/d/kernel" in texts.text[0]
-    assert "| NaNSource | 7 | input_layer" in texts.text[0]
+    rows = verdict_rows(texts.text[0])
+    assert [(r["rule"], r["step"]) for r in rows] == [
+        ("NonFiniteLoss", 7), ("ExplodingTensor", 7), ("NaNSource", 7)]
+    assert rows[0]["tensors"] == ["step/loss"]
+    assert rows[1]["tensors"] == ["m/d/bias", "m/d/kernel", "m/o/bias", "m/o/kernel"]
+    assert rows[2]["tensors"][0] == "input_layer"
+    assert [r["reason"] for r in rows] == [v.reason for v in stop.verdicts]  # read back whole
+
+
+# ----------------------------------------------------------------- console
+def _batchnorm_model():
+    """Dense layers with a bias, each followed by BatchNormalization: their
+    biases' gradients are zero by construction (SGD does not move them)."""
+    keras.utils.set_random_seed(5)
+    model = keras.Sequential([
+        keras.Input((3,)), keras.layers.Dense(4, name="d1"),
+        keras.layers.BatchNormalization(name="bn1"), keras.layers.Dense(4, name="d2"),
+        keras.layers.BatchNormalization(name="bn2"), keras.layers.Dense(1, name="o")], name="m")
+    model.compile(keras.optimizers.SGD(0.05), "mse")
+    return model
+
+
+def test_a_healthy_fit_prints_no_verdict_and_its_notes_in_one_line(tmp_path, capsys, monkeypatch):
+    """The biases before BatchNormalization are noted (information, not faults):
+    one console line for the fit, no verdict line; the text ends "No verdict"."""
+    from kerasdbg.capture import progress
+
+    monkeypatch.setattr(progress, "AFTER", 1e6)  # no progress line in this test
+    model = _batchnorm_model()
+    with tf.GradientTape() as tape:  # the first step's gradients, independently
+        loss = model.compute_loss(X[:BATCH], Y[:BATCH], model(X[:BATCH], training=True))
+    grads = tape.gradient(loss, model.trainable_variables)
+    zero = sorted(v.path for v, g in zip(model.trainable_variables, grads)
+                  if np.mean(np.abs(tf.convert_to_tensor(g).numpy())) < 1e-7)
+    # The biases before a BatchNormalization, and bn1's beta (bn2 removes the shift).
+    assert zero == ["m/bn1/beta", "m/d1/bias", "m/d2/bias"]
+    stop = StopOnRule([VanishingGradient(), NonFiniteLoss()], log_dir=str(tmp_path))
+    capsys.readouterr()
+    _fit(model, X, [stop])
+    _fit(model, X, [stop], steps=2)  # notes are said once per training
+    printed = capsys.readouterr().out.splitlines()
+    notes = [line for line in printed if line.startswith("kerasdbg: information, not faults")]
+    assert len(notes) == 1, printed
+    head, _, named = notes[0].partition("VanishingGradient, at step 1: zero by construction: ")
+    noted = sorted(named.split(", "))
+    # Only tensors whose gradient GradientTape finds below the threshold (never a
+    # false alarm); at least two, counted in the line.
+    assert len(noted) >= 2 and set(noted) <= set(zero), (noted, zero)
+    assert head == f"kerasdbg: information, not faults ({len(noted)} tensors): "
+    assert [line for line in printed if line not in notes] == [], printed
+    last = kerasdbg.load_run(str(tmp_path)).texts("rules/verdicts").text.iloc[-1]
+    assert no_verdict(last) == [
+        "No verdict: VanishingGradient, NonFiniteLoss, FreezeOnFault, NaNSource ran over "
+        f"steps {STEPS + 1}-{STEPS + 2} and none fired (the notes above are information)."]
+    assert sorted(t for r in verdict_rows(last) for t in r["tensors"]) == noted
+    assert {r["severity"] for r in verdict_rows(last)} == {"info"}
+
+
+@pytest.mark.parametrize("action", ["stop", "raise", "warn", "callable"])
+def test_a_fault_verdict_is_said_exactly_once(capsys, action):
+    """A `kerasdbg:` line, or with "warn" a RuleWarning alone, attributed to
+    the line that called fit (this file), never to kerasdbg's own."""
+    model = _model(optimizer="sgd")
+    called = []
+    stop = StopOnRule(NonFiniteLoss(), verbose=True,
+                      action=(lambda verdicts, model: called.append(verdicts))
+                      if action == "callable" else action)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(RuleFired) if action == "raise" else _nothing():
+            _fit(model, _with_batch(FAULT, np.nan), [stop])
+    said = f"NonFiniteLoss at step {FAULT}: the loss is nan"
+    warned = [w for w in caught if said in str(w.message)]
+    printed = capsys.readouterr().out
+    assert printed.count(said) + len(warned) == 1, (printed, warned)
+    if action == "warn":
+        assert warned[0].category is RuleWarning and warned[0].filename == __file__
+    else:
+        assert f"kerasdbg: {said}\n" in printed
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_a_long_first_step_says_so_and_how_long_it_took(capsys, monkeypatch):
+    """After `progress.AFTER` seconds of the first execution, one line says
+    what is traced (the model's trainable variables and taps, counted here
+    from the model), and one how long it took; later steps say nothing."""
+    from kerasdbg.capture import progress
+
+    monkeypatch.setattr(progress, "AFTER", 0.0)
+    model = _model(optimizer="sgd")
+    _fit(model, X, [StopOnRule(NonFiniteLoss(), verbose=False)], epochs=2)
+    printed = capsys.readouterr().out.splitlines()
+    variables = len(model.trainable_variables)
+    assert printed[0] == ("kerasdbg: tracing and compiling the instrumented train step of 'm' "
+                          f"({variables} trainable variables, 0 taps) ...")
+    assert re.fullmatch(r"kerasdbg: traced and compiled; the first step took \d+\.\d s",
+                        printed[1]), printed
+    assert len(printed) == 2, printed
 
 
 # ------------------------------------------------------ online = offline

@@ -388,7 +388,7 @@ def test_the_verdict_text_reads_back_with_its_tensor_count_and_a_bar_in_the_reas
     assert "|values| above 10" in verdict.reason and len(verdict.tensors) == 12
     (row,) = verdict_rows(verdict_markdown([verdict]))
     assert row == {"rule": "ExplodingTensor", "step": 7, "tensors": [f"v{i}" for i in range(5)],
-                   "hidden": 7, "reason": verdict.reason}
+                   "hidden": 7, "reason": verdict.reason, "severity": "fault"}
     # A text written before the count: " ..." alone.
     old = "| rule | step | tensors | reason |\n|---|---|---|---|\n| R | 2 | a, b ... | why |"
     assert verdict_rows(old)[0]["hidden"] == -1

@@ -64,6 +64,7 @@ from kerasdbg.backends.jax import packing as _packing
 from kerasdbg.backends.jax import step_tensors as _tensors
 from kerasdbg.capture import fit_end
 from kerasdbg.capture import keras_objects
+from kerasdbg.capture import progress as _progress
 from kerasdbg.capture.interface import Capture, supported
 from kerasdbg.capture.requests import (
     CLASS_COLUMNS, DEFERRED_STEPS, MAX_CLASSES, Record, Request, unique_paths,
@@ -242,6 +243,7 @@ class Engine(Capture):
         if not self.installed:
             self._install(model)
         self.requests.append(request)
+        _progress.of(self).arm()
         if request.kind == "weights" and "distance_from_start" in request.stats \
                 and not self._initial:
             # The weights at the fit's start: the model holds them until
@@ -250,7 +252,9 @@ class Engine(Capture):
                              for h in self.hooks.values()}
 
     def prepare(self) -> None:
-        """Nothing to do before a batch: the step is traced at its first call."""
+        """Nothing to do before a batch but the progress line: the step is
+        traced at its first call."""
+        _progress.of(self).begin(self._model())
 
     @property
     def several_optimizers(self) -> bool:
@@ -324,6 +328,7 @@ class Engine(Capture):
         fit_end.on_fit_end(model, self, self._after_failed_fit)
 
     def _uninstall(self) -> None:
+        _progress.of(self).end()
         model = self._model()
         for hook in self.hooks.values():
             keras_objects.unpatch(hook.optimizer, "stateless_apply")
@@ -794,6 +799,7 @@ class Engine(Capture):
     def collect(self, final: bool = True, batch: Optional[int] = None) -> None:
         """Reads what the steps since the last call recorded (one transfer)
         and hands each request its records."""
+        _progress.of(self).end()
         if not self._pending:
             return
         if not final and self._read_once and len(self._pending) < DEFERRED_STEPS and \

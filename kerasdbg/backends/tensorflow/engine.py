@@ -27,6 +27,7 @@ from kerasdbg.backends.tensorflow import optimizer_routing as routing
 from kerasdbg.backends.tensorflow import variable_reads as reads
 from kerasdbg.backends.tensorflow.channels import Channel, Hook
 from kerasdbg.capture import fit_end
+from kerasdbg.capture import progress as _progress
 from kerasdbg.backends.tensorflow.collect import Collector
 from kerasdbg.capture.interface import Capture
 from kerasdbg.backends.tensorflow import faults as faults_module
@@ -392,9 +393,11 @@ class Engine(Capture):
             routing.check_supported(model.optimizer)
             self._install(model)
         self.requests.append(request)
+        _progress.of(self).arm()
 
     def prepare(self) -> None:
         """Creates the buffers it can before the first trace of this fit."""
+        _progress.of(self).begin(self._model())
         if self._prepared or not self.requests:
             return
         model = self._model()
@@ -631,6 +634,7 @@ class Engine(Capture):
 
     def _uninstall(self, model) -> None:
         self.installed = False
+        _progress.of(self).end()
         if model is None:
             return
         fit_end.cancel_fit_end(model, self)
@@ -904,6 +908,7 @@ class Engine(Capture):
         """Reads the rows written since the last call and hands them out
         (`Collector.collect`); at the end of batch `batch` (`final=False`)
         deferred requests may wait until the buffers are about to be full."""
+        _progress.of(self).end()
         if not self._prepared:
             return
         if self._failed and self.installed:

@@ -1,0 +1,118 @@
+"""A line while the first execution of an instrumented train step runs long.
+
+The first execution of a fit traces the instrumented train step (and compiles
+it, with XLA or on JAX): about two minutes for a ResNet50 on a CPU, during
+which neither Keras nor kerasdbg prints anything. A capture arms a
+`FirstExecution` when a fit attaches to it, `begin`s it before the first
+batch and `end`s it when it first collects. When the execution is still
+running after `AFTER` seconds, a timer thread prints
+`kerasdbg: tracing and compiling the instrumented train step ...`; `end`
+then prints how long it took. A fast first execution prints nothing.
+
+The timer thread prints while the main thread is inside the first
+execution, before Keras's progress bar draws its first batch (it draws at a
+batch's end), so the line does not break the bar; the closing line is
+printed by the main thread. Any failure here is swallowed: a progress line
+never breaks a fit.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Optional
+
+AFTER = 5.0
+"""Seconds of a first execution after which its progress line is printed."""
+
+
+def describe(model) -> str:
+    """`'name' (N variables, M taps)`: what the instrumented step covers."""
+    from kerasdbg.callbacks.activation_statistics import find_taps  # a layer walk
+
+    variables = len(getattr(model, "trainable_variables", ()) or ())
+    taps = len(find_taps(model))
+    return (f"{getattr(model, 'name', 'model')!r} ({variables} trainable variable"
+            f"{'' if variables == 1 else 's'}, {taps} tap{'' if taps == 1 else 's'})")
+
+
+def of(engine) -> "FirstExecution":
+    """The `FirstExecution` of a capture (made at its first use)."""
+    found = vars(engine).get("_first_execution")
+    if found is None:
+        found = engine._first_execution = FirstExecution()
+    return found
+
+
+class FirstExecution:
+    """The progress line of one model's first instrumented execution per fit.
+
+    Args:
+        after: seconds before the line is printed; None for `AFTER` (read
+            at `begin`). Defaults to `None`.
+    """
+
+    def __init__(self, after: Optional[float] = None):
+        self.after = after
+        self._lock = threading.Lock()
+        self._armed = False
+        self._timer: Optional[threading.Timer] = None
+        self._started = 0.0
+        self._said = False
+        self._what = ""
+
+    def arm(self) -> None:
+        """A fit attached: its next `begin` times the first execution."""
+        self._armed = True
+
+    def begin(self, model) -> None:
+        """Before the first batch of an armed fit: starts the timer (on the
+        process that prints, the chief under several workers)."""
+        if not self._armed:
+            return
+        self._armed = False
+        self.end()  # a timer left by a fit that ended without collecting
+        try:
+            from kerasdbg.sinks import workers as _workers
+
+            if not _workers.writes(getattr(model, "distribute_strategy", None)):
+                return
+            self._what = describe(model)
+            after = AFTER if self.after is None else self.after
+            with self._lock:
+                self._said = False
+                self._started = time.perf_counter()
+                self._timer = threading.Timer(after, self._say)
+                self._timer.daemon = True
+                self._timer.start()
+        except Exception:  # noqa: BLE001 - a progress line never breaks a fit
+            self._timer = None
+
+    def _say(self) -> None:
+        with self._lock:
+            if self._timer is None:
+                return  # ended meanwhile
+            self._said = True
+            try:
+                print(f"kerasdbg: tracing and compiling the instrumented train step of "
+                      f"{self._what} ...", file=sys.stdout, flush=True)
+            except Exception:  # noqa: BLE001 - a closed stream
+                pass
+
+    def end(self) -> None:
+        """After the first execution (or as the fit ends): stops the timer;
+        prints how long it took when the progress line was printed."""
+        if self._timer is None:
+            return
+        with self._lock:
+            timer, self._timer = self._timer, None
+            said = self._said
+        timer.cancel()
+        if said:
+            seconds = time.perf_counter() - self._started
+            try:
+                print(f"kerasdbg: traced and compiled; the first step took {seconds:.1f} s",
+                      file=sys.stdout, flush=True)
+            except Exception:  # noqa: BLE001 - a closed stream
+                pass
