@@ -18,8 +18,6 @@ import subprocess
 import sys
 
 import pytest
-from mkdocs_jupyter.utils import slugify
-from nbconvert.filters.strings import _convert_header_id
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "kerasdbg"
@@ -248,6 +246,9 @@ def test_every_notebook_table_of_contents_links_its_headings(site):
     # The table of contents in a notebook page's sidebar: one entry a section heading, with
     # its code spans' text, linking to the anchor the renderer gave that heading (the id
     # mkdocs-jupyter's slugify makes of the heading's text).
+    from mkdocs_jupyter.utils import slugify  # the site's (the docs extra), as the site built
+    from nbconvert.filters.strings import _convert_header_id
+
     problems = []
     for path in NOTEBOOKS:
         page = (site / "notebooks" / path.stem / "index.html").read_text(encoding="utf-8")
