@@ -7,7 +7,7 @@ import math
 import os
 import re
 import sys
-from typing import Callable, Dict, List, Optional, TextIO
+from typing import Callable, Dict, List, Optional, Sequence, TextIO
 
 import numpy as np
 import pandas as pd
@@ -397,18 +397,34 @@ def summary(data: Dict[str, object], top: int = 3) -> str:
 
 
 def _verdict_count(verdicts: pd.DataFrame) -> int:
-    """Rows of the markdown tables `StopOnRule` writes (a header and a rule line each)."""
-    return sum(max(text.count("\n") - 1, 0) for text in verdicts.get("text", []))
+    """The verdicts of the texts `StopOnRule` writes, each once."""
+    return sum(1 for row in _verdict_rows(verdicts) if row["rule"])
 
 
 def _verdict_rows(verdicts: pd.DataFrame) -> List[Dict[str, object]]:
     """The rows of the verdict texts (`collect(...)["verdicts"]`), in order
-    (`verdict_rows`; a line that is not a row takes its text's step)."""
-    rows = []
+    (`verdict_rows`; a line that is not a row takes its text's step), each
+    once: a write holds the run's verdicts so far."""
+    rows, seen = [], set()
     for step, text in zip(verdicts.get("step", []), verdicts.get("text", [])):
         for row in verdict_rows(text):
-            rows.append({**row, "step": int(step) if row["step"] is None else row["step"]})
+            row = {**row, "step": int(step) if row["step"] is None else row["step"]}
+            key = (row["rule"], row["step"], row["reason"])
+            if key not in seen:
+                seen.add(key)
+                rows.append(row)
     return rows
+
+
+def _no_verdict_lines(verdicts: pd.DataFrame) -> List[str]:
+    """The "no verdict" lines of the last verdict text (the rules that ran and did
+    not fire), where StopOnRule writes them; else none."""
+    try:
+        from kerasdbg.records.verdicts import no_verdict
+    except ImportError:  # a records module without them: StopOnRule's records say it
+        return []
+    texts = list(verdicts.get("text", []))
+    return no_verdict(texts[-1]) if texts else []
 
 
 def _tensor_cell(tensors: List[str], hidden: int) -> str:
@@ -428,12 +444,14 @@ def _verdict_table(verdicts: pd.DataFrame) -> str:
     return _rows_table(_verdict_rows(verdicts))
 
 
-def _rows_table(rows: List[Dict[str, object]]) -> str:
-    """Verdict rows (`_verdict_rows`) as the HTML table of `_verdict_table`."""
+def _rows_table(rows: List[Dict[str, object]], link: bool = True) -> str:
+    """Verdict rows (`_verdict_rows`) as the HTML table of `_verdict_table`;
+    `link`: each rule linked to its "What to try" row."""
     if not rows:
         return "<p>None recorded (StopOnRule(log_dir=...) writes them).</p>"
     body = "".join(
-        f"<tr><td>{_rule_link(r['rule'])}</td><td>{r['step']}</td>"
+        f"<tr><td>{_rule_link(r['rule']) if link else html.escape(r['rule'])}</td>"
+        f"<td>{r['step']}</td>"
         f"<td>{_tensor_cell(r['tensors'], r['hidden'])}</td><td>{html.escape(r['reason'])}</td></tr>"
         for r in rows[:VERDICT_ROWS])
     left = len(rows) - VERDICT_ROWS
@@ -455,8 +473,15 @@ def _rule_link(rule: str) -> str:
 def _no_verdicts(data: Dict[str, object]) -> str:
     """What the verdict section says when no rule fired: that StopOnRule ran
     (from its records) and nothing fired, or that no rule ran."""
-    ran = stop_on_rule_steps(data)
-    notes = [r["reason"] for r in _verdict_rows(data["verdicts"]) if not r["rule"]]
+    return _no_verdict_html(stop_on_rule_steps(data), _verdict_rows(data["verdicts"]),
+                            _no_verdict_lines(data["verdicts"]))
+
+
+def _no_verdict_html(ran: List[int], rows: List[Dict[str, object]],
+                     lines: Sequence[str] = ()) -> str:
+    """`_no_verdicts` of the steps StopOnRule ran at, the verdict text's rows
+    (lines that are not a verdict are shown) and its "no verdict" lines."""
+    notes = list(lines) + [r["reason"] for r in rows if not r["rule"]]
     said = "".join(f"<p>{html.escape(n)}</p>" for n in notes)
     if ran:
         return (f"<p>No rule fired: StopOnRule ran its rules at {_steps_text(ran)} "
@@ -508,6 +533,10 @@ def _nan_source_facts(data: Dict[str, object], layer: str, step: int) -> List[st
     return facts
 
 
+_INPUT_LAYER = re.compile(r"input_layer(_\d+)?|input_\d+")
+"""The names Keras gives a model's `Input` layers."""
+
+
 def _remedies(data: Dict[str, object]) -> str:
     """The "What to try" section: for each rule that fired (its first verdict),
     the likely causes and what to try, with the run's own facts (its learning
@@ -528,27 +557,29 @@ def _remedies(data: Dict[str, object]) -> str:
             continue
         facts = []
         if rule in LEARNING_RATE_RULES and note:
-            facts.append("The learning rate (above) is the likely cause.")
+            facts.append(f"the learning rate, {rate:g} (above)")
         if rule == "NaNSource":
             found = data.get("nan_source", pd.DataFrame())
             layers = [c for c in found.columns if _value_at(found, c, row["step"]) is not None]
             layer = layers[0][len(_tags.fault("nan_source", "layer")) + 1:] if layers else (
                 row["tensors"][0] if row["tensors"] else None)
-            if layer:
+            if layer and _INPUT_LAYER.fullmatch(layer):
+                facts.append(f"{layer!r} is the model's input: the batch of step {row['step']} "
+                             "held NaN/Inf, before any layer computed (check the data)")
+            elif layer:
                 found = _nan_source_facts(data, layer, row["step"])
                 facts.append(
-                    f"Layer {layer!r} first held NaN/Inf at step {row['step']}. Recorded around "
-                    "it (its weights at the step before; the taps at the step: the layer's "
+                    f"layer {layer!r} first held NaN/Inf at step {row['step']}; recorded "
+                    "around it (its weights at the step before, the taps at the step: its "
                     "input where a tap sits before it): " + (
                         "; ".join(found) if found else "nothing (no statistics of its "
-                        "weights or of a tap)") + ".")
+                        "weights or of a tap)"))
+        said = "".join(f"<li><strong>{html.escape(f)}</strong></li>" for f in facts)
         items = "".join(f"<li>{_code_spans(c)}</li>" for c in remedy.causes)
         tries = "".join(f"<li>{_code_spans(t)}</li>" for t in remedy.tries)
-        said = "".join(f"<p><strong>{html.escape(f)}</strong></p>" for f in facts)
         blocks.append(
-            f'<div class="remedy" id="try-{html.escape(rule)}"><h3>{html.escape(rule)} '
-            f"(first at step {row['step']})</h3>{said}<p>Likely causes:</p><ul>{items}</ul>"
-            f"<p>What to try:</p><ul>{tries}</ul></div>")
+            f'<tr id="try-{html.escape(rule)}"><td>{html.escape(rule)}<br>(step {row["step"]})'
+            f"</td><td><ul>{said}{items}</ul></td><td><ul>{tries}</ul></td></tr>")
     if not blocks:
         return ""
     head = ""
@@ -559,7 +590,10 @@ def _remedies(data: Dict[str, object]) -> str:
     elif rate is None and any(rule in LEARNING_RATE_RULES for rule in first):
         head = ("<p>The learning rate is not recorded (Keras's TensorBoard callback in the "
                 "same log_dir writes it as <code>epoch_learning_rate</code>).</p>")
-    return "<h2>What to try</h2>" + head + "".join(blocks)
+    return ("<h2>What to try</h2>" + head + '<table class="remedies"><colgroup>'
+            '<col style="width:16%"><col style="width:46%"><col style="width:38%"></colgroup>'
+            "<tr><th>rule (first verdict)</th><th>likely causes (this run's first, in bold)"
+            f"</th><th>what to try</th></tr>{''.join(blocks)}</table>")
 
 
 def _code_spans(text: str) -> str:
@@ -826,6 +860,8 @@ _STYLE = (
     "td,th{border:1px solid #ccc;padding:4px;vertical-align:top;text-align:left}"
     "table.verdicts{width:100%;table-layout:fixed}"
     "table.verdicts td{overflow-wrap:anywhere;font-size:0.9em}"
+    "table.remedies{width:100%;table-layout:fixed;font-size:0.9em}"
+    "table.remedies ul{margin:0;padding-left:1.2em}"
     "code{font-size:0.95em}.caption{font-size:0.9em;color:#444}"
 )
 
@@ -932,7 +968,8 @@ def _write(data: Dict[str, object], out: Optional[str]) -> str:
         stream.write(
             "<!DOCTYPE html><html><head><meta charset='utf-8'><title>kerasdbg report</title>"
             f"<style>{_STYLE}</style></head><body>"
-            f"<h1>kerasdbg report</h1><pre>{html.escape(text)}</pre>{''.join(sections)}"
+            f"<h1>kerasdbg report: {html.escape(run_title(data))}</h1>"
+            f"<pre>{html.escape(text)}</pre>{''.join(sections)}"
             "</body></html>"
         )
     return page

@@ -53,6 +53,10 @@ class RunComparison:
         verdicts_a: the rule verdicts of `a`, rows of `rule`, `step`,
             `tensors`, `reason` (those `kerasdbg report` shows).
         verdicts_b: those of `b`.
+        rule_steps_a: the steps at which `StopOnRule` ran its rules in `a`
+            (from its `step/fault` and `step/frozen` records; empty when it
+            did not run with a `log_dir`).
+        rule_steps_b: those of `b`.
         rtol: the relative tolerance used.
         atol: the absolute tolerance used.
 
@@ -71,6 +75,8 @@ class RunComparison:
     divergence: Optional[Divergence]
     verdicts_a: List[Dict[str, object]]
     verdicts_b: List[Dict[str, object]]
+    rule_steps_a: List[int]
+    rule_steps_b: List[int]
     rtol: float
     atol: float
 
@@ -89,9 +95,12 @@ class RunComparison:
         elif self.steps_compared:
             lines.append(f"  first divergence: none (equal within rtol={self.rtol:g}, "
                          f"atol={self.atol:g} at every step compared)")
-        for name, rows in ((a, self.verdicts_a), (b, self.verdicts_b)):
+        for name, rows, ran in ((a, self.verdicts_a, self.rule_steps_a),
+                                (b, self.verdicts_b, self.rule_steps_b)):
             fired = [f"{r['rule']} at step {r['step']}" for r in rows if r["rule"]]
-            lines.append(f"  verdicts of {name}: {', '.join(fired) if fired else 'none'}")
+            none = (f"none (StopOnRule ran its rules at steps {ran[0]}-{ran[-1]})" if ran
+                    else "none (no rule ran)")
+            lines.append(f"  verdicts of {name}: {', '.join(fired) if fired else none}")
         return "\n".join(lines)
 
 
@@ -121,9 +130,12 @@ def _read(log_dir, argument: str, run_name: str) -> Dict[str, object]:
     verdicts = pd.DataFrame()
     if run.tags(_tags.VERDICTS, kind="text", run=run_name):
         verdicts = run.texts(_tags.VERDICTS, run=run_name)[["step", "text"]]
+    ran = _tags.scalar_pattern(_tags.STEP, ["fault", "frozen"])
+    ran = (sorted(set(int(s) for s in run.scalars(ran, run=run_name).step))
+           if run.tags(ran, run=run_name) else [])
     data = {"log_dir": log_dir, "run": run_name}
     return {"title": _report.run_title(data), "series": series,
-            "verdicts": _report._verdict_rows(verdicts)}
+            "verdicts": _report._verdict_rows(verdicts), "rule_steps": ran}
 
 
 def _differs(a: float, b: float, rtol: float, atol: float) -> Optional[str]:
@@ -230,6 +242,7 @@ def compare_runs(a: str, b: str, run_name: str = "train", rtol: float = 1e-2,
         a=os.fspath(a), b=os.fspath(b), names=names, loss=side_by_side(_tags.LOSS),
         global_norm=side_by_side(norms[0] if norms else None), steps_compared=sorted(steps),
         divergence=divergence, verdicts_a=data_a["verdicts"], verdicts_b=data_b["verdicts"],
+        rule_steps_a=data_a["rule_steps"], rule_steps_b=data_b["rule_steps"],
         rtol=float(rtol), atol=float(atol))
 
 
@@ -274,7 +287,8 @@ def write_comparison(comparison: RunComparison, out: str) -> str:
         >>> from kerasdbg.run_comparison import RunComparison, write_comparison
         >>> empty = pd.DataFrame(columns=["a", "b"], dtype=float)
         >>> page = write_comparison(RunComparison("x/a", "x/b", ("a", "b"), empty, empty, [],
-        ...                                       None, [], [], 0.01, 0.0), tempfile.mkdtemp())
+        ...                                       None, [], [], [], [], 0.01, 0.0),
+        ...                         tempfile.mkdtemp())
         >>> os.path.basename(page)
         'compare.html'
     """
@@ -305,8 +319,11 @@ def write_comparison(comparison: RunComparison, out: str) -> str:
             sections.append(f"<h2>{html.escape(title)}</h2>"
                             f'<img src="{stem}.png" alt="{html.escape(title)} of {html.escape(a)} '
                             f'and {html.escape(b)}">')
-    for name, rows in ((a, comparison.verdicts_a), (b, comparison.verdicts_b)):
-        sections.append(f"<h2>Verdicts of {html.escape(name)}</h2>" + _report._rows_table(rows))
+    for name, rows, ran in ((a, comparison.verdicts_a, comparison.rule_steps_a),
+                            (b, comparison.verdicts_b, comparison.rule_steps_b)):
+        table = (_report._rows_table(rows, link=False) if any(r["rule"] for r in rows)
+                 else _report._no_verdict_html(ran, rows))
+        sections.append(f"<h2>Verdicts of {html.escape(name)}</h2>{table}")
     page = os.path.join(out, "compare.html")
     with open(page, "w", encoding="utf-8") as stream:
         stream.write(

@@ -1,5 +1,6 @@
 """`kerasdbg report`: the HTML page, its plots and the summary, against GradientTape."""
 
+import html
 import html.parser
 import os
 import re
@@ -100,6 +101,11 @@ def test_report_names_the_first_non_finite_step_and_the_verdicts(tmp_path, capsy
     summary = capsys.readouterr().out
     assert "first non-finite step: 4" in summary
     assert "rule verdicts: 2" in summary
+    # What to try: the NaN came with the data (the input layer held it first).
+    said = html.unescape(text)
+    assert "output held NaN/Inf is 'input_layer'" in said
+    assert ("'input_layer' is the model's input: the batch of step 4 held NaN/Inf, before "
+            "any layer computed (check the data)") in said
 
 
 def test_report_refuses_missing_empty_and_foreign_directories(tmp_path, capsys):
@@ -435,3 +441,157 @@ def test_report_into_a_full_or_read_only_directory_says_so_in_one_line(
         assert "Traceback" not in "\n".join(lines)
         with pytest.raises(OSError, match=cause):
             write_report(log_dir, out=out)
+
+
+# ------------------------------------------------------- what to try, and compare_runs
+def test_every_rule_has_likely_causes_and_what_to_try():
+    from kerasdbg import rules as rules_lib
+    from kerasdbg.rules.remedies import REMEDIES
+
+    rules = [n for n in rules_lib.__all__ if isinstance(getattr(rules_lib, n), type)
+             and issubclass(getattr(rules_lib, n), rules_lib.Rule) and n != "Rule"]
+    assert len(rules) == 17
+    assert sorted(REMEDIES) == sorted(rules)
+    assert all(r.causes and r.tries for r in REMEDIES.values())
+
+
+def _lines_of(monkeypatch):
+    """The (label, x, y) of each line of each plot the report draws, by title."""
+    from kerasdbg import report as report_lib
+
+    drawn, save = {}, report_lib._save
+
+    def keep(plt, figure, path):
+        for axes in figure.axes:
+            legend = axes.get_legend()
+            drawn[axes.get_title()] = {
+                "lines": [(line.get_label(), line.get_xdata(), line.get_ydata())
+                          for line in axes.get_lines()],
+                "legend": [t.get_text() for t in legend.get_texts()] if legend else []}
+        return save(plt, figure, path)
+
+    monkeypatch.setattr(report_lib, "_save", keep)
+    return drawn
+
+
+def test_report_plots_only_recorded_steps_and_lists_only_drawn_series(tmp_path, monkeypatch):
+    """Update ratios sampled at steps 1-3, 10 and 50: a marker at each, no line
+    across 3-10 or 10-50; a variable with no positive value is not in the legend;
+    one epoch's table is labelled as users count (epoch 1)."""
+    log_dir = str(tmp_path / "sampled")
+    writer = _events.EventWriter(os.path.join(log_dir, "train"))
+    recorded = [1, 2, 3, 10, 50]
+    for step in recorded:
+        writer.write(step, {"weights/m/d/kernel/update_ratio": 1e-3 * step,
+                            "weights/m/d/bias/update_ratio": 0.0,
+                            "weights/m/e/kernel/update_ratio": 2e-3 * step})
+    writer.write(0, {"epoch_loss": 0.5})
+    writer.flush()
+    drawn = _lines_of(monkeypatch)
+    page = open(write_report(log_dir), encoding="utf-8").read()
+    plot = drawn["update ratio ||dw|| / ||w||"]
+    # The bias is 0 everywhere: nothing to draw on a log axis, and no legend entry.
+    assert plot["legend"] == ["m/d/kernel", "m/e/kernel"]
+    label, x, y = plot["lines"][0]
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    np.testing.assert_array_equal(x[np.isfinite(x)], recorded)
+    np.testing.assert_allclose(y[np.isfinite(y)], 1e-3 * np.array(recorded), rtol=1e-6)
+    # A NaN between 3 and 10 and between 10 and 50 breaks the line: only 1-2-3 are joined.
+    assert np.isnan(x).sum() == 2 and list(np.flatnonzero(np.isnan(x))) == [3, 5]
+    assert "Epoch 1, the only one recorded" in page and "from 0" not in page
+
+
+def test_report_says_what_to_try_with_the_runs_own_facts(tmp_path):
+    """A learning rate of 30 (Keras's epoch_learning_rate) against the usual ranges,
+    once; a rule without the learning rate among its causes does not cite it."""
+    log_dir = str(tmp_path / "lr_too_high")
+    writer = _events.EventWriter(os.path.join(log_dir, "train"))
+    table = ("| rule | step | tensors | reason |\n|---|---|---|---|\n"
+             "| WeightUpdateRatio | 2 | m/d/kernel | update/weight ratio above 10 |\n"
+             "| ClassImbalance | 2 |  | class 1 is rare |")
+    for step in (1, 2):
+        writer.write(step, {"step/loss": 1.0 * step, "step/fault": 0.0, "step/frozen": 0.0,
+                            "weights/m/d/kernel/update_ratio": 10.0 ** step},
+                     texts={"rules/verdicts": table} if step == 2 else ())
+    writer.write(0, {"epoch_learning_rate": 30.0})
+    writer.flush()
+    page = html.unescape(open(write_report(log_dir), encoding="utf-8").read())
+    rate = kerasdbg.load_run(log_dir).scalars("epoch_learning_rate").value.iloc[-1]
+    assert rate == 30.0
+    assert (f"The learning rate is {rate:g}, {rate / 0.1:.0f}x above the usual range for SGD "
+            f"(0.001-0.1) and {rate / 0.01:.0f}x above that for Adam, AdamW, RMSprop "
+            "(1e-05-0.01)") in page
+    parsed = _Page()
+    parsed.feed(open(os.path.join(log_dir, "report", "report.html"), encoding="utf-8").read())
+    rows = {r[0]["text"]: [c["text"] for c in r[1:]] for r in parsed.tables["remedies"][1:]}
+    assert list(rows) == ["WeightUpdateRatio(step 2)", "ClassImbalance(step 2)"]
+    assert "the learning rate, 30 (above)" in rows["WeightUpdateRatio(step 2)"][0]
+    assert "learning rate" not in rows["ClassImbalance(step 2)"][0]
+    assert "class_weight" in rows["ClassImbalance(step 2)"][1]
+
+
+def _loss_norm_run(log_dir, loss, norm):
+    writer = _events.EventWriter(os.path.join(log_dir, "train"))
+    for step, (value, norm_value) in enumerate(zip(loss, norm), start=1):
+        writer.write(step, {"step/loss": value, "gradients/global_norm": norm_value})
+    writer.flush()
+    return log_dir
+
+
+def _first_divergence(a, b, rtol=1e-2):
+    """The first step (from 1) where two (loss, norm) series differ, by NumPy: finite
+    in one only, or |a - b| > rtol * max(|a|, |b|); the loss before the norm."""
+    for step, pair in enumerate(zip(zip(*a), zip(*b)), start=1):
+        for x, y in zip(*pair):
+            if np.isfinite(x) != np.isfinite(y) or (
+                    np.isfinite(x) and abs(x - y) > rtol * max(abs(x), abs(y))):
+                return step
+    return None
+
+
+NAN = float("nan")
+
+
+@pytest.mark.parametrize("loss_b, norm_b, tag", [
+    ([1.0, 0.9, 0.804, 0.7, 0.6], [2.0, 2.0, 2.0, 2.5, 2.0], "gradients/global_norm"),
+    ([1.0, NAN, 0.8, 0.7, 0.6], [2.0, 2.0, 2.0, 2.0, 2.0], "step/loss"),
+    ([1.0, 0.9, 0.8, 0.7, 0.6], [2.0, 2.0, 2.0, 2.0, 2.0], None),
+], ids=["norm-beyond-rtol", "nan-in-b", "equal"])
+def test_compare_runs_names_the_first_divergent_step(tmp_path, capsys, loss_b, norm_b, tag):
+    loss_a, norm_a = [1.0, 0.9, 0.8, 0.7, 0.6], [2.0] * 5
+    a = _loss_norm_run(str(tmp_path / "before"), loss_a, norm_a)
+    b = _loss_norm_run(str(tmp_path / "after"), loss_b, norm_b)
+    expected = _first_divergence((loss_a, norm_a), (loss_b, norm_b))
+    result = kerasdbg.compare_runs(a, b)
+    assert result.names == ("before", "after")
+    assert result.steps_compared == [1, 2, 3, 4, 5]
+    if expected is None:
+        assert tag is None and result.divergence is None
+    else:
+        assert (result.divergence.step, result.divergence.tag) == (expected, tag)
+        np.testing.assert_allclose(result.loss.loc[expected].to_numpy(),
+                                   [loss_a[expected - 1], loss_b[expected - 1]])
+    assert cli.main(["report", a, b, "--out", str(tmp_path / "cmp")]) == 0
+    printed = capsys.readouterr().out
+    assert ("first divergence: none" if expected is None
+            else f"first divergence: step {expected}, {tag}") in printed
+    page = open(tmp_path / "cmp" / "compare.html", encoding="utf-8").read()
+    assert "<h1>before and after</h1>" in page and "loss.png" in page
+
+
+def test_compare_runs_refuses_what_is_not_a_run(tmp_path, capsys):
+    a = _loss_norm_run(str(tmp_path / "a"), [1.0], [1.0])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(NotARunError, match="compare_runs: `b` is not a run: .* holds no "
+                       "TensorBoard event files"):
+        kerasdbg.compare_runs(a, str(tmp_path / "empty"))
+    with pytest.raises(FileNotFoundError, match="compare_runs: `a`: .*is not a directory"):
+        kerasdbg.compare_runs(str(tmp_path / "missing"), a)
+    with pytest.raises(TypeError, match=r"compare_runs: `a` must be a log directory \(a path\)"
+                       r". Received: a=3"):
+        kerasdbg.compare_runs(3, a)
+    with pytest.raises(ValueError, match=r"compare_runs: `rtol` must be a float >= 0. "
+                       r"Received: rtol=-1"):
+        kerasdbg.compare_runs(a, a, rtol=-1)
+    assert cli.main(["report", a, str(tmp_path / "empty")]) == 2
+    assert capsys.readouterr().err.startswith("kerasdbg report: compare_runs: `b` is not a run")

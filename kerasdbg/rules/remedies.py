@@ -51,7 +51,7 @@ REMEDIES: Dict[str, Remedy] = {
                 "division of 0 or a negative number)"),
         tries=(_LOWER_RATE, _CLIP,
                "look at the layer's weights and the taps before it at the step "
-               "(listed below when recorded); insert a TapLayer before the layer to "
+               "(beside the causes, when recorded); insert a TapLayer before the layer to "
                "see its input",
                "add a small epsilon to a log, sqrt or division in a custom layer")),
     "FreezeOnFault": Remedy(
