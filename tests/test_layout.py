@@ -1,20 +1,14 @@
 """The Custom Scalars tab of the real TensorBoard server draws the layout the
 callbacks write: a few charts, each of every tag of one statistic."""
 
-import contextlib
 import glob
 import os
 import re
-import shutil
-import signal
-import subprocess
 import time
 import warnings
 
 import keras
-import numpy as np
 import pytest
-from PIL import Image
 from tensorboard.backend.event_processing import event_file_loader
 from tensorboard.compat.proto import summary_pb2
 from tensorboard.plugins.custom_scalar import layout_pb2
@@ -27,7 +21,7 @@ from kerasdbg.callbacks import ActivationStatistics, GradientStatistics, StepTim
 from kerasdbg.callbacks import StopOnRule, WeightStatistics
 from kerasdbg.layers import TapLayer
 from tests.helpers import BATCH, X, Y
-from tests.test_tensorboard import _chromium, _get, serve
+from tests.tensorboard_server import get as _get, serve
 
 LOAD_TIMEOUT_S = 60
 # The layout the issue asks for: category -> its charts, in order; the
@@ -278,101 +272,3 @@ def test_strict_raises_when_the_layout_cannot_be_written(tmp_path, monkeypatch, 
             "OSError: No space left on device")) as raised:
         _fit(_tapped_model(), [callback(str(tmp_path / "logs"))])
     assert isinstance(raised.value.__cause__, OSError)
-
-
-# ------------------------------------------------------------ at ResNet50 scale
-RESNET_STEPS = 40
-MIN_LINE_PIXELS = 20_000  # of the run's colour, in the charts' part of the page
-RUN_COLOUR = np.array([255, 112, 67])  # TensorBoard's colour of the first run (#ff7043)
-
-
-def _write_resnet_run(run_dir):
-    """A synthetic ResNet50-sized run, written with kerasdbg's writer and
-    layout: the tags of every callback for the real ResNet50's 214 trainable
-    variables and a tap after each of its 33 ReLUs. Returns the tags."""
-    model = keras.applications.ResNet50(weights=None, input_shape=(64, 64, 3), classes=10)
-    paths = [v.path for v in model.trainable_variables]
-    taps = [f"{layer.name}_tap" for layer in model.layers if layer.name.endswith("_relu")]
-    assert (len(paths), len(taps)) == (214, 33)
-    rng = np.random.default_rng(0)
-    depth = np.linspace(0.0, 1.0, len(paths))[:, None]
-    steps = np.arange(1, RESNET_STEPS + 1)[None, :]
-    norms = 10 ** (-3 + 2 * depth) * (1 + 0.3 * np.sin(steps / 3 + 7 * depth))
-    ratios = 10 ** rng.uniform(-4, -2, (len(paths), 1)) * np.exp(-steps / 30)
-    weight_norms = 10 ** rng.uniform(0, 1.5, (len(paths), 1)) * (1 + steps / 200)
-    dead = np.clip(rng.uniform(0, 0.4, (len(taps), 1)) + 0.005 * steps, 0, 1)
-    writer = _events.writer_for(run_dir)
-    for owner, lines in [
-            ("GradientStatistics", _layout.statistics_lines("gradients", ["l2_norm"])),
-            ("WeightStatistics", _layout.statistics_lines("weights", ["l2_norm", "update_ratio"])),
-            ("ActivationStatistics", _layout.activation_lines(["dead_fraction"])),
-            ("StepTimer", _layout.timing_lines(True)), ("StopOnRule", _layout.loss_lines())]:
-        _layout.add(owner, writer, lines, strict=True)
-    for i, step in enumerate(steps[0]):
-        scalars = {"step/loss": 2.3 * np.exp(-i / 20),
-                   "gradients/global_norm": float(np.sqrt(np.sum(norms[:, i] ** 2)))}
-        for v, path in enumerate(paths):
-            scalars[f"gradients/{path}/l2_norm"] = norms[v, i]
-            scalars[f"weights/{path}/l2_norm"] = weight_norms[v, i]
-            scalars[f"weights/{path}/update_ratio"] = ratios[v, i]
-        for t, tap in enumerate(taps):
-            scalars[f"activations/{tap}/dead_fraction"] = dead[t, i]
-        scalars.update({"time/execution_seconds": 0.2 + 0.01 * rng.random(),
-                        "time/step_seconds": 0.2, "time/input_seconds": 0.03,
-                        "time/compute_seconds": 0.17, "time/input_fraction": 0.15,
-                        "time/examples_per_second": 160.0})
-        writer.write(int(step), scalars)
-    writer.flush()
-    return set(scalars)
-
-
-def _screenshot(browser, url, shot, profile):
-    """Headless Chromium's screenshot of `url`, in its own process group,
-    killed whole after it (nothing of the browser outlives the test)."""
-    process = subprocess.Popen(
-        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-         f"--user-data-dir={profile}", "--window-size=1280,1500",
-         "--virtual-time-budget=15000", f"--screenshot={shot}", url],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        _, err = process.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        err = b"(no screenshot within 120 s)"
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)  # a renderer or zygote left behind
-    assert process.returncode == 0, err.decode(errors="replace")[-2000:]
-
-
-def test_custom_scalars_dashboard_at_resnet50_scale(tmp_path):
-    browser = _chromium()
-    assert browser is not None, (
-        "no headless browser for the dashboard screenshot: `./run.sh test` installs Debian's "
-        "`chromium` with apt-get when it can (as root or with sudo); install it by hand otherwise")
-    log_dir = str(tmp_path / "logs")
-    tags = _write_resnet_run(os.path.join(log_dir, "train"))
-    with serve(log_dir) as base:
-        # The last tag of the last step: every step is read.
-        _wait_for(lambda: len(_get(base, "/data/plugin/scalars/scalars", run="train",
-                                   tag="time/examples_per_second")) == RESNET_STEPS,
-                  "every step")
-        layout = _served_layout(base)
-        assert _titles(layout) == CHARTS
-        served = _get(base, "/data/plugin/custom_scalars/scalars", run="train",
-                      tag=layout["category"][1]["chart"][0]["multiline"]["tag"][0])
-        assert len(served["tag_to_events"]) == 214
-        assert all(len(events) == RESNET_STEPS for events in served["tag_to_events"].values())
-        shot = tmp_path / "tensorboard_layout.png"
-        _screenshot(browser, f"{base}/?darkMode=false#custom_scalars", shot, tmp_path / "profile")
-    assert len(tags) == 3 * 214 + 33 + 2 + 6
-    pixels = np.asarray(Image.open(shot).convert("RGB"), dtype=int)
-    assert pixels.shape == (1500, 1280, 3)
-    # Below the header and right of the sidebar (both drawn in orange too).
-    charts = pixels[80:, 340:]
-    lines = np.all(np.abs(charts - RUN_COLOUR) < 48, axis=-1)
-    assert lines.sum() > MIN_LINE_PIXELS, f"{lines.sum()} pixels of the run's lines"
-    keep = os.environ.get("KERASDBG_SCREENSHOTS")
-    if keep:  # for the docs: KERASDBG_SCREENSHOTS=docs/images pytest tests/test_layout.py
-        os.makedirs(keep, exist_ok=True)
-        shutil.copy(shot, os.path.join(keep, shot.name))

@@ -1,17 +1,9 @@
 """The real TensorBoard server reads what kerasdbg writes: its HTTP data API and its dashboards."""
 
-import contextlib
-import json
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
-import sys
-import time
-import urllib.parse
-import urllib.request
 import warnings
 
 import keras
@@ -21,24 +13,11 @@ import pytest
 from kerasdbg.callbacks import GradientStatistics, StopOnRule
 from kerasdbg.rules import NonFiniteLoss, Rule, RuleWarning
 from tests.helpers import BATCH, LEARNING_RATE, X, Y, make_mlp, reference_training
+from tests.tensorboard_server import NO_BROWSER, chromium as _chromium, get as _get, keep
+from tests.tensorboard_server import screenshot, serve, wait_for
 
 STEPS = len(X) // BATCH
 FAULT = 6
-START_TIMEOUT_S = 90
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _get(base, path, **query):
-    url = f"{base}{path}" + (("?" + urllib.parse.urlencode(query)) if query else "")
-    with urllib.request.urlopen(url, timeout=30) as response:
-        return json.loads(response.read().decode("utf-8"))
-
-
 EARLY, HEALTHY_STEPS = 3, 3
 
 
@@ -83,44 +62,6 @@ def recorded(tmp_path_factory):
                                                  log_dir=os.path.join(log_dir, "healthy"))])
     reference = reference_training(initial, FAULT - 1)
     return log_dir, model, reference
-
-
-@contextlib.contextmanager
-def serve(log_dir, load_fast="false"):
-    """`tensorboard --logdir` on 127.0.0.1 and a free port, with the Python
-    loader (`load_fast="false"`) or the Rust data server ("true"); stopped by
-    its PID, then its process group (the data server)."""
-    port = _free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tensorboard.main", "--logdir", log_dir, "--host", "127.0.0.1",
-         "--port", str(port), "--load_fast", load_fast, "--reload_interval", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            try:
-                if "train" in _get(base, "/data/plugin/scalars/tags"):
-                    break
-            except OSError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                output = process.stdout.read().decode(errors="replace")[-2000:] \
-                    if process.poll() is not None else "(still running)"
-                pytest.fail(f"tensorboard did not serve {log_dir} within {START_TIMEOUT_S}s: {output}")
-            time.sleep(0.5)
-        yield base
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)  # whatever outlived it
-        process.stdout.close()
 
 
 @pytest.fixture(scope="module")
@@ -184,9 +125,62 @@ def test_the_verdict_text_is_served_at_its_step(server):
             f"1-{HEALTHY_STEPS} and none fired.") in healthy[0]["text"]
 
 
-def _chromium():
-    return next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")
-                 if shutil.which(n)), None)
+# The Custom Scalars tab of the run: chart -> its lines (the MLP's four
+# variables are four groups of one, named by their paths without the model's).
+EVERY = "every variable and tap"
+CUSTOM_SCALARS = {
+    "loss": {"loss": 1, "log10 loss": 1},
+    "gradients": {"global norm": 1, "log10 global norm": 1,
+                  "log10 largest l2 norm in each group of variables": 4,
+                  "largest l2 norm in each group of variables": 4,
+                  "log10 largest and smallest l2 norm of all variables": 2},
+    EVERY: {"gradient l2 norm of every variable": 4},
+}
+
+
+def test_custom_scalars_draw_few_lines_each_with_reference_values(server, recorded, tmp_path):
+    browser = _chromium()
+    assert browser is not None, NO_BROWSER
+    _, model, reference = recorded
+    wait_for(lambda: len(_get(server, "/data/plugin/scalars/scalars", run="train",
+                              tag="views/gradients/l2_norm/log10_min")) == STEPS, "every step")
+    layout = _get(server, "/data/plugin/custom_scalars/layout")
+    lines, served = {}, {}
+    for category in layout["category"]:
+        charts = lines.setdefault(category["title"], {})
+        for chart in category["chart"]:
+            for regex in chart["multiline"]["tag"]:
+                tags = _get(server, "/data/plugin/custom_scalars/scalars", run="train",
+                            tag=regex)["tag_to_events"]
+                served.update(tags)
+                charts[chart["title"]] = charts.get(chart["title"], 0) + len(tags)
+    assert lines == CUSTOM_SCALARS
+    assert [c.get("closed", False) for c in layout["category"]] == [False, False, True]
+    values = {tag: {int(step): float(v) for _, step, v in events}
+              for tag, events in served.items()}
+    groups = [v.path.partition("/")[2] for v in model.trainable_variables]  # hidden/kernel, ...
+    for step in range(1, FAULT):
+        expected = reference[step - 1]
+        norms = np.array([np.linalg.norm(g.astype(np.float64)) for g in expected["grads"]])
+        for group, norm in zip(groups, norms):
+            assert values[f"views/gradients/l2_norm/max/{group}"][step] == pytest.approx(
+                norm, rel=1e-5)
+            assert values[f"views/gradients/l2_norm/log10_max/{group}"][step] == pytest.approx(
+                np.log10(norm), abs=1e-5)
+        for view, norm in [("log10_max", norms.max()), ("log10_min", norms.min())]:
+            assert values[f"views/gradients/l2_norm/{view}"][step] == pytest.approx(
+                np.log10(norm), abs=1e-5)
+        assert values["views/gradients/global_norm/log10"][step] == pytest.approx(
+            np.log10(np.sqrt(np.sum(norms ** 2))), abs=1e-5)
+        assert values["views/step/loss/log10"][step] == pytest.approx(
+            np.log10(expected["loss"]), abs=1e-5)
+    assert values["views/step/loss/log10"][FAULT] == np.inf  # the inf loss
+    shot = tmp_path / "tensorboard_custom_scalars.png"
+    screenshot(browser, f"{server}/?darkMode=false#custom_scalars", shot, tmp_path / "profile",
+               size=(1280, 1600))
+    data = shot.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000  # a rendered page
+    keep(shot)
 
 
 @pytest.mark.parametrize("dashboard", ["scalars", "histograms"])

@@ -265,8 +265,10 @@ def views(kind: str, tags: Sequence[Optional[str]], values: Sequence[float]) -> 
         >>> from kerasdbg.sinks import layout
         >>> views = layout.views("gradients", ["gradients/global_norm",
         ...     "gradients/m/a/kernel/l2_norm", "gradients/m/b/kernel/l2_norm"], [5.0, 3.0, 4.0])
-        >>> views["views/gradients/global_norm/log10"], views["views/gradients/l2_norm/max/b/kernel"]
-        (0.6989700043360187, 4.0)
+        >>> round(views["views/gradients/global_norm/log10"], 4)
+        0.699
+        >>> views["views/gradients/l2_norm/max/b/kernel"], views["views/gradients/l2_norm/log10_min"]
+        (4.0, 0.47712125471966244)
     """
     plan = _plan(kind, tuple(tags))
     values = np.asarray(values, np.float64)
