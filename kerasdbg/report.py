@@ -313,7 +313,20 @@ def run_title(data: Dict[str, object]) -> str:
 
 def stop_on_rule_steps(data: Dict[str, object]) -> List[int]:
     """The steps at which `StopOnRule` ran its rules, from its records
-    (`step/fault`, `step/frozen`); empty when it did not run with a `log_dir`."""
+    (`step/fault`, `step/frozen`); empty when it did not run with a `log_dir`.
+
+    Examples:
+        >>> import keras, numpy as np, tempfile
+        >>> from kerasdbg.callbacks import StopOnRule
+        >>> from kerasdbg.report import collect, stop_on_rule_steps
+        >>> log_dir = tempfile.mkdtemp()
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        >>> model.compile("sgd", "mse")
+        >>> _ = model.fit(np.ones((4, 3)), np.ones((4, 1)), batch_size=2, verbose=0,
+        ...               callbacks=[StopOnRule(log_dir=log_dir, verbose=False)])
+        >>> stop_on_rule_steps(collect(log_dir))
+        [1, 2]
+    """
     return sorted(int(s) for s in data.get("rule_steps", pd.DataFrame()).index)
 
 

@@ -199,7 +199,7 @@ def compare_runs(a: str, b: str, run_name: str = "train", rtol: float = 1e-2,
         ...     return log_dir
         >>> result = compare_runs(train(0.01), train(1.0))
         >>> result.divergence.step, result.divergence.tag
-        (2, 'step/loss')
+        (2, 'gradients/global_norm')
     """
     for name, value in (("rtol", rtol), ("atol", atol)):
         if isinstance(value, bool) or not isinstance(value, (int, float)):

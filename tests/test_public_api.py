@@ -7,6 +7,7 @@ import types
 import pytest
 
 MODULES = ["kerasdbg", "kerasdbg.callbacks", "kerasdbg.layers", "kerasdbg.rules", "kerasdbg.report",
+           "kerasdbg.run_comparison", "kerasdbg.rules.remedies",
            "kerasdbg.compat"]
 EXTRA = ["kerasdbg.stats.tensor_statistics", "kerasdbg.stats.histograms", "kerasdbg.reader.Run",
          "kerasdbg.reader.Tensor", "kerasdbg.reader.Run.scalar_table",

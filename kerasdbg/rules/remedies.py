@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, Optional, Tuple
 
-__all__ = ("LEARNING_RATE_RULES", "REMEDIES", "USUAL_LEARNING_RATES", "Remedy",
-           "learning_rate_note")
+# The tables REMEDIES, USUAL_LEARNING_RATES and LEARNING_RATE_RULES are read by name.
+__all__ = ("Remedy", "learning_rate_note")
 
 
 @dataclasses.dataclass(frozen=True)
