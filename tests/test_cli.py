@@ -264,3 +264,52 @@ def test_check_and_report_say_which_training_they_read_when_there_are_several(tm
     assert f"kerasdbg report: {note}" in capsys.readouterr().err
     assert cli.main(["check", str(tmp_path), "--run", "train-2"]) in (0, 1)
     assert "this is run 'train-2'" in capsys.readouterr().err
+
+
+def test_report_of_the_demo_says_what_to_try_and_compares_its_two_runs(demo, capsys):
+    """`report HEALTHY LR_TOO_HIGH` names the first step where their loss or global
+    norm part (NumPy on the records); the broken run's report says the learning
+    rate is far above the usual ranges and what the records hold around the NaN."""
+    import html
+
+    import numpy as np
+
+    out, _ = demo
+    healthy, broken = load_run(str(out / "healthy")), load_run(str(out / "lr_too_high"))
+
+    def series(run, tag):
+        rows = run.scalars(tag).drop_duplicates("step", keep="last")
+        return dict(zip(rows.step, rows.value))
+
+    expected = None
+    for tag in ("step/loss", "gradients/global_norm"):
+        a, b = series(healthy, tag), series(broken, tag)
+        for step in sorted(set(a) & set(b)):
+            x, y = a[step], b[step]
+            if np.isfinite(x) != np.isfinite(y) or (
+                    np.isfinite(x) and abs(x - y) > 1e-2 * max(abs(x), abs(y))):
+                expected = min(expected or step, step)
+                break
+    assert expected is not None
+    assert cli.main(["report", str(out / "healthy"), str(out / "lr_too_high"),
+                     "--out", str(out / "compare")]) == 0
+    printed = capsys.readouterr().out
+    assert f"first divergence: step {expected}, " in printed
+    steps = healthy.steps("step/fault")
+    assert f"verdicts of healthy: none (StopOnRule ran its rules at steps 1-{steps[-1]})" \
+        in printed
+    page = (out / "compare" / "compare.html").read_text()
+    assert f"First at step {expected}:" in page and "Verdicts of lr_too_high" in page
+
+    report = html.unescape((out / "lr_too_high" / "report" / "report.html").read_text())
+    rate = broken.scalars("epoch_learning_rate").value.iloc[-1]
+    assert (f"The learning rate is {rate:g}, {rate / 0.1:.0f}x above the usual range for SGD "
+            "(0.001-0.1)") in report
+    assert "lower the learning rate (by 10x to start with)" in report
+    # The NaN's layer: its kernel's gradient norm at the step before, as recorded.
+    layer = re.search(r"first layer whose output held NaN/Inf is '([^']+)'", report).group(1)
+    fault = int(re.search(r"NaNSource at step (\d+)", report).group(1))
+    (tag,) = broken.tags(rf"^gradients/.*/{layer}/kernel/l2_norm$")
+    norm = series(broken, tag)[fault - 1]
+    assert f"{tag[len('gradients/'):-len('/l2_norm')]} at step {fault - 1}: gradient norm " \
+           f"{norm:.3g}" in report
