@@ -823,9 +823,13 @@ def write_report(log_dir: str, out: Optional[str] = None, run_name: str = "train
                  progress_stream: Optional[TextIO] = None) -> str:
     """Writes `report.html` and its PNG plots; returns the HTML file's path.
 
-    The page shows the text `summary`, the rule verdicts as a table (rule,
-    step, tensors, reason; `TENSORS_PER_CELL` tensors a cell, the rest
-    counted), the loss, Keras's epoch logs (when its `TensorBoard` callback
+    The page, headed by the run's directory name, shows the text `summary`,
+    the rule verdicts as a table (rule, step, tensors, reason;
+    `TENSORS_PER_CELL` tensors a cell, the rest counted; when none fired,
+    whether `StopOnRule` ran), "What to try": each rule's likely causes and
+    remedies (`kerasdbg.rules.remedies`) with this run's facts (its learning
+    rate against the usual ranges, a NaN's layer and what was recorded
+    around it), the loss, Keras's epoch logs (when its `TensorBoard` callback
     shared the log directory: plotted per epoch, or a table of the values
     after one epoch), the global gradient norm, a per-layer gradient-norm
     heatmap (layers x steps, in name order), the weights' update ratios and
