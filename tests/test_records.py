@@ -124,7 +124,9 @@ def test_the_documented_tags_are_written_and_are_what_the_builders_make(recorded
         | {"gradients/global_norm", "gradients/clipped", "applied_gradients/global_norm",
            "step/loss", "step/frozen", "step/fault", "epoch/loss", "time/step_seconds",
            "faults/nan_source/located", "faults/nan_source/layer/x"}
-        | {f"faults/nan_source/gradient/{p}" for p in paths},
+        # The NaN input reaches `hidden/kernel`'s gradient whatever the CPU; whether it
+        # goes past the ReLU depends on the kernel (a fused oneDNN ReLU may give 0 for NaN).
+        | {"faults/nan_source/gradient/hidden/kernel"},
         "histograms": {f"{kind}/{p}" for kind in ("gradients", "weights") for p in paths}
         | {"activations/hidden_tap"},
         "text": {"rules/verdicts"},
@@ -144,7 +146,7 @@ def test_the_documented_tags_are_written_and_are_what_the_builders_make(recorded
            tags.LOSS, tags.step_scalar("frozen"), tags.step_scalar("fault"),
            tags.epoch_scalar("loss"), tags.scalar(tags.TIME, "step_seconds"),
            tags.fault("nan_source", "located"), tags.fault("nan_source", "layer", "x")}
-        | {tags.fault("nan_source", "gradient", p) for p in paths},
+        | {tags.fault("nan_source", "gradient", "hidden/kernel")},
         "histograms": {tags.tensor(kind, p) for kind in (tags.GRADIENTS, tags.WEIGHTS)
                        for p in paths} | {tags.tensor(tags.ACTIVATIONS, "hidden_tap")},
         "text": {tags.VERDICTS},
