@@ -355,6 +355,12 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
         self.verdicts = []
         self._notes = []  # this fit's "info" verdicts, printed in one line at its end
         self._ran = None  # the first and last step the rules were checked on
+        # Keras's progress bar (verbose=1) leaves its line unfinished after
+        # each batch it draws (it redraws it after a carriage return): a line
+        # printed then would land at the bar's end.
+        verbose = (getattr(self, "params", None) or {}).get("verbose", 0)
+        self._bar = verbose in (1, "auto") and keras.config.is_interactive_logging_enabled()
+        self._mid_line = False
         # This fit's records, merged per step for the rules.
         self._rows = StepRows(
             self.model, self.loss, lambda: _capture.engine_for(self.model).loss_captured,
@@ -465,11 +471,10 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
             readers = [r for r in readers if r not in watching]
             if watching:
                 self.loss_source = f"the train step's {', '.join(map(repr, losses))}"
-                if self.verbose and getattr(self, "_prints", True):
-                    print(f"kerasdbg: {type(self).__name__}: the train step returns no single "
+                self._say(f"{type(self).__name__}: the train step returns no single "
                           f"loss; {', '.join(r.name for r in watching)} watch"
                           f"{'es' if len(watching) == 1 else ''} each of its losses: "
-                          f"{', '.join(losses)}", file=sys.stdout, flush=True)
+                          f"{', '.join(losses)}")
             if not readers:
                 return
         if self.loss:
@@ -513,9 +518,12 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
         self._check_replicas(batch)
         self._evaluate_pending()
         self._batches = self._epoch_batches + batch + 1
+        # The bar draws this batch (after this callback, or before it).
+        self._mid_line = getattr(self, "_bar", False)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch_batches = self._batches
+        self._mid_line = False  # the last epoch's bar ended its line
 
     def _optimizer_step(self) -> int:
         """The furthest step of the model's optimizers (0 without one); their
@@ -563,6 +571,7 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         self._evaluate_pending()
         if self._done:
+            self._mid_line = False  # the bar ends its line at the epoch's end
             return
         record = {}
         for key, value in (logs or {}).items():
@@ -572,6 +581,7 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
                 continue
         self._write(self._last_step, record)
         self._evaluate(self._last_step, self._runner.check(self._last_step, record))
+        self._mid_line = False  # the bar ends its line at the epoch's end
 
     def on_train_end(self, logs=None):
         self._evaluate_pending()
@@ -628,8 +638,8 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
     def _finish(self) -> None:
         self._keep_training()
         notes, self._notes = self._notes, []
-        if notes and self.verbose and getattr(self, "_prints", True):
-            print(f"kerasdbg: {notes_line(notes)}", file=sys.stdout, flush=True)
+        if notes:
+            self._say(notes_line(notes))
         _capture.cancel_fit_end(self.model, self)
         engine = _capture.engine_for(self.model)
         for request in self._requests:
@@ -668,6 +678,19 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
             self._writer.write(step, scalars, unique=True)
 
     # ----------------------------------------------------------- acting
+    def _say(self, text: str) -> None:
+        """Prints `kerasdbg: <text>` (with `verbose`, on the process that
+        prints) on a line of its own: a newline first when Keras's progress
+        bar left its line unfinished; the bar redraws below it."""
+        if not (self.verbose and getattr(self, "_prints", True)):
+            return
+        fresh = "\n" if getattr(self, "_mid_line", False) else ""
+        self._mid_line = False
+        try:
+            print(f"{fresh}kerasdbg: {text}", file=sys.stdout, flush=True)
+        except (OSError, ValueError):  # a closed stream never breaks the fit
+            pass
+
     def _write_verdicts(self, step: int, new: Sequence[Verdict] = (),
                         ran: Optional[tuple] = None) -> None:
         """Writes the text of the run's verdicts so far (`new` added), in step
@@ -691,9 +714,9 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
         verdicts = [v for v in verdicts if v.severity == "fault"]
         if not verdicts:
             return
-        if self.verbose and getattr(self, "_prints", True) and self.action != "warn":
+        if self.action != "warn":
             for verdict in verdicts:  # with "warn", said once, by its RuleWarning
-                print(f"kerasdbg: {verdict.reason}", file=sys.stdout, flush=True)
+                self._say(verdict.reason)
         engine = _capture.engine_for(self.model)
         if self.action == "warn":
             level = _caller_of_fit()

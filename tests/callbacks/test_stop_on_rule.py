@@ -389,6 +389,27 @@ class _nothing:
         return False
 
 
+def test_a_verdict_printed_under_keras_progress_bar_starts_a_line_of_its_own(capsys):
+    """verbose=1: Keras's bar leaves its line unfinished after each batch (it
+    redraws it after a carriage return); the verdict's line starts a fresh
+    line below the bar of the batch before the fault, and the bar goes on."""
+    model = _model(optimizer="sgd")
+    model.fit(_with_batch(FAULT, np.nan), Y, batch_size=BATCH, epochs=1, shuffle=False,
+              verbose=1, callbacks=[StopOnRule(NonFiniteLoss(), verbose=True)])
+    printed = capsys.readouterr().out
+    said = f"kerasdbg: NonFiniteLoss at step {FAULT}: the loss is nan"
+    before, found, after = printed.partition(said)
+    assert found and before.endswith("\n") and after.startswith("\n"), printed
+    # What a terminal shows of the line above: the bar's last drawing (after its
+    # last carriage return), of a batch before the fault (it draws at most every
+    # 0.05 s); below the verdict the bar draws again and ends its line.
+    shown = [re.sub(r"\x1b\[[0-9;]*m", "", text.rpartition("\n")[2].rpartition("\r")[2])
+             for text in (before[:-1], after.rstrip("\n"))]
+    drawn = [re.match(rf" ?(\d+)/{STEPS} ━+ ", line) for line in shown]
+    assert all(drawn) and int(drawn[0][1]) < FAULT, shown
+    assert after.endswith("\n") and said not in after, repr(after)
+
+
 def test_a_long_first_step_says_so_and_how_long_it_took(capsys, monkeypatch):
     """After `progress.AFTER` seconds of the first execution, one line says
     what is traced (the model's trainable variables and taps, counted here
