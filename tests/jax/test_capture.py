@@ -7,6 +7,8 @@ host (`jax.debug.callback`) during a plain `fit`, or from `jax.value_and_grad`
 of `model.stateless_call`.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import keras
@@ -21,6 +23,7 @@ from kerasdbg.callbacks import (
 )
 from kerasdbg.capture import supported
 from kerasdbg.errors import UnsupportedBackendError
+from kerasdbg.rules import NonFiniteLoss
 from tests.conftest import reference_stats
 
 
@@ -111,6 +114,26 @@ def test_every_instrument_leaves_training_bitwise_plain_keras(spe, jit):
         np.testing.assert_array_equal(np.asarray(a.value), np.asarray(b.value))
     assert "stateless_apply" not in vars(model.optimizer)
     assert "_update_metrics_variables" not in vars(model)
+
+
+def test_a_long_first_step_says_so_and_how_long_it_took(capsys, monkeypatch):
+    """As on TensorFlow: past `progress.AFTER` seconds (0 here) of the first
+    jitted execution, one line says what is traced (the trainable variables
+    counted from the model, no taps), one how long it took; the later steps
+    and the second epoch say nothing."""
+    from kerasdbg.capture import progress
+
+    monkeypatch.setattr(progress, "AFTER", 0.0)
+    model = make_model()
+    fit(model, [StopOnRule(NonFiniteLoss(), verbose=False)], x=X[:2 * BATCH], y=Y[:2 * BATCH],
+        epochs=2)
+    printed = capsys.readouterr().out.splitlines()
+    variables = len(model.trainable_variables)
+    assert printed[0] == ("kerasdbg: tracing and compiling the instrumented train step of 'm' "
+                          f"({variables} trainable variables, 0 taps) ...")
+    assert re.fullmatch(r"kerasdbg: traced and compiled; the first step took \d+\.\d s",
+                        printed[1]), printed
+    assert len(printed) == 2, printed
 
 
 def test_an_op_by_op_fit_with_every_instrument_compiles_once_not_at_each_step():
