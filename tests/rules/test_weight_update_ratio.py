@@ -26,7 +26,11 @@ BATCH, STEPS = 4, 4
 def _strided_bn_net(learning_rate=0.01):
     layers = keras.layers
     inputs = keras.Input((32, 32, 3))
-    h = layers.Conv2D(8, 7, strides=2, padding="same", use_bias=False, name="conv1_conv")(inputs)
+    # A kernel at a small initial scale before BatchNormalization, whose output does
+    # not depend on it: its gradient grows as the scale shrinks, so its first update
+    # is hundreds of times the kernel on any CPU (not only the biases' float noise).
+    h = layers.Conv2D(8, 7, strides=2, padding="same", use_bias=False, name="conv1_conv",
+                      kernel_initializer=keras.initializers.RandomNormal(stddev=1e-3))(inputs)
     h = layers.ReLU()(layers.BatchNormalization(name="conv1_bn")(h))
     for b in range(4):
         for r in range(3):
