@@ -288,6 +288,7 @@ def _check(args) -> int:
     from kerasdbg.reader import load_run
     from kerasdbg.offline import can_check, check_run, recorded_pairs
     from kerasdbg.records.tags import tag_pattern
+    from kerasdbg.records.verdicts import notes_line
     from kerasdbg.report import other_trainings, require_run
 
     try:
@@ -332,8 +333,13 @@ def _check(args) -> int:
         print(f"kerasdbg check: {message}", file=sys.stderr)
         return 2
     for verdict in verdicts:
-        print(verdict.reason if verdict.severity == "fault" else f"(info) {verdict.reason}")
-    # Information (zero by construction) is printed, and is not a rule firing.
+        if verdict.severity == "fault":
+            print(verdict.reason)
+    # Information (zero by construction) is not a rule firing: one line after
+    # the faults, as a fit ends with it.
+    notes = [verdict for verdict in verdicts if verdict.severity != "fault"]
+    if notes:
+        print(f"(info) {notes_line(notes)}")
     fired = sorted({v.rule for v in verdicts if v.severity == "fault"})
     print(f"kerasdbg check: {len(fired)} of {len(chosen)} rules fired"
           + (f" ({', '.join(fired)})" if fired else ""), file=sys.stderr)

@@ -198,15 +198,48 @@ def test_check_gives_the_verdicts_stop_on_rule_gave_during_the_demo(demo, capsys
     assert said.out == "" and " 0 of " in said.err
     broken = load_run(str(out / "lr_too_high"))
     # The last write holds every verdict of the run.
-    online = sorted((row["step"], row["rule"], row["reason"])
+    online = sorted((row["step"], row["rule"], row["reason"], row["severity"])
                     for row in verdict_rows(broken.texts("rules/verdicts").text.iloc[-1]))
     assert cli.main(["check", str(out / "lr_too_high")]) == 1
     printed = capsys.readouterr().out.splitlines()
-    offline = sorted((int(m.group(2)), m.group(1), m.group(0).removeprefix("(info) "))
-                     for m in (re.match(r"(?:\(info\) )?(\w+) at step (\d+): .*", line)
-                               for line in printed))
-    assert offline == online
-    assert {"NonFiniteLoss", "NaNSource"} <= {rule for _, rule, _ in online}
+    # A line per fault; the information notes, if any, in one line after them.
+    faults = [line for line in printed if not line.startswith("(info) ")]
+    assert printed[:len(faults)] == faults
+    offline = sorted((int(m.group(2)), m.group(1), m.group(0))
+                     for m in (re.fullmatch(r"(\w+) at step (\d+): .*", line) for line in faults))
+    assert offline == [(step, rule, reason) for step, rule, reason, severity in online
+                       if severity == "fault"]
+    noted = {rule for _, rule, _, severity in online if severity == "info"}
+    assert len(printed) - len(faults) == (1 if noted else 0), printed
+    if noted:
+        assert printed[-1].startswith("(info) information, not faults (")
+        assert {rule for rule in noted if f" {rule}, at step" not in printed[-1]} == set()
+    assert {"NonFiniteLoss", "NaNSource"} <= {rule for _, rule, _, _ in online}
+
+
+def test_check_says_the_information_notes_in_one_line_after_the_faults(tmp_path, capsys):
+    """Six biases zero by construction (a gradient 1e9 times below their
+    kernel's, never moved, as before a BatchNormalization) and a NaN loss at
+    step 3: the fault in its line, the notes gathered in one, as a fit ends."""
+    writer = _events.EventWriter(str(tmp_path / "train"))
+    layers = [f"c{i}" for i in range(1, 7)]
+    for step in (1, 2, 3):
+        values = {"step/loss": 1.0 / step if step < 3 else float("nan")}
+        for layer in layers:
+            values.update({f"gradients/m/{layer}/kernel/mean_abs": 0.01,
+                           f"gradients/m/{layer}/bias/mean_abs": 1e-11,
+                           f"weights/m/{layer}/kernel/update_ratio": 1e-3,
+                           f"weights/m/{layer}/bias/update_ratio": 0.0})
+        writer.write(step, values)
+    writer.close()
+    assert cli.main(["check", str(tmp_path), "--rule", "VanishingGradient",
+                     "--rule", "NonFiniteLoss"]) == 1
+    said = capsys.readouterr()
+    assert said.out.splitlines() == [
+        "NonFiniteLoss at step 3: the loss is nan",
+        "(info) information, not faults (6 tensors): VanishingGradient, at step 1: zero by "
+        "construction: m/c1/bias, m/c2/bias, m/c3/bias, m/c4/bias, m/c5/bias and 1 more"]
+    assert said.err.splitlines() == ["kerasdbg check: 1 of 2 rules fired (NonFiniteLoss)"]
 
 
 def test_a_disk_that_fills_up_under_the_demo_is_said_in_one_line(tmp_path):
