@@ -8,6 +8,7 @@ import time
 import warnings
 
 import keras
+import numpy as np
 import pytest
 from tensorboard.backend.event_processing import event_file_loader
 from tensorboard.compat.proto import summary_pb2
@@ -32,7 +33,8 @@ CHARTS = {
     "gradients": ["global norm", "log10 global norm",
                   "log10 largest l2 norm in each group of variables",
                   "largest l2 norm in each group of variables",
-                  "log10 largest and smallest l2 norm of all variables"],
+                  "log10 largest and smallest l2 norm of all variables",
+                  "log10 largest and smallest l2 norm, by the variable holding it"],
     "weights": ["log10 largest update ratio in each group of variables",
                 "fraction of variables with update ratio above 0.01",
                 "largest weight l2 norm in each group of variables"],
@@ -77,6 +79,8 @@ def _expected_tags(model):
             f"views/gradients/l2_norm/max/{p}" for p in paths},
         "log10 largest and smallest l2 norm of all variables": {
             "views/gradients/l2_norm/log10_max", "views/gradients/l2_norm/log10_min"},
+        # Depends on the values: filled in from the per-variable records.
+        "log10 largest and smallest l2 norm, by the variable holding it": None,
         "log10 largest update ratio in each group of variables": {
             f"views/weights/update_ratio/log10_max/{p}" for p in paths},
         "fraction of variables with update ratio above 0.01": {
@@ -191,9 +195,17 @@ def test_the_plugin_serves_the_merged_layout(server):
 def test_each_chart_draws_the_tags_of_its_statistic(server, trained):
     _, model = trained
     expected = _expected_tags(model)
-    _wait_for(lambda: set().union(*expected.values()) <= _served_tags(server), "every tag")
+    _wait_for(lambda: set().union(*filter(None, expected.values())) <= _served_tags(server),
+              "every tag")
     listed = _served_tags(server)
     layout = _served_layout(server)
+    # One line per variable that held the largest (smallest) gradient norm at a step.
+    paths = [v.path for v in model.trainable_variables]
+    norms = np.array([[v for _, _, v in _get(server, "/data/plugin/scalars/scalars", run="train",
+                                             tag=f"gradients/{p}/l2_norm")] for p in paths])
+    expected["log10 largest and smallest l2 norm, by the variable holding it"] = {
+        f"views/gradients/l2_norm/log10_largest/{paths[i]}" for i in norms.argmax(axis=0)} | {
+        f"views/gradients/l2_norm/log10_smallest/{paths[i]}" for i in norms.argmin(axis=0)}
     for category in layout["category"]:
         for chart in category["chart"]:
             drawn = set()

@@ -154,6 +154,19 @@ def test_custom_scalars_draw_few_lines_each_with_reference_values(server, record
                             tag=regex)["tag_to_events"]
                 served.update(tags)
                 charts[chart["title"]] = charts.get(chart["title"], 0) + len(tags)
+    paths = [v.path for v in model.trainable_variables]
+    norms = np.array([[np.linalg.norm(g.astype(np.float64)) for g in r["grads"]]
+                      for r in reference[:FAULT - 1]])
+    # A line per variable that held the largest (smallest) norm at a step
+    # before the fault (the reference's steps).
+    holders = {f"views/gradients/l2_norm/log10_largest/{paths[i]}" for i in norms.argmax(axis=1)} \
+        | {f"views/gradients/l2_norm/log10_smallest/{paths[i]}" for i in norms.argmin(axis=1)}
+    drawn = {tag for tag in served if "/log10_largest/" in tag or "/log10_smallest/" in tag}
+    assert lines["gradients"].pop(
+        "log10 largest and smallest l2 norm, by the variable holding it") == len(drawn)
+    assert holders <= drawn
+    # Any other line holds steps from the fault on only (no reference there).
+    assert all(min(int(step) for _, step, _ in served[tag]) >= FAULT for tag in drawn - holders)
     assert lines == CUSTOM_SCALARS
     assert [c.get("closed", False) for c in layout["category"]] == [False, False, True]
     values = {tag: {int(step): float(v) for _, step, v in events}
@@ -170,6 +183,9 @@ def test_custom_scalars_draw_few_lines_each_with_reference_values(server, record
         for view, norm in [("log10_max", norms.max()), ("log10_min", norms.min())]:
             assert values[f"views/gradients/l2_norm/{view}"][step] == pytest.approx(
                 np.log10(norm), abs=1e-5)
+        for view, i in [("log10_largest", norms.argmax()), ("log10_smallest", norms.argmin())]:
+            assert values[f"views/gradients/l2_norm/{view}/{paths[i]}"][step] == pytest.approx(
+                np.log10(norms[i]), abs=1e-5)
         assert values["views/gradients/global_norm/log10"][step] == pytest.approx(
             np.log10(np.sqrt(np.sum(norms ** 2))), abs=1e-5)
         assert values["views/step/loss/log10"][step] == pytest.approx(

@@ -71,6 +71,8 @@ LOG_GLOBAL_NORM = Chart("gradients", "log10 global norm")
 GRADIENT_GROUPS = Chart("gradients", "log10 largest l2 norm in each group of variables")
 GRADIENT_GROUPS_RAW = Chart("gradients", "largest l2 norm in each group of variables")
 GRADIENT_EXTREMES = Chart("gradients", "log10 largest and smallest l2 norm of all variables")
+GRADIENT_HOLDERS = Chart(
+    "gradients", "log10 largest and smallest l2 norm, by the variable holding it")
 UPDATE_RATIO_GROUPS = Chart("weights", "log10 largest update ratio in each group of variables")
 UPDATE_RATIO_FRACTION = Chart(
     "weights", f"fraction of variables with update ratio above {UPDATE_RATIO_ABOVE:g}")
@@ -84,8 +86,8 @@ UPDATE_RATIOS = Chart(EVERY, "weight update ratio of every variable")
 WEIGHT_NORMS = Chart(EVERY, "weight l2 norm of every variable")
 HEALTH = Chart(EVERY, "dead / saturated fraction of every tap")
 CHARTS = (LOSS, LOG_LOSS, GLOBAL_NORM, LOG_GLOBAL_NORM, GRADIENT_GROUPS, GRADIENT_GROUPS_RAW,
-          GRADIENT_EXTREMES, UPDATE_RATIO_GROUPS, UPDATE_RATIO_FRACTION, WEIGHT_GROUPS,
-          HEALTH_GROUPS, SECONDS, INPUT_FRACTION, THROUGHPUT, GRADIENT_NORMS, UPDATE_RATIOS,
+          GRADIENT_EXTREMES, GRADIENT_HOLDERS, UPDATE_RATIO_GROUPS, UPDATE_RATIO_FRACTION,
+          WEIGHT_GROUPS, HEALTH_GROUPS, SECONDS, INPUT_FRACTION, THROUGHPUT, GRADIENT_NORMS, UPDATE_RATIOS,
           WEIGHT_NORMS, HEALTH)
 """Every chart, in the order the dashboard shows them."""
 CLOSED = (EVERY,)
@@ -126,7 +128,10 @@ def statistics_lines(kind: str, stats: Sequence[str], count: Optional[int] = Non
             lines += [Line(GRADIENT_GROUPS, _tags.view_pattern(kind, norm, "log10_max", True)),
                       Line(GRADIENT_GROUPS_RAW, _tags.view_pattern(kind, norm, "max", True)),
                       Line(GRADIENT_EXTREMES, _tags.view_pattern(kind, norm, "log10_max")),
-                      Line(GRADIENT_EXTREMES, _tags.view_pattern(kind, norm, "log10_min"))]
+                      Line(GRADIENT_EXTREMES, _tags.view_pattern(kind, norm, "log10_min")),
+                      Line(GRADIENT_HOLDERS, _tags.view_pattern(kind, norm, "log10_largest", True)),
+                      Line(GRADIENT_HOLDERS,
+                           _tags.view_pattern(kind, norm, "log10_smallest", True))]
             if _few(count):
                 lines.append(Line(GRADIENT_NORMS, _tags.statistic_pattern(kind, norm)))
     elif kind == _tags.WEIGHTS:
@@ -199,8 +204,8 @@ class _Plan(NamedTuple):
 
     groups: Tuple[str, ...]
     # statistic -> (indices of its per-tensor tags in the tuple, group of each as an
-    # index into `groups`)
-    statistics: Dict[str, Tuple[np.ndarray, np.ndarray]]
+    # index into `groups`, the tensor of each)
+    statistics: Dict[str, Tuple[np.ndarray, np.ndarray, Tuple[str, ...]]]
     # (index, view tag) of each per-optimizer global norm
     global_norms: Tuple[Tuple[int, str], ...]
 
@@ -233,10 +238,10 @@ def _plan(kind: str, tags: Tuple[Optional[str], ...]) -> _Plan:
     number = {g: k for k, g in enumerate(groups)}
     statistics = {}
     for stat in wanted:
-        chosen = [(i, number[group_of[t]]) for i, t, s in found if s == stat]
+        chosen = [(i, number[group_of[t]], t) for i, t, s in found if s == stat]
         if chosen:
-            index, group = (np.array(c, np.int64) for c in zip(*chosen))
-            statistics[stat] = (index, group)
+            index, group = (np.array(c, np.int64) for c in list(zip(*chosen))[:2])
+            statistics[stat] = (index, group, tuple(t for _, _, t in chosen))
     return _Plan(groups, statistics, tuple(global_norms))
 
 
@@ -257,7 +262,10 @@ def views(kind: str, tags: Sequence[Optional[str]], values: Sequence[float]) -> 
     `MAX_LINES`), the largest value of a statistic (`max`; `log10_max` of
     gradient norms and update ratios); across all variables the log10 of the largest
     and the smallest gradient norm and the fraction of variables whose
-    update ratio is above `UPDATE_RATIO_ABOVE`; log10 of the global norm.
+    update ratio is above `UPDATE_RATIO_ABOVE`, and those largest and
+    smallest norms again under the name of the variable holding them
+    (`log10_largest/<variable>`, `log10_smallest/<variable>`: one line per
+    variable that ever held them); log10 of the global norm.
     A NaN value is left out of a largest or smallest (NaN when all are);
     log10 of 0 is -inf. Tags: `tags.view`.
 
@@ -276,7 +284,7 @@ def views(kind: str, tags: Sequence[Optional[str]], values: Sequence[float]) -> 
     for index, tag in plan.global_norms:
         out[tag] = float(_log10(values[index]))
     count = len(plan.groups)
-    for stat, (index, group) in plan.statistics.items():
+    for stat, (index, group, tensors) in plan.statistics.items():
         chosen = values[index]
         largest = _group_max(chosen, group, count)
         # The groups holding a tensor of this statistic (a tap records
@@ -295,6 +303,14 @@ def views(kind: str, tags: Sequence[Optional[str]], values: Sequence[float]) -> 
                 else (np.nan, np.nan)
             out[_tags.view(kind, stat, "log10_max")] = float(_log10(high))
             out[_tags.view(kind, stat, "log10_min")] = float(_log10(low))
+            if finite.size:
+                # The same values under the name of the variable holding them:
+                # a line per variable that was ever the largest (smallest).
+                named = np.where(np.isnan(chosen), np.nan, chosen)
+                out[_tags.view(kind, stat, "log10_largest", tensors[int(np.nanargmax(named))])] = \
+                    float(_log10(high))
+                out[_tags.view(kind, stat, "log10_smallest",
+                               tensors[int(np.nanargmin(named))])] = float(_log10(low))
         if stat == "update_ratio":
             fraction = float(np.mean(finite > UPDATE_RATIO_ABOVE)) if finite.size else np.nan
             out[_tags.view(kind, stat, _fraction_view())] = fraction

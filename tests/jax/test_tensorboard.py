@@ -89,8 +89,17 @@ def test_custom_scalars_at_resnet50_scale_draw_ten_lines_or_fewer(resnet_run, tm
                    size=(1280, 2400))
     assert [c["title"] for c in layout["category"]] == [
         "loss", "gradients", "weights", "activations", "timing"]
+    # One line per variable that held the largest (smallest) gradient norm at
+    # a step, from the per-variable records.
+    every = grads.history.set_index("step")[[f"{p}/l2_norm" for p in paths]].to_numpy(np.float64)
+    holders = {f"views/gradients/l2_norm/log10_largest/{paths[i]}" for i in every.argmax(axis=1)} \
+        | {f"views/gradients/l2_norm/log10_smallest/{paths[i]}" for i in every.argmin(axis=1)}
+    expected["log10 largest and smallest l2 norm, by the variable holding it"] = len(holders)
     assert lines == expected
-    assert all(len(events) == STEPS for events in served.values())
+    assert holders <= set(served)
+    held = {tag for tag in served if "/log10_largest/" in tag or "/log10_smallest/" in tag}
+    assert all(len(events) == STEPS for tag, events in served.items() if tag not in held)
+    assert sum(len(served[tag]) for tag in held) == 2 * STEPS  # one largest, one smallest a step
     # The groups' largest gradient norm and update ratio, against NumPy on
     # the per-variable records.
     history = grads.history.set_index("step")
@@ -108,6 +117,12 @@ def test_custom_scalars_at_resnet50_scale_draw_ten_lines_or_fewer(resnet_run, tm
                                   ("log10_min", every.min(axis=1))]:
         drawn = [float(v) for _, _, v in served[f"views/gradients/l2_norm/{view}"]]
         np.testing.assert_allclose(drawn, np.log10(expected_values), rtol=1e-6)
+    for view, held in [("log10_largest", every.argmax(axis=1)),
+                       ("log10_smallest", every.argmin(axis=1))]:
+        for step, i in enumerate(held, start=1):
+            tag = f"views/gradients/l2_norm/{view}/{paths[i]}"
+            drawn = {int(s): float(v) for _, s, v in served[tag]}
+            assert drawn[step] == pytest.approx(np.log10(every[step - 1, i]), rel=1e-6)
     data = shot.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000  # a rendered page
     keep(shot)
