@@ -235,9 +235,13 @@ def run_demo(out: str = "runs/demo", epochs: int = 3) -> Dict[str, str]:
     absolute = os.path.abspath(out)
     print(f"\nTensorBoard logs written to {absolute}")
     print(f"Open them with:\n  tensorboard --logdir {absolute}\nthen browse http://localhost:6006 "
-          "(Custom Scalars: every layer's gradient norm, update ratios, dead units in one "
-          "chart each; Scalars: gradients/*, weights/*, activations/*, step/loss; Histograms; "
-          "Text: rules/verdicts; Keras's own epoch_loss). Or open each run's report.html.")
+          "(Custom Scalars: the loss, the gradient norms and update ratios per group of "
+          "layers beside their log10, the variable holding the largest norm, dead units, the "
+          "step time; Scalars: every tag; Histograms; Text: the verdicts in step order). "
+          "Or open each run's report.html.")
+    if len(dirs) == 2:
+        print("Compare the two runs (where they part, loss and norms overlaid):\n  kerasdbg report "
+              + " ".join(os.path.abspath(d) for d in dirs.values()))
     return dirs
 
 

@@ -25,6 +25,9 @@ def demo(tmp_path_factory):
 def test_demo_writes_both_runs_and_says_how_to_open_them(demo):
     out, printed = demo
     assert f"tensorboard --logdir {os.path.abspath(out)}" in printed
+    # The command comparing its two runs, as the user copies it.
+    assert (f"kerasdbg report {os.path.abspath(out / 'healthy')} "
+            f"{os.path.abspath(out / 'lr_too_high')}\n") in printed
     assert "first step with a NaN gradient" in printed  # the diverging run
     assert "dead ReLU units at the last recorded step: conv1 " in printed
     for name in ("healthy", "lr_too_high"):
