@@ -7,7 +7,11 @@ which neither Keras nor kerasdbg prints anything. A capture arms a
 batch and `end`s it when it first collects. When the execution is still
 running after `AFTER` seconds, a timer thread prints
 `kerasdbg: tracing and compiling the instrumented train step ...`; `end`
-then prints how long it took. A fast first execution prints nothing.
+then prints how long it took (or that the fit ended during it). A fast
+first execution prints nothing. Both lines go to stderr, as other progress
+and log lines of the frameworks do: stdout stays the user's (a program that
+prints its results there, or a pipe that parses them, sees no more lines
+when its first step is slow).
 
 The timer thread prints while the main thread is inside the first
 execution, before Keras's progress bar draws its first batch (it draws at a
@@ -96,13 +100,23 @@ class FirstExecution:
             self._said = True
             try:
                 print(f"kerasdbg: tracing and compiling the instrumented train step of "
-                      f"{self._what} ...", file=sys.stdout, flush=True)
+                      f"{self._what} ...", file=sys.stderr, flush=True)
             except Exception:  # noqa: BLE001 - a closed stream
                 pass
 
-    def end(self) -> None:
-        """After the first execution (or as the fit ends): stops the timer;
-        prints how long it took when the progress line was printed."""
+    def cancel(self) -> None:
+        """Stops the timer without a closing line: the instrumented step
+        gave way to Keras's own (whose warning says why)."""
+        with self._lock:
+            timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+
+    def end(self, finished: bool = True) -> None:
+        """After the first execution (`finished`) or as the fit ends (not
+        `finished`: it may have ended during the first execution, which
+        raised or was interrupted): stops the timer; prints how long it took
+        when the progress line was printed."""
         if self._timer is None:
             return
         with self._lock:
@@ -111,8 +125,11 @@ class FirstExecution:
         timer.cancel()
         if said:
             seconds = time.perf_counter() - self._started
+            line = (f"kerasdbg: traced and compiled; the first step took {seconds:.1f} s"
+                    if finished else
+                    f"kerasdbg: the fit ended {seconds:.1f} s into its first step, before the "
+                    f"step completed")
             try:
-                print(f"kerasdbg: traced and compiled; the first step took {seconds:.1f} s",
-                      file=sys.stdout, flush=True)
+                print(line, file=sys.stderr, flush=True)
             except Exception:  # noqa: BLE001 - a closed stream
                 pass

@@ -2,6 +2,7 @@
 
 import os
 import re
+import time
 import warnings
 
 import keras
@@ -419,12 +420,39 @@ def test_a_long_first_step_says_so_and_how_long_it_took(capsys, monkeypatch):
     monkeypatch.setattr(progress, "AFTER", 0.0)
     model = _model(optimizer="sgd")
     _fit(model, X, [StopOnRule(NonFiniteLoss(), verbose=False)], epochs=2)
-    printed = capsys.readouterr().out.splitlines()
+    captured = capsys.readouterr()
+    assert "kerasdbg" not in captured.out  # stderr: stdout stays the user's
+    printed = [line for line in captured.err.splitlines() if line.startswith("kerasdbg")]
     variables = len(model.trainable_variables)
     assert printed[0] == ("kerasdbg: tracing and compiling the instrumented train step of 'm' "
                           f"({variables} trainable variables, 0 taps) ...")
     assert re.fullmatch(r"kerasdbg: traced and compiled; the first step took \d+\.\d s",
                         printed[1]), printed
+    assert len(printed) == 2, printed
+
+
+def test_a_first_step_that_raises_is_not_said_to_have_compiled(capsys, monkeypatch):
+    """A train step whose trace raises (after the progress line, here at 0 s
+    and a 0.5 s trace): the closing line says the fit ended during the first
+    step, not that it was traced and compiled."""
+    from kerasdbg.capture import progress
+
+    class Failing(keras.Sequential):
+        def train_step(self, data):
+            time.sleep(0.5)
+            raise ValueError("a broken train step")
+
+    monkeypatch.setattr(progress, "AFTER", 0.0)
+    model = Failing([keras.Input((4,)), keras.layers.Dense(1)], name="m")
+    model.compile("sgd", "mse")
+    with pytest.raises(ValueError, match="a broken train step"):
+        model.fit(np.ones((8, 4)), np.ones((8, 1)), batch_size=4, verbose=0,
+                  callbacks=[StopOnRule(NonFiniteLoss(), verbose=False)])
+    printed = [line for line in capsys.readouterr().err.splitlines()
+               if line.startswith("kerasdbg")]
+    assert printed[0].startswith("kerasdbg: tracing and compiling"), printed
+    assert re.fullmatch(r"kerasdbg: the fit ended \d+\.\d s into its first step, before the "
+                        r"step completed", printed[1]), printed
     assert len(printed) == 2, printed
 
 

@@ -127,13 +127,41 @@ def test_a_long_first_step_says_so_and_how_long_it_took(capsys, monkeypatch):
     model = make_model()
     fit(model, [StopOnRule(NonFiniteLoss(), verbose=False)], x=X[:2 * BATCH], y=Y[:2 * BATCH],
         epochs=2)
-    printed = capsys.readouterr().out.splitlines()
+    captured = capsys.readouterr()
+    assert "kerasdbg" not in captured.out  # stderr: stdout stays the user's
+    printed = [line for line in captured.err.splitlines() if line.startswith("kerasdbg")]
     variables = len(model.trainable_variables)
     assert printed[0] == ("kerasdbg: tracing and compiling the instrumented train step of 'm' "
                           f"({variables} trainable variables, 0 taps) ...")
     assert re.fullmatch(r"kerasdbg: traced and compiled; the first step took \d+\.\d s",
                         printed[1]), printed
     assert len(printed) == 2, printed
+
+
+def test_a_first_step_that_raises_is_not_said_to_have_compiled(capsys, monkeypatch):
+    """A train step whose trace raises after the progress line (here at 0 s
+    and a 0.5 s trace): kerasdbg's step gives way to Keras's own (one warning
+    says why), which raises the user's error; no line says the step was
+    traced and compiled."""
+    import time
+
+    from kerasdbg.capture import progress
+
+    class Failing(keras.Sequential):
+        def train_step(self, state, data):
+            time.sleep(0.5)
+            raise ValueError("a broken train step")
+
+    monkeypatch.setattr(progress, "AFTER", 0.0)
+    model = Failing([keras.Input((4,)), keras.layers.Dense(1)], name="m")
+    model.compile("sgd", "mse")
+    with pytest.raises(ValueError, match="a broken train step"), \
+            pytest.warns(RuntimeWarning, match="could not run its step around this model's"):
+        model.fit(np.ones((8, 4)), np.ones((8, 1)), batch_size=4, verbose=0,
+                  callbacks=[StopOnRule(NonFiniteLoss(), verbose=False)])
+    printed = [line for line in capsys.readouterr().err.splitlines()
+               if line.startswith("kerasdbg")]
+    assert len(printed) == 1 and printed[0].startswith("kerasdbg: tracing and compiling"), printed
 
 
 def test_an_op_by_op_fit_with_every_instrument_compiles_once_not_at_each_step():

@@ -328,7 +328,7 @@ class Engine(Capture):
         fit_end.on_fit_end(model, self, self._after_failed_fit)
 
     def _uninstall(self) -> None:
-        _progress.of(self).end()
+        _progress.of(self).end(finished=False)
         model = self._model()
         for hook in self.hooks.values():
             keras_objects.unpatch(hook.optimizer, "stateless_apply")
@@ -353,6 +353,7 @@ class Engine(Capture):
 
     def _after_failed_fit(self) -> None:
         self._kept_key = self._kept_step = None  # a fit that raised leaves nothing to reuse
+        _progress.of(self).end(finished=False)  # it may have raised in its first step
         try:
             self.collect()
         except Exception:  # noqa: BLE001 - the fit already raised
@@ -584,6 +585,7 @@ class Engine(Capture):
         and the instruments say once that they record nothing more. Raised
         instead: with `strict=True`, or when the failed call had consumed
         the state already (an error at run time, not at trace time)."""
+        _progress.of(self).cancel()
         error = failed.__cause__
         leaves = jax.tree_util.tree_leaves(failed.state)
         if any(r.strict for r in self.requests) or any(

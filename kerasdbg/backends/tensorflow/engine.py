@@ -558,6 +558,7 @@ class Engine(Capture):
         """`abort` for a `fit` that ended by an exception: the records are
         handed out if they can be, and the fit's own exception is what
         propagates (a consumer failing again here is left alone)."""
+        _progress.of(self).end(finished=False)  # it may have raised in its first step
         try:
             try:
                 self.collect()
@@ -634,7 +635,7 @@ class Engine(Capture):
 
     def _uninstall(self, model) -> None:
         self.installed = False
-        _progress.of(self).end()
+        _progress.of(self).end(finished=False)
         if model is None:
             return
         fit_end.cancel_fit_end(model, self)
