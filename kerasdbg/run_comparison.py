@@ -17,10 +17,19 @@ from kerasdbg.records import tags as _tags
 
 __all__ = ("Divergence", "RunComparison", "compare_runs", "write_comparison")
 
+VALUE = "value"
+"""`Divergence.kind` of a series whose values differ at a step both runs recorded."""
+
+END = "end"
+"""`Divergence.kind` of a run that ends before the other, every value equal until then."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Divergence:
     """Where two runs first differ: the step, the series (`tag`), its value in
-    each run, and why it counts (`reason`).
+    each run, why it counts (`reason`) and its `kind`: `"value"` (the values
+    differ at `step`), or `"end"` (one run's last recorded step is `step`, the
+    other goes on; `value_a` and `value_b` are `tag`'s, equal, at that step).
 
     Examples:
         >>> from kerasdbg.run_comparison import Divergence
@@ -33,6 +42,7 @@ class Divergence:
     value_a: float
     value_b: float
     reason: str
+    kind: str = VALUE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +58,12 @@ class RunComparison:
         global_norm: the global gradient norm per step, likewise.
         steps_compared: the steps at which both runs recorded a compared
             series, in order.
-        divergence: the first step where the runs differ (a `Divergence`),
-            or None when they agree at every step compared.
+        divergence: the first step where the runs differ (a `Divergence`):
+            a value that differs (`kind="value"`), or else, when one run
+            ends before the other, its end (`kind="end"`); None when they
+            agree at every step compared and end at the same step. A step
+            that one run recorded and the other did not (a sampled series)
+            is not compared: no divergence by itself.
         verdicts_a: the rule verdicts of `a`, rows of `rule`, `step`,
             `tensors`, `reason` (those `kerasdbg report` shows).
         verdicts_b: those of `b`.
@@ -59,6 +73,10 @@ class RunComparison:
         rule_steps_b: those of `b`.
         rtol: the relative tolerance used.
         atol: the absolute tolerance used.
+        steps_a: the steps at which `a` recorded a compared series (the
+            loss or a global norm both runs recorded; any of them when none
+            is compared), in order.
+        steps_b: those of `b`.
 
     Examples:
         >>> from kerasdbg.run_comparison import RunComparison
@@ -79,17 +97,24 @@ class RunComparison:
     rule_steps_b: List[int]
     rtol: float
     atol: float
+    steps_a: List[int] = dataclasses.field(default_factory=list)
+    steps_b: List[int] = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
         a, b = self.names
         lines = [f"runs {a} ({self.a}) and {b} ({self.b})"]
+        lines.append("  steps recorded: " + ", ".join(
+            f"{name} {_range(steps)}" for name, steps in ((a, self.steps_a), (b, self.steps_b))))
         if not self.steps_compared:
             lines.append("  no step recorded in both: nothing compared")
         else:
             steps = self.steps_compared
             lines.append(f"  steps compared: {len(steps)} ({steps[0]}-{steps[-1]})")
         d = self.divergence
-        if d is not None:
+        if d is not None and d.kind == END:
+            lines.append(f"  first divergence: {d.reason} (equal within rtol={self.rtol:g}, "
+                         f"atol={self.atol:g} at every step compared)")
+        elif d is not None:
             lines.append(f"  first divergence: step {d.step}, {d.tag}: {a} {d.value_a:.6g}, "
                          f"{b} {d.value_b:.6g} ({d.reason})")
         elif self.steps_compared:
@@ -102,6 +127,15 @@ class RunComparison:
                     else "none (no rule ran)")
             lines.append(f"  verdicts of {name}: {', '.join(fired) if fired else none}")
         return "\n".join(lines)
+
+
+def _range(steps: List[int]) -> str:
+    """`1-10 (10 steps)`, `step 3`, `none`: the steps a run recorded."""
+    if not steps:
+        return "none"
+    if len(steps) == 1:
+        return f"step {steps[0]}"
+    return f"{steps[0]}-{steps[-1]} ({len(steps)} steps)"
 
 
 def _read(log_dir, argument: str, run_name: str) -> Dict[str, object]:
@@ -162,8 +196,11 @@ def compare_runs(a: str, b: str, run_name: str = "train", rtol: float = 1e-2,
     The first divergence is the first step recorded in both runs at which the
     loss (`step/loss`) or the global gradient norm differ: finite in one run
     and NaN/Inf in the other, or both finite and
-    `|a - b| > atol + rtol * max(|a|, |b|)`. At one step the loss is looked
-    at before the norm. Two runs from the same initial weights and batches
+    `|a - b| > atol + rtol * max(|a|, |b|)` (NaN/Inf in both: they agree).
+    At one step the loss is looked at before the norm. With no such step,
+    a run whose last recorded step comes before the other's diverges there
+    (`kind="end"`: e.g. a rule stopped it). A step recorded in one run only,
+    before both ends, is not compared. Two runs from the same initial weights and batches
     (seeded) agree at step 1 and part where their learning rates, data or
     code first make a difference.
 
@@ -231,6 +268,23 @@ def compare_runs(a: str, b: str, run_name: str = "train", rtol: float = 1e-2,
         if divergence is not None:
             break
 
+    def recorded(data) -> List[int]:
+        series = [data["series"][t] for t in (compared or data["series"])]
+        return sorted({int(s) for values in series for s in values.index})
+
+    steps_a, steps_b = recorded(data_a), recorded(data_b)
+    if divergence is None and steps and steps_a[-1] != steps_b[-1]:
+        short, long_ = ((0, 1) if steps_a[-1] < steps_b[-1] else (1, 0))
+        end = (steps_a, steps_b)[short][-1]
+        tag = next(t for t in compared if end in data_a["series"][t].index
+                   and end in data_b["series"][t].index) if end in steps else None
+        values = ((float(data_a["series"][tag][end]), float(data_b["series"][tag][end]))
+                  if tag else (float("nan"), float("nan")))
+        divergence = Divergence(
+            end, tag or "", *values,
+            f"{names[short]} ends at step {end}, {names[long_]} goes on to step "
+            f"{(steps_a, steps_b)[long_][-1]}", kind=END)
+
     def side_by_side(tag: Optional[str]) -> pd.DataFrame:
         columns = {name: data["series"][tag] for name, data in zip(names, (data_a, data_b))
                    if tag in data["series"]}
@@ -243,7 +297,7 @@ def compare_runs(a: str, b: str, run_name: str = "train", rtol: float = 1e-2,
         global_norm=side_by_side(norms[0] if norms else None), steps_compared=sorted(steps),
         divergence=divergence, verdicts_a=data_a["verdicts"], verdicts_b=data_b["verdicts"],
         rule_steps_a=data_a["rule_steps"], rule_steps_b=data_b["rule_steps"],
-        rtol=float(rtol), atol=float(atol))
+        rtol=float(rtol), atol=float(atol), steps_a=steps_a, steps_b=steps_b)
 
 
 AROUND = 3
@@ -270,8 +324,9 @@ def _around(comparison: RunComparison) -> str:
 def write_comparison(comparison: RunComparison, out: str) -> str:
     """Writes `compare.html` (the summary, where the runs diverge, the loss
     and the global gradient norm of both overlaid with the divergence
-    marked, the values around it, the verdicts of each) and its plots into
-    `out`; returns the page's path.
+    marked, the values around it, the verdicts of each) and its plots
+    (`compare_loss.png`, `compare_global_norm.png`: names no report uses,
+    so `out` may be a report's folder) into `out`; returns the page's path.
 
     Args:
         comparison: from `compare_runs`.
@@ -299,9 +354,16 @@ def write_comparison(comparison: RunComparison, out: str) -> str:
     os.makedirs(out, exist_ok=True)
     a, b = comparison.names
     d = comparison.divergence
-    mark = {} if d is None else {"mark": d.step, "mark_label": "first divergence"}
+    mark = {} if d is None else {"mark": d.step, "mark_label": (
+        "first divergence" if d.kind != END else d.reason.split(",")[0])}
     sections = []
-    if d is not None:
+    if d is not None and d.kind == END:
+        sections.append(
+            f"<h2>Where they diverge</h2><p>{html.escape(d.reason[0].upper() + d.reason[1:])}"
+            ": up to it, the loss and global gradient norms recorded in both agree within "
+            f"atol + rtol &middot; max(|a|, |b|) (rtol={comparison.rtol:g}, "
+            f"atol={comparison.atol:g}).</p>" + _around(comparison))
+    elif d is not None:
         sections.append(
             f"<h2>Where they diverge</h2><p>First at step {d.step}: <code>{html.escape(d.tag)}"
             f"</code> is {d.value_a:.6g} in {html.escape(a)} and {d.value_b:.6g} in "
@@ -309,8 +371,10 @@ def write_comparison(comparison: RunComparison, out: str) -> str:
             "the loss or a global gradient norm is finite in one run and not in the other, "
             f"or differs by more than atol + rtol &middot; max(|a|, |b|) (rtol="
             f"{comparison.rtol:g}, atol={comparison.atol:g}).</p>" + _around(comparison))
-    for stem, title, frame, log in (("loss", "Loss", comparison.loss, None),
-                                    ("global_norm", "Global gradient norm",
+    # Names of their own: a comparison written into a report's folder leaves
+    # report.html's `loss.png` and `global_norm.png` as they were.
+    for stem, title, frame, log in (("compare_loss", "Loss", comparison.loss, None),
+                                    ("compare_global_norm", "Global gradient norm",
                                      comparison.global_norm, True)):
         if frame.notna().to_numpy().any():
             path = os.path.join(out, f"{stem}.png")

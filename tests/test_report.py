@@ -576,7 +576,70 @@ def test_compare_runs_names_the_first_divergent_step(tmp_path, capsys, loss_b, n
     assert ("first divergence: none" if expected is None
             else f"first divergence: step {expected}, {tag}") in printed
     page = open(tmp_path / "cmp" / "compare.html", encoding="utf-8").read()
-    assert "<h1>before and after</h1>" in page and "loss.png" in page
+    assert "<h1>before and after</h1>" in page and 'src="compare_loss.png"' in page
+
+
+def _steps_run(log_dir, records):
+    """A run of {step: (loss, global norm)}, the steps as given."""
+    writer = _events.EventWriter(os.path.join(log_dir, "train"))
+    for step, (loss, norm) in records.items():
+        writer.write(step, {"step/loss": loss, "gradients/global_norm": norm})
+    writer.flush()
+    return log_dir
+
+
+@pytest.mark.parametrize("steps_a, steps_b, nan_at", [
+    (range(1, 7), range(1, 4), None),
+    (range(1, 6), [1, 2, 4, 5], None),
+    (range(1, 6), range(1, 6), 3),
+], ids=["b-ends-early", "b-skips-step-3", "nan-in-both-at-3"])
+def test_compare_runs_says_when_a_run_ends_first_and_skips_the_rest(
+        tmp_path, capsys, steps_a, steps_b, nan_at):
+    """Equal values where both recorded: a run whose records end first diverges
+    there (its own kind); a step recorded in one run only, or NaN in both, does not."""
+    def records(steps):
+        return {s: ((NAN, NAN) if s == nan_at else (1.0 / s, 2.0 + s)) for s in steps}
+
+    a = _steps_run(str(tmp_path / "before"), records(steps_a))
+    b = _steps_run(str(tmp_path / "after"), records(steps_b))
+    result = kerasdbg.compare_runs(a, b)
+    last_a, last_b = max(steps_a), max(steps_b)
+    assert (result.steps_a, result.steps_b) == (list(steps_a), list(steps_b))
+    assert result.steps_compared == sorted(set(steps_a) & set(steps_b))
+    text = str(result)
+    assert (f"steps recorded: before {min(steps_a)}-{last_a} ({len(steps_a)} steps), "
+            f"after {min(steps_b)}-{last_b} ({len(steps_b)} steps)") in text
+    if last_a == last_b:
+        assert result.divergence is None
+        assert "first divergence: none" in text
+    else:
+        d = result.divergence
+        assert (d.kind, d.step, d.tag) == ("end", min(last_a, last_b), "step/loss")
+        np.testing.assert_allclose([d.value_a, d.value_b], 1.0 / min(last_a, last_b))
+        said = f"after ends at step {last_b}, before goes on to step {last_a}"
+        assert d.reason == said and f"first divergence: {said} (equal within" in text
+        assert cli.main(["report", a, b, "--out", str(tmp_path / "cmp")]) == 0
+        page = open(tmp_path / "cmp" / "compare.html", encoding="utf-8").read()
+        assert f"<p>After ends at step {last_b}, before goes on to step {last_a}: up to it" \
+            in page
+
+
+def test_a_comparison_beside_a_report_leaves_the_reports_plots_alone(tmp_path, capsys):
+    """The README writes `report A --out report` and may write `report A B` there too:
+    report.html's images stay the report's own (same names, same bytes)."""
+    a = _loss_norm_run(str(tmp_path / "healthy"), [1.0, 0.9, 0.8], [2.0, 2.0, 2.0])
+    b = _loss_norm_run(str(tmp_path / "lr_too_high"), [1.0, 9.0, NAN], [2.0, 50.0, NAN])
+    out = tmp_path / "report"
+    page = write_report(b, out=str(out))
+    images = re.findall(r'<img src="([^"]+)"', open(page, encoding="utf-8").read())
+    assert "loss.png" in images and "global_norm.png" in images
+    before = {name: (out / name).read_bytes() for name in images}
+    assert cli.main(["report", a, b, "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert {name: (out / name).read_bytes() for name in images} == before
+    shown = re.findall(r'<img src="([^"]+)"', (out / "compare.html").read_text())
+    assert shown == ["compare_loss.png", "compare_global_norm.png"]
+    assert not set(shown) & set(images)
 
 
 def test_compare_runs_refuses_what_is_not_a_run(tmp_path, capsys):
