@@ -18,6 +18,7 @@ from kerasdbg import _validation as check
 from kerasdbg.sinks import workers as _workers
 from kerasdbg import schedule as schedule_lib
 from kerasdbg.records import tags as _tags
+from kerasdbg.records import verdicts as _verdicts
 from kerasdbg.records.verdicts import notes_line, verdict_markdown
 from kerasdbg.callbacks._copies import CopiedAsNew
 from kerasdbg.callbacks._model import ModelWithoutSync
@@ -697,10 +698,15 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
         order, with the "No verdict" lines so far of this fit (`ran` added)."""
         if self._writer is None:
             return
-        shown, quiet = _shown(self._writer, self.model)
+        shown, quiet, earlier = _shown(self._writer, self.model)
         shown.extend(new)
         quiet.extend([ran] if ran is not None else [])
-        self._writer.write(step, texts={VERDICT_TAG: verdict_markdown(shown, quiet)})
+        # Bounded over many fits of one training: the newest verdicts, and a count.
+        excess = len(shown) - _verdicts.VERDICT_TEXT_LIMIT
+        if excess > 0:
+            del shown[:excess]
+            earlier[0] += excess
+        self._writer.write(step, texts={VERDICT_TAG: verdict_markdown(shown, quiet, earlier[0])})
         self._writer.flush()
 
     def _evaluate(self, step: int, verdicts: List[Verdict]) -> None:
@@ -761,16 +767,18 @@ one run share one verdict text."""
 
 
 def _shown(writer, model) -> tuple:
-    """`(verdicts, quiet)`: the verdicts written so far to `writer`'s run by
-    `model`'s training, and the rules of its last fit that ran and did not
-    fire (lists to extend)."""
+    """`(verdicts, quiet, [earlier])`: the verdicts written so far to
+    `writer`'s run by `model`'s training (the newest
+    `VERDICT_TEXT_LIMIT`), the rules of its last fit that ran and did not
+    fire, and how many verdicts were left out before them (lists to
+    extend)."""
     try:
         kept = _SHOWN.get(writer)
         if kept is None or kept[0]() is not model:
-            kept = _SHOWN[writer] = (weakref.ref(model), [], [])
-        return kept[1], kept[2]
+            kept = _SHOWN[writer] = (weakref.ref(model), [], [], [0])
+        return kept[1], kept[2], kept[3]
     except TypeError:  # a writer or model not weakly referable: this write only
-        return [], []
+        return [], [], [0]
 
 
 _TRAININGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

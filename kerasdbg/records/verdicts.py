@@ -11,12 +11,16 @@ __all__ = ("VERDICT_TENSORS", "no_verdict", "notes_line", "verdict_markdown", "v
 
 VERDICT_TENSORS = 5
 """Tensors listed per verdict in the `rules/verdicts` text; the others are counted."""
+VERDICT_TEXT_LIMIT = 100
+"""Verdicts a `rules/verdicts` write holds at most (the newest); a line counts
+the earlier ones, which the texts of earlier steps hold."""
 INFORMATION = "information, not a fault"
 NO_VERDICT = "No verdict"
 _ITEM = re.compile(r"^- \*\*step (?P<step>-?\d+) · (?P<rule>[^*]+?)\*\*"
                    rf"(?P<info> \({re.escape(INFORMATION)}\))?(?P<sep>[:;]) (?P<reason>.*)$")
 _TENSORS = re.compile(r"^\s+tensors: (?P<tensors>.*)$")
-_HEADING = re.compile(r"^\*\*Verdicts, in step order\*\*|^" + NO_VERDICT + ":")
+_HEADING = re.compile(r"^\*\*Verdicts, in step order\*\*|^" + NO_VERDICT + ":"
+                      r"|^\(\d+ earlier verdicts? of this run")
 # The table that runs written before the list hold.
 _VERDICT_ROW = re.compile(
     r"^\|\s*(?P<rule>[^|]*?)\s*\|\s*(?P<step>-?\d+)\s*\|\s*(?P<tensors>[^|]*?)\s*\|"
@@ -36,7 +40,8 @@ def _steps(steps: Sequence[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
 
 
-def verdict_markdown(verdicts: Sequence[Any], ran: Sequence[Sequence[Any]] = ()) -> str:
+def verdict_markdown(verdicts: Sequence[Any], ran: Sequence[Sequence[Any]] = (),
+                     earlier: int = 0) -> str:
     """The `rules/verdicts` text of `StopOnRule` (TensorBoard's Text
     dashboard renders it); `verdict_rows` reads it back.
 
@@ -53,6 +58,8 @@ def verdict_markdown(verdicts: Sequence[Any], ran: Sequence[Sequence[Any]] = ())
         ran: a `(rule names, first step, last step)` for each set of rules
             (a `StopOnRule`) that ran and did not fire: a last line says so
             ("No verdict: ..."). Defaults to `()`.
+        earlier: how many verdicts of the run came before `verdicts` and are
+            left out (a first line says so). Defaults to `0`.
 
     Returns:
         The Markdown text, at most `VERDICT_TENSORS` tensors a verdict and
@@ -77,6 +84,9 @@ def verdict_markdown(verdicts: Sequence[Any], ran: Sequence[Sequence[Any]] = ())
     if ordered:
         lines += [f"**Verdicts, in step order** (steps {_steps([v.step for v in ordered])}; "
                   "the newest last)", ""]
+    if earlier:
+        lines += [f"({earlier} earlier verdict{'' if earlier == 1 else 's'} of this run: in the "
+                  "texts of earlier steps)", ""]
     for v in ordered:
         prefix = f"{v.rule} at step {int(v.step)}: "
         reason = str(v.reason)

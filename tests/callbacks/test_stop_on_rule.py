@@ -310,6 +310,32 @@ def test_verdicts_are_written_as_text_at_their_step(tmp_path):
     assert [r["reason"] for r in rows] == [v.reason for v in stop.verdicts]  # read back whole
 
 
+def test_the_verdict_text_of_many_fits_holds_the_newest_and_counts_the_rest(tmp_path,
+                                                                            monkeypatch):
+    """A training of many short fits, a verdict in each: each write holds the
+    newest `VERDICT_TEXT_LIMIT` verdicts (3 here) and a line counting the
+    earlier ones, which the earlier writes hold; nothing else grows."""
+    from kerasdbg.records import verdicts as verdicts_module
+    from kerasdbg.rules import Rule
+
+    class Always(Rule):
+        def check(self, step, record):
+            return self.verdict(step, "always", {})
+
+    monkeypatch.setattr(verdicts_module, "VERDICT_TEXT_LIMIT", 3)
+    model = _model()
+    for _ in range(5):
+        stop = StopOnRule([Always()], log_dir=str(tmp_path), action="warn", verbose=False)
+        with pytest.warns(kerasdbg.rules.RuleWarning, match="Always at step"):
+            _fit(model, X, [stop], steps=1)
+    texts = kerasdbg.load_run(str(tmp_path)).texts("rules/verdicts").sort_values("step")
+    assert texts.step.tolist() == [1, 2, 3, 4, 5]
+    last = texts.text.iloc[-1]
+    assert [r["step"] for r in verdict_rows(last)] == [3, 4, 5]
+    assert "(2 earlier verdicts of this run: in the texts of earlier steps)" in last
+    assert [r["step"] for r in verdict_rows(texts.text.iloc[2])] == [1, 2, 3]
+
+
 # ----------------------------------------------------------------- console
 def _batchnorm_model():
     """Dense layers with a bias, each followed by BatchNormalization: their
