@@ -7,7 +7,7 @@ import math
 import os
 import re
 import sys
-from typing import Callable, Dict, List, Optional, Sequence, TextIO
+from typing import Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 
 import numpy as np
 import pandas as pd
@@ -17,8 +17,8 @@ from kerasdbg.records.verdicts import verdict_rows
 from kerasdbg.reader import Run, load_run
 from kerasdbg.rules.remedies import LEARNING_RATE_RULES, REMEDIES, learning_rate_note
 
-__all__ = ("NotARunError", "collect", "first_positive_step", "mean_norms", "median_norms",
-           "other_trainings", "require_run", "run_title", "stop_on_rule_steps", "summary",
+__all__ = ("NotARunError", "collect", "first_growth_step", "first_positive_step", "mean_norms",
+           "median_norms", "median_window", "other_trainings", "require_run", "run_title", "stop_on_rule_steps", "summary",
            "write_report")
 
 KERASDBG_PREFIXES = _tags.KERASDBG_PREFIXES
@@ -33,6 +33,10 @@ TENSORS_PER_CELL = 5
 
 VERDICT_ROWS = 100
 """Rows of the verdict table; the rest are counted."""
+
+GROWTH = 10.0
+"""A global gradient norm more than this many times the previous recorded one
+marks a run that has begun to explode: the median gradient norms end before it."""
 
 
 class NotARunError(ValueError):
@@ -296,6 +300,60 @@ def median_norms(norms: pd.DataFrame, before: Optional[int] = None) -> pd.Series
     return norms.replace([np.inf, -np.inf], np.nan).median().dropna().sort_values()
 
 
+def first_growth_step(global_norm: pd.DataFrame,
+                      growth: float = GROWTH) -> Optional[Tuple[int, float]]:
+    """The first step at which a column (a global gradient norm) is more than
+    `growth` times its previous recorded finite, positive value, and that
+    factor; None when none is. NaN/Inf and zeros are skipped.
+
+    Examples:
+        >>> import pandas as pd
+        >>> from kerasdbg.report import first_growth_step
+        >>> first_growth_step(pd.DataFrame({"g": [0.9, 3126.0, 1.2e10]}, index=[1, 2, 3]))
+        (2, 3473.333333333333)
+        >>> first_growth_step(pd.DataFrame({"g": [1.0, 5.0, 2.0]}, index=[1, 2, 3])) is None
+        True
+    """
+    found = []
+    for column in global_norm.columns:
+        series = global_norm[column].astype(float)
+        series = series[np.isfinite(series.to_numpy()) & (series.to_numpy() > 0)].sort_index()
+        values = series.to_numpy()
+        ratios = values[1:] / values[:-1]
+        over = np.flatnonzero(ratios > growth)
+        if over.size:
+            found.append((int(series.index[over[0] + 1]), float(ratios[over[0]])))
+    return min(found) if found else None
+
+
+def median_window(data: Dict[str, object]) -> Tuple[Optional[int], str]:
+    """Where the median gradient norms of `summary` end: `(step, why)`, the
+    window being the steps before `step`: the first non-finite step, or, when
+    earlier, the first step at which the global gradient norm grew more than
+    `GROWTH` times over the previous recorded step (a run that explodes grows
+    by orders of magnitude before its first NaN). `(None, "")` when neither.
+
+    Args:
+        data: from `collect`.
+
+    Examples:
+        >>> import pandas as pd
+        >>> from kerasdbg.report import median_window
+        >>> empty = pd.DataFrame()
+        >>> median_window({"loss": empty, "nan_counts": empty, "global_norm": pd.DataFrame(
+        ...     {"gradients/global_norm": [0.9, 3126.0]}, index=[1, 2])})
+        (2, 'before step 2, where the global gradient norm grew 3.47e+03x (> 10x) over the step before')
+    """
+    first = _first_nonfinite(data)
+    grew = first_growth_step(data.get("global_norm", pd.DataFrame()))
+    if grew is not None and (first is None or grew[0] < first):
+        return grew[0], (f"before step {grew[0]}, where the global gradient norm grew "
+                         f"{grew[1]:.3g}x (> {GROWTH:g}x) over the step before")
+    if first is not None:
+        return first, "before the first non-finite step"
+    return None, ""
+
+
 def run_title(data: Dict[str, object]) -> str:
     """The run as a user names it: its directory's name (`lr_too_high`), and the
     training when it is not the first (`train-2`).
@@ -337,7 +395,9 @@ def _steps_text(steps: List[int]) -> str:
 def summary(data: Dict[str, object], top: int = 3) -> str:
     """A short text summary of `collect`'s data: steps, the first non-finite
     step, the variables with the largest and smallest median gradient norms
-    (over the steps before the first non-finite one), the number of rule
+    over the steps before `median_window`'s step (the first non-finite one,
+    or the first where the global norm grew more than `GROWTH` times: said
+    beside them; "none finite before step N" when no step is left), the number of rule
     verdicts (or that `StopOnRule` ran and none fired), and what to try for
     each rule that fired.
 
@@ -369,15 +429,17 @@ def summary(data: Dict[str, object], top: int = 3) -> str:
     first = _first_nonfinite(data)
     lines.append(f"  first non-finite step: {first if first is not None else 'none'}")
     if len(norms.columns):
-        median = median_norms(norms, before=first)
+        end, why = median_window(data)
+        median = median_norms(norms, before=end)
         median.index = _tensors(median.index)
-        kept = sorted(int(s) for s in norms.index if first is None or s < first)
-        over = (f" ({_steps_text(kept)}, before the first non-finite step)"
-                if first is not None and kept else "")
-        lines.append(f"  largest median gradient norms{over}:  " + ", ".join(
-            f"{name} ({value:.3g})" for name, value in median.iloc[::-1][:top].items()))
-        lines.append(f"  smallest median gradient norms{over}: " + ", ".join(
-            f"{name} ({value:.3g})" for name, value in median.iloc[:top].items()))
+        kept = sorted(int(s) for s in norms.index if end is None or s < end)
+        over = f" ({_steps_text(kept)}, {why})" if end is not None and len(median) else ""
+        for which, ranked in (("largest", median.iloc[::-1]), ("smallest", median)):
+            said = (", ".join(f"{name} ({value:.3g})" for name, value in ranked[:top].items())
+                    if len(median) else "none finite" + (f" before step {end}" if end else ""))
+            lines.append(f"  {which} median gradient norms{over}:{' ' if which[0] == 'l' else ''}"
+                         f" {said}")
+            over = " (same steps)" if over else ""
     verdicts: pd.DataFrame = data["verdicts"]
     count = _verdict_count(verdicts)
     ran = stop_on_rule_steps(data)

@@ -530,6 +530,50 @@ def test_report_says_what_to_try_with_the_runs_own_facts(tmp_path):
     assert "class_weight" in rows["ClassImbalance(step 2)"][1]
 
 
+def _norms_run(log_dir, norms):
+    """A run of per-variable gradient norms {step: [m/a/kernel, m/b/kernel]} (NaN: a
+    NaN gradient, counted), their global norm and a loss."""
+    writer = _events.EventWriter(os.path.join(log_dir, "train"))
+    for step, values in norms.items():
+        values = np.asarray(values, float)
+        scalars = {"step/loss": 1.0 if np.isfinite(values).all() else NAN,
+                   "gradients/global_norm": float(np.sqrt(np.sum(values ** 2)))}
+        for name, value in zip(("m/a/kernel", "m/b/kernel"), values):
+            scalars[f"gradients/{name}/l2_norm"] = float(value)
+            scalars[f"gradients/{name}/nan_count"] = 0.0 if np.isfinite(value) else 1.0
+        writer.write(step, scalars)
+    writer.flush()
+    return log_dir
+
+
+def test_report_medians_end_before_the_norm_explodes_or_the_first_nan(tmp_path, capsys):
+    """The medians stop before the first step whose global norm grew more than 10x
+    (NumPy on the records), said beside them; a NaN at step 1 leaves none."""
+    norms = {1: [1.0, 2.0], 2: [1.5, 2.5], 3: [2.0, 3.0], 4: [40.0, 80.0], 5: [1e8, 1e9],
+             6: [NAN, NAN]}
+    log_dir = _norms_run(str(tmp_path / "exploding"), norms)
+    values = np.array([norms[s] for s in sorted(norms)])
+    total = np.sqrt((values ** 2).sum(axis=1))
+    ratios = total[1:] / total[:-1]
+    grew = int(np.flatnonzero(ratios > 10)[0]) + 2  # steps count from 1
+    assert grew == 4
+    medians = np.median(values[:grew - 1], axis=0)
+    assert cli.main(["report", log_dir, "--out", str(tmp_path / "r1")]) == 0
+    printed = capsys.readouterr().out
+    window = (f"steps 1-{grew - 1}, before step {grew}, where the global gradient norm grew "
+              f"{ratios[grew - 2]:.3g}x (> 10x) over the step before")
+    assert (f"largest median gradient norms ({window}):  m/b/kernel ({medians[1]:.3g}), "
+            f"m/a/kernel ({medians[0]:.3g})\n") in printed
+    assert (f"smallest median gradient norms (same steps): m/a/kernel ({medians[0]:.3g}), "
+            f"m/b/kernel ({medians[1]:.3g})\n") in printed
+    log_dir = _norms_run(str(tmp_path / "nan_first"), {1: [NAN, 1.0], 2: [1.0, 2.0]})
+    assert cli.main(["report", log_dir, "--out", str(tmp_path / "r2")]) == 0
+    printed = capsys.readouterr().out
+    assert "first non-finite step: 1\n" in printed
+    assert "largest median gradient norms:  none finite before step 1\n" in printed
+    assert "smallest median gradient norms: none finite before step 1\n" in printed
+
+
 def _loss_norm_run(log_dir, loss, norm):
     writer = _events.EventWriter(os.path.join(log_dir, "train"))
     for step, (value, norm_value) in enumerate(zip(loss, norm), start=1):
