@@ -15,7 +15,8 @@ import pandas as pd
 from kerasdbg.records import tags as _tags
 from kerasdbg.records.verdicts import verdict_rows
 from kerasdbg.reader import Run, load_run
-from kerasdbg.rules.remedies import LEARNING_RATE_RULES, REMEDIES, learning_rate_note
+from kerasdbg.rules.remedies import LEARNING_RATE_RULES, REMEDIES, first_tries
+from kerasdbg.rules.remedies import learning_rate_note
 
 __all__ = ("NotARunError", "collect", "first_growth_step", "first_positive_step", "mean_norms",
            "median_norms", "median_window", "other_trainings", "require_run", "run_title", "stop_on_rule_steps", "summary",
@@ -156,7 +157,7 @@ def collect(log_dir: str, run_name: str = "train",
                                run_name)
     data["tap_extremes"] = _wide(run, _tags.statistic_pattern(
         _tags.ACTIVATIONS, ["max", "min", "nan_count", "inf_count"]), run_name)
-    data["learning_rate"] = _learning_rate(data["epochs"])
+    data["learning_rate"], data["learning_rate_epochs"] = _learning_rate(data["epochs"])
     verdicts = pd.DataFrame()
     if run.tags(_tags.VERDICTS, kind="text", run=run_name):
         verdicts = run.texts(_tags.VERDICTS, run=run_name)[["step", "text"]]
@@ -167,12 +168,22 @@ def collect(log_dir: str, run_name: str = "train",
     return data
 
 
-def _learning_rate(epochs: pd.DataFrame) -> Optional[float]:
-    """The learning rate Keras's TensorBoard callback wrote (`epoch_learning_rate`,
-    its last finite value), or None."""
-    values = epochs[epochs.tag == "epoch_learning_rate"].sort_values("step").value
-    values = values[np.isfinite(values.to_numpy(dtype=float))]
-    return float(values.iloc[-1]) if len(values) else None
+def _learning_rate(epochs: pd.DataFrame):
+    """The learning rate Keras's TensorBoard callback wrote (`epoch_learning_rate`)
+    of the first epoch with a finite one: under a decaying schedule the rate a
+    run exploded at is nearer the first than the last. `(rate, {"epoch": its
+    epoch from 1, "last": (epoch, rate) of the last epoch when it differs})`,
+    or `(None, {})`."""
+    rows = epochs[epochs.tag == "epoch_learning_rate"].sort_values("step", kind="stable")
+    rows = rows[np.isfinite(rows.value.to_numpy(dtype=float))]
+    if not len(rows):
+        return None, {}
+    first, last = rows.iloc[0], rows.iloc[-1]
+    # Keras writes epoch 1 as step 0; users count from 1.
+    said = {"epoch": int(first.step) + 1, "last": None}
+    if float(last.value) != float(first.value):
+        said["last"] = (int(last.step) + 1, float(last.value))
+    return float(first.value), said
 
 
 def require_run(run: Run, run_name: str = "train") -> List[str]:
@@ -450,16 +461,12 @@ def summary(data: Dict[str, object], top: int = 3) -> str:
     else:
         why = " (no StopOnRule(log_dir=...) records: no rule ran)"
     lines.append(f"  rule verdicts: {count}{why}")
-    note = learning_rate_note(data.get("learning_rate"))
+    note = learning_rate_note(data.get("learning_rate"), **data.get("learning_rate_epochs", {}))
     fired = list(dict.fromkeys(r["rule"] for r in _verdict_rows(verdicts) if r["rule"]))
     if note and any(rule in LEARNING_RATE_RULES for rule in fired):
         lines.append(f"  likely cause: {note}")
-    tries: Dict[str, List[str]] = {}
-    for rule in fired:
-        if rule in REMEDIES:
-            tries.setdefault(REMEDIES[rule].tries[0], []).append(rule)
-    for text, rules in tries.items():
-        lines.append(f"  try: {text} ({', '.join(rules)}; more in report.html)")
+    for text, rules in first_tries(fired):  # a remedy once, naming the rules it answers
+        lines.append(f"  try: {text} (for {', '.join(rules)}; more in report.html)")
     rollbacks = data.get("rollbacks")
     if rollbacks is not None and len(rollbacks):
         first = rollbacks.iloc[0]
@@ -624,7 +631,7 @@ def _remedies(data: Dict[str, object]) -> str:
     if not first:
         return ""
     rate = data.get("learning_rate")
-    note = learning_rate_note(rate)
+    note = learning_rate_note(rate, **data.get("learning_rate_epochs", {}))
     blocks = []
     for rule, row in first.items():
         remedy = REMEDIES.get(rule)
@@ -660,7 +667,9 @@ def _remedies(data: Dict[str, object]) -> str:
     head = ""
     if note and any(rule in LEARNING_RATE_RULES for rule in first):
         head = (f'<p class="cause"><strong>{html.escape(note[0].upper() + note[1:])}.</strong> '
-                "(From Keras's <code>epoch_learning_rate</code>; the optimizer is not "
+                "(From Keras's <code>epoch_learning_rate</code>, written at each epoch's end: "
+                "the first epoch's, nearest the rate a run that exploded early trained at; "
+                "the optimizer is not "
                 "recorded, so the ranges of the common ones are given.)</p>")
     elif rate is None and any(rule in LEARNING_RATE_RULES for rule in first):
         head = ("<p>The learning rate is not recorded (Keras's TensorBoard callback in the "

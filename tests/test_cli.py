@@ -339,8 +339,8 @@ def test_report_of_the_demo_says_what_to_try_and_compares_its_two_runs(demo, cap
 
     report = html.unescape((out / "lr_too_high" / "report" / "report.html").read_text())
     rate = broken.scalars("epoch_learning_rate").value.iloc[-1]
-    assert (f"The learning rate is {rate:g}, {rate / 0.1:.0f}x above the usual range for SGD "
-            "(0.001-0.1)") in report
+    assert (f"The learning rate of epoch 1 is {rate:g}, {rate / 0.1:.0f}x above the usual range "
+            "for SGD (0.001-0.1)") in report
     assert "lower the learning rate (by 10x to start with)" in report
     # The NaN's layer: its kernel's gradient norm at the step before, as recorded.
     layer = re.search(r"first layer whose output held NaN/Inf is '([^']+)'", report).group(1)

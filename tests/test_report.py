@@ -518,8 +518,8 @@ def test_report_says_what_to_try_with_the_runs_own_facts(tmp_path):
     page = html.unescape(open(write_report(log_dir), encoding="utf-8").read())
     rate = kerasdbg.load_run(log_dir).scalars("epoch_learning_rate").value.iloc[-1]
     assert rate == 30.0
-    assert (f"The learning rate is {rate:g}, {rate / 0.1:.0f}x above the usual range for SGD "
-            f"(0.001-0.1) and {rate / 0.01:.0f}x above that for Adam, AdamW, RMSprop "
+    assert (f"The learning rate of epoch 1 is {rate:g}, {rate / 0.1:.0f}x above the usual range "
+            f"for SGD (0.001-0.1) and {rate / 0.01:.0f}x above that for Adam, AdamW, RMSprop "
             "(1e-05-0.01)") in page
     parsed = _Page()
     parsed.feed(open(os.path.join(log_dir, "report", "report.html"), encoding="utf-8").read())
@@ -572,6 +572,41 @@ def test_report_medians_end_before_the_norm_explodes_or_the_first_nan(tmp_path, 
     assert "first non-finite step: 1\n" in printed
     assert "largest median gradient norms:  none finite before step 1\n" in printed
     assert "smallest median gradient norms: none finite before step 1\n" in printed
+
+
+def test_summary_says_each_remedy_once_and_the_first_epochs_learning_rate(tmp_path):
+    """Four rules answered by lowering the learning rate: one `try:` line naming them
+    (WeightUpdateRatio with its case); a decaying rate (30, 3, 0.3 by epoch): epoch
+    1's is the one compared with the usual ranges, the last one said beside it."""
+    from kerasdbg.report import collect, summary
+
+    log_dir = str(tmp_path / "decaying")
+    writer = _events.EventWriter(os.path.join(log_dir, "train"))
+    table = ("| rule | step | tensors | reason |\n|---|---|---|---|\n"
+             "| WeightUpdateRatio | 2 | m/d/kernel | update/weight ratio above 10 |\n"
+             "| DeadReLU | 3 | d_tap | dead fraction 0.9 |\n"
+             "| NonFiniteLoss | 4 | step/loss | the loss is nan |\n"
+             "| ExplodingTensor | 4 | m/d/kernel | non-finite values in gradients |\n"
+             "| ClassImbalance | 4 |  | class 1 is rare |")
+    for step in (1, 2, 3, 4):
+        writer.write(step, {"step/loss": 1.0 if step < 4 else NAN, "step/fault": 0.0},
+                     texts={"rules/verdicts": table} if step == 4 else ())
+    rates = [30.0, 3.0, 0.3]
+    for epoch, rate in enumerate(rates):  # Keras writes epoch 1 as step 0
+        writer.write(epoch, {"epoch_learning_rate": rate})
+    writer.flush()
+    lines = summary(collect(log_dir)).splitlines()
+    tries = [line for line in lines if line.startswith("  try: ")]
+    assert tries == [
+        "  try: lower the learning rate (by 10x to start with) (for WeightUpdateRatio when its "
+        "ratios are above the range, DeadReLU, NonFiniteLoss, ExplodingTensor; more in "
+        "report.html)",
+        "  try: pass `class_weight` to fit, or resample the data (for ClassImbalance; more in "
+        "report.html)"]
+    (cause,) = [line for line in lines if line.startswith("  likely cause: ")]
+    assert cause.startswith(f"  likely cause: the learning rate of epoch 1 is {rates[0]:g} "
+                            f"({rates[-1]:g} by epoch {len(rates)}), {rates[0] / 0.1:.0f}x above "
+                            "the usual range for SGD")
 
 
 def _loss_norm_run(log_dir, loss, norm):

@@ -9,15 +9,18 @@ adds one here.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 # The tables REMEDIES, USUAL_LEARNING_RATES and LEARNING_RATE_RULES are read by name.
-__all__ = ("Remedy", "learning_rate_note")
+__all__ = ("Remedy", "first_tries", "learning_rate_note")
 
 
 @dataclasses.dataclass(frozen=True)
 class Remedy:
-    """The likely causes of a rule's verdict and what to try, most likely first.
+    """The likely causes of a rule's verdict and what to try, most likely first;
+    `first`, what a one-line summary says to try (`tries[0]` when empty: rules
+    with the same one share a line), and `when`, the case it answers when it
+    does not answer every verdict of the rule.
 
     Examples:
         >>> from kerasdbg.rules.remedies import REMEDIES
@@ -27,6 +30,8 @@ class Remedy:
 
     causes: Tuple[str, ...]
     tries: Tuple[str, ...]
+    first: str = ""
+    when: str = ""
 
 
 _LOWER_RATE = "lower the learning rate (by 10x to start with)"
@@ -73,7 +78,8 @@ REMEDIES: Dict[str, Remedy] = {
                 "ratios below the range: a learning rate too low, or a vanished gradient"),
         tries=(_LOWER_RATE + " when the ratios are above the range",
                "raise the learning rate when they are below it, or look at VanishingGradient",
-               "compare with a run with another learning rate: `kerasdbg report RUN_A RUN_B`")),
+               "compare with a run with another learning rate: `kerasdbg report RUN_A RUN_B`"),
+        first=_LOWER_RATE, when="when its ratios are above the range"),
     "DeadReLU": Remedy(
         causes=("a learning rate too high: a few large updates pushed the units' "
                 "pre-activations below zero for every input",
@@ -82,7 +88,8 @@ REMEDIES: Dict[str, Remedy] = {
                 "the activation: ReLU units that stop firing never recover"),
         tries=("lower the learning rate (dead units often follow a few large updates)",
                "initialise with `he_normal` / `he_uniform` and zero (or small positive) biases",
-               "use `leaky_relu`, `elu` or `gelu`, or BatchNormalization before the ReLU")),
+               "use `leaky_relu`, `elu` or `gelu`, or BatchNormalization before the ReLU"),
+        first=_LOWER_RATE),
     "SaturatedActivation": Remedy(
         causes=("pre-activations too large for tanh or sigmoid (their gradient is ~0 there)",
                 "initialisation too wide for the activation",
@@ -160,21 +167,49 @@ LEARNING_RATE_RULES = ("NonFiniteLoss", "NaNSource", "FreezeOnFault", "Exploding
 """Rules whose verdict a learning rate above the usual ranges can explain."""
 
 
+def first_tries(rules: Sequence[str]) -> List[Tuple[str, List[str]]]:
+    """What to try first for the rules that fired, each remedy once: `(what
+    to try, the rules it answers)`, in the order of `rules`; a rule is named
+    with the case it answers (`Remedy.when`) when it does not answer all.
+    Rules without an entry are left out.
+
+    Examples:
+        >>> from kerasdbg.rules.remedies import first_tries
+        >>> for text, rules in first_tries(["WeightUpdateRatio", "DeadReLU", "NonFiniteLoss"]):
+        ...     print(text, "|", "; ".join(rules))
+        lower the learning rate (by 10x to start with) | WeightUpdateRatio when its ratios are above the range; DeadReLU; NonFiniteLoss
+    """
+    found: Dict[str, List[str]] = {}
+    for rule in dict.fromkeys(rules):
+        remedy = REMEDIES.get(rule)
+        if remedy is not None:
+            found.setdefault(remedy.first or remedy.tries[0], []).append(
+                f"{rule} {remedy.when}" if remedy.when else rule)
+    return list(found.items())
+
+
 def _times(ratio: float) -> str:
     """`300` for 300.0, `2.5` for 2.5: a factor as a person writes it."""
     return f"{ratio:.0f}" if ratio >= 10 else f"{ratio:.2g}"
 
 
-def learning_rate_note(rate: Optional[float]) -> Optional[str]:
+def learning_rate_note(rate: Optional[float], epoch: Optional[int] = None,
+                       last: Optional[Tuple[int, float]] = None) -> Optional[str]:
     """What the report says of a run's learning rate: how far it is above the
     usual ranges (`USUAL_LEARNING_RATES`), or None when it is within the widest
-    of them or unknown.
+    of them or unknown; which epoch's rate it is, and the last epoch's when it
+    differs (a schedule), when given.
 
     Args:
         rate: the learning rate (e.g. Keras's `epoch_learning_rate`), or None.
+        epoch: the epoch (from 1) `rate` is of, or None. Defaults to `None`.
+        last: `(epoch, rate)` of the last epoch when its rate differs, or
+            None. Defaults to `None`.
 
     Examples:
         >>> from kerasdbg.rules.remedies import learning_rate_note
+        >>> print(learning_rate_note(30.0, epoch=1, last=(3, 0.3))[:50])
+        the learning rate of epoch 1 is 30 (0.3 by epoch 3
         >>> print(learning_rate_note(30.0))
         the learning rate is 30, 300x above the usual range for SGD (0.001-0.1) and 3000x above that for Adam, AdamW, RMSprop (1e-05-0.01): lower it (try 0.01 for SGD, 0.001 for Adam)
         >>> learning_rate_note(1e-3) is None
@@ -188,4 +223,6 @@ def learning_rate_note(rate: Optional[float]) -> Optional[str]:
     within = [names for names, low, high in USUAL_LEARNING_RATES if low <= rate <= high]
     tail = (f" (within the range for {within[0]})"
             if within else ": lower it (try 0.01 for SGD, 0.001 for Adam)")
-    return f"the learning rate is {rate:g}, " + " and ".join(parts) + tail
+    of = f" of epoch {epoch}" if epoch is not None else ""
+    later = f" ({last[1]:g} by epoch {last[0]})" if last is not None else ""
+    return f"the learning rate{of} is {rate:g}{later}, " + " and ".join(parts) + tail
