@@ -116,7 +116,9 @@ def dead_units(model) -> str:
 
 def summarize(name: str, gradients) -> str:
     """A few lines on what the gradient statistics show."""
-    from kerasdbg.report import first_positive_step, mean_norms
+    import pandas as pd
+
+    from kerasdbg.report import first_positive_step, median_norms, median_window
 
     history = gradients.history.set_index("step")
     lines = [f"  {name}: {len(history)} steps recorded"]
@@ -130,10 +132,22 @@ def summarize(name: str, gradients) -> str:
     bad = first_positive_step(history.filter(like="/nan_count"))
     if bad is not None:
         lines.append(f"    first step with a NaN gradient: {bad}")
-    else:
-        mean = mean_norms(history.filter(like="/l2_norm"))
-        lines.append(f"    largest mean gradient norm:  {mean.index[-1]} ({mean.iloc[-1]:.3g})")
-        lines.append(f"    smallest mean gradient norm: {mean.index[0]} ({mean.iloc[0]:.3g})")
+    # The report's medians: over the steps before the run began to explode, said so.
+    end, why = median_window({"loss": pd.DataFrame(), "global_norm": history[["global_norm"]],
+                              "nan_counts": history.filter(regex=r"/(nan|inf)_count$")})
+    median = median_norms(history.filter(like="/l2_norm"), before=end)
+    median.index = [name.removesuffix("/l2_norm") for name in median.index]
+    kept = [int(s) for s in history.index if end is None or s < end]
+    over = ("" if end is None or not kept else
+            f" ({'step' if len(kept) == 1 else 'steps'} {kept[0]}"
+            f"{'' if len(kept) == 1 else f'-{kept[-1]}'}, {why})")
+    if len(median):
+        lines.append(f"    largest median gradient norm{over}:  {median.index[-1]} "
+                     f"({median.iloc[-1]:.3g})")
+        lines.append(f"    smallest median gradient norm{' (same steps)' if over else ''}: "
+                     f"{median.index[0]} ({median.iloc[0]:.3g})")
+    elif end is not None:
+        lines.append(f"    median gradient norms: none finite before step {end}")
     return "\n".join(lines)
 
 

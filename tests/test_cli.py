@@ -29,6 +29,22 @@ def test_demo_writes_both_runs_and_says_how_to_open_them(demo):
     assert (f"kerasdbg report {os.path.abspath(out / 'healthy')} "
             f"{os.path.abspath(out / 'lr_too_high')}\n") in printed
     assert "first step with a NaN gradient" in printed  # the diverging run
+    # The report's medians, by NumPy on the records: before the first step whose global
+    # norm grew more than 10x, or the first non-finite one.
+    import numpy as np
+
+    assert "mean gradient norm" not in printed
+    broken = load_run(str(out / "lr_too_high"))
+    norms = broken.scalar_table(r"gradients/.*/l2_norm")
+    total = broken.scalar_table("gradients/global_norm")["gradients/global_norm"]
+    counts = broken.scalar_table(r"gradients/.*/nan_count").to_numpy().sum(axis=1)
+    finite = total[np.isfinite(total.to_numpy())]
+    grew = finite.index[1:][finite.to_numpy()[1:] / finite.to_numpy()[:-1] > 10]
+    end = min(list(grew[:1]) + list(total.index[counts > 0][:1]))
+    medians = np.median(norms[norms.index < end].to_numpy(), axis=0)
+    top = norms.columns[np.argmax(medians)][len("gradients/"):-len("/l2_norm")]
+    assert re.search(rf"largest median gradient norm \(steps? 1(-{end - 1})?, before [^\n]*\):  "
+                     rf"{re.escape(top)} \({medians.max():.3g}\)\n", printed), printed
     assert "dead ReLU units at the last recorded step: conv1 " in printed
     for name in ("healthy", "lr_too_high"):
         run = load_run(str(out / name))
