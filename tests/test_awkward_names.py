@@ -13,6 +13,7 @@ Names that plain Keras itself refuses in a role are tested as refused there
 (a Keras that starts accepting them fails here and gets them added).
 """
 
+import glob
 import os
 import re
 import warnings
@@ -21,6 +22,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorboard.backend.event_processing import event_file_loader
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from kerasdbg.backends.tensorflow import buffers as _buffers
@@ -202,3 +204,76 @@ def test_buffer_variables_get_names_tensorflow_accepts_at_a_graph_root(name, exp
                                       name=_buffers.variable_name(name))
 
     make.get_concrete_function()  # a node of that name at the root of a graph
+
+
+def _points(run_dir):
+    """`{tag: {step: [values]}}` of the simple scalars of a run's event files."""
+    points = {}
+    for path in glob.glob(os.path.join(run_dir, "events.out.tfevents.*")):
+        for event in event_file_loader.LegacyEventFileLoader(path).Load():
+            for value in event.summary.value:
+                if value.WhichOneof("value") == "simple_value":
+                    points.setdefault(value.tag, {}).setdefault(event.step, []).append(
+                        value.simple_value)
+    return points
+
+
+def test_two_optimizers_draw_one_point_per_step_of_every_view_from_all_variables(tmp_path):
+    """A GAN-like train step (two optimizers, one after the other): the views
+    of a step come from the records of both, grouped by the model's layers."""
+    model = _model("d")
+    model.compile(0.05)
+    grads = GradientStatistics(str(tmp_path), every_n_steps=1)
+    weights = WeightStatistics(str(tmp_path), every_n_steps=1)
+    model.fit(X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+              callbacks=[grads, weights])
+    steps = list(range(1, len(X) // BATCH + 1))
+    points = _points(str(tmp_path / "train"))
+    views = {tag: by_step for tag, by_step in points.items() if tag.startswith("views/")}
+    # The model's three variables: one group each, named after the layer.
+    paths = [v.path for v in model.trainable_variables]
+    assert paths == ["d/d/d", "d/out/kernel", "d/out/bias"]
+    groups = dict(zip(paths, ["d/d", "out/kernel", "out/bias"]))
+    assert {t.rpartition("/max/")[2] for t in views if "/l2_norm/max/" in t} == set(groups.values())
+    for tag, by_step in views.items():
+        assert all(len(values) == 1 for values in by_step.values()), tag
+    norms = grads.history.groupby("step")[[f"{p}/l2_norm" for p in groups]].max()
+    ratios = weights.history.groupby("step")[[f"{p}/update_ratio" for p in groups]].max()
+    assert norms.index.tolist() == steps and ratios.index.tolist() == steps
+    norms, ratios = norms.to_numpy(np.float64), ratios.to_numpy(np.float64)
+    # Each optimizer recorded its own variables only (NaN in the other's row):
+    # the rows of a step merged, each variable once.
+    assert not np.isnan(norms).any()
+
+    def drawn(tag):
+        return [views[tag][step][0] for step in steps]
+
+    view = "views/gradients/l2_norm"
+    np.testing.assert_allclose(drawn(f"{view}/log10_max"), np.log10(norms.max(axis=1)), rtol=1e-6)
+    np.testing.assert_allclose(drawn(f"{view}/log10_min"), np.log10(norms.min(axis=1)), rtol=1e-6)
+    for i, (path, group) in enumerate(groups.items()):
+        np.testing.assert_allclose(drawn(f"{view}/max/{group}"), norms[:, i], rtol=1e-6)
+        np.testing.assert_allclose(drawn(f"{view}/log10_max/{group}"), np.log10(norms[:, i]),
+                                   rtol=1e-6)
+        finite = np.isfinite(ratios[:, i])
+        ratio = views.get(f"views/weights/update_ratio/log10_max/{group}", {})
+        assert sorted(ratio) == [s for s, f in zip(steps, finite) if f]
+        np.testing.assert_allclose([ratio[s][0] for s in sorted(ratio)],
+                                   np.log10(ratios[finite, i]), rtol=1e-6)
+    # One holder of the largest and of the smallest at each step.
+    for name, pick in [("log10_largest", norms.argmax(axis=1)),
+                       ("log10_smallest", norms.argmin(axis=1))]:
+        held = {tag[len(f"{view}/{name}/"):]: by_step for tag, by_step in views.items()
+                if tag.startswith(f"{view}/{name}/")}
+        assert sorted(s for by_step in held.values() for s in by_step) == steps
+        for step, i in zip(steps, pick):
+            assert held[paths[i]][step] == pytest.approx([np.log10(norms[step - 1, i])],
+                                                          rel=1e-6)
+    # Each optimizer's global norm, its own line.
+    for optimizer in ("d", "head_optimizer"):
+        np.testing.assert_allclose(
+            drawn(f"views/gradients/global_norm/log10/{optimizer}"),
+            np.log10([points[f"gradients/{optimizer}/global_norm"][s][0] for s in steps]),
+            rtol=1e-6)
+    fraction = [np.mean(r[np.isfinite(r)] > 0.01) for r in ratios]
+    np.testing.assert_allclose(drawn("views/weights/update_ratio/fraction_above_0.01"), fraction)

@@ -18,6 +18,8 @@ from tensorboard.plugins.custom_scalar import summary as layout_summary
 
 from kerasdbg.sinks import events as _events
 from kerasdbg.sinks import layout as _layout
+from kerasdbg.records import tags as _tags
+from kerasdbg.rules import NonFiniteLoss
 from kerasdbg.callbacks import ActivationStatistics, GradientStatistics, StepTimer
 from kerasdbg.callbacks import StopOnRule, WeightStatistics
 from kerasdbg.layers import TapLayer
@@ -222,6 +224,162 @@ def test_each_chart_draws_the_tags_of_its_statistic(server, trained):
 
 
 # ------------------------------------------------------------ what is written
+def _points(run_dir):
+    """`{tag: [(step, value), ...]}` of every simple scalar in the run's event files."""
+    points = {}
+    for path in sorted(glob.glob(os.path.join(run_dir, "events.out.tfevents.*"))):
+        # The legacy loader keeps simple values as written.
+        for event in event_file_loader.LegacyEventFileLoader(path).Load():
+            for value in event.summary.value:
+                if value.WhichOneof("value") == "simple_value":
+                    points.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return points
+
+
+@pytest.mark.parametrize("loss, expected", [
+    (100.0, {"views/step/loss/log10": 2.0}), (-0.5, {}), (0.0, {}), (float("nan"), {}),
+    (float("inf"), {"views/step/loss/log10": np.inf})],
+    ids=["positive", "negative", "zero", "nan", "inf"])
+def test_the_log10_loss_is_absent_at_a_loss_not_above_0_or_nan(loss, expected):
+    assert _layout.loss_views({"step/loss": loss, "step/accuracy": 0.5}) == expected
+
+
+GRADIENT_TAGS = ["gradients/global_norm"] + [
+    f"gradients/m/{layer}/{weight}/l2_norm" for layer in ("a", "b") for weight in ("kernel", "bias")]
+
+
+@pytest.mark.parametrize("values, expected", [
+    # Zero bias gradients: the smallest is the smallest nonzero norm.
+    ([5.0, 3.0, 0.0, 4.0, 0.5], {
+        "global_norm/log10": np.log10(5.0), "l2_norm/log10_max": np.log10(4.0),
+        "l2_norm/log10_min": np.log10(0.5), "l2_norm/log10_largest/m/b/kernel": np.log10(4.0),
+        "l2_norm/log10_smallest/m/b/bias": np.log10(0.5),
+        "l2_norm/max/a/kernel": 3.0, "l2_norm/max/a/bias": 0.0, "l2_norm/max/b/kernel": 4.0,
+        "l2_norm/max/b/bias": 0.5, "l2_norm/log10_max/a/kernel": np.log10(3.0),
+        "l2_norm/log10_max/b/kernel": np.log10(4.0), "l2_norm/log10_max/b/bias": np.log10(0.5)}),
+    # All zero: no log10 at all.
+    ([0.0, 0.0, 0.0, 0.0, 0.0], {
+        "l2_norm/max/a/kernel": 0.0, "l2_norm/max/a/bias": 0.0, "l2_norm/max/b/kernel": 0.0,
+        "l2_norm/max/b/bias": 0.0}),
+    # An exploded norm shows as +inf; a NaN is left out (its group's max is NaN).
+    ([np.inf, np.inf, 0.0, np.nan, 0.5], {
+        "global_norm/log10": np.inf, "l2_norm/log10_max": np.inf, "l2_norm/log10_min": np.log10(0.5),
+        "l2_norm/log10_largest/m/a/kernel": np.inf, "l2_norm/log10_smallest/m/b/bias": np.log10(0.5),
+        "l2_norm/max/a/kernel": np.inf, "l2_norm/max/a/bias": 0.0, "l2_norm/max/b/kernel": np.nan,
+        "l2_norm/max/b/bias": 0.5, "l2_norm/log10_max/a/kernel": np.inf,
+        "l2_norm/log10_max/b/bias": np.log10(0.5)}),
+    # NaN only: the global norm's log10 is absent too.
+    ([np.nan, np.nan, np.nan, np.nan, np.nan], {
+        "l2_norm/max/a/kernel": np.nan, "l2_norm/max/a/bias": np.nan,
+        "l2_norm/max/b/kernel": np.nan, "l2_norm/max/b/bias": np.nan}),
+], ids=["zero-biases", "all-zero", "inf-and-nan", "all-nan"])
+def test_gradient_views_leave_out_the_log10_of_zero_and_nan(values, expected):
+    got = _layout.views("gradients", GRADIENT_TAGS, values)
+    expected = {f"views/gradients/{tag}": value for tag, value in expected.items()}
+    assert set(got) == set(expected)
+    for tag, value in expected.items():
+        np.testing.assert_allclose(got[tag], value, rtol=1e-12, err_msg=tag)
+
+
+@pytest.mark.parametrize("ratios", [
+    [[1e-3, np.inf, 0.1, np.inf], [2e-3, 0.5, 0.2, 1e-4]],
+    [[np.inf, np.inf, 0.1, np.nan], [np.inf, np.inf, np.nan, np.nan]]],
+    ids=["zero-initialised-biases", "none-finite-in-a-group"])
+def test_update_ratio_views_leave_out_infinite_ratios(ratios):
+    tags = [f"weights/m/{layer}/{weight}/update_ratio" for layer in ("a", "b")
+            for weight in ("kernel", "bias")]
+    groups = ["a/kernel", "a/bias", "b/kernel", "b/bias"]  # one variable each
+    for step in np.array(ratios):
+        got = _layout.views("weights", tags, step)
+        finite = np.isfinite(step)
+        expected = {f"views/weights/update_ratio/log10_max/{g}": np.log10(r)
+                    for g, r, f in zip(groups, step, finite) if f}
+        if finite.any():
+            expected["views/weights/update_ratio/fraction_above_0.01"] = np.mean(
+                step[finite] > 0.01)
+        assert set(got) == set(expected)
+        for tag, value in expected.items():
+            np.testing.assert_allclose(got[tag], value, rtol=1e-12, err_msg=tag)
+    # Six groups (the layers) of two variables: the largest finite ratio of each.
+    tags = [f"weights/m/l{i}/{weight}/update_ratio" for i in range(6)
+            for weight in ("kernel", "bias")]
+    ratios = np.array([1e-3, np.inf, 0.02, 1e-4, np.inf, np.inf, 0.3, np.nan, 5e-3, 0.0,
+                       np.inf, 2e-3])
+    got = _layout.views("weights", tags, ratios)
+    pairs = np.where(np.isfinite(ratios), ratios, -np.inf).reshape(6, 2).max(axis=1)
+    expected = {f"views/weights/update_ratio/log10_max/l{i}": np.log10(r)
+                for i, r in enumerate(pairs) if r > 0}
+    finite = ratios[np.isfinite(ratios)]
+    expected["views/weights/update_ratio/fraction_above_0.01"] = np.mean(finite > 0.01)
+    assert set(got) == set(expected) and "views/weights/update_ratio/log10_max/l2" not in got
+    for tag, value in expected.items():
+        np.testing.assert_allclose(got[tag], value, rtol=1e-12, err_msg=tag)
+
+
+def test_a_negative_loss_and_zero_initialised_biases_write_no_nan_view(tmp_path):
+    """An ELBO-style loss below 0 at every step; the biases start at 0 (their
+    first update ratio is inf)."""
+    log_dir = str(tmp_path / "logs")
+    model = _tapped_model()
+    grads = GradientStatistics(log_dir, every_n_steps=1)
+    weights = WeightStatistics(log_dir, every_n_steps=1)
+    stop = StopOnRule(rules=[NonFiniteLoss()], log_dir=log_dir, verbose=False)
+    model.compile(keras.optimizers.SGD(0.05),
+                  lambda y, p: keras.ops.mean(keras.ops.square(y - p)) - 100.0)
+    model.fit(X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+              callbacks=[grads, weights, stop])
+    points = _points(os.path.join(log_dir, "train"))
+    losses = [v for _, v in points["step/loss"]]
+    assert len(losses) == len(X) // BATCH and max(losses) < 0
+    assert "views/step/loss/log10" not in points
+    written = [(tag, v) for tag, values in points.items() if tag.startswith("views/")
+               for _, v in values]
+    assert written and all(not np.isnan(v) and v != -np.inf for _, v in written)
+    # Against NumPy on the per-variable records (one variable per group).
+    paths = [v.path for v in model.trainable_variables]
+    ratios = weights.history.set_index("step")[[f"{p}/update_ratio" for p in paths]]
+    assert np.isinf(ratios.loc[1]).any()  # the zero biases at step 1
+    fraction = dict(points["views/weights/update_ratio/fraction_above_0.01"])
+    for step, row in ratios.iterrows():
+        row = row.to_numpy(np.float64)
+        finite = np.isfinite(row)
+        assert fraction[step] == pytest.approx(np.mean(row[finite] > 0.01))
+        for path, ratio, ok in zip(paths, row, finite):
+            drawn = dict(points.get(
+                f"views/weights/update_ratio/log10_max/{path}", []))
+            if ok:
+                assert drawn[step] == pytest.approx(np.log10(ratio), rel=1e-6)
+            else:
+                assert step not in drawn
+
+
+def test_a_views_failure_warns_once_and_the_records_are_still_written(tmp_path, monkeypatch):
+    def fail(*args, **kwargs):
+        raise ZeroDivisionError("a bug in the views")
+
+    monkeypatch.setattr(_layout, "views", fail)
+    log_dir = str(tmp_path / "logs")
+    grads = GradientStatistics(log_dir, every_n_steps=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit(_tapped_model(), [grads])
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert said == [
+        "GradientStatistics could not record: it could not compute its TensorBoard views "
+        "(views/gradients/..., the Custom Scalars charts); its records are written without "
+        "them, and training goes on. Cause: ZeroDivisionError: a bug in the views"]
+    points = _points(os.path.join(log_dir, "train"))
+    steps = list(range(1, len(X) // BATCH + 1))
+    history = grads.history.set_index("step")
+    recorded = [t for t in points if t.startswith("gradients/")]
+    assert len(recorded) == len(history.columns) - 1  # every column but `skipped`
+    for tag in recorded:
+        assert dict(points[tag]) == pytest.approx(
+            history[_tags.column(tag, "gradients")].to_dict(), rel=1e-6)
+    assert [s for s, _ in points["gradients/global_norm"]] == steps
+    assert not any(tag.startswith("views/gradients/") for tag in points)
+
+
 def test_the_summary_is_the_plugins_own():
     proto = _layout.layout(_layout.loss_lines() + _layout.timing_lines(True))
     theirs = summary_pb2.Summary.FromString(layout_summary.pb(proto).SerializeToString())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import warnings
 from typing import Dict, List, Optional, Sequence
 
 import keras
@@ -33,6 +34,20 @@ def select_variables(model, include: Optional[str], exclude: Optional[str]):
     paths = unique_paths(variables)
     chosen = [(v, p) for v, p in zip(variables, paths) if selected(p, include, exclude)]
     return [v for v, _ in chosen], [p for _, p in chosen]
+
+
+def _same_step(records: List[_capture.Record]) -> List[List[_capture.Record]]:
+    """`records` cut into runs of the same step, one record per optimizer
+    each (the optimizers of a train step apply in a row)."""
+    runs: List[List[_capture.Record]] = []
+    for record in records:
+        run = runs[-1] if runs else None
+        if run is not None and run[0].step == record.step \
+                and all(r.optimizer != record.optimizer for r in run):
+            run.append(record)
+        else:
+            runs.append([record])
+    return runs
 
 
 class StatisticsCallback(RecordingCallback):
@@ -83,6 +98,8 @@ class StatisticsCallback(RecordingCallback):
         self._accumulating = False
         self._writer: Optional[_events.EventWriter] = None
         self._failed = False
+        self._views_failed = False
+        self._names: Optional[tuple] = None  # the variables the views group, with several optimizers
         self._skipped = 0
 
     # ------------------------------------------------------------ config
@@ -107,6 +124,8 @@ class StatisticsCallback(RecordingCallback):
         self._columns = {}
         self._seen_tags = set()
         self._failed = False
+        self._views_failed = False
+        self._names = None
         self._skipped = 0
         self._clipped = 0
         self._several = False
@@ -154,11 +173,49 @@ class StatisticsCallback(RecordingCallback):
     # -------------------------------------------------------- records
     def _consume(self, records: List[_capture.Record]) -> None:
         # One at a time: a write that fails (a full disk) loses no other
-        # record of a deferred read from `history`.
-        for record in records:
-            self._guarded(self._write, [record])
+        # record of a deferred read from `history`. The views of a step are
+        # computed from the records of every optimizer at that step (one
+        # point per step of "the largest of all variables"), and written
+        # with the last of them.
+        for group in _same_step(records):
+            views = self._views(group)
+            last = max((i for i, r in enumerate(group) if not r.skipped), default=-1)
+            for i, record in enumerate(group):
+                self._guarded(self._write, [record], views if i == last else {})
 
-    def _write(self, records: List[_capture.Record]) -> None:
+    def _views(self, group: List[_capture.Record]) -> Dict[str, float]:
+        """The TensorBoard views of one step's records; a failure warns once
+        (`strict` raises) and the records are written without them."""
+        recorded = [r for r in group if r.values is not None and not r.skipped]
+        if self._writer is None or not recorded:
+            return {}
+        try:
+            names = ()
+            if _capture.engine_for(self.model).several_optimizers:
+                # Groups of the variables of all optimizers, the same at every step.
+                if self._names is None:
+                    self._names = tuple(
+                        select_variables(self.model, self.include, self.exclude)[1])
+                names = self._names
+            return _layout.views(
+                self.kind, tuple(t for r in recorded for t in r.tags),
+                np.concatenate([np.asarray(r.values, np.float64) for r in recorded]), names)
+        except Exception as error:  # noqa: BLE001 - a chart must not stop fit
+            if self.strict:
+                raise _events.RecordingError(
+                    [type(self).__name__], "its TensorBoard views (views/...) to",
+                    str(self.destination), error) from error
+            if not self._views_failed:
+                self._views_failed = True
+                # Worded as the other failures to record (`_guarded`).
+                warnings.warn(
+                    f"{type(self).__name__} could not record: it could not compute its "
+                    f"TensorBoard views (views/{self.kind}/..., the Custom Scalars charts); its "
+                    "records are written without them, and training goes on. Cause: "
+                    f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=3)
+            return {}
+
+    def _write(self, records: List[_capture.Record], views: Dict[str, float]) -> None:
         several = _capture.engine_for(self.model).several_optimizers
         self._several = self._several or several
         for record in records:
@@ -182,13 +239,12 @@ class StatisticsCallback(RecordingCallback):
                 self._clipped += int(bool(clipped) and clipped[0] > 0)
             if self._writer is None or record.skipped:
                 continue
-            scalars, views = {}, {}
+            scalars = {}
             if record.values is not None:
                 scalars = {
                     tag: value for tag, value in zip(record.tags, record.values)
                     if tag is not None
                 }
-                views = _layout.views(self.kind, record.tags, record.values)
                 if self.kind == "gradients" and isinstance(
                         self._optimizer(record.optimizer), keras.optimizers.LossScaleOptimizer):
                     scalars[_tags.per_optimizer(self.kind, "skipped_updates",

@@ -184,19 +184,36 @@ def _fraction_view() -> str:
     return f"fraction_above_{UPDATE_RATIO_ABOVE:g}"
 
 
-def _log10(values: np.ndarray) -> np.ndarray:
-    """log10 of each value: -inf at 0, NaN below 0 (no warning)."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.log10(values)
+def _log10(value: float) -> Optional[float]:
+    """log10 of `value` for a chart of log10 values: None (the point left
+    out) where there is none, at a value <= 0 (a negative loss, a zero norm)
+    or NaN; +inf at +inf (an exploded value still shows)."""
+    if not value > 0:  # NaN too
+        return None
+    return float(np.log10(value))
+
+
+def _put_log10(out: Dict[str, float], tag: str, value: float) -> None:
+    """`out[tag] = log10(value)`, unless `_log10` leaves it out."""
+    logged = _log10(value)
+    if logged is not None:
+        out[tag] = logged
 
 
 def loss_views(scalars: Mapping[str, float]) -> Dict[str, float]:
-    """`views/step/<loss>/log10` of each loss `step/<loss>` in `scalars`."""
-    losses = _tags.step_losses(scalars)
-    if not losses:
-        return {}
-    values = _log10(np.array(list(losses.values()), np.float64))
-    return {_tags.view(_tags.STEP, name, "log10"): float(v) for name, v in zip(losses, values)}
+    """`views/step/<loss>/log10` of each loss `step/<loss>` in `scalars`;
+    absent at a loss <= 0 (a cosine-similarity or ELBO-style loss) or NaN,
+    +inf at an infinite loss.
+
+    Examples:
+        >>> from kerasdbg.sinks import layout
+        >>> layout.loss_views({"step/loss": 100.0, "step/kl_loss": -0.5})
+        {'views/step/loss/log10': 2.0}
+    """
+    out: Dict[str, float] = {}
+    for name, value in _tags.step_losses(scalars).items():
+        _put_log10(out, _tags.view(_tags.STEP, name, "log10"), float(value))
+    return out
 
 
 class _Plan(NamedTuple):
@@ -215,9 +232,9 @@ _VIEWED = {_tags.GRADIENTS: ("l2_norm",), _tags.WEIGHTS: ("l2_norm", "update_rat
 
 
 @functools.lru_cache(maxsize=64)
-def _plan(kind: str, tags: Tuple[Optional[str], ...]) -> _Plan:
+def _plan(kind: str, tags: Tuple[Optional[str], ...], names: Tuple[str, ...] = ()) -> _Plan:
     wanted = _VIEWED.get(kind, ())
-    tensors: Dict[str, None] = {}
+    tensors: Dict[str, None] = dict.fromkeys(names)
     found = []
     global_norms = []
     for i, tag in enumerate(tags):
@@ -234,7 +251,7 @@ def _plan(kind: str, tags: Tuple[Optional[str], ...]) -> _Plan:
         found.append((i, parts[1], parts[2]))
     names = list(tensors)
     group_of = dict(zip(names, _tags.groups(names, MAX_LINES)))
-    groups = tuple(dict.fromkeys(group_of.values()))
+    groups = tuple(dict.fromkeys(group_of[t] for _, t, _ in found))
     number = {g: k for k, g in enumerate(groups)}
     statistics = {}
     for stat in wanted:
@@ -255,7 +272,8 @@ def _group_max(values: np.ndarray, group: np.ndarray, count: int) -> np.ndarray:
     return np.where(seen, out, np.nan)
 
 
-def views(kind: str, tags: Sequence[Optional[str]], values: Sequence[float]) -> Dict[str, float]:
+def views(kind: str, tags: Sequence[Optional[str]], values: Sequence[float],
+          names: Sequence[str] = ()) -> Dict[str, float]:
     """The scalars of TensorBoard's readable charts derived from one step's
     records of `kind` (`tags[i]` holding `values[i]`; a None tag is left
     out): per group of variables or taps (`tags.groups`, at most
@@ -265,9 +283,29 @@ def views(kind: str, tags: Sequence[Optional[str]], values: Sequence[float]) -> 
     update ratio is above `UPDATE_RATIO_ABOVE`, and those largest and
     smallest norms again under the name of the variable holding them
     (`log10_largest/<variable>`, `log10_smallest/<variable>`: one line per
-    variable that ever held them); log10 of the global norm.
-    A NaN value is left out of a largest or smallest (NaN when all are);
-    log10 of 0 is -inf. Tags: `tags.view`.
+    variable that ever held them); log10 of the global norm (of each
+    optimizer's, with several). Tags: `tags.view`.
+
+    A NaN value is left out of a largest or smallest (a `max` is NaN when
+    all are). A log10 view is absent where its input is <= 0 or NaN and
+    +inf where it is +inf (an exploded norm still shows); the smallest
+    norm is the smallest nonzero one (a bias whose gradient is zero by
+    construction does not pin it). An infinite update ratio (a weight that
+    was 0, as a zero-initialised bias at its first step) is left out of its
+    group's `log10_max` and of the fraction, which counts the variables
+    whose ratio is finite; both are absent where none is.
+
+    Args:
+        kind: "gradients", "weights" or "activations".
+        tags: the tag of each value; None for a value left out.
+        values: the step's values.
+        names: the names of every variable or tap the groups are made of, so
+            that the same names make the same groups at every step (the
+            variables of every optimizer of the model, whose records
+            `tags` joins). Defaults to `()`: those in `tags`.
+
+    Returns:
+        `{view tag: value}`.
 
     Examples:
         >>> from kerasdbg.sinks import layout
@@ -278,43 +316,51 @@ def views(kind: str, tags: Sequence[Optional[str]], values: Sequence[float]) -> 
         >>> views["views/gradients/l2_norm/max/b/kernel"], views["views/gradients/l2_norm/log10_min"]
         (4.0, 0.47712125471966244)
     """
-    plan = _plan(kind, tuple(tags))
+    plan = _plan(kind, tuple(tags), tuple(names))
     values = np.asarray(values, np.float64)
     out: Dict[str, float] = {}
     for index, tag in plan.global_norms:
-        out[tag] = float(_log10(values[index]))
+        _put_log10(out, tag, values[index])
     count = len(plan.groups)
     for stat, (index, group, tensors) in plan.statistics.items():
         chosen = values[index]
-        largest = _group_max(chosen, group, count)
         # The groups holding a tensor of this statistic (a tap records
         # either its dead or its saturated fraction).
-        held = [(name, value) for name, value, n in zip(
-            plan.groups, largest, np.bincount(group, minlength=count)) if n]
-        if stat == "update_ratio" or (kind == _tags.GRADIENTS and stat == "l2_norm"):
-            for name, value in held:
-                out[_tags.view(kind, stat, "log10_max", name)] = float(_log10(value))
+        held = np.bincount(group, minlength=count) > 0
         if stat != "update_ratio":
-            for name, value in held:
+            largest = _group_max(chosen, group, count)
+            for name, value in zip(np.array(plan.groups, object)[held], largest[held]):
                 out[_tags.view(kind, stat, "max", name)] = float(value)
-        finite = chosen[~np.isnan(chosen)]
-        if kind == _tags.GRADIENTS and stat == "l2_norm":
-            low, high = (float(finite.min()), float(finite.max())) if finite.size \
-                else (np.nan, np.nan)
-            out[_tags.view(kind, stat, "log10_max")] = float(_log10(high))
-            out[_tags.view(kind, stat, "log10_min")] = float(_log10(low))
-            if finite.size:
-                # The same values under the name of the variable holding them:
-                # a line per variable that was ever the largest (smallest).
-                named = np.where(np.isnan(chosen), np.nan, chosen)
-                out[_tags.view(kind, stat, "log10_largest", tensors[int(np.nanargmax(named))])] = \
-                    float(_log10(high))
-                out[_tags.view(kind, stat, "log10_smallest",
-                               tensors[int(np.nanargmin(named))])] = float(_log10(low))
-        if stat == "update_ratio":
-            fraction = float(np.mean(finite > UPDATE_RATIO_ABOVE)) if finite.size else np.nan
-            out[_tags.view(kind, stat, _fraction_view())] = fraction
+            if kind == _tags.GRADIENTS and stat == "l2_norm":
+                for name, value in zip(np.array(plan.groups, object)[held], largest[held]):
+                    _put_log10(out, _tags.view(kind, stat, "log10_max", name), value)
+                _extremes(out, kind, stat, chosen, tensors)
+        else:
+            finite = np.isfinite(chosen)
+            largest = _group_max(chosen[finite], group[finite], count)
+            for name, value in zip(plan.groups, largest):
+                _put_log10(out, _tags.view(kind, stat, "log10_max", name), value)
+            if finite.any():
+                out[_tags.view(kind, stat, _fraction_view())] = \
+                    float(np.mean(chosen[finite] > UPDATE_RATIO_ABOVE))
     return out
+
+
+def _extremes(out: Dict[str, float], kind: str, stat: str, chosen: np.ndarray,
+              tensors: Tuple[str, ...]) -> None:
+    """The log10 of the largest and of the smallest nonzero of `chosen` (NaN
+    left out), also under the name of the tensor holding it."""
+    known = np.where(np.isnan(chosen), -np.inf, chosen)
+    if known.size and known.max() > 0:
+        i = int(np.argmax(known))
+        _put_log10(out, _tags.view(kind, stat, "log10_max"), chosen[i])
+        # The same values under the name of the variable holding them: a
+        # line per variable that was ever the largest (smallest).
+        _put_log10(out, _tags.view(kind, stat, "log10_largest", tensors[i]), chosen[i])
+        positive = np.where(known > 0, known, np.inf)
+        i = int(np.argmin(positive))
+        _put_log10(out, _tags.view(kind, stat, "log10_min"), chosen[i])
+        _put_log10(out, _tags.view(kind, stat, "log10_smallest", tensors[i]), chosen[i])
 
 
 # ----------------------------------------------------------------- layout
