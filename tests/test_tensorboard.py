@@ -119,6 +119,10 @@ def test_the_verdict_text_is_served_at_its_step(server):
                       (str(FAULT), "NaNSource")]]
     assert "<table" not in served[-1]["text"]
     assert f"<strong>step {FAULT} · NonFiniteLoss</strong>: the loss is inf" in served[-1]["text"]
+    # Its tensors on a line of their own: a list nested in the verdict's item.
+    assert re.search(rf"<strong>step {FAULT} · NonFiniteLoss</strong>: the loss is inf\s*<ul>\s*"
+                     r"<li>tensors: <code>step/loss</code></li>", served[-1]["text"]), \
+        served[-1]["text"]
     healthy = _get(server, "/data/plugin/text/text", run="healthy/train", tag="rules/verdicts")
     assert [int(entry["step"]) for entry in healthy] == [HEALTHY_STEPS]
     assert (f"No verdict: NonFiniteLoss, FreezeOnFault, NaNSource ran over steps "
@@ -199,14 +203,15 @@ def test_custom_scalars_draw_few_lines_each_with_reference_values(server, record
     keep(shot)
 
 
-@pytest.mark.parametrize("dashboard", ["scalars", "histograms"])
+@pytest.mark.parametrize("dashboard", ["scalars", "histograms", "text"])
 def test_dashboard_screenshot(server, tmp_path, dashboard):
     browser = _chromium()
     assert browser is not None, (
         "no headless browser for the dashboard screenshots: `./run.sh test` installs Debian's "
         "`chromium` with apt-get when it can (as root or with sudo); install it by hand otherwise")
     shot = tmp_path / f"tensorboard_{dashboard}.png"
-    url = f"{server}/?darkMode=false#{dashboard}&tagFilter=global_norm%7Ckernel"
+    url = f"{server}/?darkMode=false#{dashboard}" + (
+        "" if dashboard == "text" else "&tagFilter=global_norm%7Ckernel")
     result = subprocess.run(
         [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
          "--window-size=1280,860", "--virtual-time-budget=15000", f"--screenshot={shot}", url],

@@ -18,7 +18,7 @@ INFORMATION = "information, not a fault"
 NO_VERDICT = "No verdict"
 _ITEM = re.compile(r"^- \*\*step (?P<step>-?\d+) · (?P<rule>[^*]+?)\*\*"
                    rf"(?P<info> \({re.escape(INFORMATION)}\))?(?P<sep>[:;]) (?P<reason>.*)$")
-_TENSORS = re.compile(r"^\s+tensors: (?P<tensors>.*)$")
+_TENSORS = re.compile(r"^\s+(?:- )?tensors: (?P<tensors>.*)$")
 _HEADING = re.compile(r"^\*\*Verdicts, in step order\*\*|^" + NO_VERDICT + ":"
                       r"|^\(\d+ earlier verdicts? of this run")
 # The table that runs written before the list hold.
@@ -49,7 +49,7 @@ def verdict_markdown(verdicts: Sequence[Any], ran: Sequence[Sequence[Any]] = (),
     write first: each write holds every verdict so far, so the newest reads
     top to bottom): `- **step <step> · <rule>**: <reason>`, an "info"
     verdict marked "(information, not a fault)", and the tensors on the
-    item's second line. A list, not a table: TensorBoard gives a table's
+    item's nested line. A list, not a table: TensorBoard gives a table's
     columns the width of their shortest words and breaks the rest.
 
     Args:
@@ -73,7 +73,7 @@ def verdict_markdown(verdicts: Sequence[Any], ran: Sequence[Sequence[Any]] = (),
         **Verdicts, in step order** (steps 3; the newest last)
         <BLANKLINE>
         - **step 3 · AllZero**: zero_fraction at or above 1 in weights: m/d/bias=1
-          tensors: `m/d/bias`
+            - tensors: `m/d/bias`
         >>> verdict_rows(text)[0]["tensors"]
         ['m/d/bias']
         >>> print(verdict_markdown([], ran=[(["NonFiniteLoss", "DeadReLU"], 1, 40)]))
@@ -96,7 +96,9 @@ def verdict_markdown(verdicts: Sequence[Any], ran: Sequence[Sequence[Any]] = (),
         lines.append(f"- **step {int(v.step)} · {v.rule}**{info}{sep} {reason}")
         if v.tensors:
             hidden = len(v.tensors) - VERDICT_TENSORS
-            lines.append("  tensors: " + ", ".join(
+            # A nested item (4 spaces, as Python-Markdown nests): its own line (a
+            # continuation line would join the reason's).
+            lines.append("    - tensors: " + ", ".join(
                 f"`{t}`" for t in v.tensors[:VERDICT_TENSORS])
                 + (f" ... and {hidden} more" if hidden > 0 else ""))
     notes = ordered and all(getattr(v, "severity", "fault") != "fault" for v in ordered)
