@@ -380,6 +380,19 @@ def test_a_views_failure_warns_once_and_the_records_are_still_written(tmp_path, 
     assert not any(tag.startswith("views/gradients/") for tag in points)
 
 
+def test_strict_raises_when_the_views_fail(tmp_path, monkeypatch):
+    def fail(*args, **kwargs):
+        raise ZeroDivisionError("a bug in the views")
+
+    monkeypatch.setattr(_layout, "views", fail)
+    with pytest.raises(_events.RecordingError, match=re.escape(
+            "GradientStatistics could not record: kerasdbg could not write the TensorBoard views "
+            f"(views/gradients/...) to {str(tmp_path / 'logs' / 'train')!r}; the fit stops "
+            "(`strict=True`). Cause: ZeroDivisionError: a bug in the views")) as raised:
+        _fit(_tapped_model(), [GradientStatistics(str(tmp_path / "logs"), strict=True)])
+    assert isinstance(raised.value.__cause__, ZeroDivisionError)
+
+
 def test_the_summary_is_the_plugins_own():
     proto = _layout.layout(_layout.loss_lines() + _layout.timing_lines(True))
     theirs = summary_pb2.Summary.FromString(layout_summary.pb(proto).SerializeToString())

@@ -203,8 +203,8 @@ class StatisticsCallback(RecordingCallback):
         except Exception as error:  # noqa: BLE001 - a chart must not stop fit
             if self.strict:
                 raise _events.RecordingError(
-                    [type(self).__name__], "its TensorBoard views (views/...) to",
-                    str(self.destination), error) from error
+                    [type(self).__name__], f"the TensorBoard views (views/{self.kind}/...) to",
+                    self._writer.log_dir, error) from error
             if not self._views_failed:
                 self._views_failed = True
                 # Worded as the other failures to record (`_guarded`).
