@@ -11,8 +11,8 @@ group of variables or taps (`tags.groups`: at most `MAX_LINES`, named after
 the layers, `conv2`..`conv5` for a ResNet50), the largest gradient norm,
 update ratio, weight norm and dead fraction, written beside the records by
 the callbacks as `views/...` scalars (`views`); the loss and the global
-norm on charts of their own, each also as log10 (the plugin has no log
-axis). The per-variable and per-tap charts come last, in a closed category,
+norm on charts of their own, each also as log10 (the plugin's log axis
+is a button per chart, off at first). The per-variable and per-tap charts come last, in a closed category,
 and only where they draw at most `MAX_LINES` lines.
 
 The plugin reads one layout per run: of the points of its tag
