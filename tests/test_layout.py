@@ -268,11 +268,18 @@ GRADIENT_TAGS = ["gradients/global_norm"] + [
         "l2_norm/max/a/kernel": np.inf, "l2_norm/max/a/bias": 0.0, "l2_norm/max/b/kernel": np.nan,
         "l2_norm/max/b/bias": 0.5, "l2_norm/log10_max/a/kernel": np.inf,
         "l2_norm/log10_max/b/bias": np.log10(0.5)}),
+    # The only norm known is inf (the others NaN): the largest and the smallest.
+    ([np.nan, np.nan, np.nan, np.nan, np.inf], {
+        "l2_norm/log10_max": np.inf, "l2_norm/log10_min": np.inf,
+        "l2_norm/log10_largest/m/b/bias": np.inf, "l2_norm/log10_smallest/m/b/bias": np.inf,
+        "l2_norm/max/a/kernel": np.nan, "l2_norm/max/a/bias": np.nan,
+        "l2_norm/max/b/kernel": np.nan, "l2_norm/max/b/bias": np.inf,
+        "l2_norm/log10_max/b/bias": np.inf}),
     # NaN only: the global norm's log10 is absent too.
     ([np.nan, np.nan, np.nan, np.nan, np.nan], {
         "l2_norm/max/a/kernel": np.nan, "l2_norm/max/a/bias": np.nan,
         "l2_norm/max/b/kernel": np.nan, "l2_norm/max/b/bias": np.nan}),
-], ids=["zero-biases", "all-zero", "inf-and-nan", "all-nan"])
+], ids=["zero-biases", "all-zero", "inf-and-nan", "nan-and-one-inf", "all-nan"])
 def test_gradient_views_leave_out_the_log10_of_zero_and_nan(values, expected):
     got = _layout.views("gradients", GRADIENT_TAGS, values)
     expected = {f"views/gradients/{tag}": value for tag, value in expected.items()}

@@ -146,8 +146,11 @@ def test_custom_scalars_draw_few_lines_each_with_reference_values(server, record
     browser = _chromium()
     assert browser is not None, NO_BROWSER
     _, model, reference = recorded
+    # A group's largest is written at every step (NaN once every norm is);
+    # the log10 views are left out where their value is NaN.
     wait_for(lambda: len(_get(server, "/data/plugin/scalars/scalars", run="train",
-                              tag="views/gradients/l2_norm/log10_min")) == STEPS, "every step")
+                              tag="views/gradients/l2_norm/max/hidden/kernel")) == STEPS,
+             "every step")
     layout = _get(server, "/data/plugin/custom_scalars/layout")
     lines, served = {}, {}
     for category in layout["category"]:
@@ -195,6 +198,15 @@ def test_custom_scalars_draw_few_lines_each_with_reference_values(server, record
         assert values["views/step/loss/log10"][step] == pytest.approx(
             np.log10(expected["loss"]), abs=1e-5)
     assert values["views/step/loss/log10"][FAULT] == np.inf  # the inf loss
+    # The fault's NaN gradients: no log10 view draws NaN or -inf.
+    logged = [v for tag, by_step in values.items() if "log10" in tag for v in by_step.values()]
+    assert logged and not any(np.isnan(v) or v == -np.inf for v in logged)
+    # At the fault, the output bias's gradient sums the inf target's -inf (its
+    # norm is inf); the other norms are NaN (0 * inf after the ReLU): the only
+    # norm known is inf, so the largest and the smallest are +inf.
+    for view in ("log10_max", "log10_min", "log10_largest/sequential/out/bias",
+                 "log10_smallest/sequential/out/bias"):
+        assert values[f"views/gradients/l2_norm/{view}"].get(FAULT) == np.inf, view
     shot = tmp_path / "tensorboard_custom_scalars.png"
     screenshot(browser, f"{server}/?darkMode=false#custom_scalars", shot, tmp_path / "profile",
                size=(1280, 1600))

@@ -357,8 +357,8 @@ def _extremes(out: Dict[str, float], kind: str, stat: str, chosen: np.ndarray,
         # The same values under the name of the variable holding them: a
         # line per variable that was ever the largest (smallest).
         _put_log10(out, _tags.view(kind, stat, "log10_largest", tensors[i]), chosen[i])
-        positive = np.where(known > 0, known, np.inf)
-        i = int(np.argmin(positive))
+        positive = np.flatnonzero(known > 0)  # (nanargmin takes NaN for inf)
+        i = int(positive[np.argmin(known[positive])])
         _put_log10(out, _tags.view(kind, stat, "log10_min"), chosen[i])
         _put_log10(out, _tags.view(kind, stat, "log10_smallest", tensors[i]), chosen[i])
 
