@@ -40,7 +40,7 @@ EXPECTED_OUTPUT = {
         "kerasdbg: NonFiniteLoss at step 4: the loss is nan",
         "NaNSource at step 4: the first layer whose output held NaN/Inf is 'out'",
         "steps run: 8 | weights finite: True",
-        "| NonFiniteLoss | 4 | step/loss |",
+        "- **step 4 · NonFiniteLoss**: the loss is nan",
         "kerasdbg: DeadReLU at step 4: dead_fraction at or above 0.5: hidden_tap=1",
         "Verdict(rule='NonFiniteLoss', step=4",
     ],
@@ -49,7 +49,7 @@ EXPECTED_OUTPUT = {
         "relu: first layer / last layer gradient norm = ",
         "Tensor('gradients/sigmoid8/dense0/kernel'",
         "first non-finite step: none",
-        "smallest mean gradient norms: sigmoid8/dense0",
+        "smallest median gradient norms (same steps): sigmoid8/dense0",
         "<IPython.core.display.Image object>",
     ],
     "04_strategies_and_steps_per_execution.ipynb": [
