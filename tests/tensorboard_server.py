@@ -85,6 +85,23 @@ def wait_for(condition, what):
         time.sleep(0.5)
 
 
+def custom_scalars(base, run="train"):
+    """What the Custom Scalars tab of `run` draws, asked of the plugin's own
+    routes: `(layout, {category: {chart: its number of lines}}, {tag: its
+    events})`."""
+    layout = get(base, "/data/plugin/custom_scalars/layout")
+    lines, served = {}, {}
+    for category in layout["category"]:
+        charts = lines.setdefault(category["title"], {})
+        for chart in category["chart"]:
+            for regex in chart["multiline"]["tag"]:
+                tags = get(base, "/data/plugin/custom_scalars/scalars", run=run,
+                           tag=regex)["tag_to_events"]
+                served.update(tags)
+                charts[chart["title"]] = charts.get(chart["title"], 0) + len(tags)
+    return layout, lines, served
+
+
 def chromium():
     return next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")
                  if shutil.which(n)), None)

@@ -4,7 +4,6 @@ callbacks write: a few charts, each of every tag of one statistic."""
 import glob
 import os
 import re
-import time
 import warnings
 
 import keras
@@ -24,9 +23,8 @@ from kerasdbg.callbacks import ActivationStatistics, GradientStatistics, StepTim
 from kerasdbg.callbacks import StopOnRule, WeightStatistics
 from kerasdbg.layers import TapLayer
 from tests.helpers import BATCH, X, Y
-from tests.tensorboard_server import get as _get, serve
+from tests.tensorboard_server import get as _get, serve, wait_for
 
-LOAD_TIMEOUT_S = 60
 # The layout the issue asks for: category -> its charts, in order; the
 # per-variable charts last, in a closed category.
 EVERY = "every variable and tap"
@@ -121,24 +119,9 @@ def _titles(layout):
     return {c.title: [chart.title for chart in c.chart] for c in layout.category}
 
 
-def _wait_for(condition, what):
-    """Polls `condition()` until true: the server reads the run's files in the
-    background, a few events at a time."""
-    deadline = time.monotonic() + LOAD_TIMEOUT_S
-    while True:
-        try:
-            if condition():
-                return
-        except OSError:  # a tag not read yet: HTTP 400
-            pass
-        if time.monotonic() > deadline:
-            pytest.fail(f"tensorboard did not serve {what} within {LOAD_TIMEOUT_S} s")
-        time.sleep(0.5)
-
-
 def _served_layout(base):
     """The layout route's answer, once it lists every category."""
-    _wait_for(lambda: len(_get(base, "/data/plugin/custom_scalars/layout").get("category", []))
+    wait_for(lambda: len(_get(base, "/data/plugin/custom_scalars/layout").get("category", []))
               >= len(CHARTS), "the whole layout")
     return _get(base, "/data/plugin/custom_scalars/layout")
 
@@ -197,7 +180,7 @@ def test_the_plugin_serves_the_merged_layout(server):
 def test_each_chart_draws_the_tags_of_its_statistic(server, trained):
     _, model = trained
     expected = _expected_tags(model)
-    _wait_for(lambda: set().union(*filter(None, expected.values())) <= _served_tags(server),
+    wait_for(lambda: set().union(*filter(None, expected.values())) <= _served_tags(server),
               "every tag")
     listed = _served_tags(server)
     layout = _served_layout(server)

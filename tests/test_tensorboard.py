@@ -14,7 +14,7 @@ from kerasdbg.callbacks import GradientStatistics, StopOnRule
 from kerasdbg.rules import NonFiniteLoss, Rule, RuleWarning
 from tests.helpers import BATCH, LEARNING_RATE, X, Y, make_mlp, reference_training
 from tests.tensorboard_server import NO_BROWSER, chromium as _chromium, get as _get, keep
-from tests.tensorboard_server import screenshot, serve, wait_for
+from tests.tensorboard_server import custom_scalars, screenshot, serve, wait_for
 
 STEPS = len(X) // BATCH
 FAULT = 6
@@ -151,16 +151,7 @@ def test_custom_scalars_draw_few_lines_each_with_reference_values(server, record
     wait_for(lambda: len(_get(server, "/data/plugin/scalars/scalars", run="train",
                               tag="views/gradients/l2_norm/max/hidden/kernel")) == STEPS,
              "every step")
-    layout = _get(server, "/data/plugin/custom_scalars/layout")
-    lines, served = {}, {}
-    for category in layout["category"]:
-        charts = lines.setdefault(category["title"], {})
-        for chart in category["chart"]:
-            for regex in chart["multiline"]["tag"]:
-                tags = _get(server, "/data/plugin/custom_scalars/scalars", run="train",
-                            tag=regex)["tag_to_events"]
-                served.update(tags)
-                charts[chart["title"]] = charts.get(chart["title"], 0) + len(tags)
+    layout, lines, served = custom_scalars(server)
     paths = [v.path for v in model.trainable_variables]
     norms = np.array([[np.linalg.norm(g.astype(np.float64)) for g in r["grads"]]
                       for r in reference[:FAULT - 1]])

@@ -17,7 +17,7 @@ from kerasdbg.callbacks import ActivationStatistics, GradientStatistics, StepTim
 from kerasdbg.callbacks import StopOnRule, WeightStatistics
 from kerasdbg.rules import DiagnosisWarning
 from tests.tensorboard_server import NO_BROWSER, chromium, get, keep, screenshot, serve
-from tests.tensorboard_server import wait_for
+from tests.tensorboard_server import custom_scalars, wait_for
 
 STEPS, BATCH = 3, 4
 # ResNet50's stages, by hand: the first part of each variable's and tap's name.
@@ -78,15 +78,8 @@ def test_custom_scalars_at_resnet50_scale_draw_ten_lines_or_fewer(resnet_run, tm
                                      tag=tag)) == STEPS, f"every step of {tag}")
         wait_for(lambda: len(get(base, "/data/plugin/custom_scalars/layout")["category"]) == 5,
                  "the whole layout")
-        layout = get(base, "/data/plugin/custom_scalars/layout")
-        lines, served = {}, {}
-        for category in layout["category"]:
-            for chart in category["chart"]:
-                for regex in chart["multiline"]["tag"]:
-                    tags = get(base, "/data/plugin/custom_scalars/scalars", run="train",
-                               tag=regex)["tag_to_events"]
-                    served.update(tags)
-                    lines[chart["title"]] = lines.get(chart["title"], 0) + len(tags)
+        layout, by_category, served = custom_scalars(base)
+        lines = {chart: n for charts in by_category.values() for chart, n in charts.items()}
         shot = tmp_path / "tensorboard_layout_resnet50.png"
         screenshot(browser, f"{base}/?darkMode=false#custom_scalars", shot, tmp_path / "profile",
                    size=(1280, 2400))
