@@ -365,3 +365,22 @@ def test_report_of_the_demo_says_what_to_try_and_compares_its_two_runs(demo, cap
     norm = series(broken, tag)[fault - 1]
     assert f"{tag[len('gradients/'):-len('/l2_norm')]} at step {fault - 1}: gradient norm " \
            f"{norm:.3g}" in report
+
+    # The comparison as a browser draws it (kept for the docs: KERASDBG_SCREENSHOTS).
+    from PIL import Image
+
+    from tests.tensorboard_server import NO_BROWSER, chromium
+    from tests.test_report import _screenshot
+
+    browser = chromium()
+    assert browser is not None, NO_BROWSER
+    shot = out / "compare.png"
+    _screenshot(browser, str(out / "compare" / "compare.html"), shot, out / "chromium-profile")
+    with Image.open(shot) as image:
+        pixels = np.asarray(image.convert("RGB")).reshape(-1, 3)
+        assert len(np.unique(pixels, axis=0)) > 200  # the plots' lines, not a blank page
+        keep = os.environ.get("KERASDBG_SCREENSHOTS")
+        if keep:
+            os.makedirs(keep, exist_ok=True)
+            image.crop((0, 0, 1280, 1900)).convert("RGB").quantize(256).save(
+                os.path.join(keep, "compare.png"), optimize=True)
