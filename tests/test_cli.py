@@ -49,6 +49,7 @@ def test_demo_writes_both_runs_and_says_how_to_open_them(demo):
     for name in ("healthy", "lr_too_high"):
         run = load_run(str(out / name))
         assert "gradients/global_norm" in run.tags()
+        assert not run.tags("^views/")  # TensorBoard's chart views are not records
         assert run.tags("^weights/.*update_ratio$")
         assert run.tags(kind="histograms")
         assert "epoch_loss" in run.tags()  # Keras's TensorBoard callback, same dir

@@ -42,12 +42,16 @@ from google.protobuf.message import DecodeError
 from tensorboard.compat.proto import event_pb2, types_pb2
 from tensorboard.util import tensor_util
 
+from kerasdbg.records import tags as _tags
 from kerasdbg.sinks import store as _store
 from kerasdbg.sinks.tfrecord import masked_crc32c
 
 _LENGTH = struct.Struct("<Q")
 _CHECKSUM = struct.Struct("<I")
 _HEADER = _LENGTH.size + _CHECKSUM.size
+
+
+_VIEWS = _tags.VIEWS + "/"
 
 
 def records(path: str, offset: int = 0) -> Iterator[Tuple[bytes, int]]:
@@ -188,6 +192,8 @@ class EventSource:
         for value in event.summary.value:
             which = value.WhichOneof("value")
             if which == "simple_value":
+                if value.tag.startswith(_VIEWS):
+                    continue  # TensorBoard's charts only: not records, never in the store
                 scalars.append(value.tag)
                 values.append(value.simple_value)
                 continue
