@@ -183,7 +183,12 @@ def test_a_nan_in_a_reused_fit_freezes_and_stops_at_its_step(monkeypatch):
     stop = StopOnRule([NonFiniteLoss()], verbose=False)
     _fit(model, [stop], x=x)
     assert makes.forced == 1
-    assert [(v.rule, v.step) for v in stop.verdicts][:1] == [("NonFiniteLoss", STEPS + 5)]
+    # Stopped at the NaN batch's step. Which rule says so depends on the CPU: where a
+    # fused ReLU gives 0 for NaN the loss stays finite and only the first layer's
+    # gradient holds NaN (FreezeOnFault), elsewhere the loss is NaN (NonFiniteLoss).
+    first = stop.verdicts[0]
+    assert (first.step, first.severity) == (STEPS + 5, "fault")
+    assert first.rule in ("NonFiniteLoss", "FreezeOnFault"), first
     # Frozen at the faulty step: the weights after the 14 healthy steps.
     reference = reference_training(initial, STEPS + 4)
     for variable, want in zip(model.trainable_variables, reference[-1]["after"]):

@@ -1020,8 +1020,10 @@ def test_check_prints_information_and_exits_0_when_no_rule_fires(tmp_path, capsy
               callbacks=[GradientStatistics(log_dir), WeightStatistics(log_dir)])
     assert cli.main(["check", log_dir, "--rule", "VanishingGradient"]) == 0
     out = capsys.readouterr()
-    assert out.out.startswith("(info) VanishingGradient at step 1: zero by construction")
-    assert "mha/key/bias" in out.out
+    # The notes in one line, as a fit ends with.
+    assert out.out.startswith("(info) information, not faults (1 tensor): VanishingGradient, "
+                              "at step 1: zero by construction")
+    assert out.out.count("\n") == 1 and "mha/key/bias" in out.out
     assert out.err.strip() == "kerasdbg check: 0 of 1 rules fired"
 
 

@@ -31,12 +31,24 @@ AFTER = 5.0
 """Seconds of a first execution after which its progress line is printed."""
 
 
+def _taps(model) -> int:
+    """The `TapLayer`s of `model`, nested models included, a tap per tensor of
+    a structure (as `ActivationStatistics` finds them; told by their marks,
+    so that the capture imports no layer)."""
+    count, stack = 0, list(getattr(model, "layers", None) or [])
+    while stack:
+        layer = stack.pop()
+        if getattr(layer, "kerasdbg_debug_layer", False) and getattr(layer, "KIND", "") == "tap":
+            count += len(getattr(layer, "parts", None) or {}) or 1
+        else:
+            stack.extend(getattr(layer, "layers", None) or [])
+    return count
+
+
 def describe(model) -> str:
     """`'name' (N variables, M taps)`: what the instrumented step covers."""
-    from kerasdbg.callbacks.activation_statistics import find_taps  # a layer walk
-
     variables = len(getattr(model, "trainable_variables", ()) or ())
-    taps = len(find_taps(model))
+    taps = _taps(model)
     return (f"{getattr(model, 'name', 'model')!r} ({variables} trainable variable"
             f"{'' if variables == 1 else 's'}, {taps} tap{'' if taps == 1 else 's'})")
 

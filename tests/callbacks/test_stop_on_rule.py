@@ -457,6 +457,24 @@ def test_a_long_first_step_says_so_and_how_long_it_took(capsys, monkeypatch):
     assert len(printed) == 2, printed
 
 
+def test_the_progress_line_counts_the_taps_activation_statistics_finds():
+    """The progress line counts taps by their marks (the capture imports no
+    layer): as many as `ActivationStatistics` finds, in nested models and
+    structures too."""
+    from kerasdbg.callbacks.activation_statistics import find_taps
+    from kerasdbg.capture import progress
+    from kerasdbg.layers import TapLayer
+
+    inner = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="a"),
+                              TapLayer(name="inner_tap")], name="inner")
+    inputs = keras.Input((4,))
+    both = TapLayer(name="pair_tap")({"x": inner(inputs), "y": keras.layers.Dense(3)(inputs)})
+    model = keras.Model(inputs, keras.layers.Add()([both["x"], both["y"]]), name="m")
+    model = kerasdbg.insert_taps(model, layers="add")
+    assert progress._taps(model) == len(find_taps(model)) == 4, [t.name for t in find_taps(model)]
+    assert progress.describe(model) == "'m' (4 trainable variables, 4 taps)"
+
+
 def test_a_first_step_that_raises_is_not_said_to_have_compiled(capsys, monkeypatch):
     """A train step whose trace raises (after the progress line, here at 0 s
     and a 0.5 s trace): the closing line says the fit ended during the first
