@@ -92,7 +92,9 @@ def run_cluster(tmp_path, nan: bool):
     """Runs the two processes to the end (bounded); returns their results."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    env = dict(os.environ, XLA_FLAGS="",
+    # On CPUs whatever the machine: on a one-GPU machine both processes took the
+    # GPU (NCCL: "Duplicate GPU detected").
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
     port = _free_port()
     processes = [subprocess.Popen(
