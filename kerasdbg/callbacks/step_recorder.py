@@ -180,8 +180,7 @@ class StepRecorder(RecordingCallback):
                     RuntimeWarning, stacklevel=2)
         # The optimizer it records is known in the trace; the one that stepped
         # most (a GAN's second fit: not `model.optimizer`) tells where steps are.
-        start = max(int(keras_objects.host_value(keras_objects.raw_iterations(o)))
-                    for _, o in keras_objects.find_optimizers(model))
+        start = max(keras_objects.step_number(o) for _, o in keras_objects.find_optimizers(model))
         initial = 0 in self._steps and start == 0 and "weights" in self.record
         steps = [s for s in self._steps if s > start]
         self._request = None
@@ -260,7 +259,7 @@ class StepRecorder(RecordingCallback):
         said = self._request is not None and not self._request.variables \
             and not hasattr(self._request, "why")  # JAX's says it when it reads
         if missing and not said:
-            end = max((int(keras_objects.host_value(keras_objects.raw_iterations(o)))
+            end = max((keras_objects.step_number(o)
                        for _, o in keras_objects.find_optimizers(self.model)), default=self._start)
             self._say_missing(self._start, end, missing)
         # No file rather than an empty one when no step asked for was reached.

@@ -32,8 +32,11 @@ from kerasdbg.rules.all_zero import AllZero
 from kerasdbg.rules.faults import FreezeOnFault, NaNSource
 from kerasdbg.rules.rule import CLASSES, SCALAR_COLLECTIONS, Rule, RuleFired, RuleWarning
 from kerasdbg.rules.rule import Verdict, tag_pattern
+from kerasdbg.rules.spike_rules import SkippedStep
 
-ACTIONS = ("stop", "raise", "warn")
+ACTIONS = ("stop", "raise", "warn", "skip")
+SKIP_FAULTS = frozenset({"nonfinite", "max_gradient_norm", "loss_spike", "gradient_norm_spike"})
+"""The in-graph faults `action="skip"` skips (see `kerasdbg.capture.Freeze`)."""
 VERDICT_TAG = _tags.VERDICTS
 DEFAULT_SUSPEND = (
     keras.callbacks.BackupAndRestore,
@@ -215,6 +218,8 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
         loss: Optional[str] = None,
         every_n_steps: Optional[int] = None,
         first_steps: Optional[int] = None,
+        max_skips: int = 10,
+        skip_window: int = 128,
     ):
         super().__init__()
         owner = type(self).__name__
@@ -233,7 +238,17 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
             raise ValueError(f"{owner}: `action` {allowed}. Received: action={action!r}")
         self.action = action
         self.start_step = check.non_negative_int(owner, "start_step", start_step)
-        watches = any(getattr(r, "watches_nonfinite", False) for r in self.rules)
+        self.max_skips = check.positive_int(owner, "max_skips", max_skips)
+        self.skip_window = check.positive_int(owner, "skip_window", skip_window)
+        if self.max_skips > self.skip_window:
+            raise ValueError(f"{owner}: `max_skips` must be at most `skip_window` (skips are "
+                             f"counted among the last `skip_window` steps). Received: "
+                             f"max_skips={max_skips!r}, skip_window={skip_window!r}")
+        watches = any(getattr(r, "watches_nonfinite", False) or _guards(r) for r in self.rules)
+        if action == "skip" and freeze_on_fault is False:
+            raise ValueError(f"{owner}: action='skip' skips a step in the graph, at the fault "
+                             "test that `freeze_on_fault` arms; it needs freeze_on_fault=True "
+                             "or None. Received: freeze_on_fault=False")
         self.freeze_on_fault = check.boolean(
             owner, "freeze_on_fault", watches if freeze_on_fault is None else freeze_on_fault)
         self.locate_nan = check.boolean(
@@ -275,6 +290,9 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
         self._silent: List[Rule] = []
         self._notes: List[Verdict] = []
         self._ran: Optional[tuple] = None
+        self._skipped: List[int] = []
+        self._epoch_skipped = 0
+        self._skipping = False
 
     def get_config(self) -> dict:
         """The constructor's arguments, JSON-able: rules as `{"class_name",
@@ -300,6 +318,8 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
             "loss": self.loss,
             "every_n_steps": self.every_n_steps,
             "first_steps": self.first_steps,
+            "max_skips": self.max_skips,
+            "skip_window": self.skip_window,
         }
 
     @classmethod
@@ -334,7 +354,21 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
             kept.append(FreezeOnFault(self.max_gradient_norm))
         if self.locate_nan and not any(isinstance(r, NaNSource) for r in kept):
             kept.append(NaNSource())
+        if self._skips() and not any(isinstance(r, SkippedStep) for r in kept):
+            kept.append(SkippedStep())
         return kept
+
+    def _skips(self) -> frozenset:
+        """The in-graph faults that skip their step (`Freeze.skip`): those of
+        `SKIP_FAULTS` with `action="skip"`, less the spikes of rules that ask
+        to stop; the spikes of rules that ask to skip, whatever the action.
+        None on a backend where the graph cannot skip (said once)."""
+        kinds = set(SKIP_FAULTS) if self.action == "skip" else set()
+        for rule in self.rules:
+            if _guards(rule) and rule.action is not None:
+                kind = f"{rule.quantity}_spike"
+                (kinds.add if rule.action == "skip" else kinds.discard)(kind)
+        return frozenset(kinds) if self.freeze_on_fault else frozenset()
 
     def _refuse(self, collection: str, statistic: str, allowed: str) -> None:
         """A rule reads what cannot be recorded for this model: it will not
@@ -351,6 +385,18 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
             if self.strict:
                 raise ValueError(message)
             warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+    def _no_guard(self, skip: bool) -> None:
+        """Says once per fit that this backend's graph has no spike test or
+        skip (the rules test the records on the host, after the step)."""
+        message = (f"{type(self).__name__}: the in-graph spike tests and skips run on the "
+                   f"TensorFlow backend only so far; on {keras.config.backend()!r} the spike "
+                   "rules test the records after each execution"
+                   + (", and a fault that would be skipped stops training instead" if skip
+                      else "") + ".")
+        if self.strict:
+            raise ValueError(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     def on_train_begin(self, logs=None):
         self.verdicts = []
@@ -376,8 +422,7 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
         self.loss_source = None
         self._last_step = 0
         if getattr(self.model, "optimizer", None) is not None:
-            self._last_step = int(keras_objects.host_value(
-                keras_objects.raw_iterations(self.model.optimizer)))
+            self._last_step = keras_objects.step_number(self.model.optimizer)
         rules = self.rules
         replicas = keras_objects.replicas(self.model)
         if self.default_rules:
@@ -395,8 +440,21 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
         self._kept = False
         self._continue_training()
         freeze = None
+        self._skipped = []  # the steps skipped in this fit
+        self._epoch_skipped = 0
+        self._skipping = False
         if self.freeze_on_fault:
-            freeze = _capture.Freeze(max_gradient_norm=self.max_gradient_norm)
+            spikes = tuple(r.spike() for r in rules if _guards(r))
+            skip = self._skips()
+            recordable = _capture.recordable()
+            if (spikes or skip) and recordable is not None and "guard" not in recordable:
+                # The rules still test the records on the host; a fault there stops.
+                self._no_guard(bool(skip))
+                spikes, skip = (), frozenset()
+            freeze = _capture.Freeze(max_gradient_norm=self.max_gradient_norm, spikes=spikes,
+                                     skip=skip, max_skips=self.max_skips,
+                                     skip_window=self.skip_window)
+            self._skipping = bool(skip)
         plan = planner.plan(
             rules, schedule=self.schedule, default_schedule=self._default_schedule,
             strict=self.strict, owner=type(self).__name__, replicas=replicas,
@@ -530,9 +588,8 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
         """The furthest step of the model's optimizers (0 without one); their
         step variables are looked up once per fit."""
         if self._iterations is None:
-            self._iterations = [keras_objects.raw_iterations(o)
-                                for _, o in keras_objects.find_optimizers(self.model)]
-        return max([int(keras_objects.host_value(v)) for v in self._iterations] + [0])
+            self._iterations = [o for _, o in keras_objects.find_optimizers(self.model)]
+        return max([keras_objects.step_number(o) for o in self._iterations] + [0])
 
     def _check_replicas(self, batch: int) -> None:
         """At the first step and every `every_n_steps` of the replica rules:
@@ -571,6 +628,10 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self._evaluate_pending()
+        if self._skipping and logs is not None:
+            # Counted in `history` (and the progress bar), which read the logs after this.
+            logs["skipped_steps"] = self._epoch_skipped
+            self._epoch_skipped = 0
         if self._done:
             self._mid_line = False  # the bar ends its line at the epoch's end
             return
@@ -668,8 +729,13 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
                 continue
             self._ran = (step if self._ran is None else self._ran[0], step)
             self._write(step, record)
+            skipped = _skipped(record)
+            if skipped:
+                self._skipped.append(step)
+                self._epoch_skipped += 1
             verdicts = self._runner.check(step, record)
-            self._evaluate(step, verdicts)
+            self._evaluate(step, verdicts, skipped=skipped,
+                           frozen=bool(record.get(_tags.step_scalar("frozen"))))
 
     def _write(self, step: int, record) -> None:
         if self._writer is None:
@@ -709,7 +775,27 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
         self._writer.write(step, texts={VERDICT_TAG: verdict_markdown(shown, quiet, earlier[0])})
         self._writer.flush()
 
-    def _evaluate(self, step: int, verdicts: List[Verdict]) -> None:
+    def _fallback(self, step: int, frozen: bool) -> str:
+        """Why `action="skip"` stops at `step`."""
+        if not frozen:
+            return ("the verdicts below are decided on the records after the step, which "
+                    "cannot be skipped any more: training stops (the fallback of "
+                    "action='skip')")
+        recent = [s for s in self._skipped if s > step - self.skip_window]
+        if len(recent) >= self.max_skips:
+            return (f"{len(recent)} steps were skipped among the last {self.skip_window} "
+                    f"(max_skips={self.max_skips}): the weights are frozen at step {step} "
+                    "and training stops (the fallback of action='skip')")
+        return (f"the weights are frozen at step {step} and training stops (a fault that "
+                "action='skip' does not skip)")
+
+    @property
+    def skipped_steps(self) -> List[int]:
+        """The steps of the last `fit` that an in-graph fault skipped, in order."""
+        return list(getattr(self, "_skipped", []))
+
+    def _evaluate(self, step: int, verdicts: List[Verdict], skipped: bool = False,
+                  frozen: bool = False) -> None:
         if not verdicts:
             return
         self.verdicts.extend(verdicts)
@@ -720,22 +806,32 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
         verdicts = [v for v in verdicts if v.severity == "fault"]
         if not verdicts:
             return
-        if self.action != "warn":
+        if skipped and not frozen:
+            # Skipped in the graph: nothing was applied, training goes on.
+            for verdict in verdicts:
+                self._say(f"{verdict.reason}; the step was skipped")
+            return
+        action = self.action
+        if action == "skip":
+            # What the graph could not skip stops training (the fallback).
+            action = "stop"
+            self._say(self._fallback(step, frozen))
+        if action != "warn":
             for verdict in verdicts:  # with "warn", said once, by its RuleWarning
                 self._say(verdict.reason)
         engine = _capture.engine_for(self.model)
-        if self.action == "warn":
+        if action == "warn":
             level = _caller_of_fit()
             for verdict in verdicts:
                 warnings.warn(verdict.reason, RuleWarning, stacklevel=level)
             if self.freeze_on_fault and engine.faults.frozen:
                 engine.faults.unfreeze()
             return
-        if callable(self.action):
-            self.action(list(verdicts), self.model)
+        if callable(action):
+            action(list(verdicts), self.model)
             return
         self._done = True
-        if self.action == "raise":
+        if action == "raise":
             # No on_train_end follows: restore the model and flush every writer now.
             engine.abort()
             self._finish()
@@ -743,6 +839,17 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
             raise RuleFired(verdicts)
         self.model.stop_training = True
         suspend_others(self, self.suspend)
+
+
+def _guards(rule) -> bool:
+    """Whether `rule` has an in-graph spike test (`LossSpike`, `GradientNormSpike`)."""
+    return callable(getattr(rule, "spike", None)) and hasattr(rule, "quantity")
+
+
+def _skipped(record) -> bool:
+    """Whether the step of `record` was skipped (by any optimizer)."""
+    return any(value for tag, value in record.items()
+               if _tags.is_per_optimizer(tag, _tags.STEP, "skipped"))
 
 
 _LIBRARIES = ("kerasdbg", "keras", "tensorflow", "jax", "contextlib", "functools")

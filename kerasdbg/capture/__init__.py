@@ -23,7 +23,7 @@ from kerasdbg.capture import fit_end
 from kerasdbg.capture.fit_end import cancel_fit_end, on_fit_end
 from kerasdbg.capture.interface import Capture, engine_for, recordable, supported
 from kerasdbg.capture.requests import (
-    CLASS_COLUMNS, RECORDABLE, WEIGHT_EXTRA_STATISTICS, Freeze, Record, Request, unique_paths,
+    CLASS_COLUMNS, RECORDABLE, WEIGHT_EXTRA_STATISTICS, Freeze, Record, Request, Spike, unique_paths,
 )
 
 # Before any callback of kerasdbg exists: the `fit` that first uses one has
@@ -32,5 +32,5 @@ fit_end.install()
 
 __all__ = [
     "CLASS_COLUMNS", "RECORDABLE", "WEIGHT_EXTRA_STATISTICS", "Capture", "Freeze", "Record", "Request",
-    "cancel_fit_end", "engine_for", "on_fit_end", "recordable", "supported", "unique_paths",
+    "Spike", "cancel_fit_end", "engine_for", "on_fit_end", "recordable", "supported", "unique_paths",
 ]

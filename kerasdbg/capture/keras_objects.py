@@ -145,6 +145,41 @@ def raw_iterations(optimizer):
     divided by `gradient_accumulation_steps` there, and a tensor, not a variable."""
     return getattr(inner_optimizer(optimizer), ITERATIONS_ATTRIBUTE)
 
+_SKIPPED = None  # weakref.WeakKeyDictionary: inner optimizer -> its skipped-steps variable
+
+
+def skipped_steps(optimizer):
+    """The variable counting the optimizer steps kerasdbg skipped
+    (`StopOnRule(action="skip")`), or None when it never armed a skip for
+    it. Keras's step count (`iterations`) does not count a skipped step
+    (as `LossScaleOptimizer` does not count one it skips); kerasdbg numbers
+    steps by `iterations` + this, so that every batch that reached the
+    optimizer has its own step."""
+    return None if _SKIPPED is None else _SKIPPED.get(inner_optimizer(optimizer))
+
+
+def keep_skipped_steps(optimizer, variable) -> None:
+    """Sets `skipped_steps(optimizer)` (kept as long as the optimizer lives)."""
+    global _SKIPPED
+    if _SKIPPED is None:
+        import weakref
+
+        _SKIPPED = weakref.WeakKeyDictionary()
+    _SKIPPED[inner_optimizer(optimizer)] = variable
+
+
+def step_number(optimizer) -> int:
+    """The optimizer's last step as kerasdbg numbers steps (host read):
+    `iterations` + the steps kerasdbg skipped."""
+    count = int(host_value(raw_iterations(optimizer)))
+    skipped = skipped_steps(optimizer)
+    if skipped is None:
+        return count
+    # A framework variable of kerasdbg's (replica 0's copy), not a Keras one.
+    value = skipped.value
+    return count + int(np.asarray(value().numpy() if callable(value) else value))
+
+
 def step_counters(model) -> list:
     """The variables whose largest value + 1 numbers the train step a
     forward pass belongs to (taps): `model.optimizer`'s with Keras's own

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from typing import (
-    Callable, Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple,
+    Callable, Dict, FrozenSet, Hashable, List, NamedTuple, Optional, Sequence, Tuple,
 )
 
 from kerasdbg.records.capture_record import CaptureRecord
@@ -53,19 +53,63 @@ full (and at each epoch's end), not after every execution: at
 own statistics on a small model."""
 
 
+class Spike(NamedTuple):
+    """An in-graph spike test of one quantity of each optimizer step.
+
+    A value spikes when it is more than `sigmas` standard deviations above the
+    mean of the last `window` accepted values, or (`factor`) more than
+    `factor` times their largest; only once `window` values were accepted.
+    A value is accepted into the window when its step had no fault (a spike,
+    a NaN/Inf, a gradient norm above a limit) and was not frozen.
+
+    Attributes:
+        quantity: "loss" (the step's loss, summed over replicas) or
+            "gradient_norm" (the global norm of the gradients an optimizer
+            applies, summed over replicas).
+        window: the number of previous values the statistics are taken on.
+        sigmas: the mean + sigmas x standard deviation test, or None.
+        factor: the factor x largest test, or None.
+    """
+
+    quantity: str
+    window: int
+    sigmas: Optional[float] = None
+    factor: Optional[float] = None
+
+
+SPIKE_QUANTITIES = ("loss", "gradient_norm")
+"""What a `Spike` can watch."""
+MIN_RELATIVE_STD = 1e-3
+"""A window's standard deviation counts as at least this times its |mean|:
+over a window of nearly constant values (a plateau), a spike must still be
+a change of the value, not of its last digits."""
+
+
 class Freeze(NamedTuple):
-    """In-graph faults after which the weights stop changing.
+    """In-graph faults after which the weights stop changing, or which skip
+    their step.
 
     Attributes:
         nonfinite_loss: a NaN or infinite loss.
         nonfinite_gradients: a NaN or infinite gradient (ignored under a
             `LossScaleOptimizer`, whose scaler already skips those steps).
         max_gradient_norm: a global gradient norm above this, or None.
+        spikes: the spike tests (`Spike`), each a fault.
+        skip: the faults that skip their step instead of freezing the
+            weights: any of "nonfinite", "max_gradient_norm", "loss_spike",
+            "gradient_norm_spike".
+        max_skips: at most this many skipped steps among the last
+            `skip_window` steps of an optimizer; a fault beyond them freezes.
+        skip_window: see `max_skips`.
     """
 
     nonfinite_loss: bool = True
     nonfinite_gradients: bool = True
     max_gradient_norm: Optional[float] = None
+    spikes: Tuple[Spike, ...] = ()
+    skip: FrozenSet[str] = frozenset()
+    max_skips: int = 10
+    skip_window: int = 128
 
 
 class Request:

@@ -176,6 +176,19 @@ def _step_function(compute, key, layout, slots: int, mode: str, every_n_steps: i
     return graph_functions.shared_step(step, (compute, key, layout, slots, mode, every_n_steps))
 
 
+def _step_count(counter, model):
+    """A step counter's value as kerasdbg numbers steps: Keras's count, plus
+    the steps kerasdbg skipped (which Keras does not count)."""
+    value = reads.read(counter)
+    for _, optimizer in keras_objects.find_optimizers(model):
+        if keras_objects.raw_iterations(optimizer) is counter:
+            skipped = keras_objects.skipped_steps(optimizer)
+            if skipped is not None:
+                value = value + tf.cast(skipped.read_value(), value.dtype)
+            break
+    return value
+
+
 class _HostState:
     """Plain attributes of a debug layer's host side (last ids read, records)."""
 
@@ -455,7 +468,8 @@ class DebugLayer(keras.layers.Layer):
             self._ring.layout, self._ring.slots, context.mode, self.every_n_steps)
         outputs = call(
             inputs,
-            [reads.read(v) for v in (self.calls, self.mode_calls, *counters)],
+            [reads.read(v) for v in (self.calls, self.mode_calls)] + [
+                _step_count(v, context.model) for v in counters],
             None if state_variable is None else reads.read(state_variable),
         )
         # Keras's `assign`: inside a stateless scope it goes to the scope.

@@ -19,6 +19,9 @@ from kerasdbg.rules.rule import Rule
 from kerasdbg.rules.rule import RuleFired
 from kerasdbg.rules.rule import RuleWarning
 from kerasdbg.rules.rule import Verdict
+from kerasdbg.rules.spike_rules import GradientNormSpike
+from kerasdbg.rules.spike_rules import LossSpike
+from kerasdbg.rules.spike_rules import SkippedStep
 from kerasdbg.rules.tensor_variance import TensorVariance
 from kerasdbg.rules.unchanged_tensor import UnchangedTensor
 from kerasdbg.rules.vanishing_gradient import VanishingGradient
@@ -30,8 +33,10 @@ __all__ = (
     "DeadReLU",
     "DiagnosisWarning",
     "ExplodingTensor",
+    "GradientNormSpike",
     "FreezeOnFault",
     "LossNotDecreasing",
+    "LossSpike",
     "NaNSource",
     "NonFiniteLoss",
     "Overfit",
@@ -42,6 +47,7 @@ __all__ = (
     "RuleFired",
     "RuleWarning",
     "SaturatedActivation",
+    "SkippedStep",
     "TensorVariance",
     "UnchangedTensor",
     "VanishingGradient",

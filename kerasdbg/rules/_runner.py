@@ -106,7 +106,7 @@ class RuleRunner:
             rule = self.rules[index]
             if index == (following or [None])[0]:
                 others = tuple(verdicts)
-            if self.first_only and index in self.fired:
+            if self.first_only and index in self.fired and not rule.repeats:
                 continue
             rule.others = others if rule.follows else ()
             try:

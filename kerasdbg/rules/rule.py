@@ -147,6 +147,15 @@ class Rule:
     """The last optimizer step the rule reads, or None for all; `StopOnRule`
     stops recording what only this rule needs after it."""
 
+    repeats = False
+    """Whether the rule may fire again at a later step (a spike rule: every
+    spike is said, and with `StopOnRule(action="skip")` skipped); the others
+    fire at most once per `fit`."""
+    action: Optional[str] = None
+    """What the rule itself asks `StopOnRule` to do where it fires ("skip",
+    "stop"), or None for `StopOnRule`'s action (only rules whose test runs in
+    the graph can ask to skip)."""
+
     follows = False
     """Whether the rule is checked after the others at each step, seeing the
     verdicts of the rules that do not follow in `others` (`FreezeOnFault`

@@ -142,6 +142,7 @@ class Collector:
         requests = [r for r in view.requests if r.kind in ("step", "classes")]
         if not requests or view.step_values is None:
             return
+        self._faults.forget_guard_read()  # read once per collect, when needed
         n = view.rows
         replicas = _buffers.read_replicas(view.step_values)
         table = replicas[0]
@@ -169,6 +170,10 @@ class Collector:
                     tags.append(_tags.step_scalar(name))
                     values.append(value)
                 for tag, value in self._faults.scalars(step, row).items():
+                    tags.append(tag)
+                    values.append(value)
+                for tag, value in self._faults.guard_scalars(
+                        train_id, view.several_optimizers).items():
                     tags.append(tag)
                     values.append(value)
                 records[id(request)].append(Record(

@@ -59,6 +59,10 @@ class _StepState:
         # first whose own fault test failed (-1: none), in-graph.
         self.order: List["Channel"] = []
         self.first_fault = None
+        # The guard's values of the applies: (name, optimizer, tensor), and
+        # whether an apply skipped its step.
+        self.guard: List[tuple] = []
+        self.skip = None
 
 
 class _ApplyContext:
@@ -74,6 +78,9 @@ class _ApplyContext:
         self.step_slots = None
         self.clipped = None
         self.applied = None
+        self.spike = None  # the guard's spike test (in-graph), when armed
+        self.skip = None  # whether this apply skips its step, when a skip is armed
+        self.iterations = None  # the optimizer's step count before the apply
 
 
 class _Traced:
@@ -451,7 +458,7 @@ class Engine(Capture):
         for hook in self.hooks.values():
             if hook.started is not None:  # distances count from this fit's start
                 hook.started.assign(tf.zeros([], tf.int64))
-        iterations = [int(reads.read(keras_objects.raw_iterations(o)).numpy()) for _, o in found]
+        iterations = [keras_objects.step_number(o) for _, o in found]
         self.collector.begin_fit(iterations, int(self._calls.numpy()))
         self.faults.begin_fit()
         self._step_warned = False
@@ -793,7 +800,7 @@ class Engine(Capture):
             if before is not None and context.frozen is not None:
                 applied = self._guard(lambda: self.faults.apply_unless_frozen(
                     original, optimizer, grads, trainable_variables, context.frozen,
-                    context.frozen_before))
+                    context.frozen_before, context.skip))
             result = None
             if applied is None:
                 result = original(grads, trainable_variables)
@@ -806,7 +813,12 @@ class Engine(Capture):
     def _before_apply(self, context: _ApplyContext, optimizer, grads) -> bool:
         channel, state = context.channel, context.state
         hook = channel.hook
-        step = reads.read(keras_objects.raw_iterations(optimizer)) + 1
+        context.iterations = reads.read(keras_objects.raw_iterations(optimizer))
+        step = context.iterations + 1
+        skipped = keras_objects.skipped_steps(optimizer)
+        if skipped is not None:
+            # kerasdbg numbers the steps it skipped too (`iterations` does not count them).
+            step = step + tf.cast(skipped.read_value(), step.dtype)
         context.step = step
         if state.first_step is None:
             state.first_step = step
@@ -830,7 +842,10 @@ class Engine(Capture):
         channel, hook = context.channel, context.channel.hook
         step = context.step
         after = reads.read(keras_objects.raw_iterations(optimizer))
-        skipped = tf.equal(after, step - 1)
+        # The loss scaler skipped the step (kerasdbg's own skip is not the scaler's).
+        skipped = tf.equal(after, context.iterations)
+        if context.skip is not None:
+            skipped = tf.logical_and(skipped, tf.logical_not(context.skip))
         train_id = context.state.train_id
         row = self._row(train_id)
         # The weights describe updates that happened: not the batches gradient

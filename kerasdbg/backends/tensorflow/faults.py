@@ -31,7 +31,7 @@ from kerasdbg import stats as stats_lib
 from kerasdbg.backends.tensorflow.channels import _zeros_like
 from kerasdbg.backends.tensorflow.quantities import _dense, _several_replicas
 from kerasdbg.quantities import reductions
-from kerasdbg.capture.requests import Freeze
+from kerasdbg.capture.requests import MIN_RELATIVE_STD, Freeze, Spike
 
 if TYPE_CHECKING:
     from kerasdbg.backends.tensorflow.engine import EngineView, _ApplyContext, _StepState
@@ -39,6 +39,9 @@ if TYPE_CHECKING:
 
 MAX_FLAGGED = 4096
 """Variables of one optimizer whose non-finite gradient NaN localisation can name."""
+MAX_GUARD_VALUES = 48
+"""Values per train step the guard records (`step/skipped`, `step/gradient_norm`,
+`step/spike_fraction` of each optimizer)."""
 
 
 class Gate(NamedTuple):
@@ -80,6 +83,24 @@ def _nonfinite_flags(packed: "stats_lib.Packed", missing) -> tf.Tensor:
     return tf.gather(flags, index)
 
 
+def _spikes(test: Spike, value, window, count):
+    """Whether `value` spikes against the window of `test` (in-graph,
+    float64): more than `sigmas` standard deviations above the window's mean
+    (the deviation at least `MIN_RELATIVE_STD` x |mean|), or more than
+    `factor` x its largest value (when that is positive); never before the
+    window is full, never for a NaN/Inf (that is another fault)."""
+    mean = tf.reduce_mean(window)
+    spike = tf.constant(False)
+    if test.sigmas is not None:
+        std = tf.sqrt(tf.reduce_mean(tf.square(window - mean)))
+        std = tf.maximum(std, MIN_RELATIVE_STD * tf.abs(mean))
+        spike = tf.logical_or(spike, value > mean + test.sigmas * std)
+    if test.factor is not None:
+        largest = tf.reduce_max(window)
+        spike = tf.logical_or(spike, tf.logical_and(largest > 0, value > test.factor * largest))
+    return tf.logical_and(tf.logical_and(count >= test.window, tf.math.is_finite(value)), spike)
+
+
 class Faults:
     """The fault handling of one engine: its variables (the frozen flag, the
     copies of the state variables, the NaN source) and what it found; owned
@@ -101,6 +122,14 @@ class Faults:
         # and, by step, those a fault found after the first apply had reached.
         self.apply_order: List[str] = []
         self._late_faults: Dict[int, List[str]] = {}
+        # The guard (spike tests, skips): per optimizer and spike test, the
+        # window of accepted values and their count; per optimizer, the last
+        # steps' skip and spike flags and the steps counted; the train
+        # steps' guard values and what they are (`guard_names`).
+        self._windows: Dict[tuple, Tuple[tf.Variable, tf.Variable]] = {}
+        self._flags: Dict[int, Tuple[tf.Variable, tf.Variable]] = {}
+        self._guard: Optional[tf.Variable] = None
+        self.guard_names: List[Tuple[str, str]] = []
 
     # ----------------------------------------------------------- lifecycle
     def prepare(self, model, strategy) -> None:
@@ -113,6 +142,43 @@ class Faults:
         if self._localizes() and self._nan_row is None:
             self._nan_row = _buffers.on_read_variable(
                 tf.zeros([3 + MAX_FLAGGED], tf.int64), "kerasdbg_nan_source")
+        if self._guards():
+            self._prepare_guard(model)
+
+    def _guards(self) -> bool:
+        """Whether a spike test or a skip is armed."""
+        freeze = self._freeze()
+        return freeze is not None and bool(freeze.spikes or freeze.skip)
+
+    def _prepare_guard(self, model) -> None:
+        """The guard's variables (in the strategy's scope, before the trace):
+        its buffer of values per train step, and per optimizer of the model
+        the windows of its spike tests, its recent skip and spike flags and
+        the steps skipped (kept on the optimizer's side: they number its
+        steps in every later fit too)."""
+        freeze = self._freeze()
+        rows = self._view.rows
+        if self._guard is None or int(self._guard.shape[0]) != rows:
+            self._guard = _buffers.on_read_variable(
+                tf.fill([rows, 1 + MAX_GUARD_VALUES], tf.constant(np.nan, tf.float64)),
+                "kerasdbg_guard")
+        for _, optimizer in keras_objects.find_optimizers(model):
+            inner = keras_objects.inner_optimizer(optimizer)
+            for spike in freeze.spikes:
+                key = (id(inner), spike.quantity, spike.window)
+                if key not in self._windows:
+                    self._windows[key] = (
+                        _buffers.on_read_variable(tf.zeros([spike.window], tf.float64),
+                                                  "kerasdbg_spike_window"),
+                        _buffers.on_read_variable(tf.zeros([], tf.int64), "kerasdbg_spike_count"))
+            if (id(inner), freeze.skip_window) not in self._flags:
+                self._flags[(id(inner), freeze.skip_window)] = (
+                    _buffers.on_read_variable(tf.zeros([freeze.skip_window, 2], tf.int64),
+                                              "kerasdbg_skip_flags"),
+                    _buffers.on_read_variable(tf.zeros([], tf.int64), "kerasdbg_guard_steps"))
+            if freeze.skip and keras_objects.skipped_steps(inner) is None:
+                keras_objects.keep_skipped_steps(inner, _buffers.on_read_variable(
+                    tf.zeros([], tf.int64), "kerasdbg_skipped_steps"))
 
     def begin_fit(self) -> None:
         """At the start of a fit: the weights unfrozen, no NaN source, no late fault."""
@@ -129,10 +195,15 @@ class Faults:
         if not specs:
             return None
         norms = [s.max_gradient_norm for s in specs if s.max_gradient_norm is not None]
+        skipping = [s for s in specs if s.skip]
         return Freeze(
             nonfinite_loss=any(s.nonfinite_loss for s in specs),
             nonfinite_gradients=any(s.nonfinite_gradients for s in specs),
             max_gradient_norm=min(norms) if norms else None,
+            spikes=tuple(dict.fromkeys(spike for s in specs for spike in s.spikes)),
+            skip=frozenset().union(*(s.skip for s in specs)),
+            max_skips=min([s.max_skips for s in skipping] or [specs[0].max_skips]),
+            skip_window=max([s.skip_window for s in skipping] or [specs[0].skip_window]),
         )
 
     def _localizes(self) -> bool:
@@ -198,6 +269,9 @@ class Faults:
         loss, nonfinite, fault, frozen = self._step_loss_and_fault(context, optimizer, grads)
         context.loss, context.frozen = loss, frozen
         context.frozen_before = state.frozen_before
+        if context.skip is not None:
+            state.skip = context.skip if state.skip is None else tf.logical_or(
+                state.skip, context.skip)
         position = tf.constant(len(state.order), tf.int64)
         state.order.append(channel)
         if fault is not None:
@@ -259,17 +333,22 @@ class Faults:
         if check_grads:
             nonfinite = tf.logical_or(nonfinite, vector[1] > 0)
         fault = nonfinite
-        if watched.max_gradient_norm is not None:
+        over = None
+        norm = None
+        norm_spiked = any(spike.quantity == "gradient_norm" for spike in watched.spikes)
+        if watched.max_gradient_norm is not None or norm_spiked:
             if replicas is not None:
                 # The norm of the summed gradient, as the optimizer applies it.
                 present = replicas.all_reduce(
                     tf.distribute.ReduceOp.SUM, [_dense(g) for g in present])
             norm = reductions.norm_of(present)
-            over = norm > watched.max_gradient_norm
             if scaled:
                 norm = norm / tf.cast(optimizer.dynamic_scale, tf.float64)
+        if watched.max_gradient_norm is not None:
+            over = norm > watched.max_gradient_norm
+            if scaled:
                 # An overflow of the scaled gradients is the loss scaler's to skip.
-                over = tf.logical_and(reductions.all_finite(norm), norm > watched.max_gradient_norm)
+                over = tf.logical_and(reductions.all_finite(norm), over)
             fault = tf.logical_or(fault, over)
         if freeze is None:
             return loss, nonfinite, fault, None
@@ -277,9 +356,90 @@ class Faults:
         if state.frozen_before is None:
             # As the last train step left it: known before this step's batch.
             state.frozen_before = before
-        frozen = tf.logical_or(before, fault)
+        if not self._guards():
+            frozen = tf.logical_or(before, fault)
+            self._frozen.assign(tf.cast(frozen, tf.int64))
+            return loss, nonfinite, fault, frozen
+        frozen = self._guard_step(context, optimizer, freeze, before,
+                                  {"loss": loss, "gradient_norm": norm},
+                                  {"nonfinite": nonfinite, "max_gradient_norm": over})
+        fault = tf.logical_or(fault, context.spike)
         self._frozen.assign(tf.cast(frozen, tf.int64))
         return loss, nonfinite, fault, frozen
+
+    def _guard_step(self, context: "_ApplyContext", optimizer, freeze: Freeze, before,
+                    values: Dict[str, object], faults: Dict[str, object]):
+        """The spike tests and the skip of one apply (in-graph): sets
+        `context.spike` and `context.skip` and returns whether the weights
+        are frozen from this step on.
+
+        Every input is the same on every replica (summed over them), so every
+        replica takes the same decision. A fault whose kind `freeze.skip`
+        names skips this step (nothing applied, the step not counted by the
+        optimizer) unless `max_skips` steps were skipped among the last
+        `skip_window`, or the weights are frozen already: then it freezes them.
+        """
+        inner = keras_objects.inner_optimizer(optimizer)
+        spike = tf.constant(False)
+        tested = []
+        faults = dict(faults)
+        for test in freeze.spikes:
+            value = values.get(test.quantity)
+            if value is None:
+                continue
+            window, count = self._windows[(id(inner), test.quantity, test.window)]
+            found = _spikes(test, tf.cast(value, tf.float64), window.read_value(),
+                            count.read_value())
+            kind = f"{test.quantity}_spike"
+            faults[kind] = found if faults.get(kind) is None else tf.logical_or(faults[kind], found)
+            spike = tf.logical_or(spike, found)
+            tested.append((test, tf.cast(value, tf.float64), window, count))
+        no = tf.constant(False)
+        skipping = [faults[kind] for kind in freeze.skip if faults.get(kind) is not None]
+        stopping = [flag for kind, flag in faults.items()
+                    if flag is not None and kind not in freeze.skip]
+        skip_fault = tf.reduce_any(tf.stack(skipping)) if skipping else no
+        stop_fault = tf.reduce_any(tf.stack(stopping)) if stopping else no
+        fault = tf.logical_or(skip_fault, stop_fault)
+        flags, steps = self._flags[(id(inner), freeze.skip_window)]
+        recent = flags.read_value()
+        skip = tf.logical_and(
+            tf.logical_and(skip_fault, tf.logical_not(stop_fault)),
+            tf.logical_and(tf.logical_not(before),
+                           tf.reduce_sum(recent[:, 0]) < freeze.max_skips))
+        frozen = tf.logical_or(before, tf.logical_and(fault, tf.logical_not(skip)))
+        # A value enters its window when its step had no fault and the
+        # weights were not frozen before it.
+        accept = tf.logical_not(tf.logical_or(fault, before))
+        for test, value, window, count in tested:
+            take = tf.logical_and(accept, tf.math.is_finite(value))
+            number = count.read_value()
+            position = tf.math.floormod(number, test.window)
+            window.assign(tf.where(take, tf.tensor_scatter_nd_update(
+                window.read_value(), [[position]], [value]), window.read_value()))
+            count.assign(number + tf.cast(take, tf.int64))
+        number = steps.read_value()
+        row = tf.stack([tf.cast(skip, tf.int64), tf.cast(spike, tf.int64)])
+        recent = tf.tensor_scatter_nd_update(
+            recent, [[tf.math.floormod(number, freeze.skip_window)]], [row])
+        flags.assign(recent)
+        steps.assign(number + 1)
+        # The fraction of spiky steps among the last `skip_window` (fewer at first).
+        seen = tf.cast(tf.minimum(number + 1, freeze.skip_window), tf.float64)
+        spikes = tf.cast(tf.reduce_sum(recent[:, 1]), tf.float64)
+        skipped = keras_objects.skipped_steps(inner)
+        if skipped is not None:
+            skipped.assign_add(tf.cast(skip, tf.int64))
+        context.spike, context.skip = spike, skip if freeze.skip else None
+        name = context.channel.hook.name
+        guard = context.state.guard
+        if freeze.skip:
+            guard.append(("skipped", name, tf.cast(skip, tf.float64)))
+        if values.get("gradient_norm") is not None:
+            guard.append(("gradient_norm", name, tf.cast(values["gradient_norm"], tf.float64)))
+        if freeze.spikes:
+            guard.append(("spike_fraction", name, spikes / seen))
+        return frozen
 
     def _localize(self, context: _ApplyContext, step, nonfinite, grads) -> None:
         """On the first fault of the fit, replays the forward pass layer by
@@ -387,8 +547,10 @@ class Faults:
         _buffers.run_if(tf.logical_not(frozen), save)
 
     def apply_unless_frozen(self, original_apply, optimizer, grads, trainable_variables, frozen,
-                            frozen_before):
-        """Applies the update unless `frozen`; a frozen step only counts itself.
+                            frozen_before, skip=None):
+        """Applies the update unless `frozen` or `skip`; a frozen step only
+        counts itself, a skipped one does not even count (`skip`: None when
+        no skip is armed).
 
         Where the optimizer allows it (`update_gateable`, with one replica),
         Keras's own `apply` runs as it is, and two conditions inside it skip
@@ -417,6 +579,11 @@ class Faults:
         # of it while they trace, which replicas tracing at once would mix.
         variables = (keras_objects.optimizer_variables(inner) if trainable_variables is None
                      else list(trainable_variables))
+        counted = None
+        if skip is not None:
+            # A skipped step is not counted: as if its batch had not come.
+            counted = tf.cast(tf.logical_not(skip), tf.int64)
+            frozen = tf.logical_or(frozen, skip)
         if (no_merge_call and _several_replicas() is None and frozen_before is not None
                 and routing.update_gateable(optimizer, variables)):
             key = (distribute.replica_id(), id(inner))
@@ -425,9 +592,12 @@ class Faults:
                 original_apply(grads, trainable_variables)
             finally:
                 GATES.pop(key, None)
+            if skip is not None:
+                iterations = keras_objects.raw_iterations(optimizer)
+                _buffers.run_if(skip, lambda: iterations.assign_sub(1))
             return True
 
-        def count_step(grads, trainable_variables):
+        def count_step(grads, trainable_variables, counted=None):
             # The gradient statistics of a frozen step are recorded too: the
             # (routed) reduction records them, and nothing is applied.
             if scaled:
@@ -437,7 +607,8 @@ class Faults:
                 trainable_variables = keras_objects.optimizer_variables(inner)
             variables = [reads.read_handle(v) for v in trainable_variables]
             getattr(inner, routing.REDUCE_METHOD)(list(zip(grads, variables)))
-            keras_objects.raw_iterations(optimizer).assign_add(1)
+            keras_objects.raw_iterations(optimizer).assign_add(
+                1 if counted is None else counted)
 
         def branch(function):
             def run():
@@ -448,23 +619,23 @@ class Faults:
 
         if no_merge_call:
             tf.cond(
-                frozen, branch(lambda: count_step(grads, trainable_variables)),
+                frozen, branch(lambda: count_step(grads, trainable_variables, counted)),
                 branch(lambda: original_apply(grads, trainable_variables)),
             )
             return True
 
-        def cross_replica(distribution, frozen, grads, trainable_variables):
+        def cross_replica(distribution, frozen, grads, trainable_variables, counted):
             flag = distribution.experimental_local_results(frozen)[0]
             tf.cond(
                 flag,
                 branch(lambda: distribution.extended.call_for_each_replica(
-                    count_step, args=(grads, trainable_variables))),
+                    count_step, args=(grads, trainable_variables, counted))),
                 branch(lambda: distribution.extended.call_for_each_replica(
                     original_apply, args=(grads, trainable_variables))),
             )
 
         tf.distribute.get_replica_context().merge_call(
-            cross_replica, args=(frozen, grads, trainable_variables)
+            cross_replica, args=(frozen, grads, trainable_variables, counted)
         )
         return True
 
@@ -481,8 +652,46 @@ class Faults:
             frozen = self._frozen.read_value() > 0
             if not self._state_matches(self._state_variables(model)):
                 distribute.merge_call(lambda: self._make_state_now(model))
-            self._keep_state_unless_frozen(frozen)
+            # A skipped step puts the state back too (it is not frozen after).
+            self._keep_state_unless_frozen(
+                frozen if state.skip is None else tf.logical_or(frozen, state.skip))
+        if self._guard is not None and self._guards():
+            self._write_guard(state)
         return frozen
+
+    def _write_guard(self, state: "_StepState") -> None:
+        """The train step's guard values into its row of the guard buffer
+        (`guard_names` says what each column holds)."""
+        entries = state.guard[:MAX_GUARD_VALUES]
+        self.guard_names = [(name, optimizer) for name, optimizer, _ in entries]
+        nan = tf.constant(np.nan, tf.float64)
+        values = [tf.cast(state.train_id, tf.float64)] + [value for _, _, value in entries]
+        values += [nan] * (1 + MAX_GUARD_VALUES - len(values))
+        row = tf.math.floormod(state.train_id - 1, int(self._guard.shape[0]))
+        _buffers.write_row(self._guard, row, tf.stack(values))
+
+    def guard_scalars(self, train_id: int, several: bool) -> Dict[str, float]:
+        """The guard's values of train step `train_id` (host read), by tag:
+        `step/skipped`, `step/gradient_norm`, `step/spike_fraction`
+        (`step/<optimizer>/<name>` with `several` optimizers)."""
+        if self._guard is None or not self.guard_names:
+            return {}
+        table = getattr(self, "_guard_table", None)
+        if table is None:
+            table = self._guard_table = _buffers.read(self._guard)
+        row = table[(train_id - 1) % table.shape[0]]
+        if int(row[0]) != train_id:
+            return {}
+        scalars = {}
+        for (name, optimizer), value in zip(self.guard_names, row[1:]):
+            if not np.isnan(value):
+                scalars[_tags.per_optimizer(_tags.STEP, name, optimizer if several else None)] = \
+                    float(value)
+        return scalars
+
+    def forget_guard_read(self) -> None:
+        """Drops the guard buffer read by `guard_scalars` (after a collect)."""
+        self._guard_table = None
 
     # ----------------------------------------------------------- on host
     def unfreeze(self) -> None:

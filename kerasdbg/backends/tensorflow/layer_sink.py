@@ -196,8 +196,10 @@ def current_fit_step(model):
         counters = keras_objects.step_counters(model)
         if not counters:
             return None
+        steps = {id(keras_objects.raw_iterations(o)): keras_objects.step_number(o)
+                 for _, o in keras_objects.find_optimizers(model)}
         return tuple(id(v) for v in counters), max(
-            int(reads.read(v).numpy()) for v in counters)
+            steps.get(id(v), int(reads.read(v).numpy())) for v in counters)
     except Exception:  # noqa: BLE001 - then every layer reads in full
         return None
 
