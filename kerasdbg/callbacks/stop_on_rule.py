@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 import warnings
 import weakref
 from typing import Callable, Dict, List, Optional, Sequence, Union
@@ -34,7 +35,7 @@ from kerasdbg.rules.rule import CLASSES, SCALAR_COLLECTIONS, Rule, RuleFired, Ru
 from kerasdbg.rules.rule import Verdict, tag_pattern
 from kerasdbg.rules.spike_rules import SkippedStep
 
-ACTIONS = ("stop", "raise", "warn", "skip")
+ACTIONS = ("stop", "raise", "warn", "skip", "rollback")
 SKIP_FAULTS = frozenset({"nonfinite", "max_gradient_norm", "loss_spike", "gradient_norm_spike"})
 """The in-graph faults `action="skip"` skips (see `kerasdbg.capture.Freeze`)."""
 VERDICT_TAG = _tags.VERDICTS
@@ -220,6 +221,8 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
         first_steps: Optional[int] = None,
         max_skips: int = 10,
         skip_window: int = 128,
+        rollback_every: int = 100,
+        rollback_skip: int = 0,
     ):
         super().__init__()
         owner = type(self).__name__
@@ -244,13 +247,20 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
             raise ValueError(f"{owner}: `max_skips` must be at most `skip_window` (skips are "
                              f"counted among the last `skip_window` steps). Received: "
                              f"max_skips={max_skips!r}, skip_window={skip_window!r}")
+        self.rollback_every = check.positive_int(owner, "rollback_every", rollback_every)
+        self.rollback_skip = check.non_negative_int(owner, "rollback_skip", rollback_skip)
         watches = any(getattr(r, "watches_nonfinite", False) or _guards(r) for r in self.rules)
+        if action == "rollback" and freeze_on_fault is False:
+            raise ValueError(f"{owner}: action='rollback' skips the batches after a rollback "
+                             "in the graph, at the fault test that `freeze_on_fault` arms; it "
+                             "needs freeze_on_fault=True or None. Received: freeze_on_fault=False")
         if action == "skip" and freeze_on_fault is False:
             raise ValueError(f"{owner}: action='skip' skips a step in the graph, at the fault "
                              "test that `freeze_on_fault` arms; it needs freeze_on_fault=True "
                              "or None. Received: freeze_on_fault=False")
         self.freeze_on_fault = check.boolean(
-            owner, "freeze_on_fault", watches if freeze_on_fault is None else freeze_on_fault)
+            owner, "freeze_on_fault", (watches or action in ("skip", "rollback"))
+            if freeze_on_fault is None else freeze_on_fault)
         self.locate_nan = check.boolean(
             owner, "locate_nan", watches if locate_nan is None else locate_nan)
         self.max_gradient_norm = None if max_gradient_norm is None else check.number(
@@ -293,6 +303,11 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
         self._skipped: List[int] = []
         self._epoch_skipped = 0
         self._skipping = False
+        self._snapshot = None
+        self.rollbacks: List[tuple] = []
+        """`(step, to_step)` of each rollback of the last `fit`."""
+        self.snapshot_seconds: List[float] = []
+        """The time each snapshot of the last `fit` took (`action="rollback"`)."""
 
     def get_config(self) -> dict:
         """The constructor's arguments, JSON-able: rules as `{"class_name",
@@ -320,6 +335,8 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
             "first_steps": self.first_steps,
             "max_skips": self.max_skips,
             "skip_window": self.skip_window,
+            "rollback_every": self.rollback_every,
+            "rollback_skip": self.rollback_skip,
         }
 
     @classmethod
@@ -392,8 +409,8 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
         message = (f"{type(self).__name__}: the in-graph spike tests and skips run on the "
                    f"TensorFlow backend only so far; on {keras.config.backend()!r} the spike "
                    "rules test the records after each execution"
-                   + (", and a fault that would be skipped stops training instead" if skip
-                      else "") + ".")
+                   + (", and a fault that would be skipped or rolled back stops training "
+                      "instead" if skip else "") + ".")
         if self.strict:
             raise ValueError(message)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
@@ -447,14 +464,22 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
             spikes = tuple(r.spike() for r in rules if _guards(r))
             skip = self._skips()
             recordable = _capture.recordable()
-            if (spikes or skip) and recordable is not None and "guard" not in recordable:
+            if (spikes or skip or self.action == "rollback") and recordable is not None \
+                    and "guard" not in recordable:
                 # The rules still test the records on the host; a fault there stops.
-                self._no_guard(bool(skip))
+                self._no_guard(bool(skip) or self.action == "rollback")
                 spikes, skip = (), frozenset()
+            rollback = self.action == "rollback"
+            if rollback and recordable is not None and "guard" not in recordable:
+                rollback = False
             freeze = _capture.Freeze(max_gradient_norm=self.max_gradient_norm, spikes=spikes,
                                      skip=skip, max_skips=self.max_skips,
-                                     skip_window=self.skip_window)
-            self._skipping = bool(skip)
+                                     skip_window=self.skip_window, rollback=rollback)
+            self._skipping = bool(skip) or rollback
+        self._snapshot = None
+        self._rolled_to = None
+        self.rollbacks = []
+        self.snapshot_seconds = []
         plan = planner.plan(
             rules, schedule=self.schedule, default_schedule=self._default_schedule,
             strict=self.strict, owner=type(self).__name__, replicas=replicas,
@@ -576,6 +601,8 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         self._check_replicas(batch)
         self._evaluate_pending()
+        if self.action == "rollback" and self._skipping and not self._done:
+            self._take_snapshot()
         self._batches = self._epoch_batches + batch + 1
         # The bar draws this batch (after this callback, or before it).
         self._mid_line = getattr(self, "_bar", False)
@@ -723,7 +750,10 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
             warnings.warn(f"StopOnRule could not read its records; training goes on. "
                           f"Cause: {type(error).__name__}: {error}", RuntimeWarning, stacklevel=2)
             return
+        self._rolled_to = None
         for step, record in self._rows.pop_in_order():
+            if self._rolled_to is not None:
+                continue  # the steps after a rollback's step in its execution: undone
             self._last_step = max(self._last_step, step)
             if self._done or step < self.start_step:
                 continue
@@ -789,6 +819,72 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
         return (f"the weights are frozen at step {step} and training stops (a fault that "
                 "action='skip' does not skip)")
 
+    # -------------------------------------------------------- rollback
+    def _state_variables(self) -> list:
+        """What a rollback puts back: the model's variables (weights, the
+        forward pass's state), every optimizer's (slots, step count, loss
+        scale), the steps kerasdbg skipped and its spike windows."""
+        variables = list(self.model.variables)
+        for _, optimizer in keras_objects.find_optimizers(self.model):
+            variables += list(optimizer.variables)
+            skipped = keras_objects.skipped_steps(optimizer)
+            if skipped is not None:
+                variables.append(skipped)
+        variables += _capture.engine_for(self.model).faults.guard_state()
+        seen, unique = set(), []
+        for variable in variables:
+            if id(variable) not in seen:
+                seen.add(id(variable))
+                unique.append(variable)
+        return unique
+
+    def _take_snapshot(self) -> None:
+        """Every `rollback_every` steps, at the end of an execution whose
+        steps were healthy: a host copy of what a rollback puts back (one
+        copy at a time: the last one is dropped first), and what the rules
+        remember of the steps so far."""
+        step = self._last_step
+        last = self._snapshot[0] if self._snapshot is not None else 0
+        if step < self.rollback_every or step // self.rollback_every <= last // self.rollback_every:
+            return
+        engine = _capture.engine_for(self.model)
+        if engine.faults.frozen:
+            return
+        try:
+            start = time.perf_counter()
+            self._snapshot = None
+            variables = self._state_variables()
+            values = [_host_copy(v) for v in variables]
+            self._snapshot = (step, variables, values, self._runner.state(),
+                              list(self._skipped))
+            self.snapshot_seconds.append(time.perf_counter() - start)
+        except Exception as error:  # noqa: BLE001 - training goes on
+            self._snapshot = None
+            if self.strict:
+                raise
+            warnings.warn(f"StopOnRule could not take a snapshot to roll back to; a fault "
+                          f"will stop training instead. Cause: {type(error).__name__}: "
+                          f"{error}", RuntimeWarning, stacklevel=3)
+
+    def _roll_back(self, step: int) -> Optional[int]:
+        """Puts back the last snapshot, unfreezes the weights and skips the
+        next `rollback_skip` batches; returns the snapshot's step, or None
+        when there is none."""
+        if self._snapshot is None:
+            return None
+        to_step, variables, values, rules, skipped = self._snapshot
+        engine = _capture.engine_for(self.model)
+        for variable, value in zip(variables, values):
+            variable.assign(value)
+        engine.faults.unfreeze()
+        engine.faults.skip_next(self.rollback_skip)
+        self._runner.resume(rules)
+        self._skipped = list(skipped)
+        self._last_step = to_step
+        self._rolled_to = to_step
+        self.rollbacks.append((step, to_step))
+        return to_step
+
     @property
     def skipped_steps(self) -> List[int]:
         """The steps of the last `fit` that an in-graph fault skipped, in order."""
@@ -812,7 +908,19 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
                 self._say(f"{verdict.reason}; the step was skipped")
             return
         action = self.action
-        if action == "skip":
+        if action == "rollback" and self._skipping:
+            to_step = self._roll_back(step)
+            if to_step is not None:
+                for verdict in verdicts:
+                    self._say(f"{verdict.reason}; rolled back to step {to_step}"
+                              + (f", skipping the next {self.rollback_skip} batches"
+                                 if self.rollback_skip else ""))
+                return
+            action = "stop"
+            self._say(f"no snapshot to roll back to before step {step} (the first is taken "
+                      f"at step {self.rollback_every}): training stops (the fallback of "
+                      "action='rollback')")
+        elif action in ("skip", "rollback"):
             # What the graph could not skip stops training (the fallback).
             action = "stop"
             self._say(self._fallback(step, frozen))
@@ -839,6 +947,13 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
             raise RuleFired(verdicts)
         self.model.stop_training = True
         suspend_others(self, self.suspend)
+
+
+def _host_copy(variable):
+    """A NumPy copy of a Keras or framework variable (replica 0's)."""
+    value = variable.value
+    value = value() if callable(value) else value
+    return keras_objects.host_value(variable) if not hasattr(value, "numpy") else value.numpy()
 
 
 def _guards(rule) -> bool:

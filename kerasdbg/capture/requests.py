@@ -101,6 +101,8 @@ class Freeze(NamedTuple):
         max_skips: at most this many skipped steps among the last
             `skip_window` steps of an optimizer; a fault beyond them freezes.
         skip_window: see `max_skips`.
+        rollback: whether the host may ask to skip the next batches after a
+            rollback (`StopOnRule(action="rollback")`), whatever their faults.
     """
 
     nonfinite_loss: bool = True
@@ -110,6 +112,7 @@ class Freeze(NamedTuple):
     skip: FrozenSet[str] = frozenset()
     max_skips: int = 10
     skip_window: int = 128
+    rollback: bool = False
 
 
 class Request:

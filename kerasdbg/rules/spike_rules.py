@@ -28,6 +28,7 @@ ACTIONS = ("skip", "stop")
 FAULT = _tags.step_scalar("fault")
 FROZEN = _tags.step_scalar("frozen")
 SKIPPED = "skipped"
+AFTER_ROLLBACK = "skipped_after_rollback"
 GRADIENT_NORM = "gradient_norm"
 
 
@@ -101,7 +102,9 @@ class _SpikeRule(Rule):
     def check(self, step, record):
         # A value enters its window when its step had no fault (this spike,
         # a NaN/Inf, a norm above a limit) and was not frozen, as in the graph.
-        faulty = bool(record.get(FAULT)) or bool(record.get(FROZEN))
+        faulty = bool(record.get(FAULT)) or bool(record.get(FROZEN)) or any(
+            value for tag, value in record.items()
+            if _tags.is_per_optimizer(tag, STEP, SKIPPED))
         fired = []
         for tag, value in self._values(record).items():
             window = self._windows.setdefault(tag, collections.deque(maxlen=self.window))
@@ -231,7 +234,8 @@ class SkippedStep(Rule):
     step whose fault is decided in the graph (a NaN/Inf, a spike, a gradient
     norm above `max_gradient_norm`) applies no update: `step/skipped` is 1
     there. The rule whose test found it says why; this rule speaks only
-    when none did (the rules on the host see the records a little
+    when none did, and not for the batches skipped after a rollback
+    (`step/skipped_after_rollback`, said by the rollback) (the rules on the host see the records a little
     differently from the graph, e.g. a rule left out of the run), so that
     no skipped step goes unsaid. Added to `StopOnRule`'s rules when a skip
     is armed.
@@ -249,8 +253,10 @@ class SkippedStep(Rule):
     def check(self, step, record):
         skipped = [tag for tag, value in record.items()
                    if _tags.is_per_optimizer(tag, STEP, SKIPPED) and value]
-        if not skipped or self.others:
-            return None
+        if not skipped or self.others or any(
+                value for tag, value in record.items()
+                if _tags.is_per_optimizer(tag, STEP, AFTER_ROLLBACK)):
+            return None  # said by another rule, or by the rollback itself
         whose = ""
         if any(tag != step_scalar(SKIPPED) for tag in skipped):
             whose = " of " + ", ".join(tag.split("/")[1] for tag in skipped)

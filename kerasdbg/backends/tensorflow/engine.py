@@ -63,6 +63,7 @@ class _StepState:
         # whether an apply skipped its step.
         self.guard: List[tuple] = []
         self.skip = None
+        self.forced = None  # whether the step is skipped after a rollback
 
 
 class _ApplyContext:

@@ -130,6 +130,8 @@ class Faults:
         self._flags: Dict[int, Tuple[tf.Variable, tf.Variable]] = {}
         self._guard: Optional[tf.Variable] = None
         self.guard_names: List[Tuple[str, str]] = []
+        # The batches left to skip after a rollback (set by the host).
+        self._forced: Optional[tf.Variable] = None
 
     # ----------------------------------------------------------- lifecycle
     def prepare(self, model, strategy) -> None:
@@ -148,7 +150,7 @@ class Faults:
     def _guards(self) -> bool:
         """Whether a spike test or a skip is armed."""
         freeze = self._freeze()
-        return freeze is not None and bool(freeze.spikes or freeze.skip)
+        return freeze is not None and bool(freeze.spikes or freeze.skip or freeze.rollback)
 
     def _prepare_guard(self, model) -> None:
         """The guard's variables (in the strategy's scope, before the trace):
@@ -158,6 +160,8 @@ class Faults:
         steps in every later fit too)."""
         freeze = self._freeze()
         rows = self._view.rows
+        if self._forced is None:
+            self._forced = _buffers.on_read_variable(tf.zeros([], tf.int64), "kerasdbg_forced_skips")
         if self._guard is None or int(self._guard.shape[0]) != rows:
             self._guard = _buffers.on_read_variable(
                 tf.fill([rows, 1 + MAX_GUARD_VALUES], tf.constant(np.nan, tf.float64)),
@@ -176,7 +180,7 @@ class Faults:
                     _buffers.on_read_variable(tf.zeros([freeze.skip_window, 2], tf.int64),
                                               "kerasdbg_skip_flags"),
                     _buffers.on_read_variable(tf.zeros([], tf.int64), "kerasdbg_guard_steps"))
-            if freeze.skip and keras_objects.skipped_steps(inner) is None:
+            if (freeze.skip or freeze.rollback) and keras_objects.skipped_steps(inner) is None:
                 keras_objects.keep_skipped_steps(inner, _buffers.on_read_variable(
                     tf.zeros([], tf.int64), "kerasdbg_skipped_steps"))
 
@@ -204,6 +208,7 @@ class Faults:
             skip=frozenset().union(*(s.skip for s in specs)),
             max_skips=min([s.max_skips for s in skipping] or [specs[0].max_skips]),
             skip_window=max([s.skip_window for s in skipping] or [specs[0].skip_window]),
+            rollback=any(s.rollback for s in specs),
         )
 
     def _localizes(self) -> bool:
@@ -408,6 +413,17 @@ class Faults:
             tf.logical_and(tf.logical_not(before),
                            tf.reduce_sum(recent[:, 0]) < freeze.max_skips))
         frozen = tf.logical_or(before, tf.logical_and(fault, tf.logical_not(skip)))
+        forced = None
+        if freeze.rollback:
+            # The batches after a rollback are skipped whatever they hold, and
+            # count in no budget; their values enter no window.
+            forced = context.state.forced
+            if forced is None:  # once per train step, whatever its applies
+                left = self._forced.read_value()
+                forced = context.state.forced = left > 0
+                self._forced.assign(left - tf.cast(forced, tf.int64))
+            frozen = tf.logical_and(frozen, tf.logical_not(forced))
+            fault = tf.logical_or(fault, forced)
         # A value enters its window when its step had no fault and the
         # weights were not frozen before it.
         accept = tf.logical_not(tf.logical_or(fault, before))
@@ -418,8 +434,11 @@ class Faults:
             window.assign(tf.where(take, tf.tensor_scatter_nd_update(
                 window.read_value(), [[position]], [value]), window.read_value()))
             count.assign(number + tf.cast(take, tf.int64))
+        budgeted = skip
+        if forced is not None:
+            skip = tf.logical_or(skip, forced)
         number = steps.read_value()
-        row = tf.stack([tf.cast(skip, tf.int64), tf.cast(spike, tf.int64)])
+        row = tf.stack([tf.cast(budgeted, tf.int64), tf.cast(spike, tf.int64)])
         recent = tf.tensor_scatter_nd_update(
             recent, [[tf.math.floormod(number, freeze.skip_window)]], [row])
         flags.assign(recent)
@@ -430,11 +449,14 @@ class Faults:
         skipped = keras_objects.skipped_steps(inner)
         if skipped is not None:
             skipped.assign_add(tf.cast(skip, tf.int64))
-        context.spike, context.skip = spike, skip if freeze.skip else None
+        armed = bool(freeze.skip) or freeze.rollback
+        context.spike, context.skip = spike, skip if armed else None
         name = context.channel.hook.name
         guard = context.state.guard
-        if freeze.skip:
+        if armed:
             guard.append(("skipped", name, tf.cast(skip, tf.float64)))
+        if forced is not None:
+            guard.append(("skipped_after_rollback", name, tf.cast(forced, tf.float64)))
         if values.get("gradient_norm") is not None:
             guard.append(("gradient_norm", name, tf.cast(values["gradient_norm"], tf.float64)))
         if freeze.spikes:
@@ -694,6 +716,18 @@ class Faults:
         self._guard_table = None
 
     # ----------------------------------------------------------- on host
+    def skip_next(self, batches: int) -> None:
+        """Skips the next `batches` train steps whatever they hold (after a
+        rollback; host side)."""
+        if self._forced is not None:
+            self._forced.assign(tf.constant(batches, tf.int64))
+
+    def guard_state(self) -> list:
+        """The guard's variables that a rollback puts back: the spike windows
+        and their counts, the skip and spike flags (host side)."""
+        return [v for pair in list(self._windows.values()) + list(self._flags.values())
+                for v in pair]
+
     def unfreeze(self) -> None:
         """Lets the weights change again after a fault froze them (host side)."""
         if self._frozen is not None:
