@@ -25,6 +25,7 @@ _EXPORTS = {
     "MultiOutputModel": ("kerasdbg.multi_output_model", "MultiOutputModel", False),
     "RecordingError": ("kerasdbg.errors", "RecordingError", False),
     "TraceWriter": ("kerasdbg.trace", "TraceWriter", False),
+    "calibrate": ("kerasdbg.calibration", "calibrate", False),
     "callbacks": ("kerasdbg.callbacks", None, False),
     "check_run": ("kerasdbg.offline", "check_run", False),
     "compat": ("kerasdbg.compat", None, False),

@@ -108,13 +108,14 @@ def test_the_sinks_the_reader_the_layers_and_the_model_tools_need_no_tensorflow(
         import kerasdbg, kerasdbg.sinks
 
         modules = ["kerasdbg.sinks." + m.name for m in pkgutil.iter_modules(kerasdbg.sinks.__path__)]
-        modules += ["kerasdbg.reader", "kerasdbg.offline", "kerasdbg.report", "kerasdbg.cli",
-                    "kerasdbg.layers", "kerasdbg.tapping", "kerasdbg.multi_output_model",
-                    "kerasdbg._replay", "kerasdbg._keras_graph"]
+        modules += ["kerasdbg.reader", "kerasdbg.offline", "kerasdbg.calibration",
+                    "kerasdbg.report", "kerasdbg.cli", "kerasdbg.layers", "kerasdbg.tapping",
+                    "kerasdbg.multi_output_model", "kerasdbg._replay", "kerasdbg._keras_graph"]
         for name in modules:
             __import__(name)
-        for name in ("load_run", "check_run", "layers", "insert_taps", "strip_debug_layers",
-                     "MultiOutputModel", "callbacks", "TraceWriter", "load_trace"):
+        for name in ("load_run", "check_run", "calibrate", "layers", "insert_taps",
+                     "strip_debug_layers", "MultiOutputModel", "callbacks", "TraceWriter",
+                     "load_trace"):
             getattr(kerasdbg, name)
         from kerasdbg.sinks import tfrecord
         loaded = sorted(m for m in sys.modules if m.split(".")[0] == "tensorflow"
@@ -145,7 +146,7 @@ def test_the_capture_interface_quantities_records_rules_sinks_and_reader_need_no
              for directory, _, files in os.walk(os.path.join(ROOT, "kerasdbg", package))
              for name in files if name.endswith(".py")]
     paths += [os.path.join(ROOT, "kerasdbg", m + ".py")
-              for m in ("reader", "offline", "stats", "schedule")]
+              for m in ("reader", "offline", "calibration", "stats", "schedule")]
     for path in paths:
         with open(path) as source:
             tree = ast.parse(source.read())
@@ -178,7 +179,8 @@ def test_the_capture_interface_quantities_records_rules_sinks_and_reader_need_no
         for package in packages:
             module = __import__("kerasdbg." + package, fromlist=["_"])
             modules += [f"kerasdbg.{package}.{m.name}" for m in pkgutil.iter_modules(module.__path__)]
-        modules += ["kerasdbg.reader", "kerasdbg.offline", "kerasdbg.stats", "kerasdbg.schedule"]
+        modules += ["kerasdbg.reader", "kerasdbg.offline", "kerasdbg.calibration", "kerasdbg.stats",
+                    "kerasdbg.schedule"]
         for name in modules:
             __import__(name)
         from kerasdbg import capture
@@ -231,8 +233,8 @@ LAYERS = [
                 "kerasdbg.tapping", "kerasdbg.multi_output_model", "kerasdbg.determinism",
                 "kerasdbg.doctor", "kerasdbg.compat"]),
     # reading runs back
-    ("reader", ["kerasdbg.reader", "kerasdbg.offline", "kerasdbg.report", "kerasdbg.demo",
-                "kerasdbg.cli", "kerasdbg"]),
+    ("reader", ["kerasdbg.reader", "kerasdbg.offline", "kerasdbg.calibration", "kerasdbg.report",
+                "kerasdbg.demo", "kerasdbg.cli", "kerasdbg"]),
 ]
 
 

@@ -64,6 +64,8 @@ ARGUMENTS = {
                                "action": "stop", "log_dir": str(tmp / "logs"), "verbose": False},
     "StepRecorder": lambda tmp: {"path": str(tmp / "trace.npz"), "steps": STEPS},
     "TensorVariance": lambda tmp: {"max_threshold": 1e6},
+    "LearnedRange": lambda tmp: {"collection": "gradients", "statistic": "l2_norm",
+                                 "ranges": {"m/d/kernel": (None, 1.0)}, "margin": 1.0},
     "PrintLayer": lambda tmp: {"output_stream": str(tmp / "print.txt"), "summarize": 1},
     "TapLayer": lambda tmp: {"activation": "relu"},
 }

@@ -8,6 +8,7 @@ from kerasdbg.rules.defaults import default_rules
 from kerasdbg.rules.exploding_tensor import ExplodingTensor
 from kerasdbg.rules.faults import FreezeOnFault
 from kerasdbg.rules.faults import NaNSource
+from kerasdbg.rules.learned_range import LearnedRange
 from kerasdbg.rules.loss_rules import LossNotDecreasing
 from kerasdbg.rules.loss_rules import NonFiniteLoss
 from kerasdbg.rules.loss_rules import Overfit
@@ -35,6 +36,7 @@ __all__ = (
     "ExplodingTensor",
     "GradientNormSpike",
     "FreezeOnFault",
+    "LearnedRange",
     "LossNotDecreasing",
     "LossSpike",
     "NaNSource",

@@ -152,6 +152,17 @@ REMEDIES: Dict[str, Remedy] = {
                 "strategy's scope, or a custom train step that skips the all-reduce",),
         tries=("create the model and the optimizer inside `strategy.scope()`",
                "in a custom train step, apply the gradients with the optimizer Keras gives")),
+    "LearnedRange": Remedy(
+        causes=("something changed since the healthy run it was calibrated on: the learning "
+                "rate or its schedule (update ratios above the range), the inputs' scaling "
+                "or the data (gradient norms above it), weights reset or overwritten (a "
+                "kernel's norm below it)",
+                "the run differs from the calibrated one by design (another optimizer, batch "
+                "size or length): the ranges do not apply"),
+        tries=("diff the run's set-up against the calibrated run's: learning rate, data "
+               "pipeline, initial weights, callbacks that change the optimizer",
+               "compare the two runs: `kerasdbg report CALIBRATED_RUN THIS_RUN`",
+               "calibrate again on a healthy run of the new set-up (`kerasdbg.calibrate`)")),
 }
 
 USUAL_LEARNING_RATES: Tuple[Tuple[str, float, float], ...] = (
