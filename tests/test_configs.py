@@ -12,8 +12,8 @@ from kerasdbg.callbacks import (
     WeightStatistics,
 )
 from kerasdbg.rules import (
-    AllZero, ClassImbalance, DeadReLU, ExplodingTensor, FreezeOnFault, LearnedRange,
-    LossNotDecreasing,
+    AllZero, ClassImbalance, DeadReLU, ExplodingTensor, FreezeOnFault, GradientNormSpike,
+    LearnedRange, LogitGrowth, LossNotDecreasing, LossSpike, SkippedStep,
     NaNSource, NonFiniteLoss, Overfit, Overtraining, PoorWeightInitialization, ReplicaConsistency, Rule,
     SaturatedActivation, TensorVariance, UnchangedTensor, VanishingGradient, WeightUpdateRatio,
 )
@@ -62,6 +62,10 @@ RULES = [
     UnchangedTensor(num_steps=5, rtol=1e-4, atol=1e-7),
     VanishingGradient(threshold=1e-5, require="all"),
     WeightUpdateRatio(large_threshold=5.0, small_threshold=1e-6),
+    LossSpike(window=64, sigmas=5.0, factor=10.0, action="skip"),
+    GradientNormSpike(window=100, sigmas=None, factor=10.0, action="stop"),
+    SkippedStep(),
+    LogitGrowth(max_logit=30.0, factor=None, window=20, min_logit=2.0, max_output_logit=1e3),
     LearnedRange("weights", "update_ratio", {"m/d/kernel": (1e-4, 0.5), "m/d/bias": (None, 2.0)},
                  first_ranges={"m/d/kernel": (None, 3.0), "m/d/bias": (None, None)},
                  first_steps=3, margin=4.0, every_step=False),

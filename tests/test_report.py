@@ -450,7 +450,7 @@ def test_every_rule_has_likely_causes_and_what_to_try():
 
     rules = [n for n in rules_lib.__all__ if isinstance(getattr(rules_lib, n), type)
              and issubclass(getattr(rules_lib, n), rules_lib.Rule) and n != "Rule"]
-    assert len(rules) == 17
+    assert len(rules) == 22
     assert sorted(REMEDIES) == sorted(rules)
     assert all(r.causes and r.tries for r in REMEDIES.values())
 

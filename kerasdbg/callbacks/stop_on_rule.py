@@ -894,6 +894,18 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
                   frozen: bool = False) -> None:
         if not verdicts:
             return
+        rolled = None
+        if self.action == "rollback" and self._skipping and not (skipped and not frozen) and \
+                any(v.severity == "fault" for v in verdicts):
+            rolled = self._roll_back(step)
+            if rolled is not None:
+                # The verdict says what was done (the records of the steps
+                # rolled back are superseded, so offline they are gone).
+                said = f"; rolled back to step {rolled}" + (
+                    f", skipping the next {self.rollback_skip} batches"
+                    if self.rollback_skip else "")
+                verdicts = [v._replace(reason=v.reason + said) if v.severity == "fault" else v
+                            for v in verdicts]
         self.verdicts.extend(verdicts)
         self._write_verdicts(step, verdicts)
         # Information (zero by construction) is recorded, printed in one line
@@ -909,12 +921,9 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
             return
         action = self.action
         if action == "rollback" and self._skipping:
-            to_step = self._roll_back(step)
-            if to_step is not None:
+            if rolled is not None:
                 for verdict in verdicts:
-                    self._say(f"{verdict.reason}; rolled back to step {to_step}"
-                              + (f", skipping the next {self.rollback_skip} batches"
-                                 if self.rollback_skip else ""))
+                    self._say(verdict.reason)
                 return
             action = "stop"
             self._say(f"no snapshot to roll back to before step {step} (the first is taken "

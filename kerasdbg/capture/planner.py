@@ -18,6 +18,8 @@ from kerasdbg.records import tags as _tags
 from kerasdbg.schedule import Schedule
 
 VARIABLE_EXTRAS = (_tags.GLOBAL_NORM, _tags.CLIPPED)
+LOGITS = ("max_attention_logit", "max_output_logit")
+"""The `step/` scalars of the largest logits, recorded when a rule reads them."""
 """What a rule may read of gradients or weights beyond their statistics."""
 
 
@@ -132,11 +134,18 @@ def plan(rules: Sequence, *, schedule: Schedule, default_schedule: bool, strict:
                 replica_every = min(getattr(r, "every_n_steps", 1) for r in rules
                                     if any(c == _tags.REPLICAS for c, _ in r.requires))
         elif collection in _tags.SCALAR_COLLECTIONS:
-            pass  # step/loss, step/frozen, every scalar the train step returns; epoch logs
+            pass  # step/loss, step/frozen, every scalar the train step returns, the
+            # largest logits (below); epoch logs
         else:
             refusals.extend(Refusal(collection, statistic, ", ".join(_tags.prefixes(
                 _tags.COLLECTIONS + (_tags.REPLICAS,) + _tags.SCALAR_COLLECTIONS)) + " tags")
                             for statistic in sorted(statistics))
+    logits = any(name in LOGITS for name in needs(rules).get(_tags.STEP, {}))
+    if logits and recordable is not None and "logits" not in recordable:
+        refusals.extend(Refusal(_tags.STEP, name, "the largest logits are recorded on the "
+                                "TensorFlow backend only so far")
+                        for name in sorted(set(needs(rules)[_tags.STEP]) & set(LOGITS)))
+        logits = False
     requests.append(Request(kind="step", strict=strict, freeze=freeze, localize=localize,
-                            owner=owner))
+                            owner=owner, logits=logits))
     return Plan(requests, refusals, reads_activations, replica_every)

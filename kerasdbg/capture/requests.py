@@ -19,6 +19,7 @@ from typing import (
 from kerasdbg.records.capture_record import CaptureRecord
 from kerasdbg import stats as stats_lib
 from kerasdbg.quantities import ops as B
+from kerasdbg.quantities.spikes import MIN_RELATIVE_STD, SPIKE_QUANTITIES, Spike  # noqa: F401
 from kerasdbg.schedule import Schedule
 
 
@@ -51,38 +52,6 @@ at least this many steps, and the host reads them once they are about to be
 full (and at each epoch's end), not after every execution: at
 `steps_per_execution=1` a read after every step costs more than the step's
 own statistics on a small model."""
-
-
-class Spike(NamedTuple):
-    """An in-graph spike test of one quantity of each optimizer step.
-
-    A value spikes when it is more than `sigmas` standard deviations above the
-    mean of the last `window` accepted values, or (`factor`) more than
-    `factor` times their largest; only once `window` values were accepted.
-    A value is accepted into the window when its step had no fault (a spike,
-    a NaN/Inf, a gradient norm above a limit) and was not frozen.
-
-    Attributes:
-        quantity: "loss" (the step's loss, summed over replicas) or
-            "gradient_norm" (the global norm of the gradients an optimizer
-            applies, summed over replicas).
-        window: the number of previous values the statistics are taken on.
-        sigmas: the mean + sigmas x standard deviation test, or None.
-        factor: the factor x largest test, or None.
-    """
-
-    quantity: str
-    window: int
-    sigmas: Optional[float] = None
-    factor: Optional[float] = None
-
-
-SPIKE_QUANTITIES = ("loss", "gradient_norm")
-"""What a `Spike` can watch."""
-MIN_RELATIVE_STD = 1e-3
-"""A window's standard deviation counts as at least this times its |mean|:
-over a window of nearly constant values (a plateau), a spike must still be
-a change of the value, not of its last digits."""
 
 
 class Freeze(NamedTuple):
@@ -171,6 +140,7 @@ class Request:
         strict: bool = False,
         freeze: Optional[Freeze] = None,
         localize: bool = False,
+        logits: bool = False,
         last_step: Optional[int] = None,
         owner: str = "kerasdbg",
         wrapper: Optional[Callable] = None,
@@ -192,6 +162,7 @@ class Request:
         self.bins = bins
         self.strict = strict
         self.freeze = freeze
+        self.logits = logits
         self.localize = localize
         self.last_step = last_step
         self.owner = owner

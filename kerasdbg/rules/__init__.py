@@ -9,6 +9,7 @@ from kerasdbg.rules.exploding_tensor import ExplodingTensor
 from kerasdbg.rules.faults import FreezeOnFault
 from kerasdbg.rules.faults import NaNSource
 from kerasdbg.rules.learned_range import LearnedRange
+from kerasdbg.rules.logit_growth import LogitGrowth
 from kerasdbg.rules.loss_rules import LossNotDecreasing
 from kerasdbg.rules.loss_rules import NonFiniteLoss
 from kerasdbg.rules.loss_rules import Overfit
@@ -37,6 +38,7 @@ __all__ = (
     "GradientNormSpike",
     "FreezeOnFault",
     "LearnedRange",
+    "LogitGrowth",
     "LossNotDecreasing",
     "LossSpike",
     "NaNSource",

@@ -152,6 +152,46 @@ REMEDIES: Dict[str, Remedy] = {
                 "strategy's scope, or a custom train step that skips the all-reduce",),
         tries=("create the model and the optimizer inside `strategy.scope()`",
                "in a custom train step, apply the gradients with the optimizer Keras gives")),
+    "LossSpike": Remedy(
+        causes=("a batch unlike the others: mislabelled or corrupted samples, targets on "
+                "another scale, a shard of duplicates",
+                "the learning rate (or its warm-up's end) too high for this point of "
+                "training: the update of the step before overshot",
+                "large-model instability: attention logits or the output layer's logits "
+                "growing until a step diverges"),
+        tries=("keep the run alive: `StopOnRule([LossSpike()], action=\"skip\")` skips such "
+               "steps in the graph; `action=\"rollback\"` goes back to a snapshot and skips "
+               "the batches after the spike",
+               "look at the batch of that step (its inputs and labels)",
+               _LOWER_RATE, _CLIP),
+        first="skip the spiky steps (`action=\"skip\"`) or roll back past them"),
+    "GradientNormSpike": Remedy(
+        causes=("a batch unlike the others (see LossSpike)",
+                "the learning rate too high for this point of training",
+                "a layer whose weights or activations are growing (see its update ratios "
+                "and the taps' statistics)"),
+        tries=("keep the run alive: `StopOnRule([GradientNormSpike()], action=\"skip\")`",
+               _CLIP, _LOWER_RATE),
+        first="skip the spiky steps (`action=\"skip\"`) or roll back past them"),
+    "LogitGrowth": Remedy(
+        causes=("attention logits growing without bound (the query and key weights growing "
+                "together), which makes the softmax one-hot and precedes divergence in large "
+                "transformers",
+                "a learning rate too high for the attention layers",
+                "no normalisation of the queries and keys"),
+        tries=("normalise the queries and keys (QK-norm: a LayerNormalization on each before "
+               "the dot product)",
+               _LOWER_RATE,
+               "add weight decay on the query and key projections",
+               "keep the run alive meanwhile: `StopOnRule([LogitGrowth(), LossSpike()], "
+               "action=\"rollback\")`")),
+    "SkippedStep": Remedy(
+        causes=("an in-graph fault (a NaN/Inf, a spike, a gradient norm above the limit) "
+                "that the rules on the records did not report: a rule left out of the run, "
+                "or a value at a threshold's last bit"),
+        tries=("read the step's records (`step/loss`, `step/gradient_norm`) around it",
+               "add the rule whose fault it was (NonFiniteLoss, LossSpike, "
+               "GradientNormSpike) to the rules checked")),
     "LearnedRange": Remedy(
         causes=("something changed since the healthy run it was calibrated on: the learning "
                 "rate or its schedule (update ratios above the range), the inputs' scaling "

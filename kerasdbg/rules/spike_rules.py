@@ -18,7 +18,7 @@ import math
 from typing import Dict, Optional, Tuple
 
 from kerasdbg import _validation as check
-from kerasdbg.capture.requests import MIN_RELATIVE_STD, Spike
+from kerasdbg.quantities.spikes import MIN_RELATIVE_STD, Spike
 from kerasdbg.records import tags as _tags
 from kerasdbg.records.tags import LOSS, STEP, step_losses, step_scalar
 from kerasdbg.rules.rule import Rule

@@ -10,6 +10,7 @@ package docstring (`kerasdbg.capture`) describes the life cycle.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 import weakref
@@ -31,6 +32,7 @@ from kerasdbg.capture import progress as _progress
 from kerasdbg.backends.tensorflow.collect import Collector
 from kerasdbg.capture.interface import Capture
 from kerasdbg.backends.tensorflow import faults as faults_module
+from kerasdbg.backends.tensorflow import logits as _logits_lib
 from kerasdbg.backends.tensorflow.faults import Faults
 from kerasdbg.backends.tensorflow.quantities import Quantities, _several_replicas
 from kerasdbg.capture.requests import (
@@ -64,6 +66,7 @@ class _StepState:
         self.guard: List[tuple] = []
         self.skip = None
         self.forced = None  # whether the step is skipped after a rollback
+        self.logits = None  # layer path -> the largest attention logits of its calls
 
 
 class _ApplyContext:
@@ -694,12 +697,21 @@ class Engine(Capture):
         _TLS.state = state
         try:
             with routing.optimizer_routes(_route_apply, _route_reduce, _route_update,
-                                          _route_weight_decay):
+                                          _route_weight_decay), self._logits(state):
                 logs = step_function(data)
         finally:
             _TLS.state = previous
         self._guard(lambda: self._end_step(state, logs))
         return logs
+
+    def _logits(self, state: _StepState):
+        """While the train step is traced: the largest attention logits of the
+        model's `MultiHeadAttention` layers into `state.logits`, when a
+        "step" request asks for them."""
+        if not any(r.kind == "step" and getattr(r, "logits", False) for r in self.requests):
+            return contextlib.nullcontext()
+        state.logits = {}
+        return _logits_lib.attention_logits(self._model(), state.logits)
 
     def _begin_step(self, data) -> _StepState:
         self.trace_count += 1
@@ -876,6 +888,8 @@ class Engine(Capture):
         model = self._model()
         if self._several is None and state.applies:
             self._several = len(state.applies) > 1
+        if state.logits is not None:
+            self._guard(lambda: self._largest_logits(state))
         frozen = self.faults.end_step(model, state)
         row = self._row(state.train_id)
         if self._step_values is not None:
@@ -884,6 +898,20 @@ class Engine(Capture):
         if classes:
             self.quantities.record_classes(state, classes)
         self._calls.assign_add(1)
+
+    def _largest_logits(self, state: _StepState) -> None:
+        """The step's largest logits into its guard values: of each attention
+        layer (`step/max_attention_logit`, `step/<layer>/max_attention_logit`
+        with several) and of the model's output (`step/max_output_logit`)."""
+        several = len(state.logits) > 1
+        for path, values in state.logits.items():
+            value = values[0] if len(values) == 1 else tf.reduce_max(tf.stack(values))
+            state.guard.append(("max_attention_logit", path if several else None, value,
+                                "layer"))
+        if state.y_pred is not None:
+            value = _logits_lib.largest_output(state.y_pred)
+            if value is not None:
+                state.guard.append(("max_output_logit", None, value, "layer"))
 
     def _write_step(self, state: _StepState, logs, frozen, row) -> None:
         self.loss_captured = state.loss is not None

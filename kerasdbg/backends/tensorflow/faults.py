@@ -31,7 +31,8 @@ from kerasdbg import stats as stats_lib
 from kerasdbg.backends.tensorflow.channels import _zeros_like
 from kerasdbg.backends.tensorflow.quantities import _dense, _several_replicas
 from kerasdbg.quantities import reductions
-from kerasdbg.capture.requests import MIN_RELATIVE_STD, Freeze, Spike
+from kerasdbg.capture.requests import Freeze
+from kerasdbg.quantities.spikes import MIN_RELATIVE_STD, Spike
 
 if TYPE_CHECKING:
     from kerasdbg.backends.tensorflow.engine import EngineView, _ApplyContext, _StepState
@@ -144,8 +145,12 @@ class Faults:
         if self._localizes() and self._nan_row is None:
             self._nan_row = _buffers.on_read_variable(
                 tf.zeros([3 + MAX_FLAGGED], tf.int64), "kerasdbg_nan_source")
-        if self._guards():
+        if self._guards() or self._logits():
             self._prepare_guard(model)
+
+    def _logits(self) -> bool:
+        """Whether a request asks for the largest logits (written with the guard's values)."""
+        return any(getattr(r, "logits", False) for r in self._view.requests)
 
     def _guards(self) -> bool:
         """Whether a spike test or a skip is armed."""
@@ -158,7 +163,7 @@ class Faults:
         the windows of its spike tests, its recent skip and spike flags and
         the steps skipped (kept on the optimizer's side: they number its
         steps in every later fit too)."""
-        freeze = self._freeze()
+        freeze = self._freeze() or Freeze()
         rows = self._view.rows
         if self._forced is None:
             self._forced = _buffers.on_read_variable(tf.zeros([], tf.int64), "kerasdbg_forced_skips")
@@ -454,13 +459,15 @@ class Faults:
         name = context.channel.hook.name
         guard = context.state.guard
         if armed:
-            guard.append(("skipped", name, tf.cast(skip, tf.float64)))
+            guard.append(("skipped", name, tf.cast(skip, tf.float64), "optimizer"))
         if forced is not None:
-            guard.append(("skipped_after_rollback", name, tf.cast(forced, tf.float64)))
+            guard.append(("skipped_after_rollback", name, tf.cast(forced, tf.float64),
+                          "optimizer"))
         if values.get("gradient_norm") is not None:
-            guard.append(("gradient_norm", name, tf.cast(values["gradient_norm"], tf.float64)))
+            guard.append(("gradient_norm", name, tf.cast(values["gradient_norm"], tf.float64),
+                          "optimizer"))
         if freeze.spikes:
-            guard.append(("spike_fraction", name, spikes / seen))
+            guard.append(("spike_fraction", name, spikes / seen, "optimizer"))
         return frozen
 
     def _localize(self, context: _ApplyContext, step, nonfinite, grads) -> None:
@@ -677,7 +684,7 @@ class Faults:
             # A skipped step puts the state back too (it is not frozen after).
             self._keep_state_unless_frozen(
                 frozen if state.skip is None else tf.logical_or(frozen, state.skip))
-        if self._guard is not None and self._guards():
+        if self._guard is not None and (self._guards() or self._logits()):
             self._write_guard(state)
         return frozen
 
@@ -685,9 +692,10 @@ class Faults:
         """The train step's guard values into its row of the guard buffer
         (`guard_names` says what each column holds)."""
         entries = state.guard[:MAX_GUARD_VALUES]
-        self.guard_names = [(name, optimizer) for name, optimizer, _ in entries]
+        self.guard_names = [(name, qualifier, kind) for name, qualifier, _, kind in entries]
         nan = tf.constant(np.nan, tf.float64)
-        values = [tf.cast(state.train_id, tf.float64)] + [value for _, _, value in entries]
+        values = [tf.cast(state.train_id, tf.float64)] + [
+            tf.cast(value, tf.float64) for _, _, value, _ in entries]
         values += [nan] * (1 + MAX_GUARD_VALUES - len(values))
         row = tf.math.floormod(state.train_id - 1, int(self._guard.shape[0]))
         _buffers.write_row(self._guard, row, tf.stack(values))
@@ -695,20 +703,28 @@ class Faults:
     def guard_scalars(self, train_id: int, several: bool) -> Dict[str, float]:
         """The guard's values of train step `train_id` (host read), by tag:
         `step/skipped`, `step/gradient_norm`, `step/spike_fraction`
-        (`step/<optimizer>/<name>` with `several` optimizers)."""
+        (`step/<optimizer>/<name>` with `several` optimizers), and the
+        largest logits (`step/max_attention_logit`, per layer
+        `step/<layer>/max_attention_logit` with several, and
+        `step/max_output_logit`): the largest over replicas (the others are
+        the same on every replica)."""
         if self._guard is None or not self.guard_names:
             return {}
-        table = getattr(self, "_guard_table", None)
-        if table is None:
-            table = self._guard_table = _buffers.read(self._guard)
-        row = table[(train_id - 1) % table.shape[0]]
-        if int(row[0]) != train_id:
+        tables = getattr(self, "_guard_table", None)
+        if tables is None:
+            tables = self._guard_table = _buffers.read_replicas(self._guard)
+        rows = [table[(train_id - 1) % table.shape[0]] for table in tables]
+        rows = [row for row in rows if int(row[0]) == train_id]
+        if not rows:
             return {}
+        values = np.max(np.stack(rows), axis=0)  # a NaN stays NaN: absent below
         scalars = {}
-        for (name, optimizer), value in zip(self.guard_names, row[1:]):
-            if not np.isnan(value):
-                scalars[_tags.per_optimizer(_tags.STEP, name, optimizer if several else None)] = \
-                    float(value)
+        for (name, qualifier, kind), value in zip(self.guard_names, values[1:]):
+            if np.isnan(value):
+                continue
+            if kind == "optimizer":
+                qualifier = qualifier if several else None
+            scalars[_tags.per_optimizer(_tags.STEP, name, qualifier)] = float(value)
         return scalars
 
     def forget_guard_read(self) -> None:
