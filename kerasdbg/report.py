@@ -19,8 +19,8 @@ from kerasdbg.rules.remedies import LEARNING_RATE_RULES, REMEDIES, first_tries
 from kerasdbg.rules.remedies import learning_rate_note
 
 __all__ = ("NotARunError", "collect", "first_growth_step", "first_positive_step", "mean_norms",
-           "median_norms", "median_window", "other_trainings", "require_run", "run_title", "stop_on_rule_steps", "summary",
-           "write_report")
+           "median_norms", "median_window", "other_trainings", "require_run", "run_title",
+           "skipped_steps", "stop_on_rule_steps", "summary", "write_report")
 
 KERASDBG_PREFIXES = _tags.KERASDBG_PREFIXES
 """Tags that kerasdbg writes start with one of these."""
@@ -155,6 +155,8 @@ def collect(log_dir: str, run_name: str = "train",
                                run_name)
     data["nan_source"] = _wide(run, "^" + re.escape(_tags.fault("nan_source", "layer")) + "/",
                                run_name)
+    # The steps an in-graph fault skipped (StopOnRule(action="skip"/"rollback")).
+    data["skipped"] = _wide(run, _tags.per_optimizer_pattern(_tags.STEP, "skipped"), run_name)
     data["tap_extremes"] = _wide(run, _tags.statistic_pattern(
         _tags.ACTIVATIONS, ["max", "min", "nan_count", "inf_count"]), run_name)
     data["learning_rate"], data["learning_rate_epochs"] = _learning_rate(data["epochs"])
@@ -467,6 +469,11 @@ def summary(data: Dict[str, object], top: int = 3) -> str:
         lines.append(f"  likely cause: {note}")
     for text, rules in first_tries(fired):  # a remedy once, naming the rules it answers
         lines.append(f"  try: {text} (for {', '.join(rules)}; more in report.html)")
+    skipped = skipped_steps(data)
+    if skipped:
+        listed = ", ".join(map(str, skipped[:10])) + (" ..." if len(skipped) > 10 else "")
+        lines.append(f"  skipped steps: {len(skipped)} ({listed}): nothing was applied there "
+                     "(an in-graph fault, or the batches after a rollback)")
     rollbacks = data.get("rollbacks")
     if rollbacks is not None and len(rollbacks):
         first = rollbacks.iloc[0]
@@ -476,6 +483,28 @@ def summary(data: Dict[str, object], top: int = 3) -> str:
             f"({len(rollbacks)} time{'s' if len(rollbacks) > 1 else ''}); steps "
             f"{dropped[0]}-{dropped[-1]} of the abandoned run are left out")
     return "\n".join(lines)
+
+
+def skipped_steps(data: Dict[str, object]) -> List[int]:
+    """The steps whose update an in-graph fault skipped (`step/skipped`, of
+    any optimizer), in order; empty when none was or nothing says.
+
+    Examples:
+        >>> import os, tempfile
+        >>> from kerasdbg.report import collect, skipped_steps
+        >>> from kerasdbg.sinks import events as _events
+        >>> log_dir = tempfile.mkdtemp()
+        >>> writer = _events.EventWriter(os.path.join(log_dir, "train"))
+        >>> for step in (1, 2, 3):
+        ...     writer.write(step, {"step/loss": 1.0, "step/skipped": float(step == 2)})
+        >>> writer.flush()
+        >>> skipped_steps(collect(log_dir))
+        [2]
+    """
+    table = data.get("skipped")
+    if table is None or not len(table):
+        return []
+    return sorted(int(s) for s, row in table.iterrows() if (row.fillna(0) > 0).any())
 
 
 def _verdict_count(verdicts: pd.DataFrame) -> int:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import kerasdbg
+from kerasdbg import report
 from kerasdbg.callbacks import StopOnRule
 from kerasdbg.rules import LossNotDecreasing, LossSpike
 from tests.conftest import make_strategy
@@ -77,6 +78,10 @@ def test_a_spike_rolled_back_equals_a_plain_run_over_the_batches_that_remain(
     run = kerasdbg.load_run(str(tmp_path))
     assert run.rollbacks().to_dict("records") == [
         {"run": "train", "step": 41, "dropped": list(range(41, spike + 1))}]
+    said = report.summary(report.collect(str(tmp_path)))
+    assert "  skipped steps: 10 (41, 42, 43, 44, 45, 46, 47, 48, 49, 50): nothing was applied" \
+        in said
+    assert f"  rolled back: training restarted at step 41 (1 time); steps 41-{spike}" in said
     table = run.scalar_table("step/skipped_after_rollback", run="train")
     assert table.loc[41:50, "step/skipped_after_rollback"].tolist() == [1.0] * SKIP
     assert table.loc[51:, "step/skipped_after_rollback"].eq(0).all()
