@@ -19,7 +19,8 @@ SCENARIOS = ["plain_spe1", "instruments_spe1", "per_worker_spe1", "nan_on_one_sh
              "replicas_drift_spe1", "evaluate_predict_spe1", "doctor", "plain_spe4",
              "instruments_spe4", "nan_on_one_shard_spe4", "replicas_drift_spe4",
              "evaluate_predict_spe4", "dead_relu_spe1", "dead_relu_spe4",
-             "tap_read_fails_spe1", "instruments_spe4_xla"]
+             "tap_read_fails_spe1", "skip_on_one_shard_spe1", "skip_on_one_shard_spe4",
+             "instruments_spe4_xla"]
 XLA_ERROR = "Collectives are not yet implemented for CPU devices when compiling with XLA"
 PEER_GONE = "Collective ops is aborted by"
 SPE = pytest.mark.parametrize("spe", [1, 4], ids=["spe1", "spe4"])
@@ -184,6 +185,25 @@ def test_a_nan_in_one_workers_shard_stops_every_worker_alike(results, spe):
     _assert_weights(_weights(chief), reference[-1]["after"])
     _assert_weights(_weights(other), _weights(chief))
     assert other["printed"] == [] and len(chief["printed"]) == len(chief["verdicts"])
+
+
+@SPE
+def test_a_nan_in_one_workers_shard_is_skipped_by_every_worker_alike(results, spe):
+    from tests.helpers import X, Y
+
+    chief, other = _workers(results, f"skip_on_one_shard_spe{spe}")
+    assert chief["skipped"] == other["skipped"] == [3]
+    assert chief["iterations"] == other["iterations"] == STEPS - 1
+    assert chief["verdicts"] == other["verdicts"]
+    # The NaN reaches the gradients (the loss stays finite through the fused ReLU).
+    assert chief["verdicts"][0].startswith("NaNSource at step 3:"), chief["verdicts"]
+    assert not chief["stop_training"] and not other["stop_training"]
+    # As if the third global batch had not come: the reference trains on the others.
+    keep = np.ones(len(X), bool)
+    keep[2 * BATCH:3 * BATCH] = False
+    reference = reference_training(_weights(chief, "initial"), STEPS - 1, x=X[keep], y=Y[keep])
+    _assert_weights(_weights(chief), reference[-1]["after"])
+    _assert_weights(_weights(other), _weights(chief))
 
 
 def _forward(weights, x):

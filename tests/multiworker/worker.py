@@ -190,6 +190,21 @@ def nan_on_one_shard(spe, name):
                 stop_training=bool(model.stop_training))
 
 
+def skip_on_one_shard(spe, name):
+    """The NaN of `nan_on_one_shard`, skipped in the graph (`action="skip"`):
+    every worker skips the same step and trains on."""
+    x = X.copy()
+    x[NAN_ROW, 0] = np.nan
+    model = _compiled(spe=spe)
+    initial = _trainable(model)
+    stop = kerasdbg.callbacks.StopOnRule(kerasdbg.rules.NonFiniteLoss(), action="skip",
+                                         log_dir=os.path.join(OUT, name))
+    result = _fit(model, [stop], data=_data(x))
+    return dict(result, initial=initial, verdicts=[v.reason for v in stop.verdicts],
+                skipped=stop.skipped_steps, iterations=int(model.optimizer.iterations.numpy()),
+                stop_training=bool(model.stop_training))
+
+
 def dead_relu(spe, name):
     """A ReLU layer three of whose five units never fire (a bias of -50):
     the taps' records are the cluster's, so DeadReLU stops every worker at
@@ -282,6 +297,8 @@ SCENARIOS = {
     # TensorFlow fails this on CPU; run last, in case it leaves the collectives unusable.
     "instruments_spe4_xla": lambda: instruments(4, "instruments_spe4_xla", jit=True),
     "tap_read_fails_spe1": lambda: tap_read_fails(1, "tap_read_fails_spe1"),
+    "skip_on_one_shard_spe1": lambda: skip_on_one_shard(1, "skip_on_one_shard_spe1"),
+    "skip_on_one_shard_spe4": lambda: skip_on_one_shard(4, "skip_on_one_shard_spe4"),
     "dead_relu_spe1": lambda: dead_relu(1, "dead_relu_spe1"),
     "dead_relu_spe4": lambda: dead_relu(4, "dead_relu_spe4"),
 }
