@@ -25,6 +25,10 @@ wanted=$(cat setup.cfg pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$wanted" ]; then
   echo "Installing kerasdbg and its dependencies into $venv (first run: a few minutes)..." >&2
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[cpu,test,docs]"
+  # keras-hub's models for the tests, without its tensorflow-text, which pins another
+  # TensorFlow than tensorflow-cpu (the models the tests build need none); the rest of
+  # its requirements are in the "test" extra.
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps "keras-hub>=0.32"
   echo "$wanted" > "$stamp"
 fi
 

@@ -28,7 +28,13 @@ Configurations:
 - "nan_guard": `StopOnRule(NonFiniteLoss())` alone; "terminate_on_nan":
   Keras's `TerminateOnNaN`; "keras_tensorboard": Keras's `TensorBoard` with
   histograms every epoch; "step_timer": `StepTimer`; "step_recorder":
-  `StepRecorder(steps=3)`, whose steady state pays only the test of the step.
+  `StepRecorder(steps=3)`, whose steady state pays only the test of the step;
+- "skip+defaults": "defaults" + `StopOnRule([LossSpike(), GradientNormSpike()],
+  action="skip")` (the in-graph guard: the NaN/Inf test, the two spike
+  windows, the skip); printed beside it, its step time over "defaults"'s;
+- "rollback+defaults": the same with `action="rollback"` and a snapshot every
+  100 steps (`rollback_every=100`); printed beside it, the time each snapshot
+  took (the host copy of the weights and the optimizer's variables).
 
 Printed: median over rounds of each configuration's step time divided by the
 mean step time of the plain fits right before and after it (a shared
@@ -82,11 +88,12 @@ import numpy as np  # noqa: E402
 import kerasdbg  # noqa: E402
 from kerasdbg.callbacks import ActivationStatistics, GradientStatistics, WeightStatistics  # noqa: E402
 from kerasdbg.callbacks import StepRecorder, StepTimer, StopOnRule  # noqa: E402
-from kerasdbg.rules import NonFiniteLoss  # noqa: E402
+from kerasdbg.rules import GradientNormSpike, LossSpike, NonFiniteLoss  # noqa: E402
 from kerasdbg.layers import TapLayer  # noqa: E402
 
 CONFIGS = ("plain", "defaults", "all", "all+histograms", "stop", "stop+defaults", "taps", "taps+defaults",
-           "keras_tensorboard", "terminate_on_nan", "nan_guard", "step_timer", "step_recorder")
+           "keras_tensorboard", "terminate_on_nan", "nan_guard", "step_timer", "step_recorder",
+           "skip+defaults", "rollback+defaults")
 # What runs on JAX: every configuration (Keras's TensorBoard callback writes
 # through TensorFlow, which must be installed for that one).
 JAX_CONFIGS = CONFIGS
@@ -130,6 +137,11 @@ def _callbacks(config, log_dir):
         return [StepRecorder(os.path.join(log_dir, "trace.npz"), steps=3)]
     if config == "keras_tensorboard":
         return [keras.callbacks.TensorBoard(log_dir, histogram_freq=1)]
+    if config in ("skip+defaults", "rollback+defaults"):
+        action = config.partition("+")[0]
+        return [StopOnRule([LossSpike(), GradientNormSpike()], action=action, rollback_every=100,
+                           log_dir=log_dir, verbose=False),
+                GradientStatistics(log_dir), WeightStatistics(log_dir)]
     if config == "stop":  # StopOnRule's default rules alone (see "stop+defaults")
         return [StopOnRule(log_dir=log_dir, action="warn", verbose=False)]
     defaults = [GradientStatistics(log_dir), WeightStatistics(log_dir)]
@@ -169,14 +181,17 @@ def bench(model_name, spe, steps, repeats, configs):
     # steps, in a model that shares the compiled model's layers and optimizer.
     tapped = kerasdbg.insert_taps(model, tap=TapLayer(every_n_steps=TAP_EVERY)) if (
         "taps" in configs or "taps+defaults" in configs) else None
-    results = {c: {"step": [], "trace": [], "ratio": [], "extra": [], "first": [], "later": []}
-               for c in configs}
+    results = {c: {"step": [], "trace": [], "ratio": [], "extra": [], "first": [], "later": [],
+                   "snapshots": []} for c in configs}
 
     def fit(config, fitted, examples):
         with tempfile.TemporaryDirectory() as log_dir:
             timer = _Timer()
+            callbacks = _callbacks(config, log_dir)
             fitted.fit(x[:examples], y[:examples], batch_size=batch, epochs=1, verbose=0,
-                       shuffle=False, callbacks=_callbacks(config, log_dir) + [timer])
+                       shuffle=False, callbacks=callbacks + [timer])
+        for callback in callbacks:
+            results[config]["snapshots"] += list(getattr(callback, "snapshot_seconds", []))
         return np.diff(timer.ends)
 
     def run(config):
@@ -240,6 +255,14 @@ def report(model_name, spe, results, configs):
         if jax_columns:
             line += (f" {np.median(results[config]['first']):20.3f}"
                      f" {np.median(results[config]['later']):22.3f}")
+        if config == "skip+defaults" and "defaults" in results:
+            # Paired by round: each round's ratio over that round's "defaults".
+            pairs = np.array(results[config]["ratio"]) / np.array(results["defaults"]["ratio"])
+            line += f"   over defaults {np.median(pairs):.3f} ({pairs.min():.3f}-{pairs.max():.3f})"
+        snapshots = results[config]["snapshots"]
+        if snapshots:
+            line += (f"   snapshot {1000 * np.median(snapshots):.1f} ms "
+                     f"(max {1000 * max(snapshots):.1f}, {len(snapshots)} taken)")
         if config != "plain" or jax_columns:
             print(line)
 

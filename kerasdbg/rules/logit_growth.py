@@ -34,8 +34,10 @@ class LogitGrowth(Rule):
         factor: the growth over `window` steps that fires, or None. Defaults
             to `10.0`.
         window: the steps the growth is measured over. Defaults to `100`.
-        min_logit: growth counts only from this logit up (logits start near
-            0 and grow while a model learns to attend). Defaults to `5.0`.
+        min_logit: growth counts only from this logit up: logits start near
+            0 and grow while a model learns to attend (a two-layer GPT-2
+            learning a copy task: from 0.5 to 5.5 in 100 steps, healthy).
+            Defaults to `25.0`.
         max_output_logit: the largest output allowed, or None to leave the
             output alone. Defaults to `None`.
 
@@ -53,7 +55,7 @@ class LogitGrowth(Rule):
     every_step = True
 
     def __init__(self, max_logit: float = 50.0, factor: Optional[float] = 10.0,
-                 window: int = 100, min_logit: float = 5.0,
+                 window: int = 100, min_logit: float = 25.0,
                  max_output_logit: Optional[float] = None):
         owner = type(self).__name__
         self.max_logit = check.number(owner, "max_logit", max_logit, minimum=0.0,

@@ -84,6 +84,26 @@ def _nonfinite_flags(packed: "stats_lib.Packed", missing) -> tf.Tensor:
     return tf.gather(flags, index)
 
 
+def _watched(spec: Freeze) -> set:
+    """The fault kinds a request's `Freeze` watches."""
+    kinds = {f"{spike.quantity}_spike" for spike in spec.spikes}
+    if spec.nonfinite_loss or spec.nonfinite_gradients:
+        kinds.add("nonfinite")
+    if spec.max_gradient_norm is not None:
+        kinds.add("max_gradient_norm")
+    return kinds
+
+
+def _skipped_kinds(specs) -> frozenset:
+    """The fault kinds that skip their step when several requests arm
+    faults: those a request skips and every request that watches them skips
+    too (a `StopOnRule` that stops on NaN/Inf beside one that skips spikes
+    keeps its freeze on NaN/Inf)."""
+    skipped = frozenset().union(*(s.skip for s in specs))
+    return frozenset(kind for kind in skipped
+                     if all(kind in s.skip for s in specs if kind in _watched(s)))
+
+
 def _spikes(test: Spike, value, window, count):
     """Whether `value` spikes against the window of `test` (in-graph,
     float64): more than `sigmas` standard deviations above the window's mean
@@ -210,7 +230,7 @@ class Faults:
             nonfinite_gradients=any(s.nonfinite_gradients for s in specs),
             max_gradient_norm=min(norms) if norms else None,
             spikes=tuple(dict.fromkeys(spike for s in specs for spike in s.spikes)),
-            skip=frozenset().union(*(s.skip for s in specs)),
+            skip=_skipped_kinds(specs),
             max_skips=min([s.max_skips for s in skipping] or [specs[0].max_skips]),
             skip_window=max([s.skip_window for s in skipping] or [specs[0].skip_window]),
             rollback=any(s.rollback for s in specs),
