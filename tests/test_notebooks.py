@@ -68,6 +68,21 @@ EXPECTED_OUTPUT = {
         "DIVERGED: first at step 1, loss: max abs diff",
         "exit status: 1",
     ],
+    "06_keep_a_long_run_alive.ipynb": [
+        "kerasdbg: LossSpike at step 150: the loss ",
+        "; the step was skipped",
+        "skipped steps: [150] | history: [1] | iterations: 199",
+        "same weights as plain Keras without batch 150: True",
+        "verdicts: [] | skipped steps: []",
+        "No verdict: LossSpike, GradientNormSpike, ",
+        "rolled back to step 120, skipping the next 10 batches",
+        "rollbacks (step, to step): [(150, 120)]",
+        "skipped after the rollback: steps 121-130 | iterations: 158",
+        "same weights as plain Keras on batches 1-120 and 163-200: True",
+        "train   121  121-150",
+        "rolled back: training restarted at step 121 (1 time); steps 121-150 of the abandoned run",
+        "<Figure size 1000x340 with 2 Axes>",
+    ],
 }
 
 
