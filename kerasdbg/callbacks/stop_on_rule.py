@@ -33,6 +33,7 @@ from kerasdbg.rules.all_zero import AllZero
 from kerasdbg.rules.faults import FreezeOnFault, NaNSource
 from kerasdbg.rules.rule import CLASSES, SCALAR_COLLECTIONS, Rule, RuleFired, RuleWarning
 from kerasdbg.rules.rule import Verdict, tag_pattern
+from kerasdbg.rules.logit_growth import LogitGrowth
 from kerasdbg.rules.spike_rules import SkippedStep
 
 ACTIONS = ("stop", "raise", "warn", "skip", "rollback")
@@ -78,7 +79,33 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
       `kerasdbg:` line as well), attributed to the line that called `fit`,
       so the `warnings` module filters it (`"ignore"` in a sweep) or makes
       it an error (`"error"` in a test).
+    - "skip": a step whose fault is decided in the compiled train step (a
+      NaN/Inf loss or gradient, a gradient norm above `max_gradient_norm`,
+      a spike of `LossSpike` or `GradientNormSpike`) applies nothing: the
+      weights, the optimizer's slots and step count (Keras's `iterations`
+      does not count a skipped step, as `LossScaleOptimizer` does not count
+      an overflow it skips) and BatchNormalization's moving statistics stay
+      as if its batch had not come, on every replica and worker alike, with
+      no extra host round trip; training goes on. kerasdbg numbers steps by
+      `iterations` + the steps it skipped, so every batch keeps its own step.
+      At most `max_skips` steps among the last `skip_window` of an optimizer
+      are skipped; a fault beyond them freezes the weights and training
+      stops, as does a verdict decided on the records after the step (a rule
+      whose test does not run in the graph). Each skipped step is recorded
+      (`step/skipped`, `skipped_steps`, and per epoch `skipped_steps` in
+      Keras's logs, hence `history`), and said with its verdict.
+    - "rollback": at a fault, the weights and the optimizer's variables
+      (its step count included) are put back as they were at the last
+      snapshot, taken on the host every `rollback_every` steps (one copy at
+      a time), the next `rollback_skip` batches are skipped in the graph, and
+      training goes on (`rollbacks`); the steps rolled back are written again
+      in the records, which the reader shows as a rollback. Without a
+      snapshot yet, training stops.
     - a callable: called as `action(verdicts, model)`.
+
+    A rule's own `action` ("skip" or "stop", on `LossSpike` and
+    `GradientNormSpike`) overrides this one for the faults it finds in the
+    graph.
 
     Each verdict is said once: with "warn" by its warning, else (with
     `verbose`) as a `kerasdbg: <reason>` line. Verdicts of severity "info"
@@ -138,12 +165,14 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
         rules: a `kerasdbg.rules.Rule` or a sequence of them; None for
             `kerasdbg.rules.default_rules()` (the activation rules only when
             the model has taps). Defaults to `None`.
-        action: "stop", "raise", "warn", or a callable. Defaults to `"stop"`.
+        action: "stop", "raise", "warn", "skip", "rollback", or a callable.
+            Defaults to `"stop"`.
         start_step: evaluate the steps from this optimizer step on (steps are
             numbered from 1). Defaults to `0`.
         freeze_on_fault: freeze the weights at an in-graph fault; None turns
             it on when a rule watches non-finite values (`NonFiniteLoss`,
-            `ExplodingTensor` on gradients). Defaults to `None`.
+            `ExplodingTensor` on gradients) or spikes, and with "skip" or
+            "rollback". Defaults to `None`.
         max_gradient_norm: with `freeze_on_fault`, also a global gradient
             norm above this is a fault. Defaults to `None`.
         locate_nan: at the first non-finite loss or gradient, replay that
@@ -173,6 +202,13 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
             everything the rules read at every step. Defaults to `None`.
         first_steps: also record at every step up to this one; None for 10
             with the default schedule, else 0. Defaults to `None`.
+        max_skips: with "skip", at most this many skipped steps among the
+            last `skip_window` steps of an optimizer. Defaults to `10`.
+        skip_window: see `max_skips`. Defaults to `128`.
+        rollback_every: with "rollback", a snapshot every this many steps.
+            Defaults to `100`.
+        rollback_skip: with "rollback", the batches skipped after a rollback.
+            Defaults to `0`.
 
     Raises:
         TypeError, ValueError: for bad arguments. A rule that reads what
@@ -499,7 +535,10 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
                                        getattr(self.model, "distribute_strategy", None))
             if self._writer is not None:
                 _shown(self._writer, self.model)[1].clear()  # "No verdict" is a fit's
-            _layout.add(type(self).__name__, self._writer, _layout.loss_lines(), self.strict)
+            guarded = self._skipping or any(
+                _guards(r) or isinstance(r, LogitGrowth) for r in self.rules)
+            _layout.add(type(self).__name__, self._writer, _layout.loss_lines() + (
+                _layout.guard_lines() if guarded else []), self.strict)
         engine = _capture.engine_for(self.model)
         rows = self._rows
         for request in requests:

@@ -78,6 +78,9 @@ UPDATE_RATIO_FRACTION = Chart(
     "weights", f"fraction of variables with update ratio above {UPDATE_RATIO_ABOVE:g}")
 WEIGHT_GROUPS = Chart("weights", "largest weight l2 norm in each group of variables")
 HEALTH_GROUPS = Chart("activations", "largest dead / saturated fraction in each group of taps")
+SKIPS = Chart("stability", "skipped steps (1 where skipped) and fraction of spiky steps")
+STEP_GRADIENT_NORM = Chart("stability", "global gradient norm of each step")
+ATTENTION_LOGITS = Chart("stability", "largest attention logit of each step")
 SECONDS = Chart("timing", "seconds per execution and per step: input, compute")
 INPUT_FRACTION = Chart("timing", "input fraction")
 THROUGHPUT = Chart("timing", "examples per second")
@@ -87,8 +90,8 @@ WEIGHT_NORMS = Chart(EVERY, "weight l2 norm of every variable")
 HEALTH = Chart(EVERY, "dead / saturated fraction of every tap")
 CHARTS = (LOSS, LOG_LOSS, GLOBAL_NORM, LOG_GLOBAL_NORM, GRADIENT_GROUPS, GRADIENT_GROUPS_RAW,
           GRADIENT_EXTREMES, GRADIENT_HOLDERS, UPDATE_RATIO_GROUPS, UPDATE_RATIO_FRACTION,
-          WEIGHT_GROUPS, HEALTH_GROUPS, SECONDS, INPUT_FRACTION, THROUGHPUT, GRADIENT_NORMS, UPDATE_RATIOS,
-          WEIGHT_NORMS, HEALTH)
+          WEIGHT_GROUPS, HEALTH_GROUPS, SKIPS, STEP_GRADIENT_NORM, ATTENTION_LOGITS, SECONDS,
+          INPUT_FRACTION, THROUGHPUT, GRADIENT_NORMS, UPDATE_RATIOS, WEIGHT_NORMS, HEALTH)
 """Every chart, in the order the dashboard shows them."""
 CLOSED = (EVERY,)
 """The categories shown closed (a click opens them)."""
@@ -177,6 +180,16 @@ def loss_lines() -> List[Line]:
     """The lines of `StopOnRule`: the loss of each step, and its log10."""
     return [Line(LOSS, _tags.scalar_pattern(_tags.STEP, ["loss"])),
             Line(LOG_LOSS, _tags.view_pattern(_tags.STEP, "loss", "log10"))]
+
+
+def guard_lines() -> List[Line]:
+    """The lines of `StopOnRule`'s in-graph guard (spike tests, skips) and of
+    the largest logits: each where recorded."""
+    per = _tags.per_optimizer_pattern
+    return [Line(SKIPS, per(_tags.STEP, "skipped")),
+            Line(SKIPS, per(_tags.STEP, "spike_fraction")),
+            Line(STEP_GRADIENT_NORM, per(_tags.STEP, "gradient_norm")),
+            Line(ATTENTION_LOGITS, per(_tags.STEP, "max_attention_logit"))]
 
 
 # ------------------------------------------------------------------ views

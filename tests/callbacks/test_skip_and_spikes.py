@@ -333,7 +333,8 @@ def test_the_configuration_round_trips_and_bad_arguments_are_refused():
     with pytest.raises(ValueError, match=r"`max_skips` must be at most `skip_window`"):
         StopOnRule(LossSpike(), action="skip", max_skips=10, skip_window=5)
     with pytest.raises(ValueError, match=r"`action` must be one of 'stop', 'raise', 'warn', "
-                                         r"'skip' or a callable\. Received: action='rollbak'"):
+                                         r"'skip', 'rollback' or a callable\. "
+                                         r"Received: action='rollbak'"):
         StopOnRule(LossSpike(), action="rollbak")
     with pytest.raises(ValueError, match=r"LossSpike: `window` must be at least 2"):
         LossSpike(window=1)

@@ -589,10 +589,10 @@ def test_bad_arguments_are_refused_with_the_received_value():
         StopOnRule("NonFiniteLoss")
     with pytest.raises(ValueError, match=r"at least one rule. Received: rules=\[\]"):
         StopOnRule([])
-    with pytest.raises(ValueError, match="`action` must be one of 'stop', 'raise', 'warn', 'skip' or a "
+    with pytest.raises(ValueError, match="`action` must be one of 'stop', 'raise', 'warn', 'skip', 'rollback' or a "
                                          "callable. Received: action='halt'"):
         StopOnRule(NonFiniteLoss(), action="halt")
-    with pytest.raises(TypeError, match="`action` must be one of 'stop', 'raise', 'warn', 'skip' or a "
+    with pytest.raises(TypeError, match="`action` must be one of 'stop', 'raise', 'warn', 'skip', 'rollback' or a "
                                         "callable. Received: action=42 of type int"):
         StopOnRule(NonFiniteLoss(), action=42)
     with pytest.raises(ValueError, match="needs freeze_on_fault=True"):
