@@ -307,6 +307,9 @@ def tag_pattern(collection: str, statistic: str, name: str = "<name>") -> str:
 #   this train step's update before the apply that found the fault;
 # - `faults/freeze/found_by/<optimizer>`: the optimizer whose apply found it;
 # - `faults/freeze/max_gradient_norm`: the gradient-norm limit that was armed.
+# - `faults/skip/<kind>` (`faults/skip/<kind>/<optimizer>` with several): why
+#   a step was skipped in the graph (`StopOnRule(action="skip")`): "nonfinite",
+#   "max_gradient_norm", "loss_spike" or "gradient_norm_spike".
 NAN_SOURCE = f"{FAULTS}/nan_source"
 FREEZE = f"{FAULTS}/freeze"
 NAN_SOURCE_LAYER = 1

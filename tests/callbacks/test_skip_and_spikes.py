@@ -202,6 +202,10 @@ def test_online_and_offline_verdicts_agree_and_the_records_say_skipped(tmp_path)
     assert list(skipped.index) == list(range(1, STEPS + 1))
     assert skipped["step/skipped"].tolist() == [1.0 if s == SPIKE else 0.0
                                                 for s in range(1, STEPS + 1)]
+    # Why: both spike tests found it (the loss and the gradient norm).
+    reasons = run.scalar_table("faults/skip/.*", run="train")
+    assert list(reasons.index) == [SPIKE]
+    assert sorted(reasons.columns) == ["faults/skip/gradient_norm_spike", "faults/skip/loss_spike"]
     norms = run.scalar_table("step/gradient_norm", run="train")["step/gradient_norm"]
     assert norms[SPIKE] > 100 * norms.drop(SPIKE).max()
     # The taps number the steps after the skip on (no step twice, none missing).

@@ -483,6 +483,12 @@ class Faults:
         if forced is not None:
             guard.append(("skipped_after_rollback", name, tf.cast(forced, tf.float64),
                           "optimizer"))
+        if freeze.skip:
+            # Why a step was skipped: `faults/skip/<kind>` at its step.
+            for kind, flag in faults.items():
+                if flag is not None and kind in freeze.skip:
+                    guard.append((kind, name, tf.cast(tf.logical_and(budgeted, flag), tf.float64),
+                                  "reason"))
         if values.get("gradient_norm") is not None:
             guard.append(("gradient_norm", name, tf.cast(values["gradient_norm"], tf.float64),
                           "optimizer"))
@@ -723,7 +729,9 @@ class Faults:
     def guard_scalars(self, train_id: int, several: bool) -> Dict[str, float]:
         """The guard's values of train step `train_id` (host read), by tag:
         `step/skipped`, `step/gradient_norm`, `step/spike_fraction`
-        (`step/<optimizer>/<name>` with `several` optimizers), and the
+        (`step/<optimizer>/<name>` with `several` optimizers), why a step was
+        skipped (`faults/skip/<kind>[/<optimizer>]` = 1 at it: "nonfinite",
+        "max_gradient_norm", "loss_spike", "gradient_norm_spike"), and the
         largest logits (`step/max_attention_logit`, per layer
         `step/<layer>/max_attention_logit` with several, and
         `step/max_output_logit`): the largest over replicas (the others are
@@ -741,6 +749,10 @@ class Faults:
         scalars = {}
         for (name, qualifier, kind), value in zip(self.guard_names, values[1:]):
             if np.isnan(value):
+                continue
+            if kind == "reason":
+                if value > 0:
+                    scalars[_tags.fault("skip", name, qualifier if several else None)] = 1.0
                 continue
             if kind == "optimizer":
                 qualifier = qualifier if several else None
