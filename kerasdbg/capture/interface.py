@@ -27,8 +27,8 @@ RECORDS = {
     "tensorflow": None,  # everything
     "jax": {"gradients": "GradientStatistics", "weights": "WeightStatistics",
             "taps": "ActivationStatistics",
-            "step": "StopOnRule", "classes": "StopOnRule", "wrap": "StepTimer",
-            "tensors": "StepRecorder"},
+            "step": "StopOnRule", "classes": "StopOnRule", "guard": "StopOnRule",
+            "wrap": "StepTimer", "tensors": "StepRecorder"},
 }
 """What each backend's capture records, by request kind (None: every kind),
 with the instrument that asks for it."""

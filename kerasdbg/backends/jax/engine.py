@@ -26,6 +26,14 @@ and leave it as outputs:
   its step counter included): no update of a faulty step reaches the
   model. `carry` holds whether the weights are frozen, the train-step
   count and the weights at the fit's start (for `distance_from_start`).
+- With the in-graph spike tests or `action="skip"` (`guard`): the spike
+  windows and skip flags ride in the carry too, and a skipped step returns
+  the state it was given for its optimizer, its step counter included (not
+  counted, as Keras's loss scaler does for an overflow), while the debug
+  layers' counters and buffers record it as for a freeze. The steps
+  kerasdbg skipped, per optimizer, ride in the carry (`skipped`) and number
+  the steps (`iterations` + skipped + 1), the taps' too; the host keeps
+  each optimizer's count (`keras_objects.skipped_steps`) for later fits.
 - The host keeps each step's outputs (device arrays) and reads them once
   per execution (`collect`, one `jax.device_get`), then hands each request
   its records, with the same tags as TensorFlow's capture.
@@ -57,6 +65,7 @@ import numpy as np
 from kerasdbg import _replay
 from kerasdbg import stats as stats_lib
 from kerasdbg.backends.jax import classes as _classes
+from kerasdbg.backends.jax import guard as _guard
 from kerasdbg.backends.jax import layer_record as _layer_record
 from kerasdbg.backends.jax import nan_source as _nan_source
 from kerasdbg.backends.jax import ops as _ops
@@ -81,6 +90,8 @@ _FIRST = _tags.step_scalar("first")
 _FROZEN = _tags.step_scalar("frozen")
 _FAULT = _tags.step_scalar("fault")
 _NONFINITE = "fault/nonfinite"  # the step's fault is a NaN/Inf (not a norm above the limit)
+_GUARD = "guard/"  # + "<optimizer number>/<name>": the guard's values of the step
+_SKIPPED = "skipped"  # the carry's key of the steps kerasdbg skipped, per optimizer number
 _LOSS = _tags.LOSS
 
 # The keys of what `_timed_execution` adds to an execution's last records:
@@ -97,6 +108,28 @@ def _context() -> Optional["_StepContext"]:
     return stack[-1] if stack else None
 
 
+def skipped_offset(model, counter):
+    """The steps kerasdbg skipped of the optimizer of `model` whose step
+    counter is `counter`, for a debug layer that numbers a step while it is
+    traced (`layer_record`): in kerasdbg's step, the carry's count (as the
+    applies number their steps); in another step (Keras's own, in a fit
+    without kerasdbg's capture), the host's count when it is traced, fixed
+    in that trace; 0 when kerasdbg never skipped a step of it."""
+    context = _context()
+    if context is not None and context.engine._model() is model:
+        skipped = context.carry.get(_SKIPPED, {})
+        for hook in context.engine.hooks.values():
+            if keras_objects.raw_iterations(hook.optimizer) is counter \
+                    and str(hook.number) in skipped:
+                return skipped[str(hook.number)]
+        return 0
+    for _, optimizer in keras_objects.find_optimizers(model):
+        if keras_objects.raw_iterations(optimizer) is counter:
+            holder = keras_objects.skipped_steps(optimizer)
+            return 0 if holder is None else int(np.asarray(holder.value))
+    return 0
+
+
 class _StepContext:
     """What one trace of kerasdbg's step collects from the applies in it."""
 
@@ -106,6 +139,7 @@ class _StepContext:
         self.records: Dict[str, object] = {}
         self.oks: List[object] = []
         self.finites: List[object] = []  # whether each apply's gradients were finite
+        self.guard: List[_guard.Apply] = []  # each apply's fault test, for the guard
         self.applies: Dict[int, int] = {}
         self.loss = None
         self.first_step = None
@@ -164,6 +198,15 @@ class _Same:
         return self._id
 
 
+class _SkippedSteps:
+    """The steps kerasdbg skipped of one optimizer, on the host
+    (`keras_objects.skipped_steps`): `value`, a NumPy integer, kept up to
+    date at each collect from the step's carry, where the count runs."""
+
+    def __init__(self):
+        self.value = np.int64(0)
+
+
 class _Faults:
     """The freeze's host side: whether the weights are frozen now."""
 
@@ -174,12 +217,27 @@ class _Faults:
     def unfreeze(self) -> None:
         self.frozen = False
         carry = self._engine._carry
-        if carry is not None and _classes.CARRY in carry:
-            # The fit's class counts go on (only the freeze starts over).
-            self._engine._carry = dict(self._engine._first_carry_of(carry),
-                                       **{_classes.CARRY: carry[_classes.CARRY]})
+        # The fit's class counts, spike windows and skipped steps go on (only
+        # the freeze starts over).
+        kept = {key: carry[key] for key in (_classes.CARRY, "guard", _SKIPPED)
+                if carry is not None and key in carry}
+        if kept:
+            self._engine._carry = dict(self._engine._first_carry_of(carry), **kept)
         else:
             self._engine._carry = None
+
+    def guard_state(self) -> list:
+        """What a rollback would put back of the guard: on JAX the fit's
+        state is Keras's loop's, which a rollback's assignments to the
+        variables do not reach, so there is no rollback (a snapshot fails
+        with this error, and a fault stops training)."""
+        raise NotImplementedError(
+            "action='rollback' runs on the TensorFlow backend only so far: on JAX the fit's "
+            "state is held by Keras's loop, not by the variables a rollback assigns")
+
+    def skip_next(self, batches: int) -> None:
+        """See `guard_state`: no rollback on JAX."""
+        self.guard_state()
 
 
 class Engine(Capture):
@@ -223,6 +281,9 @@ class Engine(Capture):
         self._kept_step = None
         self._kept_applies: Dict[int, int] = {}
         self._kept_classes: Optional[tuple] = None  # what the kept step's trace found
+        # The guard's carry of the last fit, per optimizer (`_Same` of it), for
+        # the next fit: the spike windows and skip flags go on, as on TensorFlow.
+        self._guard_kept: Dict[object, dict] = {}
 
     # ----------------------------------------------------------- lifecycle
     def attach(self, request: Request) -> None:
@@ -311,8 +372,7 @@ class Engine(Capture):
         self._pending_data = []
         self._carry = None
         self._calls = 0
-        iterations = [int(np.asarray(keras_objects.raw_iterations(h.optimizer).value))
-                      for h in self.hooks.values()]
+        iterations = [keras_objects.step_number(h.optimizer) for h in self.hooks.values()]
         self._step_base = min([i for i in iterations if i > 0], default=0)
         # The state's shardings under a keras.distribution, read while the
         # model still holds its variables (Keras's loop moves them into its
@@ -341,6 +401,7 @@ class Engine(Capture):
                 fit_end.cancel_fit_end(model, self)
         self._plain = None
         self.installed = False
+        self._keep_guard()
         # Nothing of this fit kept but the step for a later one (which holds
         # the model only weakly): the state and the optimizers go with the fit.
         self._step_function = None
@@ -381,6 +442,90 @@ class Engine(Capture):
                 return request.freeze
         return None
 
+    def _guards(self) -> bool:
+        """Whether the freeze arms a spike test or a skip (`guard`)."""
+        return _guard.armed(self._freeze())
+
+    def _state_roles(self, model) -> List[tuple]:
+        """With the guard, what a step keeps of each position of Keras's
+        state (flattened as in `_kept_positions`): `("debug",)` the debug
+        layers' counters and buffers, always the step's; `("counter", n)`
+        optimizer n's step counter, the step's unless n skipped it (a frozen
+        step counts); `("owned", n)` the variables optimizer n updates and
+        its own, the step's unless the weights are frozen or n skipped;
+        `("other",)` the rest (the forward pass's state, such as
+        BatchNormalization's moving statistics), the step's unless the
+        weights are frozen or an optimizer skipped."""
+        hooks = sorted(self.hooks.values(), key=lambda h: h.number)
+        counters = {id(keras_objects.raw_iterations(h.optimizer)): h.number for h in hooks}
+        owned: Dict[int, int] = {}
+        for hook in hooks:
+            for variable in list(hook.variables) + list(hook.optimizer.variables):
+                owned.setdefault(id(variable), hook.number)
+        variables = (list(model.trainable_variables) + list(model.non_trainable_variables) +
+                     (list(model.optimizer.variables) if model.optimizer is not None else []))
+        roles = []
+        for variable in variables:
+            if _layer_record.is_debug_variable(variable):
+                roles.append(("debug",))
+            elif id(variable) in counters:
+                roles.append(("counter", counters[id(variable)]))
+            elif id(variable) in owned:
+                roles.append(("owned", owned[id(variable)]))
+            else:
+                roles.append(("other",))
+        return roles
+
+    def _guard_carry(self, carry: dict) -> None:
+        """Adds to a fit's first carry the steps kerasdbg skipped of each
+        optimizer that has a count (registered here for the host when a
+        skip is armed) and, with the guard, its spike windows and skip
+        flags (those of the last fit, else empty)."""
+        freeze = self._freeze()
+        skipped = {}
+        for hook in self.hooks.values():
+            holder = keras_objects.skipped_steps(hook.optimizer)
+            if holder is None and freeze is not None and freeze.skip:
+                holder = _SkippedSteps()
+                keras_objects.keep_skipped_steps(hook.optimizer, holder)
+            if holder is not None:
+                skipped[str(hook.number)] = jnp.asarray(int(np.asarray(holder.value)), jnp.int32)
+        if skipped:
+            carry[_SKIPPED] = skipped
+        if self._guards():
+            kept = {h.number: self._guard_kept.get(
+                _Same(keras_objects.inner_optimizer(h.optimizer)), {})
+                for h in self.hooks.values()}
+            carry["guard"] = _guard.init(freeze, kept)
+
+    def _take_skipped(self, skipped) -> None:
+        """The host's count of each optimizer's skipped steps
+        (`keras_objects.skipped_steps`), from the carry's (host values)."""
+        for hook in self.hooks.values():
+            holder = keras_objects.skipped_steps(hook.optimizer)
+            if isinstance(holder, _SkippedSteps) and str(hook.number) in skipped:
+                holder.value = np.int64(skipped[str(hook.number)])
+
+    def _keep_guard(self) -> None:
+        """At the fit's end: each optimizer's skipped steps for the host,
+        and the guard's carry for the next fit (as host arrays: a later fit
+        may run on other devices)."""
+        carry = self._carry
+        if carry is None or not (_SKIPPED in carry or "guard" in carry):
+            return
+        skipped, guard = jax.device_get((carry.get(_SKIPPED), carry.get("guard")))
+        if skipped:
+            self._take_skipped(skipped)
+        if guard is not None:
+            by_number = _guard.split(guard)
+            for hook in self.hooks.values():
+                if hook.number not in by_number:
+                    continue
+                key = _Same(keras_objects.inner_optimizer(hook.optimizer))
+                entry = self._guard_kept.setdefault(key, {_guard.WINDOWS: {}, _guard.FLAGS: {}})
+                for part in (_guard.WINDOWS, _guard.FLAGS):
+                    entry[part].update(by_number[hook.number][part])
+
     # ------------------------------------------------------- in the step
     def _routed_apply(self, hook: _Hook, original):
         optimizer = hook.optimizer
@@ -400,6 +545,10 @@ class Engine(Capture):
                 # The counter before the apply, plus one: the step's number even
                 # when the loss scaler skips it (the counter does not move then).
                 step = jnp.asarray(optimizer_variables[hook.iterations_index], jnp.int32) + 1
+                skipped_before = context.carry.get(_SKIPPED, {}).get(str(hook.number))
+                if skipped_before is not None:
+                    # kerasdbg numbers the steps it skipped too (`iterations` does not count them).
+                    step = step + skipped_before
             else:
                 step = context.carry["calls"] + 1
             context.records[f"apply/{key}/step"] = step
@@ -443,6 +592,9 @@ class Engine(Capture):
                     if hook.scale_index is not None:
                         ok = jnp.logical_or(ok, skipped)  # the scaler skips it: no fault
                 context.oks.append(ok)
+                if _guard.armed(freeze):
+                    context.guard.append(self._guard_apply(hook, freeze, context.finites[-1],
+                                                           norm, skipped))
             for number, request in enumerate(self.requests):
                 if request.kind not in ("gradients", "weights"):
                     continue
@@ -486,6 +638,22 @@ class Engine(Capture):
             return new_trainable, new_optimizer
 
         return stateless_apply
+
+    @staticmethod
+    def _guard_apply(hook: _Hook, freeze, finite, norm, scaler_skipped) -> _guard.Apply:
+        """The guard's fault test of one apply (`guard.Apply`), as
+        TensorFlow's: under a loss scaler, non-finite gradients and their
+        norm are the scaler's to skip, no fault."""
+        scaled = hook.scale_index is not None
+        nonfinite = jnp.asarray(False)
+        if freeze.nonfinite_gradients and not scaled:
+            nonfinite = jnp.logical_not(finite)
+        over = None
+        if freeze.max_gradient_norm is not None:
+            over = norm > freeze.max_gradient_norm
+            if scaled:
+                over = jnp.logical_and(over, jnp.logical_not(scaler_skipped))
+        return _guard.Apply(hook.number, nonfinite, over, norm)
 
     def _record_tensors(self, context: "_StepContext", hook: _Hook, step, optimizer_variables,
                         grads, new_trainable, skipped) -> None:
@@ -691,6 +859,7 @@ class Engine(Capture):
                  "initial": self._initial}
         if self._wants("classes"):
             carry[_classes.CARRY] = _classes.zeros()
+        self._guard_carry(carry)
         return carry
 
     def _first_carry_of(self, carry) -> dict:
@@ -740,7 +909,11 @@ class Engine(Capture):
             frozen = carry["frozen"]
             records = dict(context.records)
             fault = jnp.asarray(False)
-            if engine._freeze() is not None:
+            guard, skipped = carry.get("guard"), carry.get(_SKIPPED)
+            if guard is not None and context.guard:
+                fault, frozen, new_state, guard, skipped = engine._guarded(
+                    model, context, carry, state, new_state, records)
+            elif engine._freeze() is not None:
                 oks, finites = list(context.oks), list(context.finites)
                 if context.loss is not None:
                     loss_finite = reductions.all_finite(context.loss)
@@ -788,6 +961,10 @@ class Engine(Capture):
                 if jnp.ndim(value) == 0:
                     records[f"logs/{name}"] = value
             new_carry = {"frozen": frozen, "calls": calls, "initial": carry["initial"]}
+            if guard is not None:
+                new_carry["guard"] = guard
+            if skipped is not None:
+                new_carry[_SKIPPED] = skipped
             if _classes.CARRY in carry:
                 counted = _classes.counts(context.y, context.y_pred)
                 engine._label(None if counted is None else (counted[1],))
@@ -796,6 +973,63 @@ class Engine(Capture):
             return logs, new_state, new_carry, records
 
         return step
+
+    def _guarded(self, model, context: "_StepContext", carry, state, new_state, records):
+        """The guard's decisions for one train step (`guard.update` on its
+        applies' fault tests and its loss): the state it keeps (per
+        position, `_state_roles`), its values into `records`, and the
+        carry's new guard and skipped counts. Returns `(fault, frozen,
+        new_state, guard, skipped)`."""
+        freeze = self._freeze()
+        loss, loss_nonfinite = None, jnp.asarray(False)
+        if context.loss is not None:
+            # The step's loss, as `step/loss` records it (one program over
+            # the global batch under a keras.distribution: the global loss).
+            loss = jnp.sum(jnp.asarray(context.loss, jnp.float32))
+            if freeze.nonfinite_loss:
+                loss_nonfinite = jnp.logical_not(reductions.all_finite(context.loss))
+        outcome = _guard.update(freeze, carry["guard"], carry["frozen"], loss, loss_nonfinite,
+                                context.guard)
+        if self._localizes():
+            # A fault NaNSource looks into: a NaN/Inf, not a norm above the limit.
+            records[_NONFINITE] = outcome.nonfinite
+        for name, number, value in outcome.values:
+            records[f"{_GUARD}{number}/{name}"] = value
+        skips = outcome.skips
+        any_skip = functools.reduce(jnp.logical_or, skips.values())
+        keep = jnp.logical_not(outcome.frozen)
+        trainable, non_trainable, optimizer_variables, metrics = new_state
+        new = list(trainable) + list(non_trainable) + list(optimizer_variables)
+        old = list(state[0]) + list(state[1]) + list(state[2])
+        only = next(iter(skips)) if len(skips) == 1 else None
+        groups: Dict[tuple, list] = {}
+        for position, role in enumerate(self._state_roles(model)):
+            if role[0] == "debug":
+                continue  # the debug layers record the step whatever happens to it
+            number = role[1] if len(role) > 1 else only
+            if role[0] == "counter":
+                if number not in skips:
+                    continue  # it counts every step it applies
+                key = ("counter", number)
+                predicate = jnp.logical_not(skips[number])
+            else:
+                key = ("keep", number)
+                predicate = jnp.logical_and(keep, jnp.logical_not(
+                    any_skip if number is None else skips.get(number, jnp.asarray(False))))
+            groups.setdefault(key, [predicate, []])[1].append(position)
+        kept = list(new)
+        for predicate, positions in groups.values():
+            chosen = _ops.cond(predicate, lambda p=positions: [new[i] for i in p],
+                               lambda p=positions: [old[i] for i in p])
+            for position, value in zip(positions, chosen):
+                kept[position] = value
+        a, b = len(trainable), len(trainable) + len(non_trainable)
+        new_state = (kept[:a], kept[a:b], kept[b:], metrics)
+        skipped = carry.get(_SKIPPED)
+        if skipped is not None:
+            skipped = {key: value + skips[int(key)].astype(jnp.int32)
+                       if int(key) in skips else value for key, value in skipped.items()}
+        return outcome.fault, outcome.frozen, new_state, outcome.state, skipped
 
     # ----------------------------------------------------------- on host
     def collect(self, final: bool = True, batch: Optional[int] = None) -> None:
@@ -813,7 +1047,11 @@ class Engine(Capture):
         totals = None
         if self._wants("classes") and self._carry is not None:
             totals = self._carry.get(_classes.CARRY)
-        host, totals = jax.device_get((pending, totals))
+        skipped = self._carry.get(_SKIPPED) if self._carry is not None else None
+        host, totals, skipped = jax.device_get((pending, totals, skipped))
+        if skipped:
+            # Where the steps stand for the host (`keras_objects.step_number`).
+            self._take_skipped(skipped)
         host = [_packing.unpack(records) for records in host]
         self._several = self._several or sum(h.applies > 0 for h in self.hooks.values()) > 1
         out: Dict[int, List[Record]] = {id(r): [] for r in self.requests}
@@ -841,8 +1079,9 @@ class Engine(Capture):
                         row = records.get(f"{key}/{number}")
                         if row is None:
                             continue
-                        if request.kind == "weights" and frozen:
-                            continue  # weights the freeze threw away (as on TensorFlow)
+                        if request.kind == "weights" and (
+                                frozen or records.get(f"{_GUARD}{hook.number}/skipped")):
+                            continue  # weights the freeze or a skip threw away
                         out[id(request)].append(self._record(
                             request, hook, applied_step, row, records.get(f"{key}/{number}/hist"),
                             skipped, updated))
@@ -948,6 +1187,14 @@ class Engine(Capture):
                 if name == "loss" and _LOSS in records:
                     continue  # the step's own loss comes first
                 tags.append(_tags.step_scalar(name))
+                values.append(float(value))
+        names = {str(h.number): h.name for h in self.hooks.values()}
+        for key, value in records.items():
+            if key.startswith(_GUARD):
+                # step/skipped, step/gradient_norm, step/spike_fraction (per optimizer).
+                number, _, name = key[len(_GUARD):].partition("/")
+                tags.append(_tags.per_optimizer(
+                    _tags.STEP, name, names.get(number, number) if self._several else None))
                 values.append(float(value))
         freeze = self._freeze()
         if bool(records[_FAULT]) and freeze is not None \

@@ -15,12 +15,14 @@ patterns of int32 in float32 columns: exact at any size) then each field
 flattened, cast to float32.
 
 The step number in `fit` is the optimizer step this forward pass belongs to:
-the largest step counter of the optimizers (`keras_objects.step_counters`)
-+ 1, read from the state the model's `train_step(self, state, data)` was
-given (its frame, found on the stack at trace time): the counters live in
-the optimizer variables (`state[2]`) or, for a second optimizer of a train
-step written for JAX, in the non-trainable ones (`state[1]`), which the
-forward pass inside `jax.value_and_grad` does not receive. Closing over those
+the largest step counter of the optimizers (`keras_objects.step_counters`),
+each plus the steps kerasdbg skipped of its optimizer (`action="skip"`,
+which Keras's counter does not count), + 1, read from the state the
+model's `train_step(self, state, data)` was given (its frame, found on the
+stack at trace time): the counters live in the optimizer variables
+(`state[2]`) or, for a second optimizer of a train step written for JAX,
+in the non-trainable ones (`state[1]`), which the forward pass inside
+`jax.value_and_grad` does not receive. Closing over those
 arrays (tracers of the enclosing jit) is legal there. In `evaluate`,
 `predict` and other calls the number is the layer's own count of calls in
 that mode, as on TensorFlow.
@@ -130,7 +132,10 @@ def decode(table: np.ndarray) -> np.ndarray:
 
 def _counter_values(model, state) -> list:
     """The step counters of `model`'s optimizers in `state` (the state its
-    `train_step` was given)."""
+    `train_step` was given), each plus the steps kerasdbg skipped of it
+    (`engine.skipped_offset`)."""
+    from kerasdbg.backends.jax import engine as _engine  # which imports this module
+
     counters = keras_objects.step_counters(model)
     if not counters:
         return []
@@ -159,7 +164,9 @@ def _counter_values(model, state) -> list:
                 f"{model.name!r} is not in the train step's state (Keras's JAX trainer "
                 "carries `model.optimizer`'s variables and the model's non-trainable "
                 "ones): track the optimizer's variables in the model")
-        values.append(jnp.asarray(where[id(counter)], jnp.int32))
+        # kerasdbg numbers the steps it skipped too (`iterations` does not count them).
+        values.append(jnp.asarray(where[id(counter)], jnp.int32)
+                      + _engine.skipped_offset(model, counter))
     return values
 
 
