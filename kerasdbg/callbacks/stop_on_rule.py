@@ -439,14 +439,14 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
                 raise ValueError(message)
             warnings.warn(message, RuntimeWarning, stacklevel=4)
 
-    def _no_guard(self, skip: bool) -> None:
-        """Says once per fit that this backend's graph has no spike test or
-        skip (the rules test the records on the host, after the step)."""
-        message = (f"{type(self).__name__}: the in-graph spike tests and skips run on the "
-                   f"TensorFlow backend only so far; on {keras.config.backend()!r} the spike "
-                   "rules test the records after each execution"
-                   + (", and a fault that would be skipped or rolled back stops training "
-                      "instead" if skip else "") + ".")
+    def _no_guard(self, what: str, stops: bool) -> None:
+        """Says once per fit that `what` does not run on this backend (the
+        rules test the records on the host, after the step; with `stops`, a
+        fault that would be skipped or rolled back stops training)."""
+        message = (f"{type(self).__name__}: {what} run on the TensorFlow backend only so far; "
+                   f"on {keras.config.backend()!r} the rules test the records after each "
+                   "execution" + (", and a fault that would be skipped or rolled back stops "
+                                  "training instead" if stops else "") + ".")
         if self.strict:
             raise ValueError(message)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
@@ -500,13 +500,14 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
             spikes = tuple(r.spike() for r in rules if _guards(r))
             skip = self._skips()
             recordable = _capture.recordable()
-            if (spikes or skip or self.action == "rollback") and recordable is not None \
-                    and "guard" not in recordable:
+            if (spikes or skip) and recordable is not None and "guard" not in recordable:
                 # The rules still test the records on the host; a fault there stops.
-                self._no_guard(bool(skip) or self.action == "rollback")
+                self._no_guard("the in-graph spike tests and skips", bool(skip))
                 spikes, skip = (), frozenset()
             rollback = self.action == "rollback"
-            if rollback and recordable is not None and "guard" not in recordable:
+            if rollback and recordable is not None and "rollback" not in recordable:
+                # The fit's state is where kerasdbg cannot put a snapshot back.
+                self._no_guard("rollbacks", True)
                 rollback = False
             freeze = _capture.Freeze(max_gradient_norm=self.max_gradient_norm, spikes=spikes,
                                      skip=skip, max_skips=self.max_skips,
