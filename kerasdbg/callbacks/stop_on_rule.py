@@ -99,8 +99,10 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
       snapshot, taken on the host every `rollback_every` steps (one copy at
       a time), the next `rollback_skip` batches are skipped in the graph, and
       training goes on (`rollbacks`); the steps rolled back are written again
-      in the records, which the reader shows as a rollback. Without a
-      snapshot yet, training stops.
+      in the records, which the reader shows as a rollback. The rules that
+      watch NaN/Inf start afresh after a rollback (a later NaN rolls back
+      again); at most `max_skips` rollbacks per fit. Without a snapshot yet,
+      or beyond them, training stops.
     - a callable: called as `action(verdicts, model)`.
 
     A rule's own `action` ("skip" or "stop", on `LossSpike` and
@@ -203,7 +205,8 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
         first_steps: also record at every step up to this one; None for 10
             with the default schedule, else 0. Defaults to `None`.
         max_skips: with "skip", at most this many skipped steps among the
-            last `skip_window` steps of an optimizer. Defaults to `10`.
+            last `skip_window` steps of an optimizer; with "rollback", at most
+            this many rollbacks per fit. Defaults to `10`.
         skip_window: see `max_skips`. Defaults to `128`.
         rollback_every: with "rollback", a snapshot every this many steps.
             Defaults to `100`.
@@ -495,7 +498,7 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
         freeze = None
         self._skipped = []  # the steps skipped in this fit
         self._epoch_skipped = 0
-        self._skipping = False
+        self._skipping = self._rolling = False
         if self.freeze_on_fault:
             spikes = tuple(r.spike() for r in rules if _guards(r))
             skip = self._skips()
@@ -513,6 +516,7 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
                                      skip=skip, max_skips=self.max_skips,
                                      skip_window=self.skip_window, rollback=rollback)
             self._skipping = bool(skip) or rollback
+            self._rolling = rollback
         self._snapshot = None
         self._rolled_to = None
         self.rollbacks = []
@@ -641,7 +645,7 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         self._check_replicas(batch)
         self._evaluate_pending()
-        if self.action == "rollback" and self._skipping and not self._done:
+        if getattr(self, "_rolling", False) and not self._done:
             self._take_snapshot()
         self._batches = self._epoch_batches + batch + 1
         # The bar draws this batch (after this callback, or before it).
@@ -864,7 +868,10 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
         """What a rollback puts back: the model's variables (weights, the
         forward pass's state), every optimizer's (slots, step count, loss
         scale), the steps kerasdbg skipped and its spike windows."""
-        variables = list(self.model.variables)
+        # Not the debug layers' counters: their records go on from where they are.
+        debug = {id(v) for layer in self.model._flatten_layers()
+                 if getattr(layer, "kerasdbg_debug_layer", False) for v in layer.variables}
+        variables = [v for v in self.model.variables if id(v) not in debug]
         for _, optimizer in keras_objects.find_optimizers(self.model):
             variables += list(optimizer.variables)
             skipped = keras_objects.skipped_steps(optimizer)
@@ -910,15 +917,33 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
         """Puts back the last snapshot, unfreezes the weights and skips the
         next `rollback_skip` batches; returns the snapshot's step, or None
         when there is none."""
-        if self._snapshot is None:
+        if self._snapshot is None or len(self.rollbacks) >= self.max_skips:
             return None
         to_step, variables, values, rules, skipped = self._snapshot
         engine = _capture.engine_for(self.model)
-        for variable, value in zip(variables, values):
-            variable.assign(value)
-        engine.faults.unfreeze()
-        engine.faults.skip_next(self.rollback_skip)
+        try:
+            for variable, value in zip(variables, values):
+                variable.assign(value)
+            # What a frozen or skipped step puts back is the snapshot's state.
+            engine.faults.keep_state()
+            engine.faults.unfreeze()
+            engine.faults.skip_next(self.rollback_skip)
+        except Exception as error:  # noqa: BLE001 - training stops instead
+            if self.strict:
+                raise
+            warnings.warn(f"StopOnRule could not roll back to step {to_step}; training stops "
+                          f"instead. Cause: {type(error).__name__}: {error}", RuntimeWarning,
+                          stacklevel=3)
+            self._snapshot = None
+            return None
         self._runner.resume(rules)
+        # The run goes on from the snapshot: the rules that watch NaN/Inf
+        # start afresh, as at a fit's start, so a later fault is said (and
+        # rolled back) too; the others fire once per fit.
+        for index, rule in enumerate(self._runner.rules):
+            if rule.watches_nonfinite:
+                rule.reset()
+                self._runner.fired.discard(index)
         self._skipped = list(skipped)
         self._last_step = to_step
         self._rolled_to = to_step
@@ -935,7 +960,7 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
         if not verdicts:
             return
         rolled = None
-        if self.action == "rollback" and self._skipping and not (skipped and not frozen) and \
+        if getattr(self, "_rolling", False) and not (skipped and not frozen) and \
                 any(v.severity == "fault" for v in verdicts):
             rolled = self._roll_back(step)
             if rolled is not None:
@@ -960,15 +985,20 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
                 self._say(f"{verdict.reason}; the step was skipped")
             return
         action = self.action
-        if action == "rollback" and self._skipping:
+        if action == "rollback" and getattr(self, "_rolling", False):
             if rolled is not None:
                 for verdict in verdicts:
                     self._say(verdict.reason)
                 return
             action = "stop"
-            self._say(f"no snapshot to roll back to before step {step} (the first is taken "
-                      f"at step {self.rollback_every}): training stops (the fallback of "
-                      "action='rollback')")
+            if len(self.rollbacks) >= self.max_skips:
+                self._say(f"{len(self.rollbacks)} rollbacks in this fit (max_skips="
+                          f"{self.max_skips}): training stops (the fallback of "
+                          "action='rollback')")
+            else:
+                self._say(f"no snapshot to roll back to before step {step} (the first is "
+                          f"taken at step {self.rollback_every}): training stops (the fallback "
+                          "of action='rollback')")
         elif action in ("skip", "rollback"):
             # What the graph could not skip stops training (the fallback).
             action = "stop"

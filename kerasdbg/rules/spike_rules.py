@@ -102,11 +102,17 @@ class _SpikeRule(Rule):
     def check(self, step, record):
         # A value enters its window when its step had no fault (this spike,
         # a NaN/Inf, a norm above a limit) and was not frozen, as in the graph.
-        faulty = bool(record.get(FAULT)) or bool(record.get(FROZEN)) or any(
+        frozen = bool(record.get(FROZEN))
+        faulty = bool(record.get(FAULT)) or frozen or any(
             value for tag, value in record.items()
             if _tags.is_per_optimizer(tag, STEP, SKIPPED))
         fired = []
         for tag, value in self._values(record).items():
+            owner = _optimizer_of(tag)
+            if owner is not None:
+                # One optimizer's value, tested in its own apply: its own
+                # skip says whether its step had a fault.
+                faulty = frozen or bool(record.get(_tags.per_optimizer(STEP, SKIPPED, owner)))
             window = self._windows.setdefault(tag, collections.deque(maxlen=self.window))
             found = None
             if math.isfinite(value) and len(window) == self.window:
@@ -127,6 +133,12 @@ class _SpikeRule(Rule):
 
     def _name(self, tag: str) -> str:
         return self.what
+
+
+def _optimizer_of(tag: str) -> Optional[str]:
+    """The optimizer of a `step/<optimizer>/<name>` tag, else None."""
+    parts = tag.split("/")
+    return parts[1] if len(parts) == 3 and parts[0] == STEP else None
 
 
 class LossSpike(_SpikeRule):

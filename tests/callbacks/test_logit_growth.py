@@ -144,6 +144,21 @@ def test_several_attention_layers_are_recorded_each_and_the_rule_names_the_layer
     assert verdict.tensors == ("step/second/max_attention_logit",)
 
 
+def test_an_attention_layers_own_compute_attention_is_kept():
+    model = _model()
+    attention = model.get_layer("block").attention
+    calls = []
+
+    def own(*args, **kwargs):  # a user's own override on the instance
+        calls.append(1)
+        return type(attention)._compute_attention(attention, *args, **kwargs)
+
+    object.__setattr__(attention, "_compute_attention", own)
+    stop = StopOnRule(LogitGrowth(max_logit=1e6), verbose=False)
+    model.fit(X, Y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[stop])
+    assert vars(attention)["_compute_attention"] is own and calls
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match=r"LogitGrowth: `max_logit` must be a finite number > 0"):
         LogitGrowth(max_logit=0)

@@ -16,8 +16,9 @@ import pytest
 
 import kerasdbg
 from kerasdbg import report
-from kerasdbg.callbacks import StopOnRule
-from kerasdbg.rules import LossNotDecreasing, LossSpike
+from kerasdbg.callbacks import ActivationStatistics, StopOnRule
+from kerasdbg.layers import TapLayer
+from kerasdbg.rules import LossNotDecreasing, LossSpike, NonFiniteLoss
 from tests.conftest import make_strategy
 
 STEPS, BATCH, EVERY, SKIP = 100, 8, 20, 10
@@ -148,3 +149,58 @@ def test_the_configuration_round_trips_and_bad_arguments_are_refused():
     with pytest.raises(ValueError, match=r"action='rollback' .* needs freeze_on_fault=True or "
                                          r"None\. Received: freeze_on_fault=False"):
         StopOnRule(LossSpike(), action="rollback", freeze_on_fault=False)
+
+
+def test_a_second_fault_rolls_back_again_and_taps_and_moving_statistics_follow(tmp_path):
+    """NaN targets at batches 60 and 90: back to step 40, then (numbered on from 41, the
+    second NaN at step 70) back to the snapshot of step 60, each time 5 batches skipped.
+    BatchNormalization's moving statistics come back with the weights; the taps record the
+    steps of the run that remains."""
+    with make_strategy("default").scope():
+        keras.utils.set_random_seed(2)
+        model = keras.Sequential([
+            keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+            keras.layers.BatchNormalization(name="bn"), TapLayer(name="tap"),
+            keras.layers.Dense(1)], name="m")
+        model.compile(keras.optimizers.SGD(0.02), "mse")
+    y = Y.copy()
+    y[59 * BATCH] = y[89 * BATCH] = np.nan
+    stop = StopOnRule(NonFiniteLoss(), action="rollback", rollback_every=EVERY, rollback_skip=5,
+                      log_dir=str(tmp_path), verbose=False)
+    model.fit(X, y, batch_size=BATCH, shuffle=False, verbose=0,
+              callbacks=[stop, ActivationStatistics(log_dir=str(tmp_path))])
+    assert stop.rollbacks == [(60, 40), (70, 60)]
+    assert [(v.rule, v.step) for v in stop.verdicts if v.rule == "NonFiniteLoss"] == [
+        ("NonFiniteLoss", 60), ("NonFiniteLoss", 70)]
+    assert not model.stop_training
+    with make_strategy("default").scope():
+        keras.utils.set_random_seed(2)
+        plain = keras.Sequential([
+            keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+            keras.layers.BatchNormalization(name="bn"), keras.layers.Dense(1)], name="m")
+        plain.compile(keras.optimizers.SGD(0.02), "mse")
+    batches = [*range(1, 41), *range(66, 81), *range(96, STEPS + 1)]
+    index = np.concatenate([np.arange((b - 1) * BATCH, b * BATCH) for b in batches])
+    plain.fit(X[index], Y[index], batch_size=BATCH, shuffle=False, verbose=0)
+    mine = [w for w in model.weights if "tap" not in w.path]
+    for a, b in zip(mine, plain.weights):
+        # (Not bitwise with BatchNormalization once a fault test is armed: see
+        # test_skip_and_spikes.py.)
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6, err_msg=a.path)
+    run = kerasdbg.load_run(str(tmp_path))
+    taps = run.scalar_table("activations/tap/mean", run="train")
+    assert list(taps.index) == list(range(1, 71))
+    # The tap's records of the steps rolled back were written again.
+    dropped = {s for row in run.rollbacks().to_dict("records") for s in row["dropped"]}
+    assert set(range(41, 61)) <= dropped
+
+
+def test_rollbacks_beyond_max_skips_stop(capsys):
+    model = _model()
+    y = Y.copy()
+    y[[59 * BATCH, 89 * BATCH]] = np.nan
+    stop = StopOnRule(NonFiniteLoss(), action="rollback", rollback_every=EVERY, max_skips=1)
+    model.fit(X, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[stop])
+    assert stop.rollbacks == [(60, 40)] and model.stop_training
+    assert ("kerasdbg: 1 rollbacks in this fit (max_skips=1): training stops (the fallback of "
+            "action='rollback')") in capsys.readouterr().out

@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 import kerasdbg
-from kerasdbg.callbacks import ActivationStatistics, StopOnRule
+from kerasdbg.callbacks import ActivationStatistics, StopOnRule, WeightStatistics
 from kerasdbg.layers import TapLayer
 from kerasdbg.rules import (
     GradientNormSpike, LossNotDecreasing, LossSpike, NonFiniteLoss, SkippedStep,
@@ -190,7 +190,11 @@ def test_online_and_offline_verdicts_agree_and_the_records_say_skipped(tmp_path)
     model = _model(spe=4, tap=True)
     rules = [LossSpike(window=WINDOW), GradientNormSpike(window=WINDOW)]
     stop = StopOnRule(rules, action="skip", log_dir=str(tmp_path), verbose=False)
-    _fit(model, _spiked(SPIKE), [stop, ActivationStatistics(log_dir=str(tmp_path))])
+    weights = WeightStatistics(log_dir=str(tmp_path), every_n_steps=1)
+    _fit(model, _spiked(SPIKE), [stop, ActivationStatistics(log_dir=str(tmp_path)), weights])
+    # A skipped step updated nothing: no update ratio of 0 recorded there.
+    assert SPIKE not in set(weights.history.step)
+    assert set(weights.history.step) == set(range(1, STEPS + 1)) - {SPIKE}
     online = [(v.rule, v.step, v.reason) for v in stop.verdicts]
     assert [v[:2] for v in online] == [("LossSpike", SPIKE), ("GradientNormSpike", SPIKE)]
     offline = kerasdbg.check_run(str(tmp_path), [LossSpike(window=WINDOW),

@@ -866,6 +866,8 @@ class Engine(Capture):
         updates = hook.updates_at(step)
         if context.frozen is not None:
             updates = _and(updates, tf.logical_not(context.frozen))
+        if context.skip is not None:
+            updates = _and(updates, tf.logical_not(context.skip))
         weight_slots = channel.slots_of("weights")
         if weight_slots:
             self.quantities.record_weights(weight_slots, step, updates, row, train_id)

@@ -13,6 +13,7 @@ non-finite values first appear. On the host, what was found becomes the
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Dict, List, NamedTuple, Optional, Tuple
 
 import keras
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
 
 MAX_FLAGGED = 4096
 """Variables of one optimizer whose non-finite gradient NaN localisation can name."""
-MAX_GUARD_VALUES = 48
+MAX_GUARD_VALUES = 512
 """Values per train step the guard records (`step/skipped`, `step/gradient_norm`,
 `step/spike_fraction` of each optimizer)."""
 
@@ -215,6 +216,8 @@ class Faults:
             self.unfreeze()
         if self._nan_row is not None:
             self._nan_row.assign(tf.zeros_like(self._nan_row))
+        if self._forced is not None:  # a rollback's skips are its fit's
+            self._forced.assign(tf.zeros([], tf.int64))
         self._late_faults = {}
         self._source = None
 
@@ -718,6 +721,13 @@ class Faults:
         """The train step's guard values into its row of the guard buffer
         (`guard_names` says what each column holds)."""
         entries = state.guard[:MAX_GUARD_VALUES]
+        if len(state.guard) > MAX_GUARD_VALUES and not getattr(self, "_guard_warned", False):
+            self._guard_warned = True
+            left = ", ".join(dict.fromkeys(f"{n}/{q}" if q else n
+                                           for n, q, _, _ in state.guard[MAX_GUARD_VALUES:]))
+            warnings.warn(f"kerasdbg records the first {MAX_GUARD_VALUES} of the "
+                          f"{len(state.guard)} per-step values of its guard and logits: {left} "
+                          "are left out.", RuntimeWarning, stacklevel=3)
         self.guard_names = [(name, qualifier, kind) for name, qualifier, _, kind in entries]
         nan = tf.constant(np.nan, tf.float64)
         values = [tf.cast(state.train_id, tf.float64)] + [
@@ -747,9 +757,8 @@ class Faults:
             return {}
         values = np.max(np.stack(rows), axis=0)  # a NaN stays NaN: absent below
         scalars = {}
+        # (A NaN here is a value: a non-finite gradient norm, a NaN logit.)
         for (name, qualifier, kind), value in zip(self.guard_names, values[1:]):
-            if np.isnan(value):
-                continue
             if kind == "reason":
                 if value > 0:
                     scalars[_tags.fault("skip", name, qualifier if several else None)] = 1.0
@@ -764,6 +773,13 @@ class Faults:
         self._guard_table = None
 
     # ----------------------------------------------------------- on host
+    def keep_state(self) -> None:
+        """Takes the forward pass's state variables as they are now as the
+        values a frozen or skipped step puts back (after a rollback put the
+        snapshot's back; host side)."""
+        if self._save is not None and self._state:
+            self._save[1].run(self._save[2])
+
     def skip_next(self, batches: int) -> None:
         """Skips the next `batches` train steps whatever they hold (after a
         rollback; host side)."""

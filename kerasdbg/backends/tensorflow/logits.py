@@ -65,10 +65,11 @@ def attention_logits(model, found: Dict[str, list]):
     model's `MultiHeadAttention` layers appends its largest logit to
     `found[<layer path>]`."""
     layers = attention_layers(model)
-    routed = []
+    routed = []  # (layer, the instance's own `_compute_attention` or None)
     try:
         for layer in layers:
             original = getattr(layer, ROUTED)
+            own = vars(layer).get(ROUTED)
 
             def compute(*args, _layer=layer, _original=original, _path=layer.path, **kwargs):
                 # Called as Keras calls it (a subclass's override of the
@@ -86,11 +87,13 @@ def attention_logits(model, found: Dict[str, list]):
                 return result
 
             object.__setattr__(layer, ROUTED, compute)
-            routed.append(layer)
+            routed.append((layer, own))
         yield
     finally:
-        for layer in routed:
-            if ROUTED in vars(layer):
+        for layer, own in routed:
+            if own is not None:
+                object.__setattr__(layer, ROUTED, own)  # the user's own, put back
+            elif ROUTED in vars(layer):
                 object.__delattr__(layer, ROUTED)
 
 
