@@ -744,6 +744,12 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
             if (len(now) == len(optimizers) and all(r() is o for r, o in zip(optimizers, now))
                     and self._last_step >= step):
                 self._runner.resume(state)
+                if self._last_step != step:
+                    # Steps trained without these rules: the spike windows are
+                    # no measure of the steps to come (the graph's neither).
+                    for rule in self._runner.rules:
+                        if rule.repeats:
+                            rule.reset()
         except Exception as error:  # noqa: BLE001 - training goes on
             self._continuity_failed(error, self.strict)
 
@@ -900,8 +906,14 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
         try:
             start = time.perf_counter()
             self._snapshot = None
-            variables = self._state_variables()
-            values = [_host_copy(v) for v in variables]
+            take = getattr(engine.faults, "snapshot", None)
+            if take is not None:
+                # A backend whose fit's state is not in the variables (JAX:
+                # Keras's loop holds it) copies it itself, and puts it back.
+                variables, values = None, take()
+            else:
+                variables = self._state_variables()
+                values = [_host_copy(v) for v in variables]
             self._snapshot = (step, variables, values, self._runner.state(),
                               list(self._skipped))
             self.snapshot_seconds.append(time.perf_counter() - start)
@@ -922,8 +934,11 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
         to_step, variables, values, rules, skipped = self._snapshot
         engine = _capture.engine_for(self.model)
         try:
-            for variable, value in zip(variables, values):
-                variable.assign(value)
+            if variables is None:  # the backend's own copy (see `_take_snapshot`)
+                engine.faults.put_back(values)
+            else:
+                for variable, value in zip(variables, values):
+                    variable.assign(value)
             # What a frozen or skipped step puts back is the snapshot's state.
             engine.faults.keep_state()
             engine.faults.unfreeze()

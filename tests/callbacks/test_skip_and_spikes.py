@@ -352,3 +352,25 @@ def test_the_configuration_round_trips_and_bad_arguments_are_refused():
         LossSpike(action="warn")
     with pytest.raises(ValueError, match=r"`factor` must be"):
         LossSpike(factor=0.5)
+
+
+def test_steps_trained_without_the_guard_empty_its_windows():
+    """A fit with the guard, a fit without it on targets x 100 (a new regime),
+    then a fit with it again on those targets: the windows of the first fit
+    would call every loss of the third a spike; emptied, they refill first."""
+    model = _model()
+    first = StopOnRule(LossSpike(window=WINDOW), action="skip", verbose=False)
+    _fit(model, Y, [first])
+    _fit(model, 100 * Y, [])
+    third = StopOnRule(LossSpike(window=WINDOW), action="skip", verbose=False)
+    _fit(model, 100 * Y, [third])
+    assert first.verdicts == [] and third.verdicts == [] and third.skipped_steps == []
+    # The same loop of fits, all with the guard, keeps its windows: the third
+    # fit's first steps are tested against the second's.
+    model = _model()
+    stop = StopOnRule(LossSpike(window=WINDOW), action="skip", verbose=False)
+    _fit(model, Y, [stop])
+    _fit(model, Y, [stop])
+    assert stop.skipped_steps == []
+    _fit(model, _spiked(1), [stop])
+    assert stop.skipped_steps == [2 * STEPS + 1]

@@ -150,6 +150,7 @@ class Faults:
         # steps' guard values and what they are (`guard_names`).
         self._windows: Dict[tuple, Tuple[tf.Variable, tf.Variable]] = {}
         self._flags: Dict[int, Tuple[tf.Variable, tf.Variable]] = {}
+        self._last_steps: Dict[int, tf.Variable] = {}  # the last step each optimizer's guard saw
         self._guard: Optional[tf.Variable] = None
         self.guard_names: List[Tuple[str, str]] = []
         # The batches left to skip after a rollback (set by the host).
@@ -201,6 +202,9 @@ class Faults:
                         _buffers.on_read_variable(tf.zeros([spike.window], tf.float64),
                                                   "kerasdbg_spike_window"),
                         _buffers.on_read_variable(tf.zeros([], tf.int64), "kerasdbg_spike_count"))
+            if id(inner) not in self._last_steps:
+                self._last_steps[id(inner)] = _buffers.on_read_variable(
+                    tf.zeros([], tf.int64), "kerasdbg_guard_last_step")
             if (id(inner), freeze.skip_window) not in self._flags:
                 self._flags[(id(inner), freeze.skip_window)] = (
                     _buffers.on_read_variable(tf.zeros([freeze.skip_window, 2], tf.int64),
@@ -218,8 +222,27 @@ class Faults:
             self._nan_row.assign(tf.zeros_like(self._nan_row))
         if self._forced is not None:  # a rollback's skips are its fit's
             self._forced.assign(tf.zeros([], tf.int64))
+        self._forget_stale_windows()
         self._late_faults = {}
         self._source = None
+
+    def _forget_stale_windows(self) -> None:
+        """Empties the spike windows and skip flags of an optimizer that
+        trained steps the guard did not see (a fit without it in between):
+        its values then are no measure of the steps to come."""
+        for _, optimizer in keras_objects.find_optimizers(self._view.model):
+            inner = keras_objects.inner_optimizer(optimizer)
+            last = self._last_steps.get(id(inner))
+            if last is None or int(_buffers.read(last)) in (0, keras_objects.step_number(inner)):
+                continue
+            for (owner, _, _), (window, count) in self._windows.items():
+                if owner == id(inner):
+                    window.assign(tf.zeros_like(window))
+                    count.assign(tf.zeros([], tf.int64))
+            for (owner, _), (flags, steps) in self._flags.items():
+                if owner == id(inner):
+                    flags.assign(tf.zeros_like(flags))
+                    steps.assign(tf.zeros([], tf.int64))
 
     def _freeze(self) -> Optional[Freeze]:
         """The faults that freeze the weights: the union over the requests."""
@@ -465,6 +488,7 @@ class Faults:
         budgeted = skip
         if forced is not None:
             skip = tf.logical_or(skip, forced)
+        self._last_steps[id(inner)].assign(tf.cast(context.step, tf.int64))
         number = steps.read_value()
         row = tf.stack([tf.cast(budgeted, tf.int64), tf.cast(spike, tf.int64)])
         recent = tf.tensor_scatter_nd_update(
@@ -729,12 +753,12 @@ class Faults:
                           f"{len(state.guard)} per-step values of its guard and logits: {left} "
                           "are left out.", RuntimeWarning, stacklevel=3)
         self.guard_names = [(name, qualifier, kind) for name, qualifier, _, kind in entries]
-        nan = tf.constant(np.nan, tf.float64)
         values = [tf.cast(state.train_id, tf.float64)] + [
             tf.cast(value, tf.float64) for _, _, value, _ in entries]
-        values += [nan] * (1 + MAX_GUARD_VALUES - len(values))
+        # The padding as one constant, not hundreds of stacked scalars.
+        padding = tf.fill([1 + MAX_GUARD_VALUES - len(values)], tf.constant(np.nan, tf.float64))
         row = tf.math.floormod(state.train_id - 1, int(self._guard.shape[0]))
-        _buffers.write_row(self._guard, row, tf.stack(values))
+        _buffers.write_row(self._guard, row, tf.concat([tf.stack(values), padding], 0))
 
     def guard_scalars(self, train_id: int, several: bool) -> Dict[str, float]:
         """The guard's values of train step `train_id` (host read), by tag:
