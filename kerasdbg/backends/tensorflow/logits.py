@@ -19,6 +19,7 @@ Keras's own).
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Dict, List
 
 import keras
@@ -59,42 +60,71 @@ def _largest_logit(layer, query, key, value, attention_mask, use_causal_mask):
     return tf.cast(tf.reduce_max(scores), tf.float64)
 
 
+_TLS = threading.local()  # `found` of the train step this thread traces
+_LOCK = threading.Lock()
+_ROUTED: Dict[int, list] = {}
+"""id(layer) -> [layer, the instance's own `_compute_attention` or None, how
+many traces route it]: the replicas of a `MirroredStrategy` trace their steps
+at once, each in its thread, through one route per layer."""
+
+
+def _route(layer, original):
+    """`_compute_attention` run as Keras calls it (a subclass's override of
+    the older signature too: the arguments go through untouched), adding the
+    largest logit of each call to the tracing thread's `found`."""
+
+    def compute(*args, **kwargs):
+        result = original(*args, **kwargs)
+        found = getattr(_TLS, "found", None)
+        if found is None:  # not inside a train step kerasdbg traces
+            return result
+        named = dict(zip(("query", "key", "value", "attention_mask", "training",
+                          "return_attention_scores", "use_causal_mask"), args))
+        named.update(kwargs)
+        query, key = named.get("query"), named.get("key")
+        if query is not None and key is not None and len(query.shape) == 4 \
+                and len(key.shape) == 4:
+            found.setdefault(layer.path, []).append(_largest_logit(
+                layer, query, key, named.get("value"), named.get("attention_mask"),
+                bool(named.get("use_causal_mask", False))))
+        return result
+
+    return compute
+
+
 @contextlib.contextmanager
 def attention_logits(model, found: Dict[str, list]):
     """While active (a trace of the train step), every call of each of the
     model's `MultiHeadAttention` layers appends its largest logit to
-    `found[<layer path>]`."""
+    `found[<layer path>]`; after the last trace, each layer is as it was."""
     layers = attention_layers(model)
-    routed = []  # (layer, the instance's own `_compute_attention` or None)
-    try:
+    previous = getattr(_TLS, "found", None)
+    _TLS.found = found
+    with _LOCK:
         for layer in layers:
-            original = getattr(layer, ROUTED)
-            own = vars(layer).get(ROUTED)
-
-            def compute(*args, _layer=layer, _original=original, _path=layer.path, **kwargs):
-                # Called as Keras calls it (a subclass's override of the
-                # older signature too): the arguments go through untouched.
-                result = _original(*args, **kwargs)
-                named = dict(zip(("query", "key", "value", "attention_mask", "training",
-                                  "return_attention_scores", "use_causal_mask"), args))
-                named.update(kwargs)
-                query, key = named.get("query"), named.get("key")
-                if query is not None and key is not None and len(query.shape) == 4 \
-                        and len(key.shape) == 4:
-                    found.setdefault(_path, []).append(_largest_logit(
-                        _layer, query, key, named.get("value"), named.get("attention_mask"),
-                        bool(named.get("use_causal_mask", False))))
-                return result
-
-            object.__setattr__(layer, ROUTED, compute)
-            routed.append((layer, own))
+            entry = _ROUTED.get(id(layer))
+            if entry is None:
+                own = vars(layer).get(ROUTED)
+                object.__setattr__(layer, ROUTED, _route(layer, getattr(layer, ROUTED)))
+                _ROUTED[id(layer)] = [layer, own, 1]
+            else:
+                entry[2] += 1
+    try:
         yield
     finally:
-        for layer, own in routed:
-            if own is not None:
-                object.__setattr__(layer, ROUTED, own)  # the user's own, put back
-            elif ROUTED in vars(layer):
-                object.__delattr__(layer, ROUTED)
+        _TLS.found = previous
+        with _LOCK:
+            for layer in layers:
+                entry = _ROUTED.get(id(layer))
+                if entry is None:
+                    continue
+                entry[2] -= 1
+                if entry[2] == 0:
+                    del _ROUTED[id(layer)]
+                    if entry[1] is not None:
+                        object.__setattr__(layer, ROUTED, entry[1])  # the user's own, back
+                    elif ROUTED in vars(layer):
+                        object.__delattr__(layer, ROUTED)
 
 
 def largest_output(y_pred):
