@@ -28,7 +28,7 @@ RECORDS = {
     "jax": {"gradients": "GradientStatistics", "weights": "WeightStatistics",
             "taps": "ActivationStatistics",
             "step": "StopOnRule", "classes": "StopOnRule", "guard": "StopOnRule",
-            "wrap": "StepTimer", "tensors": "StepRecorder"},
+            "rollback": "StopOnRule", "wrap": "StepTimer", "tensors": "StepRecorder"},
 }
 """What each backend's capture records, by request kind (None: every kind),
 with the instrument that asks for it."""

@@ -1,4 +1,4 @@
-"""`StopOnRule(action="skip")` and the in-graph spike tests on the JAX backend.
+"""`StopOnRule(action="skip" and "rollback")` and the in-graph spike tests on JAX.
 
 Runs on the JAX backend only (`KERAS_BACKEND=jax`, see tests/conftest.py).
 As tests/callbacks/test_skip_and_spikes.py does on TensorFlow: a spike
@@ -6,6 +6,8 @@ planted in one batch (its targets x 1e4) of a healthy regression is skipped
 in the step; the reference is a plain Keras `fit` on the same batches
 without that one, compiled alike, so a skipped step must leave the weights,
 the optimizer's slots and step count as if its batch had not come.
+`action="rollback"` likewise (tests/callbacks/test_rollback.py): the
+reference is a plain fit without the batches rolled back and skipped.
 """
 
 import re
@@ -280,7 +282,84 @@ def test_a_healthy_run_is_quiet_with_the_default_window():
     assert stop.skipped_steps == [200]
 
 
-def test_rollback_is_refused_on_jax_and_a_fault_stops():
+# A run of 100 batches spiked at one step, rolled back to the snapshot of
+# step 40 and the next 10 batches skipped (tests/callbacks/test_rollback.py
+# on TensorFlow): the reference is a plain fit over batches 1-40 and 71-100.
+ROLL_STEPS, EVERY, ROLL_SKIP = 100, 20, 10
+ROLL_X = RNG.normal(size=(BATCH * ROLL_STEPS, 4)).astype("float32")
+ROLL_Y = (ROLL_X @ RNG.normal(size=(4, 1)) +
+          0.1 * RNG.normal(size=(BATCH * ROLL_STEPS, 1))).astype("float32")
+
+
+def _rolled_reference(batches, **kwargs):
+    model = _model(**kwargs)
+    index = np.concatenate([np.arange((b - 1) * BATCH, b * BATCH) for b in batches])
+    _fit(model, ROLL_Y[index], [], x=ROLL_X[index])
+    return model
+
+
+@pytest.mark.parametrize("spe, jit, optimizer, spike", [
+    pytest.param(1, True, "sgd", 60, id="spe1-jit-sgd"),
+    pytest.param(1, False, "adam", 60, id="spe1-nojit-adam"),
+    pytest.param(4, True, "adam", 58, id="spe4-jit-adam"),
+    pytest.param(4, False, "sgd", 60, id="spe4-nojit-sgd")])
+def test_a_spike_rolled_back_equals_a_plain_run_over_the_batches_that_remain(
+        tmp_path, spe, jit, optimizer, spike):
+    model = _model(spe, jit, optimizer=optimizer)
+    y = ROLL_Y.copy()
+    y[(spike - 1) * BATCH:spike * BATCH] *= 1e4
+    stop = StopOnRule(LossSpike(window=16), action="rollback", rollback_every=EVERY,
+                      rollback_skip=ROLL_SKIP, log_dir=str(tmp_path), verbose=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = _fit(model, y, [stop], x=ROLL_X)
+    assert not [str(w.message) for w in caught if "roll" in str(w.message)]  # no refusal
+    assert [(v.rule, v.step) for v in stop.verdicts] == [("LossSpike", spike)]
+    assert stop.rollbacks == [(spike, 40)] and not model.stop_training
+    # The skipped batches are numbered 41-50 after the rollback; Keras's
+    # step count does not count them, kerasdbg's numbering does.
+    assert stop.skipped_steps == list(range(41, 41 + ROLL_SKIP))
+    assert history.history["skipped_steps"] == [ROLL_SKIP]
+    assert int(model.optimizer.iterations) == 40 + ROLL_STEPS - 70
+    assert keras_objects.step_number(model.optimizer) == 40 + ROLL_STEPS - 60
+    reference = _rolled_reference([*range(1, 41), *range(71, ROLL_STEPS + 1)], spe=spe,
+                                  jit=jit, optimizer=optimizer)
+    _assert_same_state(model, reference)
+    run = kerasdbg.load_run(str(tmp_path))
+    assert run.rollbacks().to_dict("records") == [
+        {"run": "train", "step": 41, "dropped": list(range(41, spike + 1))}]
+    table = run.scalar_table("step/skipped_after_rollback", run="train")
+    assert table.loc[41:50, "step/skipped_after_rollback"].tolist() == [1.0] * ROLL_SKIP
+    assert table.loc[51:, "step/skipped_after_rollback"].eq(0).all()
+    # One snapshot at a time, of the loop's weights and optimizer variables
+    # (and kerasdbg's small counters): at most their size once.
+    kept = sum(np.asarray(v).nbytes for v in stop._snapshot[2].values)
+    weights = sum(np.asarray(v.value).nbytes
+                  for v in model.weights + model.optimizer.variables)
+    assert weights <= kept <= weights + 16 * 1024
+    assert len(stop.snapshot_seconds) >= 3
+
+
+def test_data_parallel_rolls_back_the_global_state():
+    devices = jax.devices("cpu")
+    assert len(devices) == 2, "tests/conftest.py gives JAX two CPU devices"
+    y = ROLL_Y.copy()
+    y[59 * BATCH:60 * BATCH] *= 1e4
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+    try:
+        model = _model(2, True)
+        stop = StopOnRule(LossSpike(window=16), action="rollback", rollback_every=EVERY,
+                          rollback_skip=ROLL_SKIP, verbose=False)
+        _fit(model, y, [stop], x=ROLL_X)
+        reference = _rolled_reference([*range(1, 41), *range(71, ROLL_STEPS + 1)], spe=2)
+    finally:
+        keras.distribution.set_distribution(None)
+    assert stop.rollbacks == [(60, 40)]
+    assert stop.skipped_steps == list(range(41, 41 + ROLL_SKIP))
+    _assert_same_state(model, reference)
+
+
+def test_a_nan_rolls_back_and_a_later_fit_numbers_its_steps_on():
     model = _model()
     stop = StopOnRule(NonFiniteLoss(), action="rollback", rollback_every=4, verbose=False)
     y = Y.copy()
@@ -288,13 +367,18 @@ def test_rollback_is_refused_on_jax_and_a_fault_stops():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _fit(model, y, [stop])
-    # Said once, at the start of the fit; no snapshot is taken.
-    said = [str(w.message) for w in caught if "rollback" in str(w.message)]
-    assert said == ["StopOnRule: rollbacks run on the TensorFlow backend only so far; on 'jax' "
-                    "the rules test the records after each execution, and a fault that would "
-                    "be skipped or rolled back stops training instead."], said
-    assert model.stop_training and stop.rollbacks == [] and stop.snapshot_seconds == []
+    assert not [str(w.message) for w in caught if "roll" in str(w.message)]
+    # Back to the snapshot of step 12: steps 13-14 undone, batches 15-24 are steps 13-22.
     assert [(v.rule, v.step) for v in stop.verdicts][:1] == [("NonFiniteLoss", SPIKE)]
+    assert stop.rollbacks == [(SPIKE, 12)] and not model.stop_training
+    assert stop.skipped_steps == [] and stop.snapshot_seconds
+    assert int(model.optimizer.iterations) == STEPS - 2
+    assert keras_objects.step_number(model.optimizer) == STEPS - 2
+    _assert_same_state(model, _without({13, 14}))
+    gradients = GradientStatistics(every_n_steps=1)
+    model.fit(X[:2 * BATCH], Y[:2 * BATCH], batch_size=BATCH, shuffle=False, verbose=0,
+              callbacks=[gradients])
+    assert list(gradients.history["step"]) == [STEPS - 1, STEPS]
 
 
 class _TwoParts(keras.Model):
@@ -365,6 +449,39 @@ def test_with_two_optimizers_only_the_one_whose_norm_spiked_skips():
         part.compile(keras.optimizers.SGD(0.02), "mse")
         index = np.concatenate([np.arange((s - 1) * BATCH, s * BATCH)
                                 for s in range(1, STEPS + 1) if s not in skipped])
+        _fit(part, Y[index], [], x=X[index])
+        for a, b in zip(model.get_layer(name).get_weights(), part.get_weights()):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_with_two_optimizers_a_rollback_puts_back_both_and_skips_both():
+    keras.utils.set_random_seed(4)
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Concatenate()([keras.layers.Dense(1, name="first")(inputs),
+                                          keras.layers.Dense(1, name="second")(inputs)])
+    model = _TwoParts(inputs, outputs)
+    model.compile(keras.optimizers.SGD(0.02), steps_per_execution=2)
+    model.build_optimizers(model.optimizer, keras.optimizers.SGD(0.02))
+    start = {name: [np.asarray(w) for w in model.get_layer(name).get_weights()]
+             for name in ("first", "second")}
+    y = np.concatenate([Y, Y], axis=1)
+    y[19 * BATCH:20 * BATCH, 0] *= 1e4  # step 20, the first part's targets only
+    stop = StopOnRule(GradientNormSpike(window=WINDOW), action="rollback", rollback_every=8,
+                      rollback_skip=2, verbose=False)
+    _fit(model, y, [stop])
+    assert [(v.rule, v.step) for v in stop.verdicts] == [("GradientNormSpike", 20)]
+    assert stop.rollbacks == [(20, 16)] and stop.skipped_steps == [17, 18]
+    # Each optimizer's variables (the second's in the non-trainable state)
+    # came back: both trained batches 1-16 and 23-24, and skipped 21-22.
+    for optimizer in (model.optimizer, model.second_optimizer):
+        assert int(optimizer.iterations) == 18
+        assert keras_objects.step_number(optimizer) == 20
+    for name in ("first", "second"):
+        part = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        part.set_weights(start[name])
+        part.compile(keras.optimizers.SGD(0.02), "mse")
+        index = np.concatenate([np.arange((s - 1) * BATCH, s * BATCH)
+                                for s in [*range(1, 17), 23, 24]])
         _fit(part, Y[index], [], x=X[index])
         for a, b in zip(model.get_layer(name).get_weights(), part.get_weights()):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)

@@ -34,6 +34,16 @@ and leave it as outputs:
   kerasdbg skipped, per optimizer, ride in the carry (`skipped`) and number
   the steps (`iterations` + skipped + 1), the taps' too; the host keeps
   each optimizer's count (`keras_objects.skipped_steps`) for later fits.
+- With `action="rollback"` (`faults.snapshot` / `faults.put_back`): a
+  snapshot is a host copy of the loop's state (`model._jax_state` after an
+  execution: weights, the forward pass's state, every optimizer's
+  variables, a second optimizer's in the non-trainable state too; not the
+  debug layers' counters and buffers) and of the carry's spike windows,
+  skip flags and skipped counts. The put-back hands the state to Keras's
+  loop as a callback may (`jax_state_sync`: the loop's next execution
+  starts from the model's variables) and the carry parts to the next
+  execution; the next `rollback_skip` train steps are skipped in the step
+  (`forced` in the carry), numbered on from the snapshot's step.
 - The host keeps each step's outputs (device arrays) and reads them once
   per execution (`collect`, one `jax.device_get`), then hands each request
   its records, with the same tags as TensorFlow's capture.
@@ -56,7 +66,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Dict, List, Optional
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -92,6 +102,7 @@ _FAULT = _tags.step_scalar("fault")
 _NONFINITE = "fault/nonfinite"  # the step's fault is a NaN/Inf (not a norm above the limit)
 _GUARD = "guard/"  # + "<optimizer number>/<name>": the guard's values of the step
 _SKIPPED = "skipped"  # the carry's key of the steps kerasdbg skipped, per optimizer number
+_FORCED = "forced"  # the carry's key of the batches left to skip after a rollback
 _LOSS = _tags.LOSS
 
 # The keys of what `_timed_execution` adds to an execution's last records:
@@ -207,8 +218,26 @@ class _SkippedSteps:
         self.value = np.int64(0)
 
 
+class _Snapshot(NamedTuple):
+    """What a rollback puts back (`_Faults.snapshot`), on the host."""
+
+    positions: Tuple[int, ...]
+    """The positions in Keras's state (trainable, non-trainable, optimizer
+    variables, flattened) that a rollback puts back."""
+    values: List[np.ndarray]
+    """Their values, in that order."""
+    carry: dict
+    """The carry's spike windows, skip flags and skipped counts (`guard`,
+    `skipped`) that it has."""
+
+
+_ROLLED_BACK = ("guard", _SKIPPED)
+"""The parts of the carry a rollback puts back."""
+
+
 class _Faults:
-    """The freeze's host side: whether the weights are frozen now."""
+    """The freeze's host side: whether the weights are frozen now, and
+    what `StopOnRule(action="rollback")` asks of the step."""
 
     def __init__(self, engine: "Engine"):
         self._engine = weakref.proxy(engine)
@@ -217,27 +246,44 @@ class _Faults:
     def unfreeze(self) -> None:
         self.frozen = False
         carry = self._engine._carry
-        # The fit's class counts, spike windows and skipped steps go on (only
-        # the freeze starts over).
-        kept = {key: carry[key] for key in (_classes.CARRY, "guard", _SKIPPED)
+        # The fit's class counts, spike windows, skipped steps and a
+        # rollback's skips to come go on (only the freeze starts over).
+        kept = {key: carry[key] for key in (_classes.CARRY, "guard", _SKIPPED, _FORCED)
                 if carry is not None and key in carry}
         if kept:
             self._engine._carry = dict(self._engine._first_carry_of(carry), **kept)
         else:
             self._engine._carry = None
 
-    def guard_state(self) -> list:
-        """What a rollback would put back of the guard: on JAX the fit's
-        state is Keras's loop's, which a rollback's assignments to the
-        variables do not reach, so there is no rollback (a snapshot fails
-        with this error, and a fault stops training)."""
-        raise NotImplementedError(
-            "action='rollback' runs on the TensorFlow backend only so far: on JAX the fit's "
-            "state is held by Keras's loop, not by the variables a rollback assigns")
+    def snapshot(self) -> _Snapshot:
+        """A host copy of what a rollback puts back, taken between two
+        executions of the fit: the state Keras's loop holds (on JAX the
+        model's variables are written back only at an epoch's end), but the
+        debug layers' counters and buffers (their records go on), and the
+        carry's spike windows, skip flags and skipped counts."""
+        return self._engine._snapshot()
+
+    def put_back(self, snapshot: _Snapshot) -> None:
+        """Puts `snapshot` back: the next execution starts from its state and
+        its carry parts (the debug layers' counters and buffers and the
+        metrics as they are now)."""
+        self._engine._put_back(snapshot)
+
+    def keep_state(self) -> None:
+        """Nothing to do on JAX: a frozen or skipped step puts back the
+        state it was given, which after `put_back` is the snapshot's."""
 
     def skip_next(self, batches: int) -> None:
-        """See `guard_state`: no rollback on JAX."""
-        self.guard_state()
+        """Skips the next `batches` train steps whatever they hold (after a
+        rollback; counted in the carry, from the next execution on)."""
+        carry = self._engine._carry
+        if carry is None or _FORCED not in carry:
+            raise RuntimeError("kerasdbg's step of this fit does not skip the batches after a "
+                               "rollback (no rollback armed, or no step ran yet)")
+        left = np.asarray(batches, np.int32)
+        sharding = getattr(carry[_FORCED], "sharding", None)
+        self._engine._carry = dict(carry, **{_FORCED: jnp.asarray(left) if sharding is None
+                                             else jax.device_put(left, sharding)})
 
 
 class Engine(Capture):
@@ -485,7 +531,7 @@ class Engine(Capture):
         skipped = {}
         for hook in self.hooks.values():
             holder = keras_objects.skipped_steps(hook.optimizer)
-            if holder is None and freeze is not None and freeze.skip:
+            if holder is None and freeze is not None and (freeze.skip or freeze.rollback):
                 holder = _SkippedSteps()
                 keras_objects.keep_skipped_steps(hook.optimizer, holder)
             if holder is not None:
@@ -497,6 +543,10 @@ class Engine(Capture):
                 _Same(keras_objects.inner_optimizer(h.optimizer)), {})
                 for h in self.hooks.values()}
             carry["guard"] = _guard.init(freeze, kept)
+            if freeze.rollback:
+                # Always in the carry (its structure is the jitted step's):
+                # the batches left to skip after a rollback, none until one.
+                carry[_FORCED] = jnp.zeros([], jnp.int32)
 
     def _take_skipped(self, skipped) -> None:
         """The host's count of each optimizer's skipped steps
@@ -525,6 +575,73 @@ class Engine(Capture):
                 entry = self._guard_kept.setdefault(key, {_guard.WINDOWS: {}, _guard.FLAGS: {}})
                 for part in (_guard.WINDOWS, _guard.FLAGS):
                     entry[part].update(by_number[hook.number][part])
+
+    # ----------------------------------------------------------- rollback
+    def _loop_state(self, model) -> List[list]:
+        """The state of the fit now, `[trainable, non_trainable, optimizer
+        variables]`: the one Keras's loop holds (`model._jax_state`, set
+        after each execution), else, between epochs (a validation's loop
+        leaves none), the one written back to the model's variables."""
+        state = getattr(model, "_jax_state", None) or {}
+        groups = (model.trainable_variables, model.non_trainable_variables,
+                  model.optimizer.variables if model.optimizer is not None else [])
+        keys = ("trainable_variables", "non_trainable_variables", "optimizer_variables")
+        if all(state.get(key) is not None for key in keys):
+            parts = [list(state[key]) for key in keys]
+        else:
+            parts = [[v.value for v in group] for group in groups]
+        if [len(part) for part in parts] != [len(group) for group in groups]:
+            raise RuntimeError("the state Keras's loop holds is not this model's")
+        return parts
+
+    def _snapshot(self) -> _Snapshot:
+        """See `_Faults.snapshot` (one transfer)."""
+        model = self._model()
+        flat = [value for part in self._loop_state(model) for value in part]
+        positions = tuple(i for i, role in enumerate(self._state_roles(model))
+                          if role[0] != "debug")
+        carry = {key: self._carry[key] for key in _ROLLED_BACK
+                 if self._carry is not None and key in self._carry}
+        values, carry = jax.device_get(([flat[i] for i in positions], carry))
+        # Own copies: on a CPU a host value may share the buffer of an array
+        # that the loop's next execution donates.
+        values = [np.array(value) for value in values]
+        return _Snapshot(positions, values, jax.tree_util.tree_map(np.array, carry))
+
+    def _put_back(self, snapshot: _Snapshot) -> None:
+        """See `_Faults.put_back`."""
+        model = self._model()
+        parts = self._loop_state(model)
+        flat = [value for part in parts for value in part]
+        for position, value in zip(snapshot.positions, snapshot.values):
+            # A fresh copy: the runtime may alias a host array, and the loop
+            # donates its state; the snapshot stays for a later rollback.
+            value = np.array(value)
+            sharding = getattr(flat[position], "sharding", None)
+            flat[position] = jnp.asarray(value) if sharding is None \
+                else jax.device_put(value, sharding)
+        a, b = len(parts[0]), len(parts[0]) + len(parts[1])
+        # As a callback may (Keras's JAX trainer reads `_jax_state` for it):
+        # the state goes to the model's variables, and the loop's next
+        # execution starts from them; a fit that ends here ends with them.
+        model._jax_state = dict(getattr(model, "_jax_state", None) or {},
+                                trainable_variables=flat[:a], non_trainable_variables=flat[a:b],
+                                optimizer_variables=flat[b:])
+        model._jax_state_synced = False
+        model.jax_state_sync()
+        carry = dict(self._carry if self._carry is not None else self._first_carry(model))
+        for key, value in snapshot.carry.items():
+            now = carry.get(key)
+            if now is not None and jax.tree_util.tree_structure(now) == \
+                    jax.tree_util.tree_structure(value):
+                # On the devices of the carry's own values (no new compile).
+                carry[key] = jax.tree_util.tree_map(
+                    lambda old, new: jax.device_put(new, old.sharding), now, value)
+            else:
+                carry[key] = jax.tree_util.tree_map(jnp.asarray, value)
+        self._carry = carry
+        if _SKIPPED in snapshot.carry:
+            self._take_skipped(snapshot.carry[_SKIPPED])
 
     # ------------------------------------------------------- in the step
     def _routed_apply(self, hook: _Hook, original):
@@ -910,8 +1027,9 @@ class Engine(Capture):
             records = dict(context.records)
             fault = jnp.asarray(False)
             guard, skipped = carry.get("guard"), carry.get(_SKIPPED)
+            forced = carry.get(_FORCED)  # the batches left to skip after a rollback
             if guard is not None and context.guard:
-                fault, frozen, new_state, guard, skipped = engine._guarded(
+                fault, frozen, new_state, guard, skipped, forced = engine._guarded(
                     model, context, carry, state, new_state, records)
             elif engine._freeze() is not None:
                 oks, finites = list(context.oks), list(context.finites)
@@ -965,6 +1083,8 @@ class Engine(Capture):
                 new_carry["guard"] = guard
             if skipped is not None:
                 new_carry[_SKIPPED] = skipped
+            if forced is not None:
+                new_carry[_FORCED] = forced
             if _classes.CARRY in carry:
                 counted = _classes.counts(context.y, context.y_pred)
                 engine._label(None if counted is None else (counted[1],))
@@ -978,8 +1098,9 @@ class Engine(Capture):
         """The guard's decisions for one train step (`guard.update` on its
         applies' fault tests and its loss): the state it keeps (per
         position, `_state_roles`), its values into `records`, and the
-        carry's new guard and skipped counts. Returns `(fault, frozen,
-        new_state, guard, skipped)`."""
+        carry's new guard, skipped counts and batches left to skip after a
+        rollback. Returns `(fault, frozen, new_state, guard, skipped,
+        forced)`."""
         freeze = self._freeze()
         loss, loss_nonfinite = None, jnp.asarray(False)
         if context.loss is not None:
@@ -988,8 +1109,11 @@ class Engine(Capture):
             loss = jnp.sum(jnp.asarray(context.loss, jnp.float32))
             if freeze.nonfinite_loss:
                 loss_nonfinite = jnp.logical_not(reductions.all_finite(context.loss))
+        left = carry.get(_FORCED)
+        # Once per train step, whatever its applies (see `Faults.skip_next`).
+        forced = None if left is None else left > 0
         outcome = _guard.update(freeze, carry["guard"], carry["frozen"], loss, loss_nonfinite,
-                                context.guard)
+                                context.guard, forced)
         if self._localizes():
             # A fault NaNSource looks into: a NaN/Inf, not a norm above the limit.
             records[_NONFINITE] = outcome.nonfinite
@@ -1029,7 +1153,9 @@ class Engine(Capture):
         if skipped is not None:
             skipped = {key: value + skips[int(key)].astype(jnp.int32)
                        if int(key) in skips else value for key, value in skipped.items()}
-        return outcome.fault, outcome.frozen, new_state, outcome.state, skipped
+        if forced is not None:
+            left = left - forced.astype(jnp.int32)
+        return outcome.fault, outcome.frozen, new_state, outcome.state, skipped, left
 
     # ----------------------------------------------------------- on host
     def collect(self, final: bool = True, batch: Optional[int] = None) -> None:

@@ -9,6 +9,10 @@ for Keras's stateless JAX step: pure functions over explicit state (optax's
 - per optimizer, the skip and spike flags of its last `skip_window` steps
   (the skip budget, `step/spike_fraction`) and the steps it counted.
 
+With `action="rollback"` the batches after a rollback are skipped by every
+apply whatever they hold (`forced`), outside the skip budget, as on
+TensorFlow.
+
 `update` takes, for each apply of the train step in order, its fault test
 (`Apply`) and decides, as TensorFlow does per apply: the spike tests
 against the windows, then `skip = skip_fault & ~stop_fault & ~frozen_before
@@ -69,8 +73,8 @@ class Outcome(NamedTuple):
 
 
 def armed(freeze: Optional[Freeze]) -> bool:
-    """Whether `freeze` arms a spike test or a skip."""
-    return freeze is not None and bool(freeze.spikes or freeze.skip)
+    """Whether `freeze` arms a spike test, a skip or a rollback's skips."""
+    return freeze is not None and bool(freeze.spikes or freeze.skip or freeze.rollback)
 
 
 def window_key(test: Spike) -> str:
@@ -126,11 +130,14 @@ def spikes(test: Spike, value, window, count):
 
 
 def update(freeze: Freeze, state: dict, frozen, loss, loss_nonfinite,
-           applies: List[Apply]) -> Outcome:
+           applies: List[Apply], forced=None) -> Outcome:
     """The spike tests and skips of one train step's `applies`, in order
     (see the module). `frozen`: whether the weights were frozen before the
     step; `loss`: the step's loss (float32) or None; `loss_nonfinite`: the
-    loss's NaN/Inf fault (False when not watched)."""
+    loss's NaN/Inf fault (False when not watched); `forced`: whether the
+    step is one of the batches skipped after a rollback (None: no rollback
+    armed), skipped by every apply whatever it holds, counted in no skip
+    budget, its values entering no window (as on TensorFlow)."""
     windows, flags = dict(state[WINDOWS]), dict(state[FLAGS])
     no = jnp.asarray(False)
     any_fault, any_nonfinite = no, no
@@ -165,6 +172,14 @@ def update(freeze: Freeze, state: dict, frozen, loss, loss_nonfinite,
         recent, steps = flags[str(apply.number)]
         skip = skip_fault & ~stop_fault & ~before & (jnp.sum(recent[:, 0]) < freeze.max_skips)
         frozen = before | (fault & ~skip)
+        # Only the apply's own faults are the step's (a forced skip is none).
+        any_fault = any_fault | fault
+        any_nonfinite = any_nonfinite | (nonfinite & fault)
+        budgeted = skip
+        if forced is not None:
+            frozen = frozen & ~forced
+            fault = fault | forced
+            skip = skip | forced
         # A value enters its window when its apply had no fault and the
         # weights were not frozen before it.
         accept = ~(fault | before)
@@ -174,17 +189,17 @@ def update(freeze: Freeze, state: dict, frozen, loss, loss_nonfinite,
             position = jnp.mod(count, test.window)
             window = jnp.where(take, window.at[position].set(value), window)
             windows[key] = (window, count + take.astype(jnp.int32))
-        row = jnp.stack([skip.astype(jnp.int32), spike.astype(jnp.int32)])
+        row = jnp.stack([budgeted.astype(jnp.int32), spike.astype(jnp.int32)])
         recent = recent.at[jnp.mod(steps, freeze.skip_window)].set(row)
         flags[str(apply.number)] = (recent, steps + 1)
         # The fraction of spiky steps among the last `skip_window` (fewer at first).
         seen = jnp.minimum(steps + 1, freeze.skip_window).astype(jnp.float32)
         fraction = jnp.sum(recent[:, 1]).astype(jnp.float32) / seen
         skips[apply.number] = skip if apply.number not in skips else skips[apply.number] | skip
-        any_fault = any_fault | fault
-        any_nonfinite = any_nonfinite | (nonfinite & fault)
-        if freeze.skip:
+        if freeze.skip or forced is not None:
             values.append(("skipped", apply.number, skip.astype(jnp.float32)))
+        if forced is not None:
+            values.append(("skipped_after_rollback", apply.number, forced.astype(jnp.float32)))
         if norm_watched:
             values.append(("gradient_norm", apply.number, apply.norm))
         if freeze.spikes:
