@@ -485,3 +485,27 @@ def test_with_two_optimizers_a_rollback_puts_back_both_and_skips_both():
         _fit(part, Y[index], [], x=X[index])
         for a, b in zip(model.get_layer(name).get_weights(), part.get_weights()):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_a_second_nan_rolls_back_again_and_taps_and_moving_statistics_follow(tmp_path):
+    """NaN targets at batches 60 and 90: back to step 40, then (numbered on
+    from 41, the second NaN at step 70) back to the snapshot of step 60,
+    each time 5 batches skipped (as tests/callbacks/test_rollback.py)."""
+    model = _model(batchnorm=True, tap=True)
+    y = ROLL_Y.copy()
+    y[59 * BATCH] = y[89 * BATCH] = np.nan
+    stop = StopOnRule(NonFiniteLoss(), action="rollback", rollback_every=EVERY, rollback_skip=5,
+                      log_dir=str(tmp_path), verbose=False)
+    _fit(model, y, [stop, ActivationStatistics(log_dir=str(tmp_path))], x=ROLL_X)
+    assert stop.rollbacks == [(60, 40), (70, 60)] and not model.stop_training
+    reference = _rolled_reference([*range(1, 41), *range(66, 81), *range(96, ROLL_STEPS + 1)],
+                                  batchnorm=True)
+    mine = [w for w in model.weights if "tap" not in w.path]
+    assert len(mine) == len(reference.weights)
+    for a, b in zip(mine, reference.weights):
+        np.testing.assert_allclose(np.asarray(a.value), np.asarray(b.value), rtol=1e-5,
+                                   atol=1e-6, err_msg=a.path)
+    # The taps' counters are not rolled back: they record the steps of the
+    # run that remains, those rolled back written again.
+    taps = kerasdbg.load_run(str(tmp_path)).scalar_table("activations/tap/mean", run="train")
+    assert list(taps.index) == list(range(1, 71))
