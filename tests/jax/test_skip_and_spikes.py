@@ -509,3 +509,23 @@ def test_a_second_nan_rolls_back_again_and_taps_and_moving_statistics_follow(tmp
     # run that remains, those rolled back written again.
     taps = kerasdbg.load_run(str(tmp_path)).scalar_table("activations/tap/mean", run="train")
     assert list(taps.index) == list(range(1, 71))
+
+
+def test_steps_trained_without_the_guard_empty_its_windows():
+    """As on TensorFlow: a fit with the guard, one without it on targets x 30,
+    one with it again: the first fit's windows would call the third's losses
+    spikes; emptied, they refill first. A loop of guarded fits keeps them."""
+    model = _model(optimizer="adam")
+    first = StopOnRule(LossSpike(window=WINDOW), action="skip", verbose=False)
+    _fit(model, Y, [first])
+    _fit(model, 30 * Y, [])
+    third = StopOnRule(LossSpike(window=WINDOW), action="skip", verbose=False)
+    _fit(model, 30 * Y, [third])
+    assert first.verdicts == [] and third.verdicts == [] and third.skipped_steps == []
+    model = _model()
+    stop = StopOnRule(LossSpike(window=WINDOW), action="skip", verbose=False)
+    _fit(model, Y, [stop])
+    _fit(model, Y, [stop])
+    assert stop.skipped_steps == []
+    _fit(model, _spiked(1), [stop])
+    assert stop.skipped_steps == [2 * STEPS + 1]

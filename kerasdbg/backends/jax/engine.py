@@ -330,6 +330,7 @@ class Engine(Capture):
         # The guard's carry of the last fit, per optimizer (`_Same` of it), for
         # the next fit: the spike windows and skip flags go on, as on TensorFlow.
         self._guard_kept: Dict[object, dict] = {}
+        self._guard_seen: Dict[int, int] = {}  # optimizer number -> the last step collected
 
     # ----------------------------------------------------------- lifecycle
     def attach(self, request: Request) -> None:
@@ -420,6 +421,9 @@ class Engine(Capture):
         self._calls = 0
         iterations = [keras_objects.step_number(h.optimizer) for h in self.hooks.values()]
         self._step_base = min([i for i in iterations if i > 0], default=0)
+        # Where each optimizer starts this fit (read while the model holds its
+        # variables; Keras's loop takes them at the first batch).
+        self._fit_start = {h.number: n for h, n in zip(self.hooks.values(), iterations)}
         # The state's shardings under a keras.distribution, read while the
         # model still holds its variables (Keras's loop moves them into its
         # state at the first batch).
@@ -539,14 +543,22 @@ class Engine(Capture):
         if skipped:
             carry[_SKIPPED] = skipped
         if self._guards():
-            kept = {h.number: self._guard_kept.get(
-                _Same(keras_objects.inner_optimizer(h.optimizer)), {})
-                for h in self.hooks.values()}
+            kept = {h.number: self._kept_guard_of(h) for h in self.hooks.values()}
             carry["guard"] = _guard.init(freeze, kept)
             if freeze.rollback:
                 # Always in the carry (its structure is the jitted step's):
                 # the batches left to skip after a rollback, none until one.
                 carry[_FORCED] = jnp.zeros([], jnp.int32)
+
+    def _kept_guard_of(self, hook) -> dict:
+        """The spike windows and skip flags an earlier fit left for `hook`'s
+        optimizer, unless it trained steps since that the guard did not see
+        (a fit without it in between): then none, the windows refill."""
+        kept = self._guard_kept.get(_Same(keras_objects.inner_optimizer(hook.optimizer)), {})
+        now = getattr(self, "_fit_start", {}).get(hook.number)
+        if kept.get("step") is not None and now is not None and kept["step"] != now:
+            return {}
+        return kept
 
     def _take_skipped(self, skipped) -> None:
         """The host's count of each optimizer's skipped steps
@@ -575,6 +587,9 @@ class Engine(Capture):
                 entry = self._guard_kept.setdefault(key, {_guard.WINDOWS: {}, _guard.FLAGS: {}})
                 for part in (_guard.WINDOWS, _guard.FLAGS):
                     entry[part].update(by_number[hook.number][part])
+                # Where the optimizer stood: a later fit that finds it moved on
+                # without the guard starts with empty windows.
+                entry["step"] = self._guard_seen.get(hook.number)
 
     # ----------------------------------------------------------- rollback
     def _loop_state(self, model) -> List[list]:
@@ -1198,6 +1213,8 @@ class Engine(Capture):
                     if f"{key}/step" not in records:
                         continue
                     applied_step = int(records[f"{key}/step"])
+                    # Where the guard last saw this optimizer (`_kept_guard_of`).
+                    self._guard_seen[hook.number] = applied_step
                     skipped = bool(records.get(f"{key}/skipped", False))
                     # False at a batch that gradient accumulation only accumulated.
                     updated = bool(records.get(f"{key}/applied", True))
