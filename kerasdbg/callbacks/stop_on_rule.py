@@ -913,7 +913,7 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
                 variables, values = None, take()
             else:
                 variables = self._state_variables()
-                values = [_host_copy(v) for v in variables]
+                values = [keras_objects.host_value(v) for v in variables]
             self._snapshot = (step, variables, values, self._runner.state(),
                               list(self._skipped))
             self.snapshot_seconds.append(time.perf_counter() - start)
@@ -1041,13 +1041,6 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
             raise RuleFired(verdicts)
         self.model.stop_training = True
         suspend_others(self, self.suspend)
-
-
-def _host_copy(variable):
-    """A NumPy copy of a Keras or framework variable (replica 0's)."""
-    value = variable.value
-    value = value() if callable(value) else value
-    return keras_objects.host_value(variable) if not hasattr(value, "numpy") else value.numpy()
 
 
 def _guards(rule) -> bool:

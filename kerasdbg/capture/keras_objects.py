@@ -34,10 +34,13 @@ def replicas(model) -> int:
 
 
 def host_value(variable) -> np.ndarray:
-    """The value of a Keras variable on the host, as NumPy (on JAX, what the
+    """The value of a Keras variable (or of a framework variable kerasdbg
+    made) on the host, as NumPy (on JAX, what the
     model holds: during a `fit` its variables are written back at each
     epoch's end)."""
     value = variable.value
+    # A framework variable of kerasdbg's has `value()` (replica 0's copy).
+    value = value() if callable(value) else value
     # A tf.distribute variable reads its primary copy with `numpy()`; a JAX
     # array converts as it is.
     return np.asarray(value.numpy() if hasattr(value, "numpy") else value)
@@ -173,11 +176,7 @@ def step_number(optimizer) -> int:
     `iterations` + the steps kerasdbg skipped."""
     count = int(host_value(raw_iterations(optimizer)))
     skipped = skipped_steps(optimizer)
-    if skipped is None:
-        return count
-    # A framework variable of kerasdbg's (replica 0's copy), not a Keras one.
-    value = skipped.value
-    return count + int(np.asarray(value().numpy() if callable(value) else value))
+    return count if skipped is None else count + int(host_value(skipped))
 
 
 def step_counters(model) -> list:
