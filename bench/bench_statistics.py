@@ -111,6 +111,13 @@ class _Timer(keras.callbacks.Callback):
 
 
 def _model(name):
+    if name == "mlp":
+        # A step under a millisecond on a CPU: the proxy of a GPU's step,
+        # where what costs is the host's work per step, not the statistics.
+        model = keras.Sequential([
+            keras.Input((32,)), keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10)])
+        return model, (32,), 64
     if name == "cnn":
         model = keras.Sequential([
             keras.Input((28, 28, 1)),
@@ -381,10 +388,11 @@ def main():
         peak_memory(sys.argv[2], sys.argv[3], int(sys.argv[4]))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["cnn", "resnet50"], choices=["cnn", "resnet50"])
+    parser.add_argument("--models", nargs="+", default=["cnn", "resnet50"], choices=["mlp", "cnn", "resnet50"])
     parser.add_argument("--spe", nargs="+", type=int, default=[1, 16])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    parser.add_argument("--mlp-steps", type=int, default=480)
     parser.add_argument("--cnn-steps", type=int, default=320)
     parser.add_argument("--resnet-steps", type=int, default=48)
     parser.add_argument("--memory", action="store_true",
@@ -405,7 +413,7 @@ def main():
         return
     for model_name in args.models:
         for spe in args.spe:
-            steps = args.cnn_steps if model_name == "cnn" else args.resnet_steps
+            steps = {"mlp": args.mlp_steps, "cnn": args.cnn_steps}.get(model_name, args.resnet_steps)
             steps = max(steps, 4 * spe)
             report(model_name, spe, bench(model_name, spe, steps, args.repeats, configs), configs)
 

@@ -548,6 +548,9 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
         rows = self._rows
         for request in requests:
             request.consumer = lambda records, request=request: rows.take(request, records)
+            # The rules judge each read's rows (`kerasdbg.capture.reads`); a
+            # rollback's snapshots must be known clean: read every execution.
+            request.deferred = not self._rolling
             engine.attach(request)
         self._requests = requests
         for tap in self._taps:
@@ -620,9 +623,12 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
             raise ValueError(message)
         warnings.warn(message, RuntimeWarning, stacklevel=7)
 
-    def _gather(self) -> None:
+    def _gather(self, batch: Optional[int] = None) -> None:
         try:
-            _capture.engine_for(self.model).collect()
+            if batch is None:
+                _capture.engine_for(self.model).collect()
+            else:  # a batch end: the read clock decides
+                _capture.engine_for(self.model).collect(final=False, batch=batch)
         finally:
             # A collective under several workers: reached on every worker;
             # taps the model's sink already read at this step are skipped.
@@ -644,7 +650,7 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self._check_replicas(batch)
-        self._evaluate_pending()
+        self._evaluate_pending(batch)
         if getattr(self, "_rolling", False) and not self._done:
             self._take_snapshot()
         self._batches = self._epoch_batches + batch + 1
@@ -789,11 +795,11 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
         self._taps = []
         release_writer(self, self._writer)
 
-    def _evaluate_pending(self) -> None:
+    def _evaluate_pending(self, batch: Optional[int] = None) -> None:
         if self._runner is None:
             return
         try:
-            self._gather()
+            self._gather(batch)
         except Exception as error:  # noqa: BLE001 - training goes on
             if self.strict:
                 raise

@@ -114,7 +114,14 @@ def supported(owner: str, kind: Optional[str] = None) -> None:
             f"{', '.join(dict.fromkeys(kinds.values()))}, and {ELSEWHERE} work.")
 
 
+_ENGINE_FOR: dict = {}  # backend -> its module's `engine_for`: asked at every batch
+
+
 def engine_for(model) -> Capture:
     """The capture of `model`, created on first use, of the model's backend."""
-    supported("kerasdbg's capture")
-    return importlib.import_module(CAPTURES[backend()]).engine_for(model)
+    name = backend()
+    function = _ENGINE_FOR.get(name)
+    if function is None:
+        supported("kerasdbg's capture")
+        function = _ENGINE_FOR[name] = importlib.import_module(CAPTURES[name]).engine_for
+    return function(model)

@@ -46,14 +46,6 @@ at that step, and whether the step had an in-graph fault (absent when no
 fault is watched). Then `step/<name>` for every other scalar the train step
 returns, averaged over replicas as Keras does."""
 _STEP_FIXED = 7  # train id, step, loss, loss captured, frozen, fault, faulty apply
-DEFERRED_STEPS = 32
-"""When every request can be read late (`Request.deferred`), the buffers hold
-at least this many steps, and the host reads them once they are about to be
-full (and at each epoch's end), not after every execution: at
-`steps_per_execution=1` a read after every step costs more than the step's
-own statistics on a small model."""
-
-
 class Freeze(NamedTuple):
     """In-graph faults after which the weights stop changing, or which skip
     their step.
@@ -122,9 +114,9 @@ class Request:
         owner: the callback, for messages.
         wrapper: for a "wrap" request.
         for_rules: what it records is what rules read (messages say so).
-        deferred: its consumer may get the records of a step up to
-            `DEFERRED_STEPS` steps later (at the latest at the epoch's end):
-            nothing decides on them while training runs.
+        deferred: its consumer may get the records of a step at the next
+            read (`kerasdbg.capture.reads`: once per interval, at the latest
+            at the epoch's end), not after the execution that ran it.
     """
 
     def __init__(

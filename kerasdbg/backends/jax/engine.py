@@ -84,9 +84,10 @@ from kerasdbg.backends.jax import step_tensors as _tensors
 from kerasdbg.capture import fit_end
 from kerasdbg.capture import keras_objects
 from kerasdbg.capture import progress as _progress
+from kerasdbg.capture import reads
 from kerasdbg.capture.interface import Capture, supported
 from kerasdbg.capture.requests import (
-    CLASS_COLUMNS, DEFERRED_STEPS, MAX_CLASSES, Record, Request, unique_paths,
+    CLASS_COLUMNS, MAX_CLASSES, Record, Request, unique_paths,
 )
 from kerasdbg.quantities import reductions
 from kerasdbg.records import tags as _tags
@@ -177,6 +178,7 @@ class _Hook:
         self.clipping = keras_objects.clipping(optimizer)
         self.accumulation = keras_objects.accumulation_steps(optimizer)
         self.applies = 0  # the most applies of it seen in one train step
+        self._positions: Dict[int, tuple] = {}  # id(request) -> (request, positions)
         # Mixed precision: the gradients come scaled by the loss scale (a
         # variable of the optimizer), and an overflow is the scaler's to skip.
         scale = getattr(optimizer, "dynamic_scale", None)
@@ -184,8 +186,13 @@ class _Hook:
                                 None) if scale is not None else None
 
     def positions(self, request: Request) -> List[int]:
-        return [i for i, (v, p) in enumerate(zip(self.variables, self.paths))
-                if request.selects(p) and keras_objects.is_float(v)]
+        # Asked for every record the host decodes: worked out once per request.
+        found = self._positions.get(id(request))
+        if found is None or found[0] is not request:
+            found = (request, [i for i, (v, p) in enumerate(zip(self.variables, self.paths))
+                               if request.selects(p) and keras_objects.is_float(v)])
+            self._positions[id(request)] = found
+        return found[1]
 
 
 class _Same:
@@ -318,6 +325,8 @@ class Engine(Capture):
         self._out_shardings = None
         self._patched_metrics = False
         self._read_once = False
+        self.clock = reads.ReadClock()  # when the host reads the records
+        self.transfers = 0  # reads of the records (device to host), for tests
         self._initial: Dict[str, list] = {}
         self._located = False  # whether this fit's first fault was located
         # The step of this fit, and the one kept for a later fit of the same graph.
@@ -415,6 +424,7 @@ class Engine(Capture):
         self._several = False
         self.loss_captured = False
         self._read_once = False
+        self.clock.begin_fit()
         self._pending = []
         self._pending_data = []
         self._carry = None
@@ -874,6 +884,7 @@ class Engine(Capture):
             except _StepFailed as failed:
                 return engine._plain_from(model, failed, steps, iterator)
             engine._carry = carry
+            _packing.start_transfer(engine._pending[-steps:])
             return logs, state
 
         return train_function
@@ -1179,21 +1190,37 @@ class Engine(Capture):
         _progress.of(self).end()
         if not self._pending:
             return
-        if not final and self._read_once and len(self._pending) < DEFERRED_STEPS and \
-                self.requests and all(r.deferred for r in self.requests):
-            return  # read late: nothing decides on these records while training runs
+        ready = len(self._pending)
+        if not final and self._read_once:
+            # Read when the clock says so (`kerasdbg.capture.reads`), and then
+            # only the steps the device finished: the read never waits for it.
+            every = not (self.requests and all(r.deferred for r in self.requests))
+            model = self._model()
+            steps = int(getattr(model, "steps_per_execution", 1) or 1)
+            if not self.clock.due(len(self._pending), steps, reads.ring_rows(steps),
+                                  every_execution=every):
+                return
+            if len(self._pending) <= 2 * reads.RING_STEPS:
+                ready = next((i for i, records in enumerate(self._pending)
+                              if not _packing.ready(records)), ready)
+                if ready == 0:
+                    return
         self._read_once = True
-        pending, self._pending = self._pending, []
-        batches, self._pending_data = self._pending_data, []
-        totals = None
-        if self._wants("classes") and self._carry is not None:
-            totals = self._carry.get(_classes.CARRY)
-        skipped = self._carry.get(_SKIPPED) if self._carry is not None else None
-        host, totals, skipped = jax.device_get((pending, totals, skipped))
+        self.clock.read()
+        pending, self._pending = self._pending[:ready], self._pending[ready:]
+        batches, self._pending_data = self._pending_data[:ready], self._pending_data[ready:]
+        totals = skipped = None
+        if not self._pending and self._carry is not None:
+            # The carry's totals describe the last step run: read with it.
+            if self._wants("classes"):
+                totals = self._carry.get(_classes.CARRY)
+            skipped = self._carry.get(_SKIPPED)
+            totals, skipped = jax.device_get((totals, skipped))
+        self.transfers += 1
         if skipped:
             # Where the steps stand for the host (`keras_objects.step_number`).
             self._take_skipped(skipped)
-        host = [_packing.unpack(records) for records in host]
+        host = _packing.fetch(pending)
         self._several = self._several or sum(h.applies > 0 for h in self.hooks.values()) > 1
         out: Dict[int, List[Record]] = {id(r): [] for r in self.requests}
         for records, batch in itertools.zip_longest(host, batches[:len(host)]):

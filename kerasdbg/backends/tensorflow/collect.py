@@ -1,8 +1,10 @@
 """The host side of the capture: reads the buffers and hands out the records.
 
-After each execution of the train function the host reads the rows its
-train steps wrote (once: the callbacks that collect later at the same batch
-end find nothing new, and a buffer no step of these wrote is not read),
+When the read clock says so (`kerasdbg.capture.reads`: after the first
+execution, then once per interval, before a ring could overflow, and at
+each epoch's end) the host reads the rows the train steps wrote since the
+last read (once: the callbacks that collect later at the same batch end
+find nothing new, and a buffer no step of these wrote is not read),
 turns them into `Record`s in the order the steps ran and hands them to each
 request's consumer. It also numbers the steps, and says once per fit why a
 request recorded nothing by construction.
@@ -18,6 +20,7 @@ import numpy as np
 from kerasdbg.backends.tensorflow import buffers as _buffers
 from kerasdbg.records import tags as _tags
 from kerasdbg.capture import keras_objects
+from kerasdbg.capture import reads
 from kerasdbg.backends.tensorflow.channels import Channel
 from kerasdbg.capture.requests import CLASS_COLUMNS, MAX_CLASSES, Record, Request, _STEP_FIXED
 
@@ -43,6 +46,7 @@ class Collector:
         self._saw_steps = False
         self._steps_done = 0  # the last step collected, over the fits
         self._checked_batch: Optional[int] = None  # the batch end already looked at
+        self.clock = reads.ReadClock()
 
     def begin_fit(self, iterations: List[int], calls: int) -> None:
         """At the start of a fit: `iterations` of the model's optimizers and
@@ -54,6 +58,7 @@ class Collector:
         self._diagnosed = False
         self._saw_steps = False
         self._checked_batch = None
+        self.clock.begin_fit()
 
     def step_of(self, train_id: int) -> int:
         """The step of a train step that ran (host read of the step buffer)."""
@@ -89,24 +94,31 @@ class Collector:
         execution's (so that a request that records nothing says so at
         once). At the batch end `batch` the first call reads; the callbacks
         that call again at the same batch end read nothing."""
-        if not final and batch is not None:
-            if batch == self._checked_batch:
+        view = self._view
+        n, rows = view.steps_per_execution, view.rows
+        if not final:
+            if batch is not None:
+                if batch == self._checked_batch:
+                    return
+                self._checked_batch = batch
+            # Each callback collects at each batch end: the first one counts
+            # the execution, the clock says whether the host reads now
+            # (`kerasdbg.capture.reads`); no device read before it says so.
+            self.clock.executed()
+            if self._saw_steps and not self.clock.due(
+                    self.clock.waiting() * n, n, rows,
+                    every_execution=not all(r.deferred for r in view.requests)):
                 return
-            self._checked_batch = batch
         else:
             self._checked_batch = None
-        view = self._view
         for request in view.requests:
             if request.kind == "tensors" and request.channel is not None:
                 request.collect()
-        # Each callback collects at each batch end; the first read tells the
-        # later ones there is nothing new (a read costs 10-30 us).
+        # The callbacks that read later at the same batch end find nothing new.
         calls = int(_buffers.read(view.calls))
         if calls <= self._last_call:
             return
-        n, rows = view.steps_per_execution, view.rows
-        if not final and self._saw_steps and calls - self._last_call + n <= rows:
-            return
+        self.clock.read()
         first = max(self._last_call + 1, calls - rows + 1)
         if first > self._last_call + 1 and view.wants(
                 "gradients", "weights", "step", "classes"):

@@ -29,6 +29,7 @@ from kerasdbg.backends.tensorflow import variable_reads as reads
 from kerasdbg.backends.tensorflow.channels import Channel, Hook
 from kerasdbg.capture import fit_end
 from kerasdbg.capture import progress as _progress
+from kerasdbg.capture import reads as read_clock
 from kerasdbg.backends.tensorflow.collect import Collector
 from kerasdbg.capture.interface import Capture
 from kerasdbg.backends.tensorflow import faults as faults_module
@@ -36,7 +37,7 @@ from kerasdbg.backends.tensorflow import logits as _logits_lib
 from kerasdbg.backends.tensorflow.faults import Faults
 from kerasdbg.backends.tensorflow.quantities import Quantities, _several_replicas
 from kerasdbg.capture.requests import (
-    CLASS_COLUMNS, DEFERRED_STEPS, MAX_CLASSES, MAX_STEP_SCALARS, Request, _STEP_FIXED, _and,
+    CLASS_COLUMNS, MAX_CLASSES, MAX_STEP_SCALARS, Request, _STEP_FIXED, _and,
     unique_paths,
 )
 
@@ -420,12 +421,12 @@ class Engine(Capture):
             with strategy.scope():
                 self._calls = _buffers.on_read_variable(tf.zeros([], tf.int64), "kerasdbg_calls")
         rows = n
-        # Deferred reads need buffers DEFERRED_STEPS tall; a strategy's
-        # sync-on-read buffer is copied whole at each row write, so there
-        # they stay one execution tall and the host reads each execution.
+        # Reads once per interval need rings `read_clock.RING_STEPS` tall; a
+        # strategy's sync-on-read buffer is copied whole at each row write,
+        # so there they stay one execution tall and the host reads each execution.
         if all(r.deferred for r in self.requests) and not isinstance(
                 self._calls, tf.distribute.DistributedValues):
-            rows = n * -(-DEFERRED_STEPS // n)
+            rows = read_clock.ring_rows(n)
         if (self._steps_per_execution, self.rows) != (n, rows):
             self.channels, self.hooks = [], {}
             self._step_values = None
