@@ -38,6 +38,7 @@ _EXPORTS = {
     "load_run": ("kerasdbg.reader", "load_run", False),
     "load_trace": ("kerasdbg.trace", "load_trace", False),
     "rules": ("kerasdbg.rules", None, False),
+    "set_read_interval": ("kerasdbg.capture.reads", "set_read_interval", False),
     "stats": ("kerasdbg.stats", None, False),
     "strip_debug_layers": ("kerasdbg.tapping", "strip_debug_layers", False),
 }

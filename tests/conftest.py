@@ -216,6 +216,9 @@ def _fresh_keras_state():
     collections of 35-80 s were seen. They are dropped here, so such a test's objects go with it.
     """
     yield
+    from kerasdbg.capture import reads
+
+    reads.set_read_interval(None)  # a test that set the read interval set it for itself
     for name in ("last_type", "last_value", "last_traceback", "last_exc"):
         if hasattr(sys, name):
             delattr(sys, name)
@@ -300,3 +303,15 @@ def pytest_unconfigure(config):
     if directory is not None:
         shutil.rmtree(directory, ignore_errors=True)
         os.environ.pop(_CRASH_DIR, None)
+
+
+@pytest.fixture
+def read_every_execution():
+    """The host reads the records after every execution (`set_read_interval(0)`):
+    for a test of what happens right after a verdict's execution (a stop, an
+    unfreeze), which the default interval puts at a later read."""
+    from kerasdbg.capture import reads
+
+    reads.set_read_interval(0)
+    yield
+    reads.set_read_interval(None)

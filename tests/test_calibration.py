@@ -195,10 +195,11 @@ def test_another_healthy_run_is_quiet_online_and_offline(healthy, tmp_path):
     ("learning_rate", FAULT_STEP), ("zeroed_weights", FAULT_STEP), ("input_scale", 1)],
     ids=["learning-rate-x100-from-step-30", "kernel-zeroed-before-step-30",
          "inputs-x100-from-step-1"])
-def test_a_broken_run_fires_at_the_step_of_its_fault(healthy, tmp_path, fault, step):
+def test_a_broken_run_fires_at_the_step_of_its_fault(healthy, tmp_path, fault, step,
+                                                     read_every_execution):
     """Every update ratio and norm is recorded at every step (`every_step`), so the first
-    verdict is at the planted step itself; "stop" ends the fit there, and the offline
-    check of its records gives the same verdicts."""
+    verdict is at the planted step itself; "stop" ends the fit there (read after every
+    execution), and the offline check of its records gives the same verdicts."""
     log_dir, rules = healthy
     stop = StopOnRule(rules, action="stop", log_dir=str(tmp_path), verbose=False, strict=True)
     extra = [stop] if fault == "input_scale" else [stop, _Fault(fault, step)]

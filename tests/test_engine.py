@@ -213,15 +213,17 @@ def test_every_n_steps_records_only_those_steps():
     assert weights_cb.history.step.tolist() == [4, 8, 12, 16, 20]
 
 
-@pytest.mark.parametrize("deferred", [32, 1], ids=["deferred", "every-execution"])
-def test_the_host_reads_only_buffers_that_the_steps_wrote(monkeypatch, tmp_path, deferred):
-    """With the statistics callbacks alone the buffers hold 32 steps and the
-    host reads them after the first execution and at the epoch's end (the
-    deferred reads); with buffers of one execution, after every execution.
-    Either way a buffer no step wrote is not read."""
+@pytest.mark.parametrize("interval", [None, 0], ids=["interval", "every-execution"])
+def test_the_host_reads_only_buffers_that_the_steps_wrote(monkeypatch, tmp_path, interval):
+    """With the statistics callbacks alone and a ring of 32 steps, the host
+    reads after the first execution and at the epoch's end (a read once per
+    interval, here longer than the fit); with an interval of 0, after every
+    execution. Either way a buffer no step wrote is not read, and between
+    two reads the host reads nothing, not even the step counter."""
     from kerasdbg.backends.tensorflow import buffers as _buffers
-    from kerasdbg.backends.tensorflow import engine as engine_module
-    monkeypatch.setattr(engine_module, "DEFERRED_STEPS", deferred)
+    from kerasdbg.capture import reads as read_clock
+    monkeypatch.setattr(read_clock, "RING_STEPS", 32)
+    read_clock.set_read_interval(1e6 if interval is None else interval)
     reads = []
     read = _buffers.read
     monkeypatch.setattr(_buffers, "read", lambda b: reads.append(b.name.split(":")[0]) or read(b))
@@ -236,24 +238,27 @@ def test_the_host_reads_only_buffers_that_the_steps_wrote(monkeypatch, tmp_path,
     hist = sorted(load_run(str(tmp_path)).histograms("gradients/" + model.trainable_variables[0].path).step.unique())
     assert hist == [4, 8]
     counts = collections.Counter(reads)
-    if deferred == 1:
+    if interval == 0:
         assert counts["kerasdbg_gradients"] == 5  # ids in column 0: one read
         assert counts["kerasdbg_weights"] == 2
         assert counts["kerasdbg_gradients_hist_ids"] == counts["kerasdbg_gradients_hist"] == 2
         # The step counter once per batch end (the second callback reads nothing
         # more) and at the epoch and train ends.
         assert counts["kerasdbg_meta"] == 10
+        # The step counter once per batch end, whatever the number of callbacks,
+        # and once per callback at the epoch's and the fit's end.
+        assert counts["kerasdbg_calls"] == 10 + 2 * 2
     else:
         # Step 1 (nothing written) after the first execution, steps 2-10 at the end.
         assert counts["kerasdbg_meta"] == 2
         assert counts["kerasdbg_gradients"] == counts["kerasdbg_weights"] == 1
         assert counts["kerasdbg_gradients_hist_ids"] == counts["kerasdbg_gradients_hist"] == 1
-    # The step counter once per batch end, whatever the number of callbacks,
-    # and once per callback at the epoch's and the fit's end.
-    assert counts["kerasdbg_calls"] == 10 + 2 * 2
+        # The step counter after the first execution, then only at the
+        # epoch's and the fit's end (once per callback): no read in between.
+        assert counts["kerasdbg_calls"] == 1 + 2 * 2
 
 
-@pytest.mark.parametrize("strategy_name, rows", [("default", 33), ("one_device", 33), ("mirrored", 3)])
+@pytest.mark.parametrize("strategy_name, rows", [("default", 258), ("one_device", 258), ("mirrored", 3)])
 def test_deferred_reads_keep_tall_buffers_only_where_a_row_write_is_in_place(strategy_name, rows):
     # A strategy's sync-on-read buffer is copied whole at each row write: there
     # the buffers stay one execution tall and the host reads each execution.
@@ -268,23 +273,30 @@ def test_deferred_reads_keep_tall_buffers_only_where_a_row_write_is_in_place(str
 
 
 @pytest.mark.parametrize("spe", [1, 3])
-def test_deferred_reads_hand_out_every_step_also_after_a_crash(spe):
-    """70 steps with the statistics callbacks alone: the buffers hold 32 steps
-    (33 at spe 3) and every step reaches the history once, in order, with the
-    values a second, read-every-execution fit of the same model records; a fit
-    that raises at step 40 hands out the steps it ran."""
+def test_deferred_reads_hand_out_every_step_also_after_a_crash(spe, monkeypatch):
+    """70 steps with the statistics callbacks (and a StopOnRule whose rule
+    never fires), rings of 32 steps (33 at spe 3), read once per interval
+    (longer than the fit): every step reaches the history once, in order,
+    with the values a second fit of the same model, read after every
+    execution, records; a fit that raises at step 40 hands out the steps it ran."""
     x = np.random.default_rng(5).normal(size=(70 * BATCH, X.shape[1])).astype("float32")
     y = np.random.default_rng(6).normal(size=(70 * BATCH, Y.shape[1])).astype("float32")
     histories = []
+    from kerasdbg.capture import reads as read_clock
+    monkeypatch.setattr(read_clock, "RING_STEPS", 32)
     for deferred in (True, False):
+        read_clock.set_read_interval(1e6 if deferred else 0)
         model = make_mlp()
         _compile(model, spe=spe)
-        callbacks = [GradientStatistics(every_n_steps=1), WeightStatistics(every_n_steps=1)]
-        if not deferred:  # a rule that never fires makes the engine read every execution
-            callbacks.append(StopOnRule(NonFiniteLoss(), verbose=False))
+        callbacks = [GradientStatistics(every_n_steps=1), WeightStatistics(every_n_steps=1),
+                     StopOnRule(NonFiniteLoss(), verbose=False)]
         model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
         rows = _capture.engine_for(model).rows
-        assert rows == (spe * -(-32 // spe) if deferred else spe)
+        assert rows == spe * -(-32 // spe)
+        reads = _capture.engine_for(model).collector.clock.reads
+        executions = -(-70 // spe)
+        # Every execution, or after the first and whenever the ring is full, and at the end.
+        assert reads == (executions if not deferred else 2 + (executions - 1) // (32 // spe))
         assert callbacks[0].history.step.tolist() == list(range(1, 71))
         assert callbacks[1].history.step.tolist() == list(range(1, 71))
         histories.append([c.history for c in callbacks[:2]])

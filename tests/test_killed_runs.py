@@ -33,11 +33,15 @@ import tensorflow as tf
 from kerasdbg.callbacks import GradientStatistics, StopOnRule, WeightStatistics
 
 log_dir, steps_per_epoch, kill_step = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+interval, pause = sys.argv[4], float(sys.argv[5])
+import kerasdbg
+kerasdbg.set_read_interval(None if interval == "default" else float(interval))
 
 
 class Progress(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         step = int(self.model.optimizer.iterations.numpy())
+        time.sleep(pause)  # a step of `pause` seconds more
         print(step, flush=True)
         if step >= kill_step:
             # Waits for its SIGKILL here: a loaded machine's parent reads the
@@ -58,19 +62,25 @@ model.fit(data, steps_per_epoch=steps_per_epoch, epochs=10**6, verbose=0,
 
 TIMEOUT = 180  # seconds for a child to reach its step
 
-# The kill points: (steps per epoch, the step at which the child is killed).
+# The kill points: (steps per epoch, the step at which the child is killed,
+# the read interval (`kerasdbg.set_read_interval`), seconds added to each step).
+# The first two read after every execution: the event file then holds every
+# step before the kill, which the store does not.
 KILLS = {
     # One long epoch: the store was never flushed.
-    "before-the-first-store-flush": (10**6, 60),
+    "before-the-first-store-flush": (10**6, 60, "0", 0.0),
     # The store flushed at each epoch's end (steps 20, 40), then steps the event file holds.
-    "between-two-store-flushes": (20, 50),
-    "at-the-first-step": (10**6, 1),
+    "between-two-store-flushes": (20, 50, "0", 0.0),
+    "at-the-first-step": (10**6, 1, "default", 0.0),
+    # The default interval (0.1 s) over steps of 20 ms or more: a read every 5 steps or
+    # fewer; the kill loses the steps since the last read, at most one interval.
+    "default-interval": (10**6, 60, "default", 0.02),
 }
 
 
-def _start(child, log_dir, steps_per_epoch, kill_step):
+def _start(child, log_dir, steps_per_epoch, kill_step, interval="0", pause=0.0):
     return subprocess.Popen([sys.executable, "-c", child, log_dir, str(steps_per_epoch),
-                             str(kill_step)],
+                             str(kill_step), interval, str(pause)],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
 
 
@@ -80,8 +90,7 @@ def kill_children(root, child, kills=KILLS):
     it reports its step (the children run side by side: their start, the
     backend's import, is most of their time; each is killed at its own step,
     whatever the others do)."""
-    children = {name: _start(child, str(root / name), steps_per_epoch, kill_step)
-                for name, (steps_per_epoch, kill_step) in kills.items()}
+    children = {name: _start(child, str(root / name), *kill) for name, kill in kills.items()}
     deadline = time.monotonic() + TIMEOUT
     pending = {child.stdout.fileno(): name for name, child in children.items()}
     partial = {name: b"" for name in children}
@@ -196,3 +205,18 @@ def test_a_run_killed_at_its_first_step_says_what_it_holds(tmp_path, capsys, kil
         assert check_err.replace("kerasdbg check: ", "") == \
             report_err.splitlines()[-1].replace("kerasdbg report: ", "") + "\n"
     assert "`rules` must hold at least one rule" not in check_err
+
+
+def test_a_run_killed_with_the_default_interval_loses_at_most_the_steps_since_its_last_read(
+        killed):
+    """Killed at step 60 with reads every 0.1 s over steps of 20 ms or more:
+    the event files hold every step up to the last read, at most one
+    interval (5 steps here) before the kill, the store none (never flushed)."""
+    run_dir = os.path.join(killed["default-interval"], "train")
+    expected = _tensorboard_scalars(run_dir)
+    last = _last_step(expected, r"step/loss")
+    assert 60 - 6 <= last <= 60
+    for tag in ("step/loss", "gradients/global_norm"):
+        assert [step for step, _ in expected[tag]] == list(range(1, last + 1)), tag
+    run = load_run(killed["default-interval"])
+    assert run.scalars("step/loss").step.tolist() == list(range(1, last + 1))

@@ -127,3 +127,20 @@ def test_tap_rows_go_into_the_row_of_their_step():
     rows.take_tap(tap, [({"step": 2, "mode": "fit", "mean": 0.5, "zero_fraction": 0.25}, None)])
     assert dict(rows.pop_in_order()) == {
         2: {"activations/t/mean": 0.5, "activations/t/zero_fraction": 0.25}}
+
+
+def test_during_an_epoch_rows_after_the_last_step_read_wait_for_their_read():
+    """A tap flushes its rows on its own, before the capture read their
+    steps: during the epoch (`final=False`) the rows after the last step
+    record wait, so that the rules see each step whole and in order."""
+    rows, _ = _rows()
+    rows.take(STEP, [_record(s, ["step/loss"], [float(s)]) for s in (1, 2)])
+    rows.add(5, {"activations/tap/dead_fraction": 1.0})  # read ahead of its step
+    assert [step for step, _ in rows.pop_in_order(final=False)] == [1, 2]
+    assert list(rows.pop_in_order(final=False)) == []
+    rows.take(STEP, [_record(s, ["step/loss"], [float(s)]) for s in (3, 4, 5)])
+    taken = dict(rows.pop_in_order(final=False))
+    assert list(taken) == [3, 4, 5]
+    assert taken[5] == {"activations/tap/dead_fraction": 1.0, "step/loss": 5.0}
+    rows.add(9, {"a": 1.0})
+    assert dict(rows.pop_in_order()) == {9: {"a": 1.0}}  # the epoch's end: every row

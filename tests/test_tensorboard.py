@@ -7,6 +7,8 @@ import subprocess
 import warnings
 
 import keras
+
+import kerasdbg
 import numpy as np
 import pytest
 
@@ -52,9 +54,15 @@ def recorded(tmp_path_factory):
     callbacks = [GradientStatistics(log_dir, histogram_every_n_steps=2),
                  StopOnRule(NonFiniteLoss(), action="warn", log_dir=log_dir, verbose=False),
                  StopOnRule(_FiresAt(EARLY), action="warn", log_dir=log_dir, verbose=False)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuleWarning)
-        model.fit(X, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=callbacks)
+    # Read after every execution: the two StopOnRules write their verdicts at
+    # the reads of their steps, in step order.
+    kerasdbg.set_read_interval(0)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuleWarning)
+            model.fit(X, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=callbacks)
+    finally:
+        kerasdbg.set_read_interval(None)
     healthy = make_mlp()
     healthy.compile(keras.optimizers.SGD(LEARNING_RATE), "mse")
     healthy.fit(X[:HEALTHY_STEPS * BATCH], Y[:HEALTHY_STEPS * BATCH], batch_size=BATCH,

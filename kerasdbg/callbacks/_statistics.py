@@ -16,6 +16,7 @@ from kerasdbg.sinks import events as _events
 from kerasdbg.sinks import layout as _layout
 from kerasdbg.records import tags as _tags
 from kerasdbg.capture import keras_objects
+from kerasdbg.callbacks._executions import AfterEachExecution
 from kerasdbg.callbacks._recording import RecordingCallback, release_writer, selected
 from kerasdbg import _validation as check
 from kerasdbg import schedule as schedule_lib
@@ -50,7 +51,7 @@ def _same_step(records: List[_capture.Record]) -> List[List[_capture.Record]]:
     return runs
 
 
-class StatisticsCallback(RecordingCallback):
+class StatisticsCallback(AfterEachExecution, RecordingCallback):
     """Records per-variable statistics at each optimizer step (base class).
 
     Subclasses set `kind` ("gradients" or "weights") and `allowed_stats`.
@@ -92,7 +93,7 @@ class StatisticsCallback(RecordingCallback):
         self._request: Optional[_capture.Request] = None
         self._rows: collections.deque = collections.deque(maxlen=history_size)
         self._columns: Dict[str, None] = {}
-        self._seen_tags: set = set()  # the tags tuples whose columns are in `_columns`
+        self._layouts: dict = {}  # a record layout (its tags) -> `_layout`
         self._clipped = 0
         self._several = False
         self._accumulating = False
@@ -122,7 +123,7 @@ class StatisticsCallback(RecordingCallback):
     def on_train_begin(self, logs=None):
         self._rows.clear()
         self._columns = {}
-        self._seen_tags = set()
+        self._layouts = {}
         self._failed = False
         self._views_failed = False
         self._names = None
@@ -153,14 +154,16 @@ class StatisticsCallback(RecordingCallback):
         _layout.add(type(self).__name__, self._writer,
                     _layout.statistics_lines(self.kind, self.stats, count), self.strict)
         _capture.engine_for(self.model).attach(self._request)
+        self._begin_executions()
 
-    def on_train_batch_begin(self, batch, logs=None):
+    def _before_execution(self, batch: int) -> None:
         _capture.engine_for(self.model).prepare()
 
-    def on_train_batch_end(self, batch, logs=None):
+    def _after_execution(self, batch: int) -> None:
         _capture.engine_for(self.model).collect(final=False, batch=batch)
 
     def on_epoch_end(self, epoch, logs=None):
+        self._executions_read()
         _capture.engine_for(self.model).collect()
         if self._writer is not None:
             self._writer.flush()
@@ -177,13 +180,18 @@ class StatisticsCallback(RecordingCallback):
         # computed from the records of every optimizer at that step (one
         # point per step of "the largest of all variables"), and written
         # with the last of them.
+        engine = _capture.engine_for(self.model)
+        several = engine.several_optimizers
         for group in _same_step(records):
-            views = self._views(group)
+            views = self._views(group, several)
             last = max((i for i, r in enumerate(group) if not r.skipped), default=-1)
             for i, record in enumerate(group):
-                self._guarded(self._write, [record], views if i == last else {})
+                self._guarded(self._write, [record], views if i == last else {}, several, engine)
+        if self._writer is not None:
+            # Once a read: a killed run keeps every step up to its last read.
+            self._guarded(self._writer.flush, events_only=True)
 
-    def _views(self, group: List[_capture.Record]) -> Dict[str, float]:
+    def _views(self, group: List[_capture.Record], several: bool = False) -> Dict[str, float]:
         """The TensorBoard views of one step's records; a failure warns once
         (`strict` raises) and the records are written without them."""
         recorded = [r for r in group if r.values is not None and not r.skipped]
@@ -191,7 +199,7 @@ class StatisticsCallback(RecordingCallback):
             return {}
         try:
             names = ()
-            if _capture.engine_for(self.model).several_optimizers:
+            if several:
                 # Groups of the variables of all optimizers, the same at every step.
                 if self._names is None:
                     self._names = tuple(
@@ -215,38 +223,49 @@ class StatisticsCallback(RecordingCallback):
                     f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=3)
             return {}
 
-    def _write(self, records: List[_capture.Record], views: Dict[str, float]) -> None:
-        several = _capture.engine_for(self.model).several_optimizers
+    def _layout(self, tags: tuple) -> tuple:
+        """Of a record's tags: the positions and tags of its values, and the
+        position of the clipped flag (or None). Records of one layout share
+        their tags: worked out once per layout."""
+        found = self._layouts.get(tags)
+        if found is None:
+            if len(self._layouts) >= 64:
+                self._layouts.clear()
+            kept = [i for i, tag in enumerate(tags) if tag is not None]
+            clipped = next((i for i in kept if _tags.is_per_optimizer(
+                tags[i], _tags.GRADIENTS, _tags.CLIPPED)), None) \
+                if self.kind == "gradients" else None
+            found = self._layouts[tags] = (np.asarray(kept, np.int64),
+                                           tuple(tags[i] for i in kept), clipped)
+            if self.history_size:
+                # Records of one layout repeat their tags: their columns once.
+                for tag in found[1]:
+                    self._columns.setdefault(_tags.column(tag, self.kind), None)
+        return found
+
+    def _write(self, records: List[_capture.Record], views: Dict[str, float],
+               several: Optional[bool] = None, engine=None) -> None:
+        if several is None:
+            several = _capture.engine_for(self.model).several_optimizers
         self._several = self._several or several
         for record in records:
             if record.skipped:
                 self._skipped += 1
             self._accumulating = self._accumulating or not record.applied
-            if record.values is not None and self.history_size \
-                    and record.tags not in self._seen_tags:
-                # Records of one layout repeat their tags: their columns once.
-                self._seen_tags.add(record.tags)
-                for tag in record.tags:
-                    if tag is not None:
-                        self._columns.setdefault(_tags.column(tag, self.kind), None)
+            layout = self._layout(record.tags) if record.values is not None else None
             if record.values is not None or record.skipped:
                 if self.history_size:
                     self._rows.append(record)
-            if record.values is not None and self.kind == "gradients":
-                clipped = [v for t, v in zip(record.tags, record.values)
-                           if t is not None and _tags.is_per_optimizer(
-                               t, _tags.GRADIENTS, _tags.CLIPPED)]
-                self._clipped += int(bool(clipped) and clipped[0] > 0)
+            if layout is not None and layout[2] is not None:
+                self._clipped += int(record.values[layout[2]] > 0)
             if self._writer is None or record.skipped:
                 continue
             scalars = {}
             if record.values is not None:
-                scalars = {
-                    tag: value for tag, value in zip(record.tags, record.values)
-                    if tag is not None
-                }
+                scalars = dict(zip(layout[1], np.asarray(record.values)[layout[0]].tolist()))
                 if self.kind == "gradients" and isinstance(
-                        self._optimizer(record.optimizer), keras.optimizers.LossScaleOptimizer):
+                        self._optimizer(record.optimizer, engine),
+                        keras.optimizers.LossScaleOptimizer):
                     scalars[_tags.per_optimizer(self.kind, "skipped_updates",
                                                 record.optimizer if several else None)] = \
                         self._skipped
@@ -258,8 +277,8 @@ class StatisticsCallback(RecordingCallback):
                         histograms[tag] = (counts[i], *ranges[i])
             self._writer.write(record.step, scalars, histograms, views=views)
 
-    def _optimizer(self, name: Optional[str]):
-        engine = _capture.engine_for(self.model)
+    def _optimizer(self, name: Optional[str], engine=None):
+        engine = engine or _capture.engine_for(self.model)
         for hook in engine.hooks.values():
             if hook.name == name:
                 return hook.optimizer

@@ -15,6 +15,7 @@ from kerasdbg.capture import keras_objects
 from kerasdbg.sinks import layout as _layout
 from kerasdbg.records import tags as _tags
 from kerasdbg import _validation as check
+from kerasdbg.callbacks._executions import AfterEachExecution
 from kerasdbg.callbacks._recording import RecordingCallback, release_writer, selected
 from kerasdbg.layers._debug_layer import layer_sink, on_jax
 from kerasdbg.layers.tap_layer import TapLayer
@@ -37,7 +38,7 @@ def _layer_sink():
     return layer_sink()
 
 
-class ActivationStatistics(RecordingCallback):
+class ActivationStatistics(AfterEachExecution, RecordingCallback):
     """Writes the statistics of the model's `TapLayer`s to TensorBoard.
 
     Each tap records in-graph at its own `every_n_steps`; this callback reads
@@ -141,8 +142,9 @@ class ActivationStatistics(RecordingCallback):
             from kerasdbg.backends.tensorflow import optimizer_routing
 
             optimizer_routing.build_optimizer_before_trace(self.model)
+        self._begin_executions()
 
-    def on_train_batch_end(self, batch, logs=None):
+    def _after_execution(self, batch: int) -> None:
         # The model's layer sink flushed the taps after the execution; this
         # catches what it could not, reading only taps whose every_n_steps
         # selected one of the steps since the last check.
@@ -168,6 +170,7 @@ class ActivationStatistics(RecordingCallback):
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     def on_epoch_end(self, epoch, logs=None):
+        self._executions_read()
         self._flush(_layer_sink().current_fit_step(self.model))
         self._guarded(self._write_views)
         if self._writer is not None:

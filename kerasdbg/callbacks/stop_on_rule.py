@@ -22,6 +22,7 @@ from kerasdbg.records import tags as _tags
 from kerasdbg.records import verdicts as _verdicts
 from kerasdbg.records.verdicts import notes_line, verdict_markdown
 from kerasdbg.callbacks._copies import CopiedAsNew
+from kerasdbg.callbacks._executions import AfterEachExecution
 from kerasdbg.callbacks._model import ModelWithoutSync
 from kerasdbg.callbacks._recording import open_writer, release_writer
 from kerasdbg.callbacks._suspension import suspend_others
@@ -49,7 +50,7 @@ DEFAULT_SUSPEND = (
 _OWN_PREFIXES = _tags.prefixes(SCALAR_COLLECTIONS + (CLASSES, _tags.FAULTS, _tags.REPLICAS))
 
 
-class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
+class StopOnRule(AfterEachExecution, ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
     """Evaluates rules at every optimizer step of `fit` and acts when one fires.
 
     The callback records what its rules read (their `requires`): gradient and
@@ -469,6 +470,7 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
             self.model, self.loss, lambda: _capture.engine_for(self.model).loss_captured,
             self._first_step)
         self._done = False
+        self._raising = None
         self._silent = []
         self._replica_every = None
         self._replica_step = None
@@ -557,6 +559,7 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
             tap.add_listener(rows.take_tap)
         # Whatever way this fit ends, the taps forget this callback.
         _capture.on_fit_end(self.model, self, self._finish)
+        self._begin_executions()
 
     # --------------------------------------------------------- records
     def _first_step(self, values: Dict[str, float], returned: List[str],
@@ -639,7 +642,7 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
                 _layer_sink.flush_layers(self._taps, _layer_sink.current_fit_step(self.model))
 
     # ------------------------------------------------------ evaluation
-    def on_train_batch_begin(self, batch, logs=None):
+    def _before_execution(self, batch: int) -> None:
         _capture.engine_for(self.model).prepare()
         if getattr(self, "_replica_every", None) and self._start_iterations is None:
             # Where the optimizers' steps stand before this fit's first step.
@@ -648,11 +651,14 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
             except Exception:  # noqa: BLE001 - an optimizer not built yet: from 0
                 self._iterations, self._start_iterations = None, 0
 
-    def on_train_batch_end(self, batch, logs=None):
+    def _after_execution(self, batch: int) -> None:
         self._check_replicas(batch)
         self._evaluate_pending(batch)
         if getattr(self, "_rolling", False) and not self._done:
             self._take_snapshot()
+        if getattr(self, "_at_begin", False) and self._done and self.model.stop_training:
+            # Read at the next batch's begin: that batch does not run.
+            _capture.engine_for(self.model).hold_next_execution()
         self._batches = self._epoch_batches + batch + 1
         # The bar draws this batch (after this callback, or before it).
         self._mid_line = getattr(self, "_bar", False)
@@ -704,6 +710,7 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
                               for path, value in spreads.items()})
 
     def on_epoch_end(self, epoch, logs=None):
+        self._executions_read()
         self._evaluate_pending()
         if self._skipping and logs is not None:
             # Counted in `history` (and the progress bar), which read the logs after this.
@@ -807,11 +814,18 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
                           f"Cause: {type(error).__name__}: {error}", RuntimeWarning, stacklevel=2)
             return
         self._rolled_to = None
-        for step, record in self._rows.pop_in_order():
+        rows = list(self._rows.pop_in_order(final=batch is None))
+        # The last step of this read: a verdict that stops training stops it
+        # after that step (`kerasdbg.capture.reads`), which it says.
+        self._read_step = max((step for step, _ in rows), default=None)
+        for step, record in rows:
             if self._rolled_to is not None:
                 continue  # the steps after a rollback's step in its execution: undone
             self._last_step = max(self._last_step, step)
-            if self._done or step < self.start_step:
+            # After a verdict that stops training, the rest of the read's steps
+            # ran all the same: judged too (as `kerasdbg check` judges them),
+            # never acted on.
+            if step < self.start_step:
                 continue
             self._ran = (step if self._ran is None else self._ran[0], step)
             self._write(step, record)
@@ -822,6 +836,16 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
             verdicts = self._runner.check(step, record)
             self._evaluate(step, verdicts, skipped=skipped,
                            frozen=bool(record.get(_tags.step_scalar("frozen"))))
+        if rows and self._writer is not None:
+            # Once a read: a killed run keeps every step up to its last read.
+            self._writer.flush(events_only=True)
+        raising, self._raising = getattr(self, "_raising", None), None
+        if raising is not None:
+            # No on_train_end follows: restore the model and flush every writer now.
+            _capture.engine_for(self.model).abort()
+            self._finish()
+            _events.flush_all()
+            raise RuleFired(raising)
 
     def _write(self, step: int, record) -> None:
         if self._writer is None:
@@ -1000,6 +1024,14 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
         verdicts = [v for v in verdicts if v.severity == "fault"]
         if not verdicts:
             return
+        if self._done:
+            # A step of the read after the one that stops training: said, not acted on.
+            if self.action != "warn" and not getattr(self, "_raising", None):
+                for verdict in verdicts:
+                    self._say(verdict.reason)
+            elif getattr(self, "_raising", None):
+                self._raising.extend(verdicts)
+            return
         if skipped and not frozen:
             # Skipped in the graph: nothing was applied, training goes on.
             for verdict in verdicts:
@@ -1024,6 +1056,7 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
             # What the graph could not skip stops training (the fallback).
             action = "stop"
             self._say(self._fallback(step, frozen))
+        verdicts = self._when_read(step, verdicts, action, frozen)
         if action != "warn":
             for verdict in verdicts:  # with "warn", said once, by its RuleWarning
                 self._say(verdict.reason)
@@ -1040,13 +1073,33 @@ class StopOnRule(ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
             return
         self._done = True
         if action == "raise":
-            # No on_train_end follows: restore the model and flush every writer now.
-            engine.abort()
-            self._finish()
-            _events.flush_all()
-            raise RuleFired(verdicts)
+            # Raised once the read's other steps are judged (`_evaluate_pending`).
+            self._raising = list(verdicts)
+            return
         self.model.stop_training = True
         suspend_others(self, self.suspend)
+
+
+    def _when_read(self, step: int, verdicts: List[Verdict], action, frozen: bool) -> list:
+        """The verdicts of `step`, saying when the host read them where that
+        was after later steps ran: the fit stops after the read's last step
+        (with the weights the in-graph freeze kept, where it froze), or, with
+        "warn", the freeze lasted until then."""
+        read = getattr(self, "_read_step", None)
+        if read is None or read <= step:
+            return verdicts
+        later = read - step
+        if action == "warn":
+            if not frozen:
+                return verdicts
+            said = (f"; the weights stayed frozen until the host read it after step {read} "
+                    f"({later} step{'s' if later > 1 else ''} later)")
+        else:
+            said = (f"; the host read it after step {read}, where training stops "
+                    f"({later} step{'s' if later > 1 else ''} later"
+                    + ("; the weights are those the in-graph freeze kept" if frozen else "")
+                    + ")")
+        return [v._replace(reason=v.reason + said) for v in verdicts]
 
 
 def _guards(rule) -> bool:

@@ -83,6 +83,19 @@ class Capture(abc.ABC):
     def several_optimizers(self) -> bool:
         """Whether more than one optimizer applied gradients in the train step."""
 
+    reads_at_batch_begin = False
+    """Whether the callbacks read after an execution at the next batch's
+    begin, on the fit's thread, rather than at its batch end: where Keras
+    may call the batch ends on a worker thread (its JAX and PyTorch loops,
+    when every callback is `async_safe`), so that the loop never waits for
+    a batch end, and kerasdbg's callbacks stay `async_safe`."""
+
+    def hold_next_execution(self) -> None:
+        """The next execution of this fit runs no step (the model stays as
+        the last one left it): for a stop decided at a batch's begin
+        (`reads_at_batch_begin`), before the loop runs that batch."""
+        raise NotImplementedError(f"{type(self).__name__} reads at the batch ends")
+
 
 def backend() -> str:
     """The Keras backend the models run on."""

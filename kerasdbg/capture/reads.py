@@ -43,6 +43,15 @@ _set: dict = {"seconds": None}
 def set_read_interval(seconds: Optional[float]) -> None:
     """Sets how often the host reads the records, in seconds of training.
 
+    The compiled step keeps its records on the device; the host reads them
+    after a fit's first execution, then once per interval (and before a
+    ring of `RING_STEPS` steps could overflow, at every epoch's end and at
+    the fit's end), decodes them and writes them. A rule judged on the host
+    gives its verdict at the read, naming its step; with `action="stop"` the
+    fit stops after the read's last step, and the verdict says how many
+    steps later that was. What must act at its step (the NaN/Inf freeze,
+    the spike tests, a skip) is decided in the step, whatever the interval.
+
     Args:
         seconds: at most this many seconds between two reads (a number >= 0;
             0 reads after every execution), or None for the default
@@ -51,6 +60,11 @@ def set_read_interval(seconds: Optional[float]) -> None:
     Raises:
         TypeError: `seconds` is not a number or None.
         ValueError: `seconds` is negative or not finite.
+
+    Examples:
+        >>> import kerasdbg
+        >>> kerasdbg.set_read_interval(0)      # after every execution: a stop at its step
+        >>> kerasdbg.set_read_interval(None)   # back to the default, 0.1 s
     """
     if seconds is not None:
         _check(seconds, "set_read_interval: `seconds`")

@@ -50,6 +50,9 @@ class StepRows:
         self._rows: Dict[int, Dict[str, float]] = {}
         self._decaying = None
         self._first_seen = False
+        # The last step the capture's step records reached: the rows after it
+        # may still lack what the next read brings (taps flush on their own).
+        self._read_through = 0
 
     def take(self, request: Request, records: List[Record]) -> None:
         """Merges the capture's records of `request` (a request's consumer)."""
@@ -64,6 +67,7 @@ class StepRows:
             row = self._rows.setdefault(record.step, {})
             values = {t: float(v) for t, v in zip(record.tags, record.values) if t is not None}
             if kind == "step":
+                self._read_through = max(self._read_through, record.step)
                 values = self._step_values(values)
             elif kind == "weights":
                 values.update(self._decay_fractions(record.step))
@@ -84,11 +88,16 @@ class StepRows:
         """Merges `values` (by tag) into the row of `step`."""
         self._rows.setdefault(step, {}).update(values)
 
-    def pop_in_order(self) -> Iterator[Tuple[int, Dict[str, float]]]:
+    def pop_in_order(self, final: bool = True) -> Iterator[Tuple[int, Dict[str, float]]]:
         """Takes out the rows there are, in step order, each in tag order (as
         offline, so that verdicts list tensors alike). Rows merged while this
-        runs wait for the next call."""
+        runs wait for the next call. With `final=False` (during an epoch)
+        only the rows up to the last step the capture's step records
+        reached: the others (a tap's, flushed before the capture read its
+        step) wait for the read that completes them."""
         for step in sorted(self._rows):
+            if not final and step > self._read_through:
+                break
             yield step, dict(sorted(self._rows.pop(step).items()))
 
     def _decay_fractions(self, step: int) -> Dict[str, float]:

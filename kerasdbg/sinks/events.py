@@ -309,8 +309,11 @@ class EventWriter:
             proto.simple_value = float(value)
         return summary
 
-    def flush(self) -> None:
-        """Writes what is buffered (the event file, then the store)."""
+    def flush(self, events_only: bool = False) -> None:
+        """Writes what is buffered (the event file, then the store); with
+        `events_only`, the event file alone (after each read of the records,
+        so that a killed run loses at most the steps since the last read:
+        the store keeps its rows for its own flushes)."""
         if self._writer is not None:
             try:
                 self._writer.flush()
@@ -321,6 +324,10 @@ class EventWriter:
             except Exception as error:  # noqa: BLE001 - tf.errors of every kind
                 self._fail(error)
                 return
+        if events_only:
+            if self.failures:
+                self._report()
+            return
         if self._store is not None:
             try:
                 self._store.flush()

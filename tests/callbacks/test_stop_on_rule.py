@@ -148,7 +148,9 @@ def test_the_loss_of_every_step_matches_gradient_tape(tmp_path, strategy_name, s
 
 
 # ------------------------------------------------------------------ actions
-def test_raise_carries_the_verdict_and_leaves_a_plain_model(tmp_path):
+def test_raise_carries_the_verdict_and_leaves_a_plain_model(tmp_path, read_every_execution):
+    # Read after every execution: the raise comes right after the fault's
+    # execution (tests/test_read_interval.py: at the next read otherwise).
     model = _model(spe=4)
     recorder = GradientStatistics(str(tmp_path), stats=["nan_count"])
     with pytest.raises(RuleFired, match="NonFiniteLoss at step 7: the loss is nan") as caught:
@@ -164,7 +166,9 @@ def test_raise_carries_the_verdict_and_leaves_a_plain_model(tmp_path):
     assert not np.allclose(model.get_layer("d").kernel.numpy(), before)
 
 
-def test_warn_skips_the_frozen_steps_and_training_goes_on():
+def test_warn_skips_the_frozen_steps_and_training_goes_on(read_every_execution):
+    # Read after every execution: the freeze lasts until the fault's
+    # execution ends (docs/rules.md: until the next read otherwise).
     model = _model(spe=4, optimizer="sgd")
     stop = StopOnRule(NonFiniteLoss(), action="warn", verbose=False)
     with pytest.warns(RuleWarning, match="NonFiniteLoss at step 7"):
@@ -386,7 +390,7 @@ def test_a_healthy_fit_prints_no_verdict_and_its_notes_in_one_line(tmp_path, cap
 
 
 @pytest.mark.parametrize("action", ["stop", "raise", "warn", "callable"])
-def test_a_fault_verdict_is_said_exactly_once(capsys, action):
+def test_a_fault_verdict_is_said_exactly_once(capsys, action, read_every_execution):
     """A `kerasdbg:` line, or with "warn" a RuleWarning alone, attributed to
     the line that called fit (this file), never to kerasdbg's own."""
     model = _model(optimizer="sgd")
@@ -416,7 +420,8 @@ class _nothing:
         return False
 
 
-def test_a_verdict_printed_under_keras_progress_bar_starts_a_line_of_its_own(capsys):
+def test_a_verdict_printed_under_keras_progress_bar_starts_a_line_of_its_own(
+        capsys, read_every_execution):
     """verbose=1: Keras's bar leaves its line unfinished after each batch (it
     redraws it after a carriage return); the verdict's line starts a fresh
     line below the bar of the batch before the fault, and the bar goes on."""

@@ -23,6 +23,9 @@ from kerasdbg.callbacks import GradientStatistics, StopOnRule, WeightStatistics
 
 assert "tensorflow" not in sys.modules
 log_dir, steps_per_epoch, kill_step = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+interval, pause = sys.argv[4], float(sys.argv[5])
+import kerasdbg
+kerasdbg.set_read_interval(None if interval == "default" else float(interval))
 
 
 class Progress(keras.callbacks.Callback):
@@ -32,6 +35,7 @@ class Progress(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         Progress.steps += 1
+        time.sleep(pause)  # a step of `pause` seconds more
         print(Progress.steps, flush=True)
         if Progress.steps >= kill_step:
             # Waits for its SIGKILL here: a loaded machine's parent reads the

@@ -46,7 +46,10 @@ def _run(tmp_path, x, y, strategy_name, spe, one_hot=False):
 
 
 @pytest.mark.parametrize("strategy_name, spe", MATRIX)
-def test_a_class_never_seen_fires_once_enough_labels_were_seen(tmp_path, strategy_name, spe):
+def test_a_class_never_seen_fires_once_enough_labels_were_seen(tmp_path, strategy_name, spe,
+                                                               read_every_execution):
+    # The class totals are read with the records (at each read): read after
+    # every execution, the rule fires at its step whatever the machine's speed.
     # Each batch: 15 labels of class 0, one of class 1, none of class 2.
     labels = np.where(np.arange(BATCH * STEPS) % BATCH == 0, 1, 0)
     online, offline = _run(tmp_path, *_data(labels), strategy_name, spe)
@@ -57,7 +60,10 @@ def test_a_class_never_seen_fires_once_enough_labels_were_seen(tmp_path, strateg
 
 
 @pytest.mark.parametrize("strategy_name, spe", MATRIX)
-def test_a_class_left_behind_fires_after_the_warm_up(tmp_path, strategy_name, spe):
+def test_a_class_left_behind_fires_after_the_warm_up(tmp_path, strategy_name, spe,
+                                                     read_every_execution):
+    # The class totals are read with the records (at each read): read after
+    # every execution, the rule fires at its step whatever the machine's speed.
     # Per batch 7 x class 0, 7 x class 1, 2 x class 2 (3.5-fold: not an
     # imbalance above 10), but class 2's points lie on class 0's center.
     pattern = np.array([0] * 7 + [1] * 7 + [2] * 2)

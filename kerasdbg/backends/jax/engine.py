@@ -179,6 +179,7 @@ class _Hook:
         self.accumulation = keras_objects.accumulation_steps(optimizer)
         self.applies = 0  # the most applies of it seen in one train step
         self._positions: Dict[int, tuple] = {}  # id(request) -> (request, positions)
+        self.tags: Dict[tuple, tuple] = {}  # (id(request), columns, several) -> (request, tags)
         # Mixed precision: the gradients come scaled by the loss scale (a
         # variable of the optimizer), and an overflow is the scaler's to skip.
         scale = getattr(optimizer, "dynamic_scale", None)
@@ -296,6 +297,10 @@ class _Faults:
 class Engine(Capture):
     """JAX's capture of one model. See the module docstring."""
 
+    reads_at_batch_begin = True
+    """Keras's JAX loop calls the batch ends on a worker thread when every
+    callback is `async_safe`: the callbacks read at the next batch's begin."""
+
     times_on_host = True
     """A "wrap" request (`StepTimer`) gets one record per execution, timed
     on the host (`_timed_execution`), not a function around each step."""
@@ -325,6 +330,8 @@ class Engine(Capture):
         self._out_shardings = None
         self._patched_metrics = False
         self._read_once = False
+        self._hold = False  # the next execution runs no step (`hold_next_execution`)
+        self._last_logs = None
         self.clock = reads.ReadClock()  # when the host reads the records
         self.transfers = 0  # reads of the records (device to host), for tests
         self._initial: Dict[str, list] = {}
@@ -372,6 +379,10 @@ class Engine(Capture):
         """Nothing to do before a batch but the progress line: the step is
         traced at its first call."""
         _progress.of(self).begin(self._model())
+
+    def hold_next_execution(self) -> None:
+        if self._last_logs is not None:  # an execution ran: its logs stand for this one
+            self._hold = True
 
     @property
     def several_optimizers(self) -> bool:
@@ -424,6 +435,8 @@ class Engine(Capture):
         self._several = False
         self.loss_captured = False
         self._read_once = False
+        self._hold = False
+        self._last_logs = None
         self.clock.begin_fit()
         self._pending = []
         self._pending_data = []
@@ -866,6 +879,10 @@ class Engine(Capture):
         engine = self
 
         def train_function(state, iterator):
+            if engine._hold:
+                # A stop decided at this batch's begin: no step runs.
+                engine._hold = False
+                return engine._last_logs, state
             step = _Guarded(engine._stepper(model))
             carry = engine._carry if engine._carry is not None else engine._first_carry(model)
             try:
@@ -884,6 +901,7 @@ class Engine(Capture):
             except _StepFailed as failed:
                 return engine._plain_from(model, failed, steps, iterator)
             engine._carry = carry
+            engine._last_logs = logs
             _packing.start_transfer(engine._pending[-steps:])
             return logs, state
 
@@ -939,6 +957,7 @@ class Engine(Capture):
         self._pending[-1] = dict(self._pending[-1], **{
             _TIMING[0]: float(ran), _TIMING[1]: waited, _TIMING[2]: examples})
         self._carry = carry
+        self._last_logs = logs
         return logs, state
 
     def _graph_key(self, model) -> Optional[tuple]:
@@ -1200,7 +1219,9 @@ class Engine(Capture):
             if not self.clock.due(len(self._pending), steps, reads.ring_rows(steps),
                                   every_execution=every):
                 return
-            if len(self._pending) <= 2 * reads.RING_STEPS:
+            if len(self._pending) <= 2 * reads.RING_STEPS and jax.default_backend() != "cpu":
+                # (On a CPU the device is the host: a read waits at most for
+                # the step in flight, and the reads stay those the clock says.)
                 ready = next((i for i, records in enumerate(self._pending)
                               if not _packing.ready(records)), ready)
                 if ready == 0:
@@ -1276,6 +1297,25 @@ class Engine(Capture):
     def _record(self, request: Request, hook: _Hook, step: int, row, hist,
                 skipped: bool = False, updated: bool = True) -> Record:
         columns = request.columns_at(step)
+        several = self._several
+        key = (id(request), columns, several)
+        tags = hook.tags.get(key)
+        if tags is None or tags[0] is not request:
+            tags = hook.tags[key] = (request, self._record_tags(request, hook, columns))
+        tags = tags[1]
+        values = None if columns is None else np.asarray(row, np.float64)
+        histograms = histogram_tags = None
+        if hist is not None and step % request.histogram_every_n_steps == 0:
+            positions = hook.positions(request)
+            histograms = (np.asarray(hist[0], np.float64), np.asarray(hist[1], np.float64))
+            histogram_tags = tuple(_tags.tensor(request.kind, hook.paths[i]) for i in positions)
+        return Record(step=step, skipped=skipped, values=values, histograms=histograms,
+                      tags=tags, histogram_tags=histogram_tags or (),
+                      optimizer=hook.name, applied=updated)
+
+    def _record_tags(self, request: Request, hook: _Hook, columns) -> tuple:
+        """The tags of a record of `request` from `hook` holding `columns`
+        (the same at most steps: worked out once per layout)."""
         positions = hook.positions(request)
         several = self._several
         optimizer = hook.name if several else None
@@ -1297,14 +1337,7 @@ class Engine(Capture):
                              for s, w in zip(request.stats, wanted)]
                 tags.append(_tags.per_optimizer(kind, _tags.GLOBAL_NORM, optimizer)
                             if columns is not None else None)
-        values = None if columns is None else np.asarray(row, np.float64)
-        histograms = histogram_tags = None
-        if hist is not None and step % request.histogram_every_n_steps == 0:
-            histograms = (np.asarray(hist[0], np.float64), np.asarray(hist[1], np.float64))
-            histogram_tags = tuple(_tags.tensor(request.kind, hook.paths[i]) for i in positions)
-        return Record(step=step, skipped=skipped, values=values, histograms=histograms,
-                      tags=tuple(tags), histogram_tags=histogram_tags or (),
-                      optimizer=hook.name, applied=updated)
+        return tuple(tags)
 
     @staticmethod
     def _classes_record(request: Request, step: int, totals) -> Record:

@@ -66,7 +66,7 @@ class Collector:
         if view.step_values is None:
             return self.fit_step(train_id)
         row = _buffers.read(view.step_values)[(train_id - 1) % view.rows]
-        return self.fit_step(train_id, row[1] if int(row[0]) == train_id else np.nan)
+        return self.fit_step(train_id, row[1] if row[0] == train_id else np.nan)
 
     def fit_step(self, train_id: int, step: float = np.nan) -> int:
         """The step of a train step: that of the first optimizer apply in it
@@ -161,7 +161,7 @@ class Collector:
         names = view.step_names
         for train_id in ids:
             row = table[(train_id - 1) % n]
-            if int(row[0]) != train_id:
+            if not row[0] == train_id:  # (NaN: a row never written, a call that ran no step)
                 continue
             step = self.fit_step(train_id, row[1])
             if row[6] > 0:  # a fault found after other applies of this train step
@@ -196,7 +196,7 @@ class Collector:
                 totals = _buffers.read(request.totals)
                 tags = tuple(_tags.statistic(_tags.CLASSES, str(k), c) if request.present[k] else None
                              for k in range(MAX_CLASSES) for c in CLASS_COLUMNS)
-                last = [table[(i - 1) % n] for i in ids if int(table[(i - 1) % n][0]) == i]
+                last = [table[(i - 1) % n] for i in ids if table[(i - 1) % n][0] == i]
                 if last:
                     records[id(request)].append(Record(
                         step=self.fit_step(int(last[-1][0]), last[-1][1]), skipped=False,

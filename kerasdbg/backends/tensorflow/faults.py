@@ -776,7 +776,7 @@ class Faults:
         if tables is None:
             tables = self._guard_table = _buffers.read_replicas(self._guard)
         rows = [table[(train_id - 1) % table.shape[0]] for table in tables]
-        rows = [row for row in rows if int(row[0]) == train_id]
+        rows = [row for row in rows if row[0] == train_id]
         if not rows:
             return {}
         values = np.max(np.stack(rows), axis=0)  # a NaN stays NaN: absent below
