@@ -83,6 +83,3 @@ def traced_functions(model) -> list:
         for cell in getattr(item, "__closure__", None) or ():
             stack.append(cell.cell_contents)
     return found
-
-
-

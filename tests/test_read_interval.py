@@ -21,39 +21,16 @@ from kerasdbg import load_run
 from kerasdbg import capture as _capture
 from kerasdbg.callbacks import GradientStatistics, StopOnRule, WeightStatistics
 from kerasdbg.capture import reads as read_clock
-from kerasdbg.rules import NonFiniteLoss, Rule, RuleFired
+from kerasdbg.rules import NonFiniteLoss, RuleFired
 from tests.conftest import make_strategy, matrix
 from tests.helpers import BATCH, LEARNING_RATE, make_mlp, reference_training
+from tests.read_helpers import FiresAt, expected_reads
 
 STEPS = 40
 RING = 8
 RNG = np.random.default_rng(11)
 X = RNG.normal(size=(STEPS * BATCH, 6)).astype("float32")
 Y = RNG.normal(size=(STEPS * BATCH, 3)).astype("float32")
-
-
-class FiresAt(Rule):
-    """Fires at one step, on the host (no test in the graph)."""
-
-    requires = (("step", "loss"),)
-
-    def __init__(self, at: int):
-        self.at = at
-
-    def check(self, step, record):
-        if step == self.at:
-            return self.verdict(step, "planted", {"step/loss": record.get("step/loss", 0.0)})
-        return None
-
-    def get_config(self):
-        return {"at": self.at}
-
-
-def expected_reads(executions: int, per_read: int) -> int:
-    """After the first execution, then every `per_read` executions (the ring
-    is full), then at the end for what is left."""
-    later = executions - 1
-    return 1 + later // per_read + (1 if later % per_read else 0)
 
 
 @pytest.fixture

@@ -56,6 +56,14 @@ def _run(tmp_path, x, y, spe=1, jit=True, **kwargs):
     return stop.verdicts, offline
 
 
+@pytest.fixture(autouse=True)
+def _reads_after_every_execution(read_every_execution):
+    """The class totals are read with the records, at each read: read after
+    every execution, each execution's totals are recorded at its last step
+    (tests/jax/test_read_interval.py covers the interval)."""
+
+
+
 @pytest.mark.parametrize("spe, jit", MATRIX)
 def test_a_class_never_seen_fires_once_enough_labels_were_seen(tmp_path, spe, jit):
     # Each batch: 15 labels of class 0, one of class 1, none of class 2.

@@ -205,7 +205,9 @@ def test_a_healthy_port_trains_bitwise_plain_recorded_once_per_optimizer_step(na
 
 @pytest.mark.parametrize("name, spe, jit", CASES)
 def test_a_nan_in_one_batch_stops_the_port_at_its_step_with_the_weights_before_it(
-        name, spe, jit):
+        name, spe, jit, read_every_execution):
+    # Read after every execution: the stop comes after the NaN's execution
+    # (at the next read otherwise: tests/jax/test_read_interval.py).
     state = plain_run(name, spe, jit)[2]
 
     port = examples.make(name, STEPS, spe, jit)

@@ -94,7 +94,8 @@ def run_cluster(tmp_path, nan: bool):
     script.write_text(WORKER)
     # On CPUs whatever the machine: on a one-GPU machine both processes took the
     # GPU (NCCL: "Duplicate GPU detected").
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu",
+    # Read after every execution: each process stops after the NaN's execution.
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu", KERASDBG_READ_INTERVAL="0",
                PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
     port = _free_port()
     processes = [subprocess.Popen(

@@ -19,7 +19,7 @@ from kerasdbg import capture as _capture
 from kerasdbg.callbacks import GradientStatistics, StopOnRule, WeightStatistics
 from kerasdbg.capture import reads as read_clock
 from kerasdbg.rules import NonFiniteLoss, RuleFired
-from tests.test_read_interval import FiresAt, expected_reads
+from tests.read_helpers import FiresAt, expected_reads
 
 BATCH, STEPS, RING = 16, 40, 8
 RNG = np.random.default_rng(13)

@@ -236,7 +236,7 @@ def test_online_and_offline_verdicts_agree_and_the_records_say_skipped(tmp_path)
     assert list(model.get_layer("tap").history["step"])[-3:] == [STEPS, STEPS + 1, STEPS + 2]
 
 
-def test_a_rules_own_stop_action_freezes_under_a_skipping_stop_on_rule():
+def test_a_rules_own_stop_action_freezes_under_a_skipping_stop_on_rule(read_every_execution):
     model = _model()
     stop = StopOnRule([LossSpike(window=WINDOW, action="stop")], action="skip", verbose=False)
     _fit(model, _spiked(SPIKE), [stop])
