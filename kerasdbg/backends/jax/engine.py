@@ -1123,7 +1123,10 @@ class Engine(Capture):
             for name, value in logs.items():
                 if jnp.ndim(value) == 0:
                     records[f"logs/{name}"] = value
-            new_carry = {"frozen": frozen, "calls": calls, "initial": carry["initial"]}
+            # The weights at the fit's start go in, never out: an output that
+            # returns an input unchanged is a copy of it at every step (the
+            # whole model's weights), so the caller hands them in again (`_Guarded`).
+            new_carry = {"frozen": frozen, "calls": calls}
             if guard is not None:
                 new_carry["guard"] = guard
             if skipped is not None:
@@ -1462,9 +1465,12 @@ class _Guarded:
         index = self._calls
         self._calls += 1
         try:
-            return self._step(state, carry, data)
+            logs, new_state, new_carry, records = self._step(state, carry, data)
         except Exception as error:  # noqa: BLE001 - judged in `_plain_from`
             raise _StepFailed(state, data, index) from error
+        if "initial" in carry:  # an input of every step, not an output (`Engine._step`)
+            new_carry = dict(new_carry, initial=carry["initial"])
+        return logs, new_state, new_carry, records
 
 
 def _examples(data) -> float:
