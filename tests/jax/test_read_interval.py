@@ -121,3 +121,31 @@ def test_a_nan_keeps_the_weights_before_it_and_stops_at_the_next_read(small_ring
     assert {v.step for v in stop.verdicts} == {bad}
     for a, b in zip(before.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+def test_the_callbacks_keep_keras_calling_batch_ends_on_its_worker_thread(monkeypatch):
+    """Keras's JAX loop calls the batch ends on a worker thread only when every
+    callback is `async_safe`: kerasdbg's are, they read at the next batch's
+    begin, on the fit's thread, and never sync Keras's state per step."""
+    import threading
+
+    from keras.src.callbacks.callback_list import CallbackList
+
+    from kerasdbg.callbacks import ActivationStatistics
+
+    model = make_model()
+    callbacks = [GradientStatistics(), WeightStatistics(), StopOnRule(NonFiniteLoss()),
+                 ActivationStatistics()]
+    assert CallbackList(callbacks, model=model)._async_train
+    threads, syncs = set(), []
+    collect = type(_capture.engine_for(model)).collect
+    monkeypatch.setattr(type(_capture.engine_for(model)), "collect",
+                        lambda self, *a, **k: threads.add(threading.get_ident()) or
+                        collect(self, *a, **k))
+    sync = model.jax_state_sync
+    monkeypatch.setattr(model, "jax_state_sync", lambda: syncs.append(1) or sync())
+    with pytest.warns(RuntimeWarning, match="no TapLayer"):
+        fit(model, callbacks[:3] + [callbacks[3]], epochs=2)
+    assert threads == {threading.get_ident()}
+    assert len(syncs) <= 2 * 2 + 2  # Keras's own, per epoch and at the end, not per step
+    assert callbacks[0].history.step.tolist() == list(range(1, 2 * STEPS + 1))
