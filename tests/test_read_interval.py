@@ -21,7 +21,7 @@ from kerasdbg import load_run
 from kerasdbg import capture as _capture
 from kerasdbg.callbacks import GradientStatistics, StopOnRule, WeightStatistics
 from kerasdbg.capture import reads as read_clock
-from kerasdbg.rules import NonFiniteLoss, RuleFired
+from kerasdbg.rules import NonFiniteLoss, Rule, RuleFired
 from tests.conftest import make_strategy, matrix
 from tests.helpers import BATCH, LEARNING_RATE, make_mlp, reference_training
 from tests.read_helpers import FiresAt, expected_reads
@@ -198,3 +198,31 @@ def test_a_bad_interval_is_refused(value, error, message):
         kerasdbg.set_read_interval(value)
     assert read_clock.interval() == read_clock.DEFAULT_SECONDS or os.environ.get(
         read_clock.ENVIRONMENT)
+
+
+class _EpochLoss(Rule):
+    """Fires at the first epoch's end (it reads Keras's epoch logs)."""
+
+    requires = (("epoch", "loss"),)
+
+    def check(self, step, record):
+        if "epoch/loss" in record:
+            return self.verdict(step, "an epoch ended", {"epoch/loss": record["epoch/loss"]})
+        return None
+
+
+def test_an_epoch_verdict_raises_at_that_epochs_end(small_ring):
+    model = _compiled()
+    stop = StopOnRule(_EpochLoss(), action="raise", verbose=False)
+    with pytest.raises(RuleFired, match="_EpochLoss at step 40: an epoch ended"):
+        model.fit(X, Y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0, callbacks=[stop])
+    assert int(model.optimizer.iterations.numpy()) == STEPS  # the second epoch never ran
+
+
+def test_a_bad_interval_in_the_environment_is_said_at_the_fits_start(monkeypatch):
+    monkeypatch.setenv(read_clock.ENVIRONMENT, "soon")
+    model = _compiled()
+    with pytest.raises(ValueError, match="KERASDBG_READ_INTERVAL must be a number of seconds"):
+        model.fit(X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[GradientStatistics()])
+    assert int(model.optimizer.iterations.numpy()) <= 1

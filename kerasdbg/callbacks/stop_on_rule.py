@@ -728,6 +728,7 @@ class StopOnRule(AfterEachExecution, ModelWithoutSync, CopiedAsNew, keras.callba
         self._write(self._last_step, record)
         self._evaluate(self._last_step, self._runner.check(self._last_step, record))
         self._mid_line = False  # the bar ends its line at the epoch's end
+        self._raise_decided()  # an epoch's verdict raises at the epoch's end
 
     def on_train_end(self, logs=None):
         self._evaluate_pending()
@@ -839,6 +840,11 @@ class StopOnRule(AfterEachExecution, ModelWithoutSync, CopiedAsNew, keras.callba
         if rows and self._writer is not None:
             # Once a read: a killed run keeps every step up to its last read.
             self._writer.flush(events_only=True)
+        self._raise_decided()
+
+    def _raise_decided(self) -> None:
+        """Raises the verdicts `action="raise"` decided (once the read's or the
+        epoch's records are judged)."""
         raising, self._raising = getattr(self, "_raising", None), None
         if raising is not None:
             # No on_train_end follows: restore the model and flush every writer now.

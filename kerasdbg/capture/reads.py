@@ -115,6 +115,7 @@ class ReadClock:
         self._executions = 0  # since the last read
 
     def begin_fit(self) -> None:
+        interval()  # a bad KERASDBG_READ_INTERVAL is said at the fit's start
         self._last = None
         self._executions = 0
 

@@ -149,3 +149,19 @@ def test_the_callbacks_keep_keras_calling_batch_ends_on_its_worker_thread(monkey
     assert threads == {threading.get_ident()}
     assert len(syncs) <= 2 * 2 + 2  # Keras's own, per epoch and at the end, not per step
     assert callbacks[0].history.step.tolist() == list(range(1, 2 * STEPS + 1))
+
+
+def test_the_batches_kept_for_nan_location_are_bounded(monkeypatch, small_ring):
+    """StopOnRule's default rules locate a first NaN on the step's batch, kept
+    (a reference) until its step is read: past `LOCATE_BYTES` of them the
+    host reads, so more often than the ring alone would (every 8 steps)."""
+    from kerasdbg.backends.jax import engine as jax_engine
+
+    batch_bytes = BATCH * (6 + 1) * 4
+    monkeypatch.setattr(jax_engine, "LOCATE_BYTES", 3 * batch_bytes)
+    model = make_model()
+    stop = StopOnRule(verbose=False)
+    fit(model, [stop])
+    engine = _capture.engine_for(model)
+    assert engine.clock.reads >= STEPS // 4 > expected_reads(STEPS, RING)
+    assert stop.verdicts == []

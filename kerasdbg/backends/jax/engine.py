@@ -114,6 +114,12 @@ TIMING = ("steps", "input_seconds", "examples")
 
 _LOCAL = threading.local()
 
+LOCATE_BYTES = 64 << 20
+"""With NaN location each step's batch is kept (a reference) until its step
+is read, for the replay of a first fault; past this many bytes of them the
+host reads at the next execution's end (at most one execution's batches
+then: a large batch on an accelerator is not held for a whole interval)."""
+
 
 def _context() -> Optional["_StepContext"]:
     stack = getattr(_LOCAL, "stack", None)
@@ -331,6 +337,8 @@ class Engine(Capture):
         self._patched_metrics = False
         self._read_once = False
         self._hold = False  # the next execution runs no step (`hold_next_execution`)
+        self._checked_batch: Optional[int] = None  # the batch whose read was decided
+        self._data_bytes = 0  # of the batches kept for NaN location
         self._last_logs = None
         self.clock = reads.ReadClock()  # when the host reads the records
         self.transfers = 0  # reads of the records (device to host), for tests
@@ -437,6 +445,8 @@ class Engine(Capture):
         self._read_once = False
         self._hold = False
         self._last_logs = None
+        self._checked_batch = None
+        self._data_bytes = 0
         self.clock.begin_fit()
         self._pending = []
         self._pending_data = []
@@ -483,6 +493,7 @@ class Engine(Capture):
         self._initial = {}
         self._pending = []
         self._pending_data = []
+        self._data_bytes = 0
         self.hooks = {}
 
     def _after_failed_fit(self) -> None:
@@ -1036,7 +1047,11 @@ class Engine(Capture):
         """Keeps a step's records until they are read, and with NaN location
         its batch (a reference, no copy: the batches of one execution)."""
         self._pending.append(records)
-        self._pending_data.append(data if self._localizes() and not self._located else None)
+        kept = data if self._localizes() and not self._located else None
+        self._pending_data.append(kept)
+        if kept is not None:
+            # Bounded: past LOCATE_BYTES of batches kept, the host reads (`collect`).
+            self._data_bytes += _nbytes(kept)
 
     def _wants(self, kind: str) -> bool:
         return any(r.kind == kind for r in self.requests)
@@ -1210,19 +1225,30 @@ class Engine(Capture):
         """Reads what the steps since the last call recorded (one transfer)
         and hands each request its records."""
         _progress.of(self).end()
+        if not final and batch is not None:
+            # The first callback at a batch decides for the others (as on TensorFlow).
+            if batch == self._checked_batch:
+                return
+            self._checked_batch = batch
+        elif final:
+            self._checked_batch = None
         if not self._pending:
             return
         ready = len(self._pending)
         if not final and self._read_once:
-            # Read when the clock says so (`kerasdbg.capture.reads`), and then
-            # only the steps the device finished: the read never waits for it.
-            every = not (self.requests and all(r.deferred for r in self.requests))
+            # Read when the clock says so (`kerasdbg.capture.reads`), and then,
+            # at an interval, only the steps the device finished: the read never
+            # waits for it. A request read after every execution (a rollback's,
+            # a timer's) and an interval of 0 read every step run.
+            every = not (self.requests and all(r.deferred for r in self.requests)) or \
+                self._data_bytes > LOCATE_BYTES
             model = self._model()
             steps = int(getattr(model, "steps_per_execution", 1) or 1)
             if not self.clock.due(len(self._pending), steps, reads.ring_rows(steps),
                                   every_execution=every):
                 return
-            if len(self._pending) <= 2 * reads.RING_STEPS and jax.default_backend() != "cpu":
+            if not every and reads.interval() > 0 and \
+                    len(self._pending) <= 2 * reads.RING_STEPS and jax.default_backend() != "cpu":
                 # (On a CPU the device is the host: a read waits at most for
                 # the step in flight, and the reads stay those the clock says.)
                 ready = next((i for i, records in enumerate(self._pending)
@@ -1233,6 +1259,7 @@ class Engine(Capture):
         self.clock.read()
         pending, self._pending = self._pending[:ready], self._pending[ready:]
         batches, self._pending_data = self._pending_data[:ready], self._pending_data[ready:]
+        self._data_bytes = sum(_nbytes(data) for data in self._pending_data)
         totals = skipped = None
         if not self._pending and self._carry is not None:
             # The carry's totals describe the last step run: read with it.
@@ -1471,6 +1498,13 @@ class _Guarded:
         if "initial" in carry:  # an input of every step, not an output (`Engine._step`)
             new_carry = dict(new_carry, initial=carry["initial"])
         return logs, new_state, new_carry, records
+
+
+def _nbytes(data) -> int:
+    """The bytes of the arrays of a batch (0 for None)."""
+    if data is None:
+        return 0
+    return sum(int(getattr(leaf, "nbytes", 0) or 0) for leaf in jax.tree_util.tree_leaves(data))
 
 
 def _examples(data) -> float:
