@@ -262,12 +262,12 @@ class _Faults:
         carry = self._engine._carry
         # The fit's class counts, spike windows, skipped steps and a
         # rollback's skips to come go on (only the freeze starts over).
+        # The train-step count goes on from the carry's (the host's may be
+        # behind it: a read takes only the steps the device finished).
         kept = {key: carry[key] for key in (_classes.CARRY, "guard", _SKIPPED, _FORCED)
                 if carry is not None and key in carry}
-        if kept:
+        if carry is not None:
             self._engine._carry = dict(self._engine._first_carry_of(carry), **kept)
-        else:
-            self._engine._carry = None
 
     def snapshot(self) -> _Snapshot:
         """A host copy of what a rollback puts back, taken between two
