@@ -48,6 +48,17 @@ else:
 
 import keras  # noqa: E402
 
+from kerasdbg.capture import reads as _reads  # noqa: E402
+
+READ_INTERVAL = 1e6
+"""The read interval of the tests (`kerasdbg.set_read_interval`): longer than
+any test's fit, so the host reads after the first execution, when a ring is
+full and at the epoch's and the fit's end: the same steps on a busy machine
+as on an idle one (the default's 0.1 s of training makes where a stop lands
+depend on the machine's speed). The time-based default is tested on its own
+(tests/test_read_interval.py, and the killed-run child that keeps it)."""
+_reads.set_read_interval(READ_INTERVAL)
+
 MIRRORED_JIT_ERROR = (
     "Trying to access resource .../replica_1/... located in device CPU:1 from device "
     "CPU:0 (Keras/TF: MirroredStrategy with jit_compile=True fails with plain Keras fit "
@@ -216,9 +227,8 @@ def _fresh_keras_state():
     collections of 35-80 s were seen. They are dropped here, so such a test's objects go with it.
     """
     yield
-    from kerasdbg.capture import reads
-
-    reads.set_read_interval(None)  # a test that set the read interval set it for itself
+    # A test that set the read interval set it for itself.
+    _reads.set_read_interval(READ_INTERVAL)
     for name in ("last_type", "last_value", "last_traceback", "last_exc"):
         if hasattr(sys, name):
             delattr(sys, name)
@@ -310,8 +320,6 @@ def read_every_execution():
     """The host reads the records after every execution (`set_read_interval(0)`):
     for a test of what happens right after a verdict's execution (a stop, an
     unfreeze), which the default interval puts at a later read."""
-    from kerasdbg.capture import reads
-
-    reads.set_read_interval(0)
+    _reads.set_read_interval(0)
     yield
-    reads.set_read_interval(None)
+    _reads.set_read_interval(READ_INTERVAL)

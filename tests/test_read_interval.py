@@ -10,7 +10,6 @@ faulty step whatever the interval.
 """
 
 import collections
-import os
 
 import keras
 import numpy as np
@@ -194,10 +193,10 @@ def test_the_interval_is_set_by_function_or_environment(monkeypatch):
     (True, TypeError, "Received: seconds=True"),
 ])
 def test_a_bad_interval_is_refused(value, error, message):
+    before = read_clock.interval()
     with pytest.raises(error, match=message):
         kerasdbg.set_read_interval(value)
-    assert read_clock.interval() == read_clock.DEFAULT_SECONDS or os.environ.get(
-        read_clock.ENVIRONMENT)
+    assert read_clock.interval() == before  # nothing lost
 
 
 class _EpochLoss(Rule):
@@ -221,8 +220,33 @@ def test_an_epoch_verdict_raises_at_that_epochs_end(small_ring):
 
 def test_a_bad_interval_in_the_environment_is_said_at_the_fits_start(monkeypatch):
     monkeypatch.setenv(read_clock.ENVIRONMENT, "soon")
+    kerasdbg.set_read_interval(None)  # the environment's, not the suite's
     model = _compiled()
     with pytest.raises(ValueError, match="KERASDBG_READ_INTERVAL must be a number of seconds"):
         model.fit(X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
                   callbacks=[GradientStatistics()])
     assert int(model.optimizer.iterations.numpy()) <= 1
+
+
+def test_the_clock_reads_once_the_interval_went_by(monkeypatch):
+    """The time-based part of the default (the suite runs with a longer interval:
+    tests/conftest.py): after the first read, a read once 0.1 s went by, or
+    when the ring would overflow, or at every execution with an interval of 0."""
+    now = [100.0]
+    monkeypatch.setattr(read_clock.time, "monotonic", lambda: now[0])
+    kerasdbg.set_read_interval(None)
+    monkeypatch.delenv(read_clock.ENVIRONMENT, raising=False)
+    clock = read_clock.ReadClock()
+    clock.begin_fit()
+    assert clock.due(1, 1, 256)  # the fit's first execution
+    clock.read()
+    now[0] += 0.05
+    assert not clock.due(5, 1, 256)
+    assert clock.due(256, 1, 256)  # the next execution would overwrite a row not read
+    now[0] += 0.06
+    assert clock.due(5, 1, 256)  # 0.11 s went by
+    clock.read()
+    assert clock.reads == 2 and not clock.due(0, 1, 256)
+    assert clock.due(0, 1, 256, every_execution=True)
+    kerasdbg.set_read_interval(0)
+    assert clock.due(0, 1, 256)
