@@ -250,3 +250,12 @@ def test_the_clock_reads_once_the_interval_went_by(monkeypatch):
     assert clock.due(0, 1, 256, every_execution=True)
     kerasdbg.set_read_interval(0)
     assert clock.due(0, 1, 256)
+
+
+def test_the_first_callback_at_a_batch_decides_for_the_others():
+    clock = read_clock.ReadClock()
+    clock.begin_fit()
+    assert clock.first_at(3) and not clock.first_at(3) and clock.first_at(4)
+    assert clock.first_at(None) and clock.first_at(None)  # no batch: always
+    clock.final()  # an epoch's end: batch numbers start again
+    assert clock.first_at(4)

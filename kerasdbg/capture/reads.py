@@ -113,11 +113,28 @@ class ReadClock:
         self.reads = 0
         self._last: Optional[float] = None
         self._executions = 0  # since the last read
+        self._batch: Optional[int] = None  # the batch end already decided
 
     def begin_fit(self) -> None:
         interval()  # a bad KERASDBG_READ_INTERVAL is said at the fit's start
         self._last = None
         self._executions = 0
+        self._batch: Optional[int] = None
+
+    def first_at(self, batch: Optional[int]) -> bool:
+        """Whether this is the first call at the end of batch `batch`: each
+        callback collects there, and the first one decides for the others.
+        None (no batch given) is always a first call."""
+        if batch is None:
+            return True
+        if batch == getattr(self, "_batch", None):
+            return False
+        self._batch = batch
+        return True
+
+    def final(self) -> None:
+        """A final read (an epoch's or the fit's end): the next batch is new."""
+        self._batch = None
 
     def executed(self) -> None:
         self._executions += 1

@@ -337,7 +337,6 @@ class Engine(Capture):
         self._patched_metrics = False
         self._read_once = False
         self._hold = False  # the next execution runs no step (`hold_next_execution`)
-        self._checked_batch: Optional[int] = None  # the batch whose read was decided
         self._data_bytes = 0  # of the batches kept for NaN location
         self._last_logs = None
         self.clock = reads.ReadClock()  # when the host reads the records
@@ -445,7 +444,6 @@ class Engine(Capture):
         self._read_once = False
         self._hold = False
         self._last_logs = None
-        self._checked_batch = None
         self._data_bytes = 0
         self.clock.begin_fit()
         self._pending = []
@@ -1225,13 +1223,10 @@ class Engine(Capture):
         """Reads what the steps since the last call recorded (one transfer)
         and hands each request its records."""
         _progress.of(self).end()
-        if not final and batch is not None:
-            # The first callback at a batch decides for the others (as on TensorFlow).
-            if batch == self._checked_batch:
-                return
-            self._checked_batch = batch
-        elif final:
-            self._checked_batch = None
+        if final:
+            self.clock.final()
+        elif not self.clock.first_at(batch):
+            return  # another callback decided at this batch
         if not self._pending:
             return
         ready = len(self._pending)

@@ -45,7 +45,6 @@ class Collector:
         self._diagnosed = False
         self._saw_steps = False
         self._steps_done = 0  # the last step collected, over the fits
-        self._checked_batch: Optional[int] = None  # the batch end already looked at
         self.clock = reads.ReadClock()
 
     def begin_fit(self, iterations: List[int], calls: int) -> None:
@@ -57,7 +56,6 @@ class Collector:
         self._last_call = self._first_call = calls
         self._diagnosed = False
         self._saw_steps = False
-        self._checked_batch = None
         self.clock.begin_fit()
 
     def step_of(self, train_id: int) -> int:
@@ -97,10 +95,8 @@ class Collector:
         view = self._view
         n, rows = view.steps_per_execution, view.rows
         if not final:
-            if batch is not None:
-                if batch == self._checked_batch:
-                    return
-                self._checked_batch = batch
+            if not self.clock.first_at(batch):
+                return
             # Each callback collects at each batch end: the first one counts
             # the execution, the clock says whether the host reads now
             # (`kerasdbg.capture.reads`); no device read before it says so.
@@ -110,7 +106,7 @@ class Collector:
                     every_execution=not all(r.deferred for r in view.requests)):
                 return
         else:
-            self._checked_batch = None
+            self.clock.final()
         for request in view.requests:
             if request.kind == "tensors" and request.channel is not None:
                 request.collect()
