@@ -160,9 +160,12 @@ def test_records_frame_a_tfrecord_file_from_an_offset():
     assert result.attempted > 0 and result.failed == 0
 
 
-def test_a_reader_during_a_fit_sees_every_step_the_event_file_holds(tmp_path):
+def test_a_reader_during_a_fit_sees_every_step_the_event_file_holds(tmp_path,
+                                                                    read_every_execution):
     """Mid-epoch, before any flush of the store: load_run reads what
-    TensorBoard reads from the event files, not the last epoch's end."""
+    TensorBoard reads from the event files, not the last epoch's end (the
+    host reads after every execution here; the suite's interval would put
+    the first read after the first execution's at the ring's 256th step)."""
     log_dir = str(tmp_path / "logs")
     seen = {}
 
