@@ -231,7 +231,7 @@ GRADIENT_TAGS = ["gradients/global_norm"] + [
     f"gradients/m/{layer}/{weight}/l2_norm" for layer in ("a", "b") for weight in ("kernel", "bias")]
 
 
-@pytest.mark.parametrize("values, expected", [
+GRADIENT_CASES = [
     # Zero bias gradients: the smallest is the smallest nonzero norm.
     ([5.0, 3.0, 0.0, 4.0, 0.5], {
         "global_norm/log10": np.log10(5.0), "l2_norm/log10_max": np.log10(4.0),
@@ -262,13 +262,47 @@ GRADIENT_TAGS = ["gradients/global_norm"] + [
     ([np.nan, np.nan, np.nan, np.nan, np.nan], {
         "l2_norm/max/a/kernel": np.nan, "l2_norm/max/a/bias": np.nan,
         "l2_norm/max/b/kernel": np.nan, "l2_norm/max/b/bias": np.nan}),
-], ids=["zero-biases", "all-zero", "inf-and-nan", "nan-and-one-inf", "all-nan"])
-def test_gradient_views_leave_out_the_log10_of_zero_and_nan(values, expected):
-    got = _layout.views("gradients", GRADIENT_TAGS, values)
-    expected = {f"views/gradients/{tag}": value for tag, value in expected.items()}
+]
+GRADIENT_CASE_IDS = ["zero-biases", "all-zero", "inf-and-nan", "nan-and-one-inf", "all-nan"]
+
+
+def _assert_views(got, expected, kind="gradients"):
+    expected = {f"views/{kind}/{tag}": value for tag, value in expected.items()}
     assert set(got) == set(expected)
     for tag, value in expected.items():
         np.testing.assert_allclose(got[tag], value, rtol=1e-12, err_msg=tag)
+
+
+@pytest.mark.parametrize("values, expected", GRADIENT_CASES, ids=GRADIENT_CASE_IDS)
+def test_gradient_views_leave_out_the_log10_of_zero_and_nan(values, expected):
+    _assert_views(_layout.views("gradients", GRADIENT_TAGS, values), expected)
+
+
+def test_the_views_of_a_read_are_those_of_each_of_its_steps():
+    """`views_of_steps` computes a read's steps as one array: each step's
+    views are those of its own row, whatever the rows around it (every case
+    above, twice, in an order that puts each beside the others)."""
+    order = [0, 2, 4, 1, 3, 3, 1, 4, 2, 0]
+    rows = np.array([GRADIENT_CASES[k][0] for k in order])
+    got = _layout.views_of_steps("gradients", GRADIENT_TAGS, rows)
+    assert len(got) == len(order)
+    for views, k in zip(got, order):
+        _assert_views(views, GRADIENT_CASES[k][1])
+    # Update ratios: the largest finite ratio of each group, the fraction above 0.01.
+    # Six groups (the layers) of two variables.
+    tags = [f"weights/m/l{i}/{weight}/update_ratio" for i in range(6)
+            for weight in ("kernel", "bias")]
+    ratios = np.array([[1e-3, np.inf, 0.02, 1e-4, np.nan, 0.0] * 2,
+                       [np.inf] * 12,
+                       [0.5, 0.2, np.nan, np.nan, 3e-3, 5e-3, np.inf, 0.0, 1.0, 2.0, 0.1, 0.1]])
+    for views, step in zip(_layout.views_of_steps("weights", tags, ratios), ratios):
+        pairs = np.where(np.isfinite(step), step, -np.inf).reshape(6, 2).max(axis=1)
+        expected = {f"update_ratio/log10_max/l{i}": np.log10(r) for i, r in enumerate(pairs)
+                    if r > 0}
+        finite = step[np.isfinite(step)]
+        if finite.size:
+            expected["update_ratio/fraction_above_0.01"] = np.mean(finite > 0.01)
+        _assert_views(views, expected, "weights")
 
 
 @pytest.mark.parametrize("ratios", [
@@ -347,7 +381,7 @@ def test_a_views_failure_warns_once_and_the_records_are_still_written(tmp_path, 
     def fail(*args, **kwargs):
         raise ZeroDivisionError("a bug in the views")
 
-    monkeypatch.setattr(_layout, "views", fail)
+    monkeypatch.setattr(_layout, "views_of_steps", fail)
     log_dir = str(tmp_path / "logs")
     grads = GradientStatistics(log_dir, every_n_steps=1)
     with warnings.catch_warnings(record=True) as caught:
@@ -374,7 +408,7 @@ def test_strict_raises_when_the_views_fail(tmp_path, monkeypatch):
     def fail(*args, **kwargs):
         raise ZeroDivisionError("a bug in the views")
 
-    monkeypatch.setattr(_layout, "views", fail)
+    monkeypatch.setattr(_layout, "views_of_steps", fail)
     with pytest.raises(_events.RecordingError, match=re.escape(
             "GradientStatistics could not record: kerasdbg could not write the TensorBoard views "
             f"(views/gradients/...) to {str(tmp_path / 'logs' / 'train')!r}; the fit stops "

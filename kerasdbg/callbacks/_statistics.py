@@ -182,8 +182,8 @@ class StatisticsCallback(AfterEachExecution, RecordingCallback):
         # with the last of them.
         engine = _capture.engine_for(self.model)
         several = engine.several_optimizers
-        for group in _same_step(records):
-            views = self._views(group, several)
+        groups = _same_step(records)
+        for group, views in zip(groups, self._views(groups, several)):
             last = max((i for i, r in enumerate(group) if not r.skipped), default=-1)
             for i, record in enumerate(group):
                 self._guarded(self._write, [record], views if i == last else {}, several, engine)
@@ -191,12 +191,15 @@ class StatisticsCallback(AfterEachExecution, RecordingCallback):
             # Once a read: a killed run keeps every step up to its last read.
             self._guarded(self._writer.flush, events_only=True)
 
-    def _views(self, group: List[_capture.Record], several: bool = False) -> Dict[str, float]:
-        """The TensorBoard views of one step's records; a failure warns once
-        (`strict` raises) and the records are written without them."""
-        recorded = [r for r in group if r.values is not None and not r.skipped]
-        if self._writer is None or not recorded:
-            return {}
+    def _views(self, groups: List[List[_capture.Record]],
+               several: bool = False) -> List[Dict[str, float]]:
+        """The TensorBoard views of each step's records (a group of
+        `_same_step`), the steps of one layout computed as one array
+        (`_layout.views_of_steps`); a failure warns once (`strict` raises)
+        and the records are written without them."""
+        out: List[Dict[str, float]] = [{} for _ in groups]
+        if self._writer is None:
+            return out
         try:
             names = ()
             if several:
@@ -205,9 +208,25 @@ class StatisticsCallback(AfterEachExecution, RecordingCallback):
                     self._names = tuple(
                         select_variables(self.model, self.include, self.exclude)[1])
                 names = self._names
-            return _layout.views(
-                self.kind, tuple(t for r in recorded for t in r.tags),
-                np.concatenate([np.asarray(r.values, np.float64) for r in recorded]), names)
+            layouts: Dict[tuple, List[int]] = {}
+            rows: Dict[tuple, list] = {}
+            for k, group in enumerate(groups):
+                recorded = [r for r in group if r.values is not None and not r.skipped]
+                if not recorded:
+                    continue
+                if len(recorded) == 1:
+                    tags, values = recorded[0].tags, recorded[0].values
+                else:
+                    tags = tuple(t for r in recorded for t in r.tags)
+                    values = np.concatenate([np.asarray(r.values, np.float64) for r in recorded])
+                layouts.setdefault(tags, []).append(k)
+                rows.setdefault(tags, []).append(values)
+            for tags, steps in layouts.items():
+                found = _layout.views_of_steps(
+                    self.kind, tags, np.asarray(rows[tags], np.float64), names)
+                for k, views in zip(steps, found):
+                    out[k] = views
+            return out
         except Exception as error:  # noqa: BLE001 - a chart must not stop fit
             if self.strict:
                 raise _events.RecordingError(
@@ -221,7 +240,7 @@ class StatisticsCallback(AfterEachExecution, RecordingCallback):
                     f"TensorBoard views (views/{self.kind}/..., the Custom Scalars charts); its "
                     "records are written without them, and training goes on. Cause: "
                     f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=3)
-            return {}
+            return [{} for _ in groups]
 
     def _layout(self, tags: tuple) -> tuple:
         """Of a record's tags: the positions and tags of its values, and the

@@ -224,9 +224,18 @@ def loss_views(scalars: Mapping[str, float]) -> Dict[str, float]:
         {'views/step/loss/log10': 2.0}
     """
     out: Dict[str, float] = {}
-    for name, value in _tags.step_losses(scalars).items():
-        _put_log10(out, _tags.view(_tags.STEP, name, "log10"), float(value))
+    for tag, view in _loss_plan(tuple(scalars)):
+        _put_log10(out, view, float(scalars[tag]))
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _loss_plan(tags: Tuple[str, ...]) -> Tuple[Tuple[str, str], ...]:
+    """(tag, view tag) of each loss among `tags` (a callback writes the same
+    tags at every step: worked out once per tuple)."""
+    start = _tags.prefix(_tags.STEP)
+    return tuple((start + name, _tags.view(_tags.STEP, name, "log10"))
+                 for name in _tags.step_losses(dict.fromkeys(tags, 0.0)))
 
 
 class _Plan(NamedTuple):
@@ -276,13 +285,15 @@ def _plan(kind: str, tags: Tuple[Optional[str], ...], names: Tuple[str, ...] = (
 
 
 def _group_max(values: np.ndarray, group: np.ndarray, count: int) -> np.ndarray:
-    """The largest of `values` in each of `count` groups, NaN left out (NaN
-    where a group holds only NaN)."""
-    out = np.full(count, -np.inf)
-    np.fmax.at(out, group, np.where(np.isnan(values), -np.inf, values))
-    seen = np.zeros(count, bool)
-    seen[group[~np.isnan(values)]] = True
-    return np.where(seen, out, np.nan)
+    """Of each row of `values` (steps x tensors), the largest value in each
+    of `count` groups (`group[j]`: that of column j), NaN left out: a
+    (steps x count) array, NaN where a group holds only NaN or nothing."""
+    out = np.full((values.shape[0], count), np.nan)
+    for g in range(count):
+        columns = np.flatnonzero(group == g)
+        if columns.size:
+            out[:, g] = np.fmax.reduce(values[:, columns], axis=1)
+    return out
 
 
 def views(kind: str, tags: Sequence[Optional[str]], values: Sequence[float],
@@ -329,51 +340,97 @@ def views(kind: str, tags: Sequence[Optional[str]], values: Sequence[float],
         >>> views["views/gradients/l2_norm/max/b/kernel"], views["views/gradients/l2_norm/log10_min"]
         (4.0, 0.47712125471966244)
     """
+    return views_of_steps(kind, tags, np.asarray(values, np.float64)[None], names)[0]
+
+
+def views_of_steps(kind: str, tags: Sequence[Optional[str]], values: np.ndarray,
+                   names: Sequence[str] = ()) -> List[Dict[str, float]]:
+    """`views` of several steps of the same tags at once (`values[s]`: the
+    values of step s), computed over the steps as arrays: one dict per step,
+    each the `views` of its row.
+
+    Examples:
+        >>> from kerasdbg.sinks import layout
+        >>> tags = ["gradients/global_norm", "gradients/m/a/kernel/l2_norm"]
+        >>> [round(v["views/gradients/global_norm/log10"], 3)
+        ...  for v in layout.views_of_steps("gradients", tags, [[10.0, 1.0], [100.0, 2.0]])]
+        [1.0, 2.0]
+    """
     plan = _plan(kind, tuple(tags), tuple(names))
     values = np.asarray(values, np.float64)
-    out: Dict[str, float] = {}
+    steps = values.shape[0]
+    # (tag, or one per step; values; log10 of them; the steps that have one),
+    # in the order of a step's views.
+    entries: List[tuple] = []
     for index, tag in plan.global_norms:
-        _put_log10(out, tag, values[index])
+        entries.append((tag, values[:, index], True, None))
     count = len(plan.groups)
     for stat, (index, group, tensors) in plan.statistics.items():
-        chosen = values[index]
-        # The groups holding a tensor of this statistic (a tap records
-        # either its dead or its saturated fraction).
-        held = np.bincount(group, minlength=count) > 0
+        chosen = values[:, index]
         if stat != "update_ratio":
+            # The groups holding a tensor of this statistic (a tap records
+            # either its dead or its saturated fraction).
+            held = np.flatnonzero(np.bincount(group, minlength=count) > 0)
             largest = _group_max(chosen, group, count)
-            for name, value in zip(np.array(plan.groups, object)[held], largest[held]):
-                out[_tags.view(kind, stat, "max", name)] = float(value)
+            for g in held:
+                entries.append((_tags.view(kind, stat, "max", plan.groups[g]),
+                                largest[:, g], False, None))
             if kind == _tags.GRADIENTS and stat == "l2_norm":
-                for name, value in zip(np.array(plan.groups, object)[held], largest[held]):
-                    _put_log10(out, _tags.view(kind, stat, "log10_max", name), value)
-                _extremes(out, kind, stat, chosen, tensors)
+                for g in held:
+                    entries.append((_tags.view(kind, stat, "log10_max", plan.groups[g]),
+                                    largest[:, g], True, None))
+                entries.extend(_extremes(kind, stat, chosen, tensors))
         else:
             finite = np.isfinite(chosen)
-            largest = _group_max(chosen[finite], group[finite], count)
-            for name, value in zip(plan.groups, largest):
-                _put_log10(out, _tags.view(kind, stat, "log10_max", name), value)
-            if finite.any():
-                out[_tags.view(kind, stat, _fraction_view())] = \
-                    float(np.mean(chosen[finite] > UPDATE_RATIO_ABOVE))
+            largest = _group_max(np.where(finite, chosen, np.nan), group, count)
+            for g in range(count):
+                entries.append((_tags.view(kind, stat, "log10_max", plan.groups[g]),
+                                largest[:, g], True, None))
+            counted = finite.sum(axis=1)
+            above = (np.where(finite, chosen, -np.inf) > UPDATE_RATIO_ABOVE).sum(axis=1)
+            entries.append((_tags.view(kind, stat, _fraction_view()),
+                            above / np.maximum(counted, 1), False, counted > 0))
+    out: List[Dict[str, float]] = [{} for _ in range(steps)]
+    for tag, column, logged, present in entries:
+        if logged:
+            # Absent at a value <= 0 or NaN, +inf at +inf (an exploded value still shows).
+            present = column > 0 if present is None else present & (column > 0)
+            column = np.log10(np.where(present, column, 1.0))
+        kept = range(steps) if present is None else np.flatnonzero(present).tolist()
+        column = column.tolist()
+        if isinstance(tag, str):
+            for s in kept:
+                out[s][tag] = column[s]
+        else:
+            for s in kept:
+                out[s][tag[s]] = column[s]
     return out
 
 
-def _extremes(out: Dict[str, float], kind: str, stat: str, chosen: np.ndarray,
-              tensors: Tuple[str, ...]) -> None:
-    """The log10 of the largest and of the smallest nonzero of `chosen` (NaN
-    left out), also under the name of the tensor holding it."""
+def _extremes(kind: str, stat: str, chosen: np.ndarray, tensors: Tuple[str, ...]) -> List[tuple]:
+    """The entries (as `views_of_steps`'s) of the log10 of the largest and of
+    the smallest nonzero of each row of `chosen` (NaN left out), also under
+    the name of the tensor holding it: a line per variable that was ever the
+    largest (smallest)."""
+    if not chosen.shape[1]:
+        return []
     known = np.where(np.isnan(chosen), -np.inf, chosen)
-    if known.size and known.max() > 0:
-        i = int(np.argmax(known))
-        _put_log10(out, _tags.view(kind, stat, "log10_max"), chosen[i])
-        # The same values under the name of the variable holding them: a
-        # line per variable that was ever the largest (smallest).
-        _put_log10(out, _tags.view(kind, stat, "log10_largest", tensors[i]), chosen[i])
-        positive = np.flatnonzero(known > 0)  # (nanargmin takes NaN for inf)
-        i = int(positive[np.argmin(known[positive])])
-        _put_log10(out, _tags.view(kind, stat, "log10_min"), chosen[i])
-        _put_log10(out, _tags.view(kind, stat, "log10_smallest", tensors[i]), chosen[i])
+    rows = np.arange(chosen.shape[0])
+    has = known.max(axis=1) > 0
+    i = np.argmax(known, axis=1)
+    largest = chosen[rows, i]
+    positive = known > 0
+    smallest_of = np.where(positive, known, np.inf)
+    j = np.argmin(smallest_of, axis=1)
+    # Every positive value infinite: the first of them (argmin takes the first inf).
+    j = np.where(np.isinf(smallest_of[rows, j]), np.argmax(positive, axis=1), j)
+    smallest = chosen[rows, j]
+    largest_tags = [_tags.view(kind, stat, "log10_largest", t) for t in tensors]
+    smallest_tags = [_tags.view(kind, stat, "log10_smallest", t) for t in tensors]
+    return [(_tags.view(kind, stat, "log10_max"), largest, True, has),
+            ([largest_tags[k] for k in i.tolist()], largest, True, has),
+            (_tags.view(kind, stat, "log10_min"), smallest, True, has),
+            ([smallest_tags[k] for k in j.tolist()], smallest, True, has)]
 
 
 # ----------------------------------------------------------------- layout
