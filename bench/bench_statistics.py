@@ -61,7 +61,9 @@ model's weights: the peak of the whole process; the TensorFlow variables the
 fit created (counted from the variables: the state kerasdbg keeps; on JAX,
 the bytes of the live JAX arrays); the
 resident memory before the first step; its peak after the first step (the
-trace and the first execution); and the resident memory at the end.
+trace and the first execution); and the resident memory at the end. A fit
+of 2000 steps or more also prints its resident memory every 1000 batches and
+its growth from the 1000th on (`--models mlp --mlp-steps 10000`: a long run's).
 
 Usage:
     python bench/bench_statistics.py                       # everything
@@ -279,9 +281,13 @@ class _MemoryProbe(keras.callbacks.Callback):
     the first step (after every callback's `on_train_begin`), after it (the
     trace and the first execution) and at the end of the fit."""
 
+    SAMPLE_EVERY = 1000
+
     def __init__(self):
         super().__init__()
         self.phases = {}
+        self.samples = []  # (batches done, VmRSS) every SAMPLE_EVERY batches
+        self._batches = 0
 
     @staticmethod
     def _read():
@@ -298,6 +304,9 @@ class _MemoryProbe(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.phases.setdefault("after_first_step", self._read())
+        self._batches += 1
+        if self._batches % self.SAMPLE_EVERY == 0:
+            self.samples.append((self._batches, self._read()["VmRSS"]))
 
     def on_train_end(self, logs=None):
         self.phases["end"] = self._read()
@@ -346,7 +355,8 @@ def peak_memory(model_name, config, steps):
         # While the callbacks are alive: the variables they keep.
         variables = _variable_megabytes() - variables_before
     weights = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables) / 2**20
-    print(json.dumps({"phases": probe.phases, "variables": variables, "weights": weights,
+    print(json.dumps({"phases": probe.phases, "samples": probe.samples,
+                      "variables": variables, "weights": weights,
                       "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 
@@ -381,6 +391,16 @@ def memory(model_name, configs, steps):
               f"{cell(mine['phases']['before_first_step']['VmRSS'] - plain['phases']['before_first_step']['VmRSS']):>15s} "
               f"{cell(mine['phases']['after_first_step']['VmHWM'] - plain['phases']['after_first_step']['VmHWM']):>15s} "
               f"{cell(mine['phases']['end']['VmRSS'] - plain['phases']['end']['VmRSS']):>15s}")
+    if len(plain["samples"]) >= 2:
+        # A long fit: the resident memory from its 1000th batch on, and its growth.
+        print(f"\n  resident memory (MB) every {_MemoryProbe.SAMPLE_EVERY} batches, and its growth "
+              f"from batch {plain['samples'][0][0]} to the end (MB per 1000 batches)")
+        for config in configs:
+            samples = found[config]["samples"]
+            first, last = samples[0], samples[-1]
+            growth = 1000 * (last[1] - first[1]) / max(last[0] - first[0], 1)
+            print(f"  {config:16s} " + " ".join(f"{rss:7.1f}" for _, rss in samples)
+                  + f"   growth {growth:+.2f}")
 
 
 def main():
@@ -409,7 +429,8 @@ def main():
                  "run it with KERAS_BACKEND=tensorflow or jax.")
     if args.memory:
         for model_name in args.models:
-            memory(model_name, configs, args.cnn_steps if model_name == "cnn" else args.resnet_steps)
+            memory(model_name, configs, {"mlp": args.mlp_steps, "cnn": args.cnn_steps}.get(
+                model_name, args.resnet_steps))
         return
     for model_name in args.models:
         for spe in args.spe:
