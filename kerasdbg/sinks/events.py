@@ -89,12 +89,10 @@ class EventWriter:
         self._described = set()
         # tag -> (step, value) of the last scalar written with `unique=True`.
         self._unique: Dict[str, Tuple[int, float]] = {}
-        # The scalar tags of a step -> a Summary holding them, whose values
-        # are overwritten at each step: a callback writes the same tags every
-        # step, and setting 80 floats costs 40 us where making 80 protos
-        # costs 100 us.
-        self._templates: Dict[Tuple[str, ...], summary_pb2.Summary] = {}
-        # The same for the events of scalars and views only (`_scalar_event`).
+        # The scalar and view tags of a step -> an Event holding them, whose
+        # values are overwritten at each step (`_scalar_event`): a callback
+        # writes the same tags every step, and setting 80 floats costs 40 us
+        # where making 80 protos costs 100 us.
         self._events: Dict[Tuple[Tuple[str, ...], Tuple[str, ...]], event_pb2.Event] = {}
         # The callbacks writing here (key -> (name, strict)), told of a failure once.
         self._owners: Dict[Hashable, Tuple[str, bool]] = {}
@@ -256,14 +254,12 @@ class EventWriter:
                     self._unique[tag] = last
         wall_time = time.time() if wall_time is None else wall_time
         histograms, texts = dict(histograms), dict(texts)
-        if histograms or texts:
-            event = event_pb2.Event(wall_time=wall_time, step=int(step))
-            if scalars:
-                event.summary.CopyFrom(self._scalar_summary(scalars))
-            for tag, value in views.items():
-                event.summary.value.add(tag=tag, simple_value=float(value))
-        elif scalars or views:
+        if scalars or views:
             event = self._scalar_event(step, wall_time, scalars, views)
+            if histograms or texts:  # added to a copy: the cached event holds scalars only
+                event = event_pb2.Event.FromString(event.SerializeToString())
+        elif histograms or texts:
+            event = event_pb2.Event(wall_time=wall_time, step=int(step))
         else:
             return
         for tag, (counts, low, high) in histograms.items():
@@ -319,20 +315,6 @@ class EventWriter:
                                 itertools.chain(scalars.values(), views.values())):
             proto.simple_value = float(value)
         return event
-
-    def _scalar_summary(self, scalars: Mapping[str, float]) -> summary_pb2.Summary:
-        """The cached Summary of these tags, holding these values."""
-        key = tuple(scalars)
-        summary = self._templates.get(key)
-        if summary is None:
-            if len(self._templates) >= 64:  # tags that change every step
-                self._templates.clear()
-            summary = self._templates[key] = summary_pb2.Summary(
-                value=[summary_pb2.Summary.Value(tag=tag) for tag in key]
-            )
-        for proto, value in zip(summary.value, scalars.values()):
-            proto.simple_value = float(value)
-        return summary
 
     def flush(self, events_only: bool = False) -> None:
         """Writes what is buffered (the event file, then the store); with
