@@ -10,6 +10,14 @@ import sys
 import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# TensorFlow's oneDNN kernels off: with the two logical CPUs below sharing one
+# thread pool, they make plain Keras under MirroredStrategy differ run to run
+# in the last bit (measured on a loaded 2-core machine: a distillation port's
+# weights after one fit, 6 of 7 fits 3e-08 from the first; 0 of 7 with
+# oneDNN off, and 0 of 7 on the default strategy either way), and the tests
+# compare a plain fit with an instrumented one bitwise. Set before TensorFlow
+# is imported; an explicit setting is kept.
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 # The backend is an axis of the matrix, one process per backend (Keras fixes
 # it at import): `KERAS_BACKEND=jax pytest` runs tests/jax/ on JAX, with two
