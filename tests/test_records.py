@@ -246,6 +246,52 @@ def test_the_examples_of_the_records_modules_run(module):
     assert result.attempted > 0 and result.failed == 0, result
 
 
+def _by_hand(record, collections, statistic):
+    """`(tensor, value)` of the tags `<collection>/<tensor...>/<statistic>`, split by hand."""
+    found = []
+    for tag, value in record.items():
+        head, *middle, last = tag.split("/")
+        if head in collections and middle and last == statistic:
+            found.append((head, "/".join(middle), value))
+    return found
+
+
+def test_a_step_record_reads_through_the_index_of_its_layout_what_its_tags_hold():
+    from kerasdbg.records.step_record import (StepRecord, per_optimizer_values,
+                                              statistics_by_tensor, values_of)
+    rng = np.random.default_rng(0)
+    stats_ = ("l2_norm", "mean", "zero_fraction")
+    tags_ = [f"{c}/m/{layer}/{v}/{s}" for c in ("gradients", "weights")
+             for layer in ("d", "block/conv") for v in ("kernel", "bias") for s in stats_]
+    tags_ += ["step/loss", "step/g/skipped", "step/d/skipped", "step/skipped",
+              "gradients/global_norm", "epoch/loss"]
+    rows = [StepRecord(sorted(zip(tags_, rng.normal(size=len(tags_)).tolist())))
+            for _ in range(3)]
+    # One layout for the records of one set of tags in one order: worked out once.
+    assert rows[0]._layout() is rows[1]._layout() is rows[2]._layout()
+    for row in rows:
+        plain = dict(row)
+        for collection in ("gradients", "weights"):
+            for stat in stats_:
+                want = [(t, v) for c, t, v in _by_hand(plain, [collection], stat)]
+                assert list(values_of(row, collection, stat)) == want
+                assert list(values_of(plain, collection, stat)) == want
+        want = {}
+        for stat in ("l2_norm", "mean"):
+            for collection, tensor, value in _by_hand(plain, ["weights"], stat):
+                want.setdefault((collection, tensor), {})[stat] = value
+        got = statistics_by_tensor(row, ["weights"], ["l2_norm", "mean"])
+        assert got == want == statistics_by_tensor(plain, ["weights"], ["l2_norm", "mean"])
+        skipped = [plain[t] for t in ("step/d/skipped", "step/g/skipped", "step/skipped")]
+        assert per_optimizer_values(row, "step", "skipped") == skipped
+        assert per_optimizer_values(plain, "step", "skipped") == skipped
+    # Another set of tags: another layout, read alike.
+    fewer = StepRecord({"weights/m/d/kernel/mean": 2.0, "step/loss": 1.0})
+    assert fewer._layout() is not rows[0]._layout()
+    assert list(values_of(fewer, "weights", "mean")) == [("m/d/kernel", 2.0)]
+    assert per_optimizer_values(fewer, "step", "skipped") == []
+
+
 # ------------------------------------------------------------------ the source
 _TAG_HEAD = re.compile(r"^\^?(%s)/" % "|".join(COLLECTIONS))
 

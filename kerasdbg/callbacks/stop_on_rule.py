@@ -20,6 +20,7 @@ from kerasdbg.sinks import workers as _workers
 from kerasdbg import schedule as schedule_lib
 from kerasdbg.records import tags as _tags
 from kerasdbg.records import verdicts as _verdicts
+from kerasdbg.records.step_record import per_optimizer_values
 from kerasdbg.records.verdicts import notes_line, verdict_markdown
 from kerasdbg.callbacks._copies import CopiedAsNew
 from kerasdbg.callbacks._executions import AfterEachExecution
@@ -1115,8 +1116,7 @@ def _guards(rule) -> bool:
 
 def _skipped(record) -> bool:
     """Whether the step of `record` was skipped (by any optimizer)."""
-    return any(value for tag, value in record.items()
-               if _tags.is_per_optimizer(tag, _tags.STEP, "skipped"))
+    return any(per_optimizer_values(record, _tags.STEP, "skipped"))
 
 
 _LIBRARIES = ("kerasdbg", "keras", "tensorflow", "jax", "contextlib", "functools")

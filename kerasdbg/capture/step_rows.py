@@ -18,6 +18,7 @@ import keras
 from kerasdbg.capture import keras_objects
 from kerasdbg.capture.requests import Record, Request
 from kerasdbg.records import tags as _tags
+from kerasdbg.records.step_record import StepRecord
 from kerasdbg.rules._decay import DECAY
 
 LOSS_TAG = _tags.step_scalar("loss")
@@ -88,9 +89,9 @@ class StepRows:
         """Merges `values` (by tag) into the row of `step`."""
         self._rows.setdefault(step, {}).update(values)
 
-    def pop_in_order(self, final: bool = True) -> Iterator[Tuple[int, Dict[str, float]]]:
+    def pop_in_order(self, final: bool = True) -> Iterator[Tuple[int, StepRecord]]:
         """Takes out the rows there are, in step order, each in tag order (as
-        offline, so that verdicts list tensors alike). Rows merged while this
+        offline, so that verdicts list tensors alike) as a `StepRecord`. Rows merged while this
         runs wait for the next call. With `final=False` (during an epoch)
         only the rows up to the last step the capture's step records
         reached: the others (a tap's, flushed before the capture read its
@@ -98,7 +99,7 @@ class StepRows:
         for step in sorted(self._rows):
             if not final and step > self._read_through:
                 break
-            yield step, dict(sorted(self._rows.pop(step).items()))
+            yield step, StepRecord(sorted(self._rows.pop(step).items()))
 
     def _decay_fractions(self, step: int) -> Dict[str, float]:
         """`step/weight_decay_fraction`: learning rate x weight decay of each

@@ -1,13 +1,15 @@
 """`StepRecord`: the scalars of one step that rules read, by tag, indexed
-once by `(collection, statistic)`; `values_of` reads one statistic of it."""
+once per layout by `(collection, statistic)`; `values_of` reads one
+statistic of it."""
 
 from __future__ import annotations
 
-from typing import Iterator, List, Mapping, Tuple
+import functools
+from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
-from kerasdbg.records.tags import tag_parts
+from kerasdbg.records.tags import is_per_optimizer, tag_parts
 
-__all__ = ("Record", "StepRecord", "values_of")
+__all__ = ("Record", "StepRecord", "values_of", "statistics_by_tensor", "per_optimizer_values")
 
 Record = Mapping[str, float]
 """The scalars of one step, by TensorBoard tag: `gradients/<variable>/<stat>`,
@@ -15,10 +17,60 @@ Record = Mapping[str, float]
 `step/loss`, `step/frozen`; or of one epoch: `epoch/loss`, `epoch/val_loss`, ..."""
 
 
+class _Layout:
+    """Where each statistic is in the records of one tag layout (the tags of
+    a step, in their order): the steps of a fit repeat their tags, so this
+    is worked out once for all of them."""
+
+    __slots__ = ("tags", "by_statistic", "_cached")
+
+    def __init__(self, tags: Tuple[str, ...]):
+        self.tags = tags
+        by_statistic: Dict[Tuple[str, str], List[Tuple[str, str]]] = {}
+        for tag in tags:
+            parts = tag_parts(tag)
+            if parts:
+                by_statistic.setdefault((parts[0], parts[2]), []).append((parts[1], tag))
+        self.by_statistic = {k: tuple(v) for k, v in by_statistic.items()}
+        self._cached: dict = {}
+
+    def per_optimizer(self, kind: str, name: str) -> Tuple[str, ...]:
+        """The tags `<kind>/<name>` and `<kind>/<optimizer>/<name>`, in order."""
+        key = ("per_optimizer", kind, name)
+        found = self._cached.get(key)
+        if found is None:
+            found = self._cached[key] = tuple(
+                t for t in self.tags if is_per_optimizer(t, kind, name))
+        return found
+
+    def by_tensor(self, collections: Tuple[str, ...], statistics: Tuple[str, ...]
+                  ) -> Tuple[Tuple[Tuple[str, str], str, str], ...]:
+        """`((collection, tensor), statistic, tag)` of each tag of one of
+        `statistics` in one of `collections`, in tag order."""
+        key = ("by_tensor", collections, statistics)
+        found = self._cached.get(key)
+        if found is None:
+            entries = []
+            for tag in self.tags:
+                parts = tag_parts(tag)
+                if parts and parts[0] in collections and parts[2] in statistics:
+                    entries.append((parts[:2], parts[2], tag))
+            found = self._cached[key] = tuple(entries)
+        return found
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(tags: Tuple[str, ...]) -> _Layout:
+    return _Layout(tags)
+
+
 class StepRecord(dict):
-    """The scalars of one step, by tag (a `dict`), indexed once by
-    `(collection, statistic)` for the rules: `values_of` then reads the
-    values of one statistic without looking at the other tags.
+    """The scalars of one step, by tag (a `dict`), indexed by `(collection,
+    statistic)` for the rules: `values_of` then reads the values of one
+    statistic without looking at the other tags. The index is that of the
+    record's tag layout, shared by every record with the same tags in the
+    same order (the steps of a fit), found at the first read: a record is not
+    changed once the rules read it.
 
     Examples:
         >>> from kerasdbg.records import StepRecord, values_of
@@ -27,7 +79,14 @@ class StepRecord(dict):
         [('d/kernel', 2.0)]
     """
 
-    __slots__ = ("_index",)
+    __slots__ = ("_plan",)
+
+    def _layout(self) -> _Layout:
+        # Found at the first read, as the rules read a record (never changed then).
+        plan = getattr(self, "_plan", None)
+        if plan is None:
+            plan = self._plan = _layout(tuple(self))
+        return plan
 
     def by_statistic(self, collection: str, statistic: str) -> List[Tuple[str, float]]:
         """`(tensor, value)` of every tag `<collection>/<tensor>/<statistic>`.
@@ -37,15 +96,12 @@ class StepRecord(dict):
             >>> StepRecord({"weights/d/bias/max": 1.0}).by_statistic("weights", "max")
             [('d/bias', 1.0)]
         """
-        index = getattr(self, "_index", None)
-        if index is None:
-            index = {}
-            for tag, value in self.items():
-                parts = tag_parts(tag)
-                if parts:
-                    index.setdefault((parts[0], parts[2]), []).append((parts[1], float(value)))
-            self._index = index
-        return index.get((collection, statistic), [])
+        entries = self._layout().by_statistic.get((collection, statistic), ())
+        return [(tensor, float(self[tag])) for tensor, tag in entries]
+
+
+def _plan_of(record: Record) -> Optional[_Layout]:
+    return record._layout() if isinstance(record, StepRecord) else None
 
 
 def values_of(record: Record, collection: str, statistic: str) -> Iterator[Tuple[str, float]]:
@@ -53,7 +109,7 @@ def values_of(record: Record, collection: str, statistic: str) -> Iterator[Tuple
 
     Args:
         record: the scalars of one step, by tag (a `StepRecord` is read
-            through its index).
+            through its layout's index).
         collection: `gradients`, `weights`, `activations`, `classes` or
             `replicas`.
         statistic: the last part of the tags (`l2_norm`, `seen`, ...).
@@ -70,3 +126,43 @@ def values_of(record: Record, collection: str, statistic: str) -> Iterator[Tuple
         parts = tag_parts(tag)
         if parts and parts[0] == collection and parts[2] == statistic:
             yield parts[1], float(value)
+
+
+def statistics_by_tensor(record: Record, collections: Sequence[str],
+                         statistics: Sequence[str]) -> Dict[Tuple[str, str], Dict[str, float]]:
+    """`{(collection, tensor): {statistic: value}}` of the tags of `statistics`
+    in `collections`, in the record's order.
+
+    Examples:
+        >>> from kerasdbg.records.step_record import statistics_by_tensor
+        >>> statistics_by_tensor({"weights/d/bias/max": 1.0, "weights/d/bias/min": -1.0,
+        ...                       "step/loss": 2.0}, ["weights"], ["max", "min"])
+        {('weights', 'd/bias'): {'max': 1.0, 'min': -1.0}}
+    """
+    found: Dict[Tuple[str, str], Dict[str, float]] = {}
+    plan = _plan_of(record)
+    if plan is not None:
+        for key, stat, tag in plan.by_tensor(tuple(collections), tuple(statistics)):
+            found.setdefault(key, {})[stat] = float(record[tag])
+        return found
+    for tag, value in record.items():
+        parts = tag_parts(tag)
+        if parts and parts[0] in collections and parts[2] in statistics:
+            found.setdefault(parts[:2], {})[parts[2]] = float(value)
+    return found
+
+
+def per_optimizer_values(record: Record, kind: str, name: str) -> List[float]:
+    """The values of `<kind>/<name>` and of every `<kind>/<optimizer>/<name>`
+    in `record` (see `kerasdbg.records.tags.per_optimizer`).
+
+    Examples:
+        >>> from kerasdbg.records.step_record import per_optimizer_values
+        >>> per_optimizer_values({"step/g/skipped": 1.0, "step/d/skipped": 0.0,
+        ...                       "step/loss": 2.0}, "step", "skipped")
+        [1.0, 0.0]
+    """
+    plan = _plan_of(record)
+    if plan is not None:
+        return [float(record[tag]) for tag in plan.per_optimizer(kind, name)]
+    return [float(value) for tag, value in record.items() if is_per_optimizer(tag, kind, name)]

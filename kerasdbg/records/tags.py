@@ -165,12 +165,6 @@ def is_per_optimizer(tag: str, kind: str, name: str) -> bool:
     return tag == f"{kind}/{name}" or (tag.startswith(f"{kind}/") and tag.endswith(f"/{name}"))
 
 
-def per_optimizer_values(record: Mapping[str, float], kind: str, name: str) -> List[float]:
-    """The values of `<kind>/<name>` and of every `<kind>/<optimizer>/<name>`
-    (see `per_optimizer`) in `record`."""
-    return [float(value) for tag, value in record.items() if is_per_optimizer(tag, kind, name)]
-
-
 _LOSS_NAME = re.compile(r"(?:^|[^a-z])loss(?:$|[^a-z])", re.IGNORECASE)
 
 

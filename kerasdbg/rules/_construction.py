@@ -107,8 +107,8 @@ class Construction:
         if first_chance is None:
             first_chance = {t for t in tensors if (collection, t) not in self.seen}
         self.seen.update((collection, t) for t in tensors)
-        layers = {t: layer_of(t) for t in tensors}
         if magnitudes is not None:
+            layers = {t: layer_of(t) for t in tensors}
             # Per layer, the two largest magnitudes: a tensor's largest sibling is
             # the layer's largest, or its second when the tensor is the largest.
             top: Dict[str, list] = {}
@@ -128,9 +128,15 @@ class Construction:
                     sibling >= RATIO * mine)
                 key = (collection, tensor)
                 self.dwarfed[key] = self.dwarfed.get(key, True) and larger
-        for tensor in [t for c, t in list(self.exempt) if c == collection]:
-            if tensor in tensors and tensor not in failing:
-                del self.exempt[(collection, tensor)]  # healthy now: a fault if it fails again
+        if self.exempt:
+            present = set(tensors)
+            for tensor in [t for c, t in list(self.exempt) if c == collection]:
+                if tensor in present and tensor not in failing:
+                    del self.exempt[(collection, tensor)]  # healthy now: a fault if it fails again
+        if not failing:
+            return {}, {}
+        if magnitudes is None:
+            layers = {t: layer_of(t) for t in tensors}
         exact = set(failing) if exact is None else set(exact)
         healthy: Dict[str, int] = {}  # layer -> its healthy tensors
         for t in tensors:

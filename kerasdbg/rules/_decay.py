@@ -16,7 +16,7 @@ import math
 from typing import Optional, Tuple
 
 from kerasdbg.records import tags as _tags
-from kerasdbg.records.step_record import Record
+from kerasdbg.records.step_record import Record, per_optimizer_values
 
 DECAY = "weight_decay_fraction"
 """The step scalar: learning rate x weight decay at a step, the fraction of
@@ -26,7 +26,7 @@ each decayed weight that decoupled weight decay removed."""
 def decay_fractions(record: Record) -> Tuple[float, ...]:
     """The weight-decay fractions a step's record holds (one per optimizer
     that decays; none without weight decay or where not recorded)."""
-    values = _tags.per_optimizer_values(record, _tags.STEP, DECAY)
+    values = per_optimizer_values(record, _tags.STEP, DECAY)
     return tuple(v for v in values if math.isfinite(v) and v > 0.0)
 
 

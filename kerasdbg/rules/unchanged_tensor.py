@@ -9,9 +9,10 @@ from typing import Sequence
 
 from kerasdbg import _validation as check
 from kerasdbg.rules._construction import Construction
+from kerasdbg.records.step_record import statistics_by_tensor
 from kerasdbg.records.tags import statistic
 from kerasdbg.rules._decay import decay_fractions, still
-from kerasdbg.rules.rule import COLLECTIONS, Rule, tag_parts
+from kerasdbg.rules.rule import COLLECTIONS, Rule
 
 # Statistics compared between steps, where recorded.
 COMPARED = ("l2_norm", "mean", "std", "min", "max", "mean_abs", "zero_fraction")
@@ -96,11 +97,7 @@ class UnchangedTensor(Rule):
         self._construction = Construction()
 
     def check(self, step, record):
-        current = collections.defaultdict(dict)
-        for tag, value in record.items():
-            parts = tag_parts(tag)
-            if parts and parts[0] in self.collections and parts[2] in COMPARED:
-                current[parts[:2]][parts[2]] = float(value)
+        current = statistics_by_tensor(record, self.collections, COMPARED)
         fired, evaluated, first_chance = {}, collections.defaultdict(list), set()
         decays = decay_fractions(record) if "weights" in self.collections else ()
         for key, stats in current.items():
