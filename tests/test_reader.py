@@ -348,7 +348,7 @@ def test_a_store_that_cannot_be_written_is_removed_and_the_event_file_read(tmp_p
 
     writer = _events.EventWriter(os.path.join(str(tmp_path), "train"))
     writer.write(1, {"a/x": 1.0})
-    monkeypatch.setattr(_store.StoreWriter, "scalars", fail)
+    monkeypatch.setattr(_store.StoreWriter, "scalar_row", fail)
     with pytest.warns(RuntimeWarning, match=re.escape(
             "kerasdbg could not write the analysis store")):
         writer.write(2, {"a/x": 2.0})

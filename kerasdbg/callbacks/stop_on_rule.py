@@ -20,7 +20,7 @@ from kerasdbg.sinks import workers as _workers
 from kerasdbg import schedule as schedule_lib
 from kerasdbg.records import tags as _tags
 from kerasdbg.records import verdicts as _verdicts
-from kerasdbg.records.step_record import per_optimizer_values
+from kerasdbg.records.step_record import StepRecord, per_optimizer_values
 from kerasdbg.records.verdicts import notes_line, verdict_markdown
 from kerasdbg.callbacks._copies import CopiedAsNew
 from kerasdbg.callbacks._executions import AfterEachExecution
@@ -857,7 +857,8 @@ class StopOnRule(AfterEachExecution, ModelWithoutSync, CopiedAsNew, keras.callba
     def _write(self, step: int, record) -> None:
         if self._writer is None:
             return
-        scalars = {k: v for k, v in record.items() if k.startswith(_OWN_PREFIXES)}
+        scalars = record.starting(_OWN_PREFIXES) if isinstance(record, StepRecord) else {
+            k: v for k, v in record.items() if k.startswith(_OWN_PREFIXES)}
         if scalars:
             self._writer.write(step, scalars, unique=True)
 

@@ -5,7 +5,9 @@ statistic of it."""
 from __future__ import annotations
 
 import functools
-from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
 
 from kerasdbg.records.tags import is_per_optimizer, tag_parts
 
@@ -41,6 +43,25 @@ class _Layout:
         if found is None:
             found = self._cached[key] = tuple(
                 t for t in self.tags if is_per_optimizer(t, kind, name))
+        return found
+
+    def columns(self, collection: str, statistic: str) -> np.ndarray:
+        """The positions, among the tags, of `<collection>/<tensor>/<statistic>`."""
+        key = ("columns", collection, statistic)
+        found = self._cached.get(key)
+        if found is None:
+            position = {tag: i for i, tag in enumerate(self.tags)}
+            found = self._cached[key] = np.asarray(
+                [position[tag] for _, tag in self.by_statistic.get((collection, statistic), ())],
+                np.int64)
+        return found
+
+    def starting(self, prefixes: Tuple[str, ...]) -> Tuple[str, ...]:
+        """The tags that start with one of `prefixes`, in order."""
+        key = ("starting", prefixes)
+        found = self._cached.get(key)
+        if found is None:
+            found = self._cached[key] = tuple(t for t in self.tags if t.startswith(prefixes))
         return found
 
     def by_tensor(self, collections: Tuple[str, ...], statistics: Tuple[str, ...]
@@ -79,7 +100,7 @@ class StepRecord(dict):
         [('d/kernel', 2.0)]
     """
 
-    __slots__ = ("_plan",)
+    __slots__ = ("_plan", "_array")
 
     def _layout(self) -> _Layout:
         # Found at the first read, as the rules read a record (never changed then).
@@ -87,6 +108,31 @@ class StepRecord(dict):
         if plan is None:
             plan = self._plan = _layout(tuple(self))
         return plan
+
+    def column(self, collection: str, statistic: str) -> np.ndarray:
+        """The values of every tag `<collection>/<tensor>/<statistic>`, in
+        order, as float64 (those of `by_statistic`, as one array).
+
+        Examples:
+            >>> from kerasdbg.records import StepRecord
+            >>> StepRecord({"weights/a/max": 1.0, "step/loss": 3.0, "weights/b/max": 2.0}
+            ...            ).column("weights", "max").tolist()
+            [1.0, 2.0]
+        """
+        values = getattr(self, "_array", None)
+        if values is None:
+            values = self._array = np.fromiter(self.values(), np.float64, count=len(self))
+        return values[self._layout().columns(collection, statistic)]
+
+    def starting(self, prefixes: Tuple[str, ...]) -> Dict[str, float]:
+        """`{tag: value}` of the tags that start with one of `prefixes`.
+
+        Examples:
+            >>> from kerasdbg.records import StepRecord
+            >>> StepRecord({"step/loss": 3.0, "weights/a/max": 1.0}).starting(("step/",))
+            {'step/loss': 3.0}
+        """
+        return {tag: self[tag] for tag in self._layout().starting(prefixes)}
 
     def by_statistic(self, collection: str, statistic: str) -> List[Tuple[str, float]]:
         """`(tensor, value)` of every tag `<collection>/<tensor>/<statistic>`.

@@ -6,7 +6,7 @@ import math
 from typing import Optional, Sequence
 
 from kerasdbg import _validation as check
-from kerasdbg.rules.rule import COLLECTIONS, Rule, values_of
+from kerasdbg.rules.rule import COLLECTIONS, Rule, StepRecord, values_of
 
 
 class ExplodingTensor(Rule):
@@ -51,6 +51,12 @@ class ExplodingTensor(Rule):
 
     def check(self, step, record):
         for collection in self.collections:
+            if self.threshold is None and isinstance(record, StepRecord) and not (
+                    (record.column(collection, "nan_count") > 0).any() or (
+                        not self.only_nan and (record.column(collection, "inf_count") > 0).any())):
+                # Every count 0 (a count is never negative): nothing is non-finite, read
+                # as one array (the rule reads every step of every variable).
+                continue
             bad = dict(values_of(record, collection, "nan_count"))
             if not self.only_nan:
                 for name, count in values_of(record, collection, "inf_count"):

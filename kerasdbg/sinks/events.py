@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import socket
+import struct
 import time
 import warnings
 from typing import Callable, Dict, Hashable, List, Mapping, NamedTuple, Optional, Tuple
@@ -89,11 +90,11 @@ class EventWriter:
         self._described = set()
         # tag -> (step, value) of the last scalar written with `unique=True`.
         self._unique: Dict[str, Tuple[int, float]] = {}
-        # The scalar and view tags of a step -> an Event holding them, whose
-        # values are overwritten at each step (`_scalar_event`): a callback
-        # writes the same tags every step, and setting 80 floats costs 40 us
-        # where making 80 protos costs 100 us.
-        self._events: Dict[Tuple[Tuple[str, ...], Tuple[str, ...]], event_pb2.Event] = {}
+        # The scalar and view tags of a step -> its event serialized with a
+        # slot for each value (`_ScalarTemplate`): a callback writes the same
+        # tags every step, and filling 80 slots with NumPy costs a tenth of
+        # setting 80 floats of a proto.
+        self._templates: Dict[Tuple[Tuple[str, ...], Tuple[str, ...]], _ScalarTemplate] = {}
         # The callbacks writing here (key -> (name, strict)), told of a failure once.
         self._owners: Dict[Hashable, Tuple[str, bool]] = {}
         self._told: Dict[str, set] = {EVENTS: set(), STORE: set()}
@@ -254,67 +255,64 @@ class EventWriter:
                     self._unique[tag] = last
         wall_time = time.time() if wall_time is None else wall_time
         histograms, texts = dict(histograms), dict(texts)
+        values = None
         if scalars or views:
-            event = self._scalar_event(step, wall_time, scalars, views)
-            if histograms or texts:  # added to a copy: the cached event holds scalars only
-                event = event_pb2.Event.FromString(event.SerializeToString())
-        elif histograms or texts:
-            event = event_pb2.Event(wall_time=wall_time, step=int(step))
-        else:
+            values = np.fromiter(itertools.chain(scalars.values(), views.values()), np.float64,
+                                 count=len(scalars) + len(views))
+            data = self._scalar_template(tuple(scalars), tuple(views)).event(
+                step, wall_time, values)
+        elif not (histograms or texts):
             return
-        for tag, (counts, low, high) in histograms.items():
-            event.summary.value.add(
-                tag=tag,
-                metadata=self._metadata(tag, histogram_metadata),
-                tensor=_histogram_tensor(np.asarray(counts), low, high),
-            )
-        for tag, text in texts.items():
-            event.summary.value.add(
-                tag=tag,
-                metadata=self._metadata(tag, text_metadata),
-                tensor=tensor_pb2.TensorProto(
-                    dtype=types_pb2.DT_STRING,
-                    tensor_shape=_SCALAR_SHAPE,
-                    string_val=[text.encode("utf-8")],
-                ),
-            )
-        if not event.summary.value:
-            return
+        if histograms or texts:
+            event = event_pb2.Event.FromString(data) if values is not None else \
+                event_pb2.Event(wall_time=wall_time, step=int(step))
+            for tag, (counts, low, high) in histograms.items():
+                event.summary.value.add(
+                    tag=tag,
+                    metadata=self._metadata(tag, histogram_metadata),
+                    tensor=_histogram_tensor(np.asarray(counts), low, high),
+                )
+            for tag, text in texts.items():
+                event.summary.value.add(
+                    tag=tag,
+                    metadata=self._metadata(tag, text_metadata),
+                    tensor=tensor_pb2.TensorProto(
+                        dtype=types_pb2.DT_STRING,
+                        tensor_shape=_SCALAR_SHAPE,
+                        string_val=[text.encode("utf-8")],
+                    ),
+                )
+            data = event.SerializeToString()
         try:
-            self._writer.write(event.SerializeToString())
+            self._writer.write(data)
         except Exception as error:  # noqa: BLE001 - tf.errors of every kind
             self._fail(error)
             return
         if self._store is not None:
             try:
                 if scalars:
-                    self._store.scalars(event.step, event.wall_time, scalars)
+                    self._store.scalar_row(int(step), wall_time, tuple(scalars),
+                                           values[:len(scalars)])
                 if histograms:
-                    self._store.histograms(event.step, event.wall_time, histograms)
+                    self._store.histograms(int(step), wall_time, histograms)
                 if texts:
-                    self._store.texts(event.step, event.wall_time, texts)
+                    self._store.texts(int(step), wall_time, texts)
             except OSError as error:
                 self._drop_store(error)
         if time.monotonic() - self._last_flush > FLUSH_SECONDS:
             self.flush()
 
-    def _scalar_event(self, step: int, wall_time: float, scalars: Mapping[str, float],
-                      views: Mapping[str, float]) -> event_pb2.Event:
-        """The cached Event of these scalar and view tags (in this order),
-        holding this step's values: the steps of a callback repeat their
-        tags, and setting a value costs a tenth of adding one."""
-        key = (tuple(scalars), tuple(views))
-        event = self._events.get(key)
-        if event is None:
-            if len(self._events) >= 64:  # tags that change every step
-                self._events.clear()
-            event = self._events[key] = event_pb2.Event(summary=summary_pb2.Summary(
-                value=[summary_pb2.Summary.Value(tag=tag) for tag in key[0] + key[1]]))
-        event.step, event.wall_time = int(step), wall_time
-        for proto, value in zip(event.summary.value,
-                                itertools.chain(scalars.values(), views.values())):
-            proto.simple_value = float(value)
-        return event
+    def _scalar_template(self, scalars: Tuple[str, ...],
+                         views: Tuple[str, ...]) -> "_ScalarTemplate":
+        """The serialized event of these scalar and view tags (in this order),
+        worked out once: the steps of a callback repeat their tags."""
+        key = (scalars, views)
+        template = self._templates.get(key)
+        if template is None:
+            if len(self._templates) >= 64:  # tags that change every step
+                self._templates.clear()
+            template = self._templates[key] = _ScalarTemplate(scalars + views)
+        return template
 
     def flush(self, events_only: bool = False) -> None:
         """Writes what is buffered (the event file, then the store); with
@@ -412,6 +410,58 @@ class EventWriter:
             strict = any(strict for _, strict in self._owners.values())
             self._fail(error, report=strict or not self._owners)
         self._last_flush = time.monotonic()
+
+
+def _varint(value: int) -> bytes:
+    """`value` as a protobuf varint (an int64: a negative one in ten bytes)."""
+    value = int(value) & 0xFFFFFFFFFFFFFFFF
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+_NO_WALL_TIME = struct.pack("<d", 0.0)
+
+
+class _ScalarTemplate:
+    """The serialized `Event` of one layout of scalar tags, with a slot for
+    each value: the bytes `Event(wall_time, step, summary=Summary(value=
+    [Value(tag, simple_value), ...])).SerializeToString()` gives, field by
+    field (an Event's `wall_time` is field 1, a double; `step` field 2, a
+    varint; `summary` field 5; a Summary's values field 1; a Value's `tag`
+    field 1 and `simple_value` field 2, a float that, being in a oneof, is
+    written when 0 too), with each value rounded to float32 as the proto
+    rounds it."""
+
+    __slots__ = ("_summary", "_slots", "_head")
+
+    def __init__(self, tags: Tuple[str, ...]):
+        parts, slots, at = [], [], 0
+        for tag in tags:
+            name = tag.encode("utf-8")
+            value = b"\x0a" + _varint(len(name)) + name + b"\x15"
+            value = b"\x0a" + _varint(len(value) + 4) + value
+            parts.append(value + bytes(4))
+            slots.append(at + len(value))
+            at += len(value) + 4
+        summary = b"".join(parts)
+        self._summary = np.frombuffer(summary, np.uint8)
+        self._slots = (np.asarray(slots, np.int64)[:, None] + np.arange(4)).ravel()
+        self._head = b"\x2a" + _varint(len(summary))
+
+    def event(self, step: int, wall_time: float, values: np.ndarray) -> bytes:
+        """The serialized event of one step, `values` in the tags' order."""
+        body = self._summary.copy()
+        with np.errstate(over="ignore"):  # beyond float32: +-inf, as the proto makes it
+            body[self._slots] = values.astype("<f4").view(np.uint8)
+        wall = struct.pack("<d", wall_time)
+        step = int(step)
+        return b"".join((b"" if wall == _NO_WALL_TIME else b"\x09" + wall,
+                         b"\x10" + _varint(step) if step else b"",
+                         self._head, body.tobytes()))
 
 
 def _same(old: Optional[Tuple[int, float]], new: Tuple[int, float]) -> bool:

@@ -126,11 +126,16 @@ class StoreWriter:
 
     def scalars(self, step: int, wall_time: float, values: Mapping[str, float]) -> None:
         """Appends one row of the tag set `values` holds."""
-        key = tuple(values)
-        data = self._data(("s", key), "s", {"kind": "scalars", "columns": list(key)})
-        row = np.empty(_ROW_HEAD + len(key), np.float64)
+        self.scalar_row(step, wall_time, tuple(values),
+                        np.fromiter(values.values(), np.float64, count=len(values)))
+
+    def scalar_row(self, step: int, wall_time: float, tags: Tuple[str, ...],
+                   values: np.ndarray) -> None:
+        """Appends one row of the tag set `tags`, `values` in their order."""
+        data = self._data(("s", tags), "s", {"kind": "scalars", "columns": list(tags)})
+        row = np.empty(_ROW_HEAD + len(tags), np.float64)
         row[0], row[1] = step, wall_time
-        row[_ROW_HEAD:] = np.fromiter(values.values(), np.float64, count=len(key))
+        row[_ROW_HEAD:] = values
         self._append(data, row.tobytes())
 
     def histograms(self, step: int, wall_time: float,

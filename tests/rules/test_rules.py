@@ -192,6 +192,27 @@ def test_rules_on_records_edge_cases():
     assert AllZero().check(1, {"gradients/global_norm": 0.0}) is None
 
 
+
+@pytest.mark.parametrize("rule", [ExplodingTensor(), ExplodingTensor(only_nan=True),
+                                  ExplodingTensor(collections=["gradients", "weights"]),
+                                  ExplodingTensor(threshold=10.0)], ids=repr)
+def test_exploding_tensor_judges_a_step_record_as_the_plain_record(rule):
+    """A `StepRecord` is judged through its arrays (the counts all 0: no dict of
+    tensors built); the same verdict as on the same values in a plain dict."""
+    from kerasdbg.records import StepRecord
+    rng = np.random.default_rng(3)
+    for trial in range(200):
+        record = {}
+        for collection in ("gradients", "weights"):
+            for name in ("m/a/kernel", "m/a/bias", "m/b/kernel"):
+                record[f"{collection}/{name}/nan_count"] = float(rng.choice([0, 0, 0, 1, 7, math.nan]))
+                if rng.random() < 0.8:
+                    record[f"{collection}/{name}/inf_count"] = float(rng.choice([0, 0, 0, 2]))
+                record[f"{collection}/{name}/max"] = float(rng.normal() * 10)
+                record[f"{collection}/{name}/min"] = -float(rng.normal() * 10)
+        record["step/loss"] = 1.0
+        assert rule.check(trial, StepRecord(record)) == rule.check(trial, dict(record)), record
+
 def test_reasons_list_at_most_five_tensors():
     record = {f"gradients/v{i}/mean_abs": 0.0 for i in range(8)}
     record.update({f"weights/v{i}/update_ratio": 0.0 for i in range(8)})

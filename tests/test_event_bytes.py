@@ -1,0 +1,67 @@
+"""The scalar events `EventWriter` serializes itself (`_ScalarTemplate`): byte for byte
+what TensorBoard's `Event` proto serializes, for every value a step can hold, and read back
+by TensorBoard's own reader."""
+
+import math
+import struct
+
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing import event_file_loader
+from tensorboard.compat.proto import event_pb2, summary_pb2
+
+from kerasdbg.sinks import events as _events
+
+AWKWARD = [0.0, -0.0, 1.0, -1.5, float("nan"), -float("nan"), float("inf"), -float("inf"),
+           1e40, -1e40, 1e-50, 3.4028234663852886e38, 1.401298464324817e-45, 123456789.123]
+TAGS = ["step/loss", "gradients/model/dense/kernel/l2_norm", "views/ü/max", "x" * 200,
+        "weights/" + "/".join(["block"] * 40) + "/mean"]
+
+
+def _proto(step, wall_time, tags, values):
+    """The reference: TensorBoard's proto, each value set as a float."""
+    return event_pb2.Event(wall_time=wall_time, step=step, summary=summary_pb2.Summary(value=[
+        summary_pb2.Summary.Value(tag=tag, simple_value=float(value))
+        for tag, value in zip(tags, values)])).SerializeToString()
+
+
+@pytest.mark.parametrize("step", [1, 0, 2, 127, 128, 300, 2 ** 31, 2 ** 62, -1, -5])
+@pytest.mark.parametrize("wall_time", [1796197613.135163, 0.0, -0.0, 1.5])
+def test_a_scalar_event_is_the_bytes_the_proto_serializes(step, wall_time):
+    rng = np.random.default_rng(step % 1000)
+    values = AWKWARD[:len(TAGS)] + rng.normal(size=3).tolist()
+    tags = TAGS + [f"t{i}" for i in range(len(values) - len(TAGS))]
+    template = _events._ScalarTemplate(tuple(tags))
+    with np.errstate(over="ignore"):  # the reference's own cast of 1e40 warns in NumPy only
+        got = template.event(step, wall_time, np.asarray(values, np.float64))
+    assert got == _proto(step, wall_time, tags, values)
+    # The template is reused: another step's values in the same slots.
+    again = rng.normal(size=len(tags)) * 10.0 ** rng.integers(-30, 30, len(tags))
+    assert template.event(step + 1, wall_time, again) == _proto(step + 1, wall_time, tags, again)
+
+
+def test_every_awkward_value_alone_is_the_protos_bytes():
+    template = _events._ScalarTemplate(("a",))
+    for value in AWKWARD:
+        with np.errstate(over="ignore"):
+            got = template.event(7, 2.0, np.asarray([value]))
+        assert got == _proto(7, 2.0, ["a"], [value]), value
+
+
+def test_the_events_written_read_back_in_tensorboard_with_their_float32_values(tmp_path):
+    writer = _events.EventWriter(str(tmp_path))
+    rows = [{"step/loss": 0.5 * k, "gradients/m/d/kernel/max": 1e40 if k == 2 else -0.0,
+             "gradients/m/d/kernel/nan_count": float(k)} for k in range(1, 5)]
+    for k, row in enumerate(rows, 1):
+        writer.write(k, row, texts={"notes": "said"} if k == 3 else {}, views={"views/v": k / 3})
+    writer.close()
+    read = {}
+    for event in event_file_loader.EventFileLoader(writer.path).Load():
+        for value in event.summary.value:  # (the loader makes each scalar a float tensor)
+            if value.metadata.plugin_data.plugin_name == "scalars":
+                read.setdefault(value.tag, []).append((event.step, value.tensor.float_val[0]))
+    for tag in rows[0]:
+        want = [(k, math.inf if row[tag] > 1e39 else struct.unpack("<f", struct.pack(
+            "<f", row[tag]))[0]) for k, row in enumerate(rows, 1)]
+        assert read[tag] == want, tag
+    assert [s for s, _ in read["views/v"]] == [1, 2, 3, 4]
