@@ -303,6 +303,16 @@ def test_the_views_of_a_read_are_those_of_each_of_its_steps():
         if finite.size:
             expected["update_ratio/fraction_above_0.01"] = np.mean(finite > 0.01)
         _assert_views(views, expected, "weights")
+    # The taps' health: the largest dead / saturated fraction of each tap (one tap a group).
+    tags = ["activations/relu_a/dead_fraction", "activations/relu_b/dead_fraction",
+            "activations/tanh_c/saturated_fraction"]
+    health = np.array([[0.1, 0.5, 0.0], [np.nan, 1.0, 0.25], [0.0, np.nan, np.nan]])
+    for views, step in zip(_layout.views_of_steps("activations", tags, health), health):
+        expected = {f"{tag.split('/')[2]}/max/{tag.split('/')[1]}": value
+                    for tag, value in zip(tags, step)}
+        assert set(views) == {f"views/activations/{tag}" for tag in expected}
+        for tag, value in expected.items():
+            np.testing.assert_array_equal(views[f"views/activations/{tag}"], value, err_msg=tag)
 
 
 @pytest.mark.parametrize("ratios", [

@@ -216,14 +216,22 @@ class ActivationStatistics(AfterEachExecution, RecordingCallback):
 
     def _write_views(self) -> None:
         """Writes the views across taps (`_layout.views`) of the steps whose
-        rows are in: after the flush that follows each execution."""
+        rows are in: after the flush that follows each execution, the steps
+        of one layout computed as one array (`_layout.views_of_steps`)."""
         pending, self._pending = self._pending, {}
         if self._writer is None:
             return
-        for step in sorted(pending):
-            values = pending[step]
-            self._writer.write(step, views=_layout.views(
-                _tags.ACTIVATIONS, list(values), list(values.values())))
+        steps = sorted(pending)
+        layouts: Dict[tuple, List[int]] = {}
+        for step in steps:
+            layouts.setdefault(tuple(pending[step]), []).append(step)
+        views: Dict[int, Dict[str, float]] = {}
+        for tags, of_layout in layouts.items():
+            found = _layout.views_of_steps(
+                _tags.ACTIVATIONS, tags, [list(pending[step].values()) for step in of_layout])
+            views.update(zip(of_layout, found))
+        for step in steps:
+            self._writer.write(step, views=views[step])
 
     # ----------------------------------------------------------- results
     @property
