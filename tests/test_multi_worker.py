@@ -195,8 +195,11 @@ def test_a_nan_in_one_workers_shard_is_skipped_by_every_worker_alike(results, sp
     assert chief["skipped"] == other["skipped"] == [3]
     assert chief["iterations"] == other["iterations"] == STEPS - 1
     assert chief["verdicts"] == other["verdicts"]
-    # The NaN reaches the gradients (the loss stays finite through the fused ReLU).
-    assert chief["verdicts"][0].startswith("NaNSource at step 3:"), chief["verdicts"]
+    # The NaN reaches the gradients; the loss is NaN too, or finite where a fused
+    # MatMul+BiasAdd+ReLU kernel (oneDNN's) turns the NaN into 0: the verdicts are at step 3.
+    assert any(v.startswith("NaNSource at step 3:") for v in chief["verdicts"]), chief["verdicts"]
+    assert all(v.split(":")[0].endswith(" at step 3") for v in chief["verdicts"]), chief["verdicts"]
+    assert {v.split(" ")[0] for v in chief["verdicts"]} <= {"NaNSource", "NonFiniteLoss"}
     assert not chief["stop_training"] and not other["stop_training"]
     # As if the third global batch had not come: the reference trains on the others.
     keep = np.ones(len(X), bool)
