@@ -5,7 +5,7 @@ statistic of it."""
 from __future__ import annotations
 
 import functools
-from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Mapping, Sequence, Tuple
 
 import numpy as np
 
@@ -146,8 +146,10 @@ class StepRecord(dict):
         return [(tensor, float(self[tag])) for tensor, tag in entries]
 
 
-def _plan_of(record: Record) -> Optional[_Layout]:
-    return record._layout() if isinstance(record, StepRecord) else None
+def _plan_of(record: Record) -> _Layout:
+    """The layout of `record`'s tags: a `StepRecord`'s own, else that of its
+    tags found afresh (shared by records of the same tags)."""
+    return record._layout() if isinstance(record, StepRecord) else _layout(tuple(record))
 
 
 def values_of(record: Record, collection: str, statistic: str) -> Iterator[Tuple[str, float]]:
@@ -186,15 +188,8 @@ def statistics_by_tensor(record: Record, collections: Sequence[str],
         {('weights', 'd/bias'): {'max': 1.0, 'min': -1.0}}
     """
     found: Dict[Tuple[str, str], Dict[str, float]] = {}
-    plan = _plan_of(record)
-    if plan is not None:
-        for key, stat, tag in plan.by_tensor(tuple(collections), tuple(statistics)):
-            found.setdefault(key, {})[stat] = float(record[tag])
-        return found
-    for tag, value in record.items():
-        parts = tag_parts(tag)
-        if parts and parts[0] in collections and parts[2] in statistics:
-            found.setdefault(parts[:2], {})[parts[2]] = float(value)
+    for key, stat, tag in _plan_of(record).by_tensor(tuple(collections), tuple(statistics)):
+        found.setdefault(key, {})[stat] = float(record[tag])
     return found
 
 
@@ -208,7 +203,4 @@ def per_optimizer_values(record: Record, kind: str, name: str) -> List[float]:
         ...                       "step/loss": 2.0}, "step", "skipped")
         [1.0, 0.0]
     """
-    plan = _plan_of(record)
-    if plan is not None:
-        return [float(record[tag]) for tag in plan.per_optimizer(kind, name)]
-    return [float(value) for tag, value in record.items() if is_per_optimizer(tag, kind, name)]
+    return [float(record[tag]) for tag in _plan_of(record).per_optimizer(kind, name)]
