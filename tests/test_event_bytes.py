@@ -65,3 +65,64 @@ def test_the_events_written_read_back_in_tensorboard_with_their_float32_values(t
             "<f", row[tag]))[0]) for k, row in enumerate(rows, 1)]
         assert read[tag] == want, tag
     assert [s for s, _ in read["views/v"]] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("tensorflow", [False, True])
+def test_rows_written_together_are_the_bytes_written_one_at_a_time(tmp_path, tensorflow,
+                                                                   monkeypatch):
+    """`write_rows` (a read's events of scalars, one array per tag layout, one call of the
+    file): the same file, byte for byte after the header, and the same store, as `write` of
+    each row in turn, with two layouts interleaved, views that change their tags, step 0 and
+    awkward values."""
+    from kerasdbg import load_run
+    from kerasdbg.sinks import tfrecord
+
+    monkeypatch.setattr(tfrecord, "_tensorflow_loaded", lambda: tensorflow)
+    rng = np.random.default_rng(3)
+    a, b = ("step/loss", "weights/m/d/kernel/mean"), ("gradients/m/d/kernel/l2_norm",)
+    rows = []
+    for step in [0, 1, 2, 3, 300, 2 ** 40]:
+        values = np.asarray(AWKWARD[step % len(AWKWARD):][:2] + [1.0, 2.0])[:2]
+        rows.append(_events.ScalarRow(step, a, values, {"views/x/max/" + str(step % 2): 0.25}))
+        rows.append(_events.ScalarRow(step, b, rng.normal(size=1), {}))
+    wall = 1796197613.5
+    one, together = tmp_path / "one" / "train", tmp_path / "together" / "train"
+    first = _events.EventWriter(str(one))
+    with np.errstate(over="ignore"):
+        for row in rows:
+            first.write(row.step, dict(zip(row.tags, row.values.tolist())), views=row.views,
+                        wall_time=wall)
+    first.close()
+    second = _events.EventWriter(str(together))
+    with np.errstate(over="ignore"):
+        second.write_rows(rows, wall_time=wall)
+    second.close()
+    # (Each file begins with its own header: the time it was made.)
+    records = [list(event_file_loader.RawEventFileLoader(w.path).Load())[1:]
+               for w in (first, second)]
+    assert len(records[0]) == len(rows) and records[0] == records[1]
+    loaded = [load_run(str(tmp_path / name)) for name in ("one", "together")]
+    for tag in a + b:
+        assert loaded[0].scalars(tag).equals(loaded[1].scalars(tag)), tag
+    assert len(loaded[1].scalars(a[1])) == 6
+
+
+def test_rows_written_together_after_a_failure_write_nothing_and_say_so(tmp_path):
+    writer = _events.EventWriter(str(tmp_path / "train"))
+    writer.attach("owner", "GradientStatistics")
+
+    class Broken:
+        def write(self, data):
+            raise OSError(28, "No space left on device")
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    writer._writer = Broken()
+    with pytest.warns(RuntimeWarning, match="GradientStatistics could not record.*No space"):
+        writer.write_rows([_events.ScalarRow(1, ("step/loss",), np.asarray([1.0]), {})])
+    assert writer.failed
+    writer.write_rows([_events.ScalarRow(2, ("step/loss",), np.asarray([1.0]), {})])  # quiet

@@ -66,9 +66,13 @@ def test_reads_buffer_reads_and_event_writes_per_fit_follow_the_interval(
     model = _compiled(strategy_name, spe, jit)
     engine = _capture.engine_for(model)
     bursts = []  # the read each event write belongs to
-    write = _events.EventWriter.write
-    monkeypatch.setattr(_events.EventWriter, "write", lambda self, *a, **k: bursts.append(
-        engine.collector.clock.reads) or write(self, *a, **k))
+    def counted(original):
+        return lambda self, *a, **k: bursts.append(engine.collector.clock.reads) or \
+            original(self, *a, **k)
+
+    for method in ("write", "write_rows"):
+        monkeypatch.setattr(_events.EventWriter, method,
+                            counted(getattr(_events.EventWriter, method)))
     callbacks = [GradientStatistics(str(tmp_path)), WeightStatistics(str(tmp_path)),
                  StopOnRule(NonFiniteLoss(), log_dir=str(tmp_path), verbose=False)]
     model.fit(X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)

@@ -723,21 +723,24 @@ def test_6_a_log_dir_that_fails_at_run_time_warns_once_and_training_goes_on(
 
 
 def test_6_a_write_that_fails_part_way_warns_once_and_training_goes_on(tmp_path, monkeypatch):
-    original = _events.EventWriter.write
+    from kerasdbg.sinks import tfrecord
+
+    original = tfrecord.write_all
     calls = []
 
-    def write(self, *args, **kwargs):
-        calls.append(1)
-        if len(calls) > 2:  # the disk fills up at the third step
+    def write_all(writer, records):
+        calls.extend(records)
+        if len(calls) > 2:  # the disk fills up at the third step's event
             raise OSError(28, "No space left on device")
-        return original(self, *args, **kwargs)
+        return original(writer, records)
 
-    monkeypatch.setattr(_events.EventWriter, "write", write)
+    monkeypatch.setattr(tfrecord, "write_all", write_all)
     model = _mlp()
     grads = GradientStatistics(str(tmp_path))
     with pytest.warns(RuntimeWarning, match=re.escape(
-            f"GradientStatistics could not record: it could not write its records to "
-            f"{str(tmp_path)}; training goes on. Cause: OSError: [Errno 28] No space left on "
+            f"GradientStatistics could not record: kerasdbg could not write TensorBoard "
+            f"events to {str(tmp_path / 'train')!r}; the records stay in Python only "
+            "(`history`), and training goes on. Cause: OSError: [Errno 28] No space left on "
             "device")) as caught:
         model.fit(X, Y, batch_size=8, epochs=2, verbose=0, callbacks=[grads])
     assert len([w for w in caught if "could not record" in str(w.message)]) == 1

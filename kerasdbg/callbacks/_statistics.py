@@ -183,10 +183,15 @@ class StatisticsCallback(AfterEachExecution, RecordingCallback):
         engine = _capture.engine_for(self.model)
         several = engine.several_optimizers
         groups = _same_step(records)
+        # The events of scalars only, written together (`write_rows`).
+        rows: List[_events.ScalarRow] = []
         for group, views in zip(groups, self._views(groups, several)):
             last = max((i for i, r in enumerate(group) if not r.skipped), default=-1)
             for i, record in enumerate(group):
-                self._guarded(self._write, [record], views if i == last else {}, several, engine)
+                self._guarded(self._write, [record], views if i == last else {}, several, engine,
+                              rows)
+        if rows:
+            self._guarded(self._writer.write_rows, rows)
         if self._writer is not None:
             # Once a read: a killed run keeps every step up to its last read.
             self._guarded(self._writer.flush, events_only=True)
@@ -263,7 +268,12 @@ class StatisticsCallback(AfterEachExecution, RecordingCallback):
         return found
 
     def _write(self, records: List[_capture.Record], views: Dict[str, float],
-               several: Optional[bool] = None, engine=None) -> None:
+               several: Optional[bool] = None, engine=None,
+               rows: Optional[List[_events.ScalarRow]] = None) -> None:
+        """Keeps `records` (`history`) and writes their events; with `rows`,
+        an event of scalars only is added there (to be written with the
+        others of a read: `EventWriter.write_rows`), and the rows there are
+        written first where an event of histograms comes."""
         if several is None:
             several = _capture.engine_for(self.model).several_optimizers
         self._several = self._several or several
@@ -279,15 +289,24 @@ class StatisticsCallback(AfterEachExecution, RecordingCallback):
                 self._clipped += int(record.values[layout[2]] > 0)
             if self._writer is None or record.skipped:
                 continue
-            scalars = {}
+            tags, values = (), np.empty(0)
             if record.values is not None:
-                scalars = dict(zip(layout[1], np.asarray(record.values)[layout[0]].tolist()))
+                tags, values = layout[1], np.asarray(record.values, np.float64)[layout[0]]
                 if self.kind == "gradients" and isinstance(
                         self._optimizer(record.optimizer, engine),
                         keras.optimizers.LossScaleOptimizer):
-                    scalars[_tags.per_optimizer(self.kind, "skipped_updates",
-                                                record.optimizer if several else None)] = \
-                        self._skipped
+                    tags = tags + (_tags.per_optimizer(self.kind, "skipped_updates",
+                                                       record.optimizer if several else None),)
+                    values = np.append(values, float(self._skipped))
+            if rows is not None and record.histograms is None:
+                if tags or views:
+                    rows.append(_events.ScalarRow(record.step, tags, values, views))
+                continue
+            if rows:
+                pending = list(rows)
+                rows.clear()  # (written once, whatever happens here)
+                self._writer.write_rows(pending)
+            scalars = dict(zip(tags, values.tolist()))
             histograms = {}
             if record.histograms is not None:
                 counts, ranges = record.histograms

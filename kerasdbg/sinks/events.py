@@ -284,7 +284,7 @@ class EventWriter:
                 )
             data = event.SerializeToString()
         try:
-            self._writer.write(data)
+            _tfrecord.write_all(self._writer, [data])
         except Exception as error:  # noqa: BLE001 - tf.errors of every kind
             self._fail(error)
             return
@@ -299,6 +299,68 @@ class EventWriter:
                     self._store.texts(int(step), wall_time, texts)
             except OSError as error:
                 self._drop_store(error)
+        if time.monotonic() - self._last_flush > FLUSH_SECONDS:
+            self.flush()
+
+    def write_rows(self, rows: "List[ScalarRow]", wall_time: Optional[float] = None) -> None:
+        """Writes one event per row, in the rows' order: `write(step, scalars,
+        views=views)` for each, serialized as one array per tag layout (the
+        steps of a read repeat their tags) and handed to the file in one call.
+
+        Args:
+            rows: the rows (`ScalarRow`: the step, the scalar tags, their
+                values as an array in the tags' order, the views `{tag:
+                value}`).
+            wall_time: seconds since the epoch of every row. Defaults to now.
+        """
+        if self._derived:
+            # Views derived from each row's scalars: one row at a time.
+            for row in rows:
+                self.write(row.step, dict(zip(row.tags, np.asarray(row.values).tolist())),
+                           views=row.views, wall_time=wall_time)
+            return
+        if self.failures:
+            self._report()
+            if self._writer is None:
+                return
+        if not rows:
+            return
+        wall_time = time.time() if wall_time is None else wall_time
+        layouts: Dict[tuple, List[int]] = {}
+        for i, row in enumerate(rows):
+            layouts.setdefault((row.tags, tuple(row.views)), []).append(i)
+        data: List[Optional[bytes]] = [None] * len(rows)
+        for (tags, view_tags), chosen in layouts.items():
+            values = np.empty((len(chosen), len(tags) + len(view_tags)), np.float64)
+            for k, i in enumerate(chosen):
+                values[k, :len(tags)] = rows[i].values
+                if view_tags:
+                    values[k, len(tags):] = list(rows[i].views.values())
+            if not values.shape[1]:
+                continue
+            events = self._scalar_template(tags, view_tags).events(
+                [rows[i].step for i in chosen], wall_time, values)
+            for i, event in zip(chosen, events):
+                data[i] = event
+        if self._store is not None:
+            # The store's rows of a tag set in step order (the views' tags,
+            # which change from step to step, are not in the store).
+            sets: Dict[tuple, List[int]] = {}
+            for i, row in enumerate(rows):
+                if row.tags:
+                    sets.setdefault(row.tags, []).append(i)
+            try:
+                for tags, chosen in sets.items():
+                    self._store.scalar_rows(
+                        [rows[i].step for i in chosen], wall_time, tags,
+                        np.asarray([rows[i].values for i in chosen], np.float64))
+            except OSError as error:
+                self._drop_store(error)
+        try:
+            _tfrecord.write_all(self._writer, [d for d in data if d is not None])
+        except Exception as error:  # noqa: BLE001 - tf.errors of every kind
+            self._fail(error)
+            return
         if time.monotonic() - self._last_flush > FLUSH_SECONDS:
             self.flush()
 
@@ -462,6 +524,31 @@ class _ScalarTemplate:
         return b"".join((b"" if wall == _NO_WALL_TIME else b"\x09" + wall,
                          b"\x10" + _varint(step) if step else b"",
                          self._head, body.tobytes()))
+
+
+    def events(self, steps: List[int], wall_time: float, values: np.ndarray) -> List[bytes]:
+        """The serialized events of several steps (`values[k]`: step k's
+        values in the tags' order), the slots of all filled at once."""
+        body = np.tile(self._summary, (len(steps), 1))
+        with np.errstate(over="ignore"):
+            body[:, self._slots] = np.ascontiguousarray(values, "<f4").view(np.uint8)
+        wall = struct.pack("<d", wall_time)
+        head = (b"" if wall == _NO_WALL_TIME else b"\x09" + wall)
+        tail = self._head
+        return [b"".join((head, b"\x10" + _varint(int(step)) if step else b"", tail, row))
+                for step, row in zip(steps, map(bytes, body))]
+
+
+class ScalarRow(NamedTuple):
+    """One event of scalars for `EventWriter.write_rows`."""
+
+    step: int
+    tags: Tuple[str, ...]
+    """The scalars' tags."""
+    values: np.ndarray
+    """Their values, in the tags' order."""
+    views: Mapping[str, float]
+    """The views (`EventWriter.write`'s `views`)."""
 
 
 def _same(old: Optional[Tuple[int, float]], new: Tuple[int, float]) -> bool:

@@ -78,6 +78,7 @@ class StoreWriter:
         self._sets: Dict[tuple, str] = {}  # key -> data file
         self._pending: Dict[str, List[bytes]] = {}  # data file -> rows
         self._sizes: Dict[str, int] = {}
+        self._counts: Dict[str, int] = {}  # data file -> rows kept
         self._texts: List[str] = []
         self._count = 0
         self._written: Dict[str, int] = {}  # set name -> rows appended
@@ -109,20 +110,23 @@ class StoreWriter:
             data = self._sets[key] = os.path.join(self.path, f"{name}.f64")
         return data
 
-    def _append(self, data: str, row: bytes) -> None:
+    def _append(self, data: str, row: bytes, count: int = 1) -> None:
+        """Appends `row` (`count` rows of `data`'s set) to what is kept."""
         self._pending.setdefault(data, []).append(row)
         self._sizes[data] = self._sizes.get(data, 0) + len(row)
+        self._counts[data] = self._counts.get(data, 0) + count
         if self._sizes[data] >= self.BUFFER_BYTES:
             self._write(data)
 
     def _write(self, data: str) -> None:
         rows = self._pending.pop(data, None)
         self._sizes.pop(data, None)
+        count = self._counts.pop(data, 0)
         if rows:
             with open(data, "ab") as stream:
                 stream.write(b"".join(rows))
             name = os.path.basename(data)[:-4]
-            self._written[name] = self._written.get(name, 0) + len(rows)
+            self._written[name] = self._written.get(name, 0) + count
 
     def scalars(self, step: int, wall_time: float, values: Mapping[str, float]) -> None:
         """Appends one row of the tag set `values` holds."""
@@ -137,6 +141,16 @@ class StoreWriter:
         row[0], row[1] = step, wall_time
         row[_ROW_HEAD:] = values
         self._append(data, row.tobytes())
+
+    def scalar_rows(self, steps, wall_time: float, tags: Tuple[str, ...],
+                    values: np.ndarray) -> None:
+        """Appends one row per step of the tag set `tags` (`values[k]`: step
+        k's values in their order), as one block."""
+        data = self._data(("s", tags), "s", {"kind": "scalars", "columns": list(tags)})
+        rows = np.empty((len(steps), _ROW_HEAD + len(tags)), np.float64)
+        rows[:, 0], rows[:, 1] = steps, wall_time
+        rows[:, _ROW_HEAD:] = values
+        self._append(data, rows.tobytes(), len(steps))
 
     def histograms(self, step: int, wall_time: float,
                    values: Mapping[str, Tuple[np.ndarray, float, float]]) -> None:
@@ -175,11 +189,11 @@ class StoreWriter:
     def abandon(self) -> None:
         """Forgets the rows not written yet (its event file failed); what was
         flushed stays, whole rows that the reader reads."""
-        self._pending, self._sizes, self._texts = {}, {}, []
+        self._pending, self._sizes, self._counts, self._texts = {}, {}, {}, []
 
     def drop(self) -> None:
         """Removes the store, its marker first (then no reader uses what is left)."""
-        self._pending, self._sizes, self._texts = {}, {}, []
+        self._pending, self._sizes, self._counts, self._texts = {}, {}, {}, []
         try:
             os.remove(os.path.join(self.path, MARKER))
         except OSError:

@@ -129,11 +129,25 @@ class _FramedFile:
     def write(self, data: bytes) -> None:
         self._file.write(frame(data))
 
+    def write_all(self, records: "list[bytes]") -> None:
+        self._file.write(b"".join(map(frame, records)))
+
     def flush(self) -> None:
         self._file.flush()
 
     def close(self) -> None:
         self._file.close()
+
+
+def write_all(writer, records: "list[bytes]") -> None:
+    """Writes `records` with `writer` (a `record_writer`): in one call of the
+    file where this module frames them, else one at a time."""
+    many = getattr(writer, "write_all", None)
+    if many is not None:
+        many(records)
+    else:
+        for data in records:
+            writer.write(data)
 
 
 def record_writer(path: str, tensorflow: Optional[bool] = None):
