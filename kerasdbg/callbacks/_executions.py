@@ -15,6 +15,7 @@ the work stays at the batch end.
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 from kerasdbg import capture as _capture
@@ -32,10 +33,20 @@ class AfterEachExecution:
     """Keras may call the batch end on a worker thread: it does nothing there."""
 
     def _begin_executions(self) -> None:
-        self._at_begin = bool(getattr(_capture.engine_for(self.model),
-                                      "reads_at_batch_begin", False))
+        engine = _capture.engine_for(self.model)
+        # Looked up once a fit (the batches ask it at every step); a weak
+        # reference, which a copy of the callback (a tuner's) shares.
+        self._engine_ref = weakref.ref(engine)
+        self._at_begin = bool(getattr(engine, "reads_at_batch_begin", False))
         # At a batch's begin: the batch that ran before it, whose end is to do.
         self._started: Optional[int] = None
+
+    @property
+    def _engine(self):
+        """The model's capture (`kerasdbg.capture.engine_for`)."""
+        ref = vars(self).get("_engine_ref")
+        engine = ref() if ref is not None else None
+        return engine if engine is not None else _capture.engine_for(self.model)
 
     def _executions_read(self) -> None:
         """The final read of an epoch's end covers the last execution."""

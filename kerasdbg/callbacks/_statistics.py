@@ -157,10 +157,10 @@ class StatisticsCallback(AfterEachExecution, RecordingCallback):
         self._begin_executions()
 
     def _before_execution(self, batch: int) -> None:
-        _capture.engine_for(self.model).prepare()
+        self._engine.prepare()
 
     def _after_execution(self, batch: int) -> None:
-        _capture.engine_for(self.model).collect(final=False, batch=batch)
+        self._engine.collect(final=False, batch=batch)
 
     def on_epoch_end(self, epoch, logs=None):
         self._executions_read()

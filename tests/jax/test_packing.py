@@ -1,5 +1,7 @@
 """The packed records of JAX's step: what leaves the step is what went in."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,3 +58,33 @@ def test_records_without_floats_or_integers_pack():
 def test_unpacked_records_pass_through():
     plain = {"a": np.asarray(1.0)}
     assert packing.unpack(plain) is plain
+
+
+def test_the_records_of_a_read_as_columns_are_the_records_of_each_step():
+    # A read of several steps: each record as one array over the steps of a
+    # layout, equal to `fetch`'s values step by step (packed steps of two
+    # traces, steps run without jit, and what the host added to a step).
+    def step(state, carry, data):
+        return {}, state, carry, dict(records(), data=data * 2)
+
+    def other(state, carry, data):  # another trace: another layout
+        return {}, state, carry, {"loss": data, "row": jnp.stack([data, -data])}
+
+    made = {}
+    for function in (step, other):
+        inner, call = packing.packed(function)
+        made[function] = functools.partial(call, jax.jit(inner))
+    calls = [made[step], made[step], made[other], made[step]]
+    steps = []
+    for k, call in enumerate(calls):
+        out = call(jnp.asarray(0.0), {}, jnp.asarray(float(k)))[3]
+        steps.append(dict(out, guess=k) if k == 1 else out)
+    steps += [dict(step(0, {}, jnp.asarray(5.0))[3], guess=9), step(0, {}, jnp.asarray(6.0))[3]]
+    got = packing.fetch_columns(steps, host=("guess",))
+    assert [g.count for g in got] == [2, 1, 1, 2]
+    want = packing.fetch(steps)
+    found = [g.step(i) for g in got for i in range(g.count)]
+    for g, w in zip(found, want):
+        assert_same(g, w)
+    assert got[0].extras == [{}, {"guess": 1}] and got[3].extras == [{"guess": 9}, {}]
+    assert got[0].columns["row"].shape == (2, 2, 2) and "guess" not in got[3]

@@ -110,6 +110,8 @@ _LOSS = _tags.LOSS
 # its train steps, the host's seconds in `next(iterator)`, the examples.
 _TIMING = ("wrap/steps", "wrap/input_seconds", "wrap/examples")
 TIMING = ("steps", "input_seconds", "examples")
+# What the host adds to a step's records (a read finds them in `Steps.extras`).
+_HOST_KEYS = (_tensors.PREFIX + "guess",) + _TIMING
 """What a "wrap" request's record holds per execution (its `tags`)."""
 
 _LOCAL = threading.local()
@@ -1266,51 +1268,16 @@ class Engine(Capture):
         if skipped:
             # Where the steps stand for the host (`keras_objects.step_number`).
             self._take_skipped(skipped)
-        host = _packing.fetch(pending)
+        groups = _packing.fetch_columns(pending, _HOST_KEYS)
         self._several = self._several or sum(h.applies > 0 for h in self.hooks.values()) > 1
         out: Dict[int, List[Record]] = {id(r): [] for r in self.requests}
-        for records, batch in itertools.zip_longest(host, batches[:len(host)]):
-            if _tensors.PREFIX + "guess" in records:
-                for request in self.requests:
-                    if request.kind == "tensors" and _tensors.PREFIX + "step" in records:
-                        request.take(int(records[_tensors.PREFIX + "guess"]), records)
-            self._calls = int(records[_CALLS])
-            step = int(records[_FIRST]) if _FIRST in records else \
-                self._step_base + self._calls
-            frozen = bool(records[_FROZEN])
-            self.loss_captured = self.loss_captured or _LOSS in records
-            self.faults.frozen = self.faults.frozen or frozen
-            for hook in sorted(self.hooks.values(), key=lambda h: h.number):
-                for index in range(hook.applies):
-                    key = f"apply/{hook.number}/{index}"
-                    if f"{key}/step" not in records:
-                        continue
-                    applied_step = int(records[f"{key}/step"])
-                    # Where the guard last saw this optimizer (`_kept_guard_of`).
-                    self._guard_seen[hook.number] = applied_step
-                    skipped = bool(records.get(f"{key}/skipped", False))
-                    # False at a batch that gradient accumulation only accumulated.
-                    updated = bool(records.get(f"{key}/applied", True))
-                    for number, request in enumerate(self.requests):
-                        row = records.get(f"{key}/{number}")
-                        if row is None:
-                            continue
-                        if request.kind == "weights" and (
-                                frozen or records.get(f"{_GUARD}{hook.number}/skipped")):
-                            continue  # weights the freeze or a skip threw away
-                        out[id(request)].append(self._record(
-                            request, hook, applied_step, row, records.get(f"{key}/{number}/hist"),
-                            skipped, updated))
-            for request in self.requests:
-                if request.kind == "step":
-                    out[id(request)].append(self._step_record(step, records, batch))
-                elif request.kind == "wrap" and _TIMING[0] in records:
-                    out[id(request)].append(Record(
-                        step=step, skipped=False, histograms=None, tags=TIMING,
-                        values=np.asarray([records[k] for k in _TIMING], np.float64)))
-        self.loss_captured = self.loss_captured or any(
-            _LOSS in records for records in host)
-        if totals is not None and host:
+        step = None
+        first = 0
+        for group in groups:
+            step = self._read_steps(group, batches[first:first + group.count], out)
+            first += group.count
+        self.loss_captured = self.loss_captured or any(_LOSS in group for group in groups)
+        if totals is not None and groups:
             # The totals after the last of these steps, as TensorFlow's capture records them.
             for request in self.requests:
                 if request.kind == "classes" and request.labelled:
@@ -1318,6 +1285,78 @@ class Engine(Capture):
         for request in self.requests:
             if out[id(request)]:
                 request.consumer(out[id(request)])
+
+    def _read_steps(self, group: "_packing.Steps", batches: list,
+                    out: Dict[int, List[Record]]) -> int:
+        """Adds to `out` (per request, in step order) the records of the
+        steps of `group` (steps of one layout, as columns: each record's
+        values of every step in one array), and returns the last step."""
+        columns, count = group.columns, group.count
+        if _tensors.PREFIX + "step" in columns:
+            for i, extras in enumerate(group.extras):
+                if _tensors.PREFIX + "guess" in extras:
+                    for request in self.requests:
+                        if request.kind == "tensors":
+                            request.take(int(extras[_tensors.PREFIX + "guess"]), group.step(i))
+        calls = np.asarray(columns[_CALLS]).astype(np.int64).reshape(count)
+        self._calls = int(calls[-1])
+        steps = (np.asarray(columns[_FIRST]).astype(np.int64).reshape(count) if _FIRST in columns
+                 else self._step_base + calls)
+        frozen = np.asarray(columns[_FROZEN]).astype(bool).reshape(count)
+        self.loss_captured = self.loss_captured or _LOSS in columns
+        self.faults.frozen = self.faults.frozen or bool(frozen.any())
+        # Per request, per step: the records of that step, optimizers in their order.
+        found: Dict[int, List[List[Record]]] = {id(r): [[] for _ in range(count)]
+                                               for r in self.requests}
+        no = np.zeros(count, bool)
+        for hook in sorted(self.hooks.values(), key=lambda h: h.number):
+            guard_skipped = columns.get(f"{_GUARD}{hook.number}/skipped")
+            dropped = frozen if guard_skipped is None else \
+                frozen | np.asarray(guard_skipped).astype(bool).reshape(count)
+            for index in range(hook.applies):
+                key = f"apply/{hook.number}/{index}"
+                if f"{key}/step" not in columns:
+                    continue
+                applied = np.asarray(columns[f"{key}/step"]).astype(np.int64).reshape(count)
+                # Where the guard last saw this optimizer (`_kept_guard_of`).
+                self._guard_seen[hook.number] = int(applied[-1])
+                skipped = columns.get(f"{key}/skipped")
+                skipped = no if skipped is None else np.asarray(skipped).astype(bool).reshape(count)
+                # False at a batch that gradient accumulation only accumulated.
+                updated = columns.get(f"{key}/applied")
+                updated = ~no if updated is None else \
+                    np.asarray(updated).astype(bool).reshape(count)
+                for number, request in enumerate(self.requests):
+                    rows = columns.get(f"{key}/{number}")
+                    if rows is None:
+                        continue
+                    rows = np.asarray(rows, np.float64).reshape(count, -1)
+                    hist = columns.get(f"{key}/{number}/hist")
+                    weights = request.kind == "weights"
+                    into = found[id(request)]
+                    for i in range(count):
+                        if weights and dropped[i]:
+                            continue  # weights the freeze or a skip threw away
+                        into[i].append(self._record(
+                            request, hook, int(applied[i]), rows[i],
+                            None if hist is None else (hist[0][i], hist[1][i]),
+                            bool(skipped[i]), bool(updated[i])))
+        for request in self.requests:
+            into = found[id(request)]
+            if request.kind == "step":
+                for i in range(count):
+                    into[i].append(self._step_record(
+                        int(steps[i]), group.step(i), batches[i] if i < len(batches) else None))
+            elif request.kind == "wrap":
+                for i, extras in enumerate(group.extras):
+                    if _TIMING[0] in extras:
+                        into[i].append(Record(
+                            step=int(steps[i]), skipped=False, histograms=None, tags=TIMING,
+                            values=np.asarray([extras[k] for k in _TIMING], np.float64)))
+            kept = out[id(request)]
+            for records in into:
+                kept.extend(records)
+        return int(steps[-1])
 
     def _record(self, request: Request, hook: _Hook, step: int, row, hist,
                 skipped: bool = False, updated: bool = True) -> Record:

@@ -16,6 +16,7 @@ is traced; each call's records carry the layout of the trace that made them
 
 from __future__ import annotations
 
+import functools
 from typing import Dict, List, NamedTuple, Tuple
 
 import jax
@@ -133,11 +134,16 @@ def _arrays(records: Dict[str, object]) -> list:
     return [a for a in jax.tree_util.tree_leaves(records) if isinstance(a, jax.Array)]
 
 
+@functools.lru_cache(maxsize=None)
+def _on_cpu() -> bool:
+    return jax.default_backend() == "cpu"
+
+
 def start_transfer(steps: List[Dict[str, object]]) -> None:
     """At an execution's end: starts copying its steps' records to the host
     without waiting (`copy_to_host_async`), so that a later read finds them
     there. Nothing to do where the device is the host's memory (CPU)."""
-    if jax.default_backend() == "cpu":
+    if _on_cpu():
         return
     for records in steps:
         for array in _arrays(records):
@@ -168,5 +174,91 @@ def fetch(steps: List[Dict[str, object]]) -> List[Dict[str, object]]:
     return out
 
 
-__all__ = ["pack", "packed", "unpack", "fetch", "ready", "start_transfer", "Layout", "PACKED",
-           "LAYOUT"]
+class Steps:
+    """The records of consecutive steps of one layout, read as columns: each
+    record's values of every step as one array whose first axis is the
+    steps (`columns`, the records' dict with those arrays), and the values
+    the host added to a step's records (`extras`, one dict per step)."""
+
+    __slots__ = ("count", "columns", "extras")
+
+    def __init__(self, count: int, columns: Dict[str, object], extras: List[dict]):
+        self.count = count
+        self.columns = columns
+        self.extras = extras
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.columns
+
+    def step(self, index: int) -> Dict[str, object]:
+        """The records of the step at `index` (of these steps), as `fetch`
+        gives them."""
+        out = jax.tree_util.tree_map(lambda column: column[index], self.columns)
+        out.update(self.extras[index])
+        return out
+
+
+def _host_keys(records: Dict[str, object]) -> dict:
+    return {k: v for k, v in records.items() if k not in (PACKED, LAYOUT)}
+
+
+def _packed_columns(group: List[Dict[str, object]]) -> Steps:
+    layout = group[0][LAYOUT]
+    arrays = [[np.asarray(a) for a in records[PACKED]] for records in group]
+    stacked = [np.stack(column) for column in zip(*arrays)]
+    kept = dict(zip(layout.kept, stacked[2:]))
+    count = len(group)
+    leaves = []
+    for position, entry in enumerate(layout.entries):
+        if entry is None:
+            leaves.append(kept[position])
+            continue
+        values = stacked[entry.group][:, entry.start:entry.end]
+        leaves.append(values.astype(entry.dtype).reshape((count,) + entry.shape))
+    columns = jax.tree_util.tree_unflatten(layout.treedef, leaves)
+    return Steps(count, columns, [_host_keys(records) for records in group])
+
+
+def _plain_columns(group: List[Dict[str, object]], host: tuple) -> Steps:
+    arrays = [{k: v for k, v in records.items() if k not in host} for records in group]
+    columns = jax.tree_util.tree_map(lambda *values: np.stack([np.asarray(v) for v in values]),
+                                     *arrays)
+    return Steps(len(group), columns,
+                 [{k: v for k, v in records.items() if k in host} for records in group])
+
+
+def fetch_columns(steps: List[Dict[str, object]], host: tuple = ()) -> List[Steps]:
+    """On the host: the records of `steps` (in their order) as `Steps`, one
+    per run of consecutive steps with the same layout: one NumPy array per
+    record and run, not one per record and step (`fetch` gives the same
+    values a step at a time). A step's packed arrays are read directly;
+    records of a step run without `jit_compile` go through
+    `jax.device_get`. The keys in `host` (values the host adds to a step's
+    records) and every key the host added to packed records are a step's
+    `extras`."""
+    out: List[Steps] = []
+    group: List[Dict[str, object]] = []
+    key = None
+
+    def close():
+        if group:
+            out.append(_packed_columns(group) if PACKED in group[0]
+                       else _plain_columns(group, host))
+
+    for records in steps:
+        if PACKED in records:
+            this = ("packed", id(records[LAYOUT]))
+        else:
+            records = jax.device_get(records)
+            this = ("plain", jax.tree_util.tree_structure(
+                {k: v for k, v in records.items() if k not in host}))
+        if this != key:
+            close()
+            group, key = [], this
+        group.append(records)
+    close()
+    return out
+
+
+__all__ = ["pack", "packed", "unpack", "fetch", "fetch_columns", "Steps", "ready",
+           "start_transfer", "Layout", "PACKED", "LAYOUT"]
