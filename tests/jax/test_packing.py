@@ -62,8 +62,8 @@ def test_unpacked_records_pass_through():
 
 def test_the_records_of_a_read_as_columns_are_the_records_of_each_step():
     # A read of several steps: each record as one array over the steps of a
-    # layout, equal to `fetch`'s values step by step (packed steps of two
-    # traces, steps run without jit, and what the host added to a step).
+    # layout, equal step by step to what each step recorded (packed steps of
+    # two traces, steps run without jit, and what the host added to a step).
     def step(state, carry, data):
         return {}, state, carry, dict(records(), data=data * 2)
 
@@ -75,16 +75,27 @@ def test_the_records_of_a_read_as_columns_are_the_records_of_each_step():
         inner, call = packing.packed(function)
         made[function] = functools.partial(call, jax.jit(inner))
     calls = [made[step], made[step], made[other], made[step]]
-    steps = []
+    steps, want = [], []
     for k, call in enumerate(calls):
         out = call(jnp.asarray(0.0), {}, jnp.asarray(float(k)))[3]
         steps.append(dict(out, guess=k) if k == 1 else out)
-    steps += [dict(step(0, {}, jnp.asarray(5.0))[3], guess=9), step(0, {}, jnp.asarray(6.0))[3]]
+        data = jnp.asarray(float(k))
+        wanted = {"loss": data, "row": jnp.stack([data, -data])} if calls[k] is made[other] \
+            else dict(records(), data=data * 2)
+        want.append(dict(wanted, guess=k) if k == 1 else wanted)
+    for value, guess in ((5.0, 9), (6.0, None)):  # run without jit
+        recorded = step(0, {}, jnp.asarray(value))[3]
+        steps.append(recorded if guess is None else dict(recorded, guess=guess))
+        wanted = dict(records(), data=jnp.asarray(value * 2))
+        want.append(wanted if guess is None else dict(wanted, guess=guess))
     got = packing.fetch_columns(steps, host=("guess",))
     assert [g.count for g in got] == [2, 1, 1, 2]
-    want = packing.fetch(steps)
     found = [g.step(i) for g in got for i in range(g.count)]
+    assert len(found) == len(want)
     for g, w in zip(found, want):
+        w = dict(w)
+        if "guess" in w:
+            assert g.pop("guess") == w.pop("guess")
         assert_same(g, w)
     assert got[0].extras == [{}, {"guess": 1}] and got[3].extras == [{"guess": 9}, {}]
     assert got[0].columns["row"].shape == (2, 2, 2) and "guess" not in got[3]

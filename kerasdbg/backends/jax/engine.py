@@ -110,9 +110,9 @@ _LOSS = _tags.LOSS
 # its train steps, the host's seconds in `next(iterator)`, the examples.
 _TIMING = ("wrap/steps", "wrap/input_seconds", "wrap/examples")
 TIMING = ("steps", "input_seconds", "examples")
+"""What a "wrap" request's record holds per execution (its `tags`)."""
 # What the host adds to a step's records (a read finds them in `Steps.extras`).
 _HOST_KEYS = (_tensors.PREFIX + "guess",) + _TIMING
-"""What a "wrap" request's record holds per execution (its `tags`)."""
 
 _LOCAL = threading.local()
 
@@ -1276,7 +1276,6 @@ class Engine(Capture):
         for group in groups:
             step = self._read_steps(group, batches[first:first + group.count], out)
             first += group.count
-        self.loss_captured = self.loss_captured or any(_LOSS in group for group in groups)
         if totals is not None and groups:
             # The totals after the last of these steps, as TensorFlow's capture records them.
             for request in self.requests:

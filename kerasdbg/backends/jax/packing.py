@@ -7,7 +7,8 @@ made, later a transfer of its own), and a step returns a dozen or more: on
 a GPU, where a small model's step takes a millisecond, that is a cost of the
 order of the step. `packed` wraps the step so that its records leave it as
 two arrays (the floating-point values, the integers and booleans), and
-`unpack` gives the host the same dict back, after one transfer.
+`unpack` gives the host the same dict back, after one transfer;
+`fetch_columns` gives a read's steps back as one array per record.
 
 The layout (which key, where, what shape and dtype) is known when the step
 is traced; each call's records carry the layout of the trace that made them
@@ -107,23 +108,31 @@ def packed(step):
     return inner, call
 
 
+def _leaves(layout: Layout, floats, integers, kept: dict, lead: Tuple[int, ...] = ()) -> list:
+    """The leaves of `layout`'s records cut from the packed `floats` and
+    `integers` (NumPy), with `lead` axes before each record's shape (the
+    steps of a read: `floats` is then one row per step)."""
+    groups = (floats, integers)
+    leaves = []
+    for position, entry in enumerate(layout.entries):
+        if entry is None:
+            leaves.append(kept[position])
+            continue
+        values = groups[entry.group][..., entry.start:entry.end]
+        leaves.append(values.astype(entry.dtype).reshape(lead + entry.shape))
+    return leaves
+
+
 def unpack(records: Dict[str, object]) -> Dict[str, object]:
     """On the host, after `jax.device_get`: the records `pack` packed, with
     any other key of `records` (values the host added) as it is."""
     if PACKED not in records:
         return records
     arrays, layout = records[PACKED], records[LAYOUT]
-    groups = (np.asarray(arrays[0]), np.asarray(arrays[1]))
-    kept = dict(zip(layout.kept, arrays[2:]))
-    leaves = []
-    for position, entry in enumerate(layout.entries):
-        if entry is None:
-            leaves.append(kept[position])
-            continue
-        values = groups[entry.group][entry.start:entry.end]
-        leaves.append(values.astype(entry.dtype).reshape(entry.shape))
+    leaves = _leaves(layout, np.asarray(arrays[0]), np.asarray(arrays[1]),
+                     dict(zip(layout.kept, arrays[2:])))
     out = jax.tree_util.tree_unflatten(layout.treedef, leaves)
-    out.update((k, v) for k, v in records.items() if k not in (PACKED, LAYOUT))
+    out.update(_host_keys(records))
     return out
 
 
@@ -159,21 +168,6 @@ def ready(records: Dict[str, object]) -> bool:
     return all(array.is_ready() for array in _arrays(records))
 
 
-def fetch(steps: List[Dict[str, object]]) -> List[Dict[str, object]]:
-    """On the host: the records of `steps`, as NumPy, unpacked. A step's
-    packed arrays are read directly (on a CPU that costs about a
-    microsecond an array, where `jax.device_get` costs ten); records of a
-    step run without `jit_compile` go through `jax.device_get`."""
-    out = []
-    for records in steps:
-        if PACKED in records:
-            arrays = tuple(np.asarray(a) for a in records[PACKED])
-            out.append(unpack(dict(records, **{PACKED: arrays})))
-        else:
-            out.append(jax.device_get(records))
-    return out
-
-
 class Steps:
     """The records of consecutive steps of one layout, read as columns: each
     record's values of every step as one array whose first axis is the
@@ -191,8 +185,8 @@ class Steps:
         return key in self.columns
 
     def step(self, index: int) -> Dict[str, object]:
-        """The records of the step at `index` (of these steps), as `fetch`
-        gives them."""
+        """The records of the step at `index` (of these steps), as `unpack`
+        gives one step's."""
         out = jax.tree_util.tree_map(lambda column: column[index], self.columns)
         out.update(self.extras[index])
         return out
@@ -206,17 +200,10 @@ def _packed_columns(group: List[Dict[str, object]]) -> Steps:
     layout = group[0][LAYOUT]
     arrays = [[np.asarray(a) for a in records[PACKED]] for records in group]
     stacked = [np.stack(column) for column in zip(*arrays)]
-    kept = dict(zip(layout.kept, stacked[2:]))
-    count = len(group)
-    leaves = []
-    for position, entry in enumerate(layout.entries):
-        if entry is None:
-            leaves.append(kept[position])
-            continue
-        values = stacked[entry.group][:, entry.start:entry.end]
-        leaves.append(values.astype(entry.dtype).reshape((count,) + entry.shape))
+    leaves = _leaves(layout, stacked[0], stacked[1], dict(zip(layout.kept, stacked[2:])),
+                     (len(group),))
     columns = jax.tree_util.tree_unflatten(layout.treedef, leaves)
-    return Steps(count, columns, [_host_keys(records) for records in group])
+    return Steps(len(group), columns, [_host_keys(records) for records in group])
 
 
 def _plain_columns(group: List[Dict[str, object]], host: tuple) -> Steps:
@@ -230,12 +217,12 @@ def _plain_columns(group: List[Dict[str, object]], host: tuple) -> Steps:
 def fetch_columns(steps: List[Dict[str, object]], host: tuple = ()) -> List[Steps]:
     """On the host: the records of `steps` (in their order) as `Steps`, one
     per run of consecutive steps with the same layout: one NumPy array per
-    record and run, not one per record and step (`fetch` gives the same
-    values a step at a time). A step's packed arrays are read directly;
-    records of a step run without `jit_compile` go through
-    `jax.device_get`. The keys in `host` (values the host adds to a step's
-    records) and every key the host added to packed records are a step's
-    `extras`."""
+    record and run, not one per record and step (the values `unpack` gives
+    one step at a time). A step's packed arrays are read directly (on a CPU
+    about a microsecond an array, where `jax.device_get` costs ten); records
+    of a step run without `jit_compile` go through `jax.device_get`. The
+    keys in `host` (values the host adds to a step's records) and every key
+    the host added to packed records are a step's `extras`."""
     out: List[Steps] = []
     group: List[Dict[str, object]] = []
     key = None
@@ -260,5 +247,5 @@ def fetch_columns(steps: List[Dict[str, object]], host: tuple = ()) -> List[Step
     return out
 
 
-__all__ = ["pack", "packed", "unpack", "fetch", "fetch_columns", "Steps", "ready",
+__all__ = ["pack", "packed", "unpack", "fetch_columns", "Steps", "ready",
            "start_transfer", "Layout", "PACKED", "LAYOUT"]
