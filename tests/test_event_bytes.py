@@ -107,6 +107,48 @@ def test_rows_written_together_are_the_bytes_written_one_at_a_time(tmp_path, ten
     assert len(loaded[1].scalars(a[1])) == 6
 
 
+def test_rows_written_together_with_unique_and_derived_views_are_those_of_write(tmp_path):
+    """`write_rows(..., unique=True)` on a writer that derives the loss's log10
+    (`StopOnRule`'s): what `write(..., unique=True)` of each row writes, with a
+    value written again at its step left out (two StopOnRules in one log
+    directory), a new value at the same step kept, NaN equal to NaN, a row
+    left with nothing to write and a loss NaN or <= 0 (no log10)."""
+    from kerasdbg import load_run
+    from kerasdbg.sinks import layout
+
+    loss, frozen = "step/loss", "step/frozen"
+    rows = [_events.ScalarRow(step, tags, np.asarray(values, np.float64), {})
+            for step, tags, values in [
+                (1, (loss, frozen), [2.0, 0.0]), (1, (loss, frozen), [2.0, 0.0]),  # nothing new
+                (1, (loss,), [3.0]), (2, (loss, frozen), [float("nan"), 1.0]),
+                (2, (loss, frozen), [float("nan"), 1.0]), (3, (loss,), [-0.5]),
+                (3, (frozen,), [0.0]), (4, (loss, frozen), [100.0, 0.0])]]
+    wall = 1796197613.5
+    writers = []
+    for name in ("one", "together"):
+        writer = _events.EventWriter(str(tmp_path / name / "train"))
+        writer.derive(layout.loss_views)
+        writers.append(writer)
+    for row in rows:
+        writers[0].write(row.step, dict(zip(row.tags, row.values.tolist())), views=row.views,
+                         wall_time=wall, unique=True)
+    writers[1].write_rows(rows[:3], wall_time=wall, unique=True)
+    writers[1].write_rows(rows[3:], wall_time=wall, unique=True)
+    for writer in writers:
+        writer.close()
+    records = [list(event_file_loader.RawEventFileLoader(w.path).Load())[1:] for w in writers]
+    assert len(records[0]) == 6 and records[0] == records[1]
+    loaded = [load_run(str(tmp_path / name)) for name in ("one", "together")]
+    for tag in (loss, frozen):
+        assert loaded[0].scalars(tag).equals(loaded[1].scalars(tag)), tag
+    written = [(e.step, sorted(v.tag for v in e.summary.value))
+               for e in event_file_loader.EventFileLoader(writers[1].path).Load() if e.summary.value]
+    view = "views/step/loss/log10"
+    assert written == [(1, sorted([loss, frozen, view])), (1, [loss, view]),
+                       (2, [frozen, loss]), (3, [loss]), (3, [frozen]),
+                       (4, sorted([loss, frozen, view]))]
+
+
 def test_rows_written_together_after_a_failure_write_nothing_and_say_so(tmp_path):
     writer = _events.EventWriter(str(tmp_path / "train"))
     writer.attach("owner", "GradientStatistics")

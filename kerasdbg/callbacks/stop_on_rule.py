@@ -9,6 +9,7 @@ import weakref
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import keras
+import numpy as np
 
 from kerasdbg import capture as _capture
 from kerasdbg.capture import keras_objects, planner
@@ -536,6 +537,7 @@ class StopOnRule(AfterEachExecution, ModelWithoutSync, CopiedAsNew, keras.callba
         self._replica_every = plan.replica_every
         requests = plan.requests
         self._writer = None
+        self._unwritten: List[_events.ScalarRow] = []
         # Under several workers every one decides, the chief alone prints.
         self._prints = _workers.writes(getattr(self.model, "distribute_strategy", None))
         if self.log_dir is not None:
@@ -727,6 +729,7 @@ class StopOnRule(AfterEachExecution, ModelWithoutSync, CopiedAsNew, keras.callba
             except (TypeError, ValueError):
                 continue
         self._write(self._last_step, record)
+        self._write_rows()
         self._evaluate(self._last_step, self._runner.check(self._last_step, record))
         self._mid_line = False  # the bar ends its line at the epoch's end
         self._raise_decided()  # an epoch's verdict raises at the epoch's end
@@ -802,6 +805,7 @@ class StopOnRule(AfterEachExecution, ModelWithoutSync, CopiedAsNew, keras.callba
         for tap in self._taps:
             tap.remove_listener(self._rows.take_tap)
         self._taps = []
+        self._write_rows()
         release_writer(self, self._writer)
 
     def _evaluate_pending(self, batch: Optional[int] = None) -> None:
@@ -838,6 +842,7 @@ class StopOnRule(AfterEachExecution, ModelWithoutSync, CopiedAsNew, keras.callba
             verdicts = self._runner.check(step, record)
             self._evaluate(step, verdicts, skipped=skipped,
                            frozen=bool(record.get(_tags.step_scalar("frozen"))))
+        self._write_rows()
         if rows and self._writer is not None:
             # Once a read: a killed run keeps every step up to its last read.
             self._writer.flush(events_only=True)
@@ -860,7 +865,15 @@ class StopOnRule(AfterEachExecution, ModelWithoutSync, CopiedAsNew, keras.callba
         scalars = record.starting(_OWN_PREFIXES) if isinstance(record, StepRecord) else {
             k: v for k, v in record.items() if k.startswith(_OWN_PREFIXES)}
         if scalars:
-            self._writer.write(step, scalars, unique=True)
+            # Written with the read's others (`_write_rows`): one call a read.
+            self._unwritten.append(_events.ScalarRow(
+                step, tuple(scalars), np.fromiter(scalars.values(), np.float64, len(scalars)), {}))
+
+    def _write_rows(self) -> None:
+        """Writes the rows `_write` kept, in step order, as one call."""
+        rows, self._unwritten = getattr(self, "_unwritten", []), []
+        if rows and self._writer is not None:
+            self._writer.write_rows(rows, unique=True)
 
     # ----------------------------------------------------------- acting
     def _say(self, text: str) -> None:
@@ -882,6 +895,7 @@ class StopOnRule(AfterEachExecution, ModelWithoutSync, CopiedAsNew, keras.callba
         order, with the "No verdict" lines so far of this fit (`ran` added)."""
         if self._writer is None:
             return
+        self._write_rows()  # the steps before this text first, as judged
         shown, quiet, earlier = _shown(self._writer, self.model)
         shown.extend(new)
         quiet.extend([ran] if ran is not None else [])

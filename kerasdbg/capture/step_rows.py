@@ -14,6 +14,7 @@ import math
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import keras
+import numpy as np
 
 from kerasdbg.capture import keras_objects
 from kerasdbg.capture.requests import Record, Request
@@ -54,6 +55,7 @@ class StepRows:
         # The last step the capture's step records reached: the rows after it
         # may still lack what the next read brings (taps flush on their own).
         self._read_through = 0
+        self._orders: Dict[tuple, tuple] = {}
 
     def take(self, request: Request, records: List[Record]) -> None:
         """Merges the capture's records of `request` (a request's consumer)."""
@@ -66,15 +68,17 @@ class StepRows:
             if not record.applied and kind == "weights":
                 continue  # gradient accumulation: no update at this batch
             row = self._rows.setdefault(record.step, {})
-            values = {t: float(v) for t, v in zip(record.tags, record.values) if t is not None}
+            values = dict(zip(record.tags, np.asarray(record.values, np.float64).tolist()))
+            values.pop(None, None)  # a value recorded for no tag
             if kind == "step":
                 self._read_through = max(self._read_through, record.step)
                 values = self._step_values(values)
-            elif kind == "weights":
+            elif kind == "weights" and self._decays():
                 values.update(self._decay_fractions(record.step))
-            for tag, value in values.items():
-                if not (tag == LOSS_TAG and not math.isfinite(row.get(tag, 0.0))):
-                    row[tag] = value
+            loss = row.get(LOSS_TAG)
+            row.update(values)
+            if loss is not None and not math.isfinite(loss) and LOSS_TAG in values:
+                row[LOSS_TAG] = loss  # a non-finite loss is not overwritten
 
     def take_tap(self, tap, rows) -> None:
         """Merges the rows a `TapLayer` flushed (a tap's listener)."""
@@ -99,21 +103,33 @@ class StepRows:
         for step in sorted(self._rows):
             if not final and step > self._read_through:
                 break
-            yield step, StepRecord(sorted(self._rows.pop(step).items()))
+            row = self._rows.pop(step)
+            order = self._orders.get(tuple(row))
+            if order is None:
+                # The rows of a fit repeat their tags in one order: sorted once.
+                if len(self._orders) >= 64:
+                    self._orders.clear()
+                order = self._orders[tuple(row)] = tuple(sorted(row))
+            yield step, StepRecord(zip(order, map(row.__getitem__, order)))
 
-    def _decay_fractions(self, step: int) -> Dict[str, float]:
-        """`step/weight_decay_fraction`: learning rate x weight decay of each
-        optimizer that decays (`step/<optimizer>/...` with several), at
-        `step`, for `VanishingGradient` to tell the decay's part of an update
-        from the gradient's. Left out where not known (absent, never a guess)."""
+    def _decays(self) -> list:
+        """`(name or None, optimizer)` of each optimizer of the model that
+        decays its weights (found once)."""
         if self._decaying is None:
             found = [(name, keras_objects.inner_optimizer(o))
                      for name, o in keras_objects.find_optimizers(self._model)]
             several = len(found) > 1
             self._decaying = [(name if several else None, o) for name, o in found
                               if getattr(o, "weight_decay", None)]
+        return self._decaying
+
+    def _decay_fractions(self, step: int) -> Dict[str, float]:
+        """`step/weight_decay_fraction`: learning rate x weight decay of each
+        optimizer that decays (`step/<optimizer>/...` with several), at
+        `step`, for `VanishingGradient` to tell the decay's part of an update
+        from the gradient's. Left out where not known (absent, never a guess)."""
         fractions = {}
-        for name, optimizer in self._decaying:
+        for name, optimizer in self._decays():
             try:
                 fraction = learning_rate_at(self._model, optimizer, step) * \
                     float(optimizer.weight_decay)
@@ -127,8 +143,9 @@ class StepRows:
         """`step/loss` from the loss this was told to read, else from
         `compute_loss`, else from the train step's `loss`."""
         named = _tags.step_scalar(self._loss) if self._loss else None
-        returned = sorted(_tags.scalar_name(t) for t in values
-                          if t not in (_tags.step_scalar("frozen"), _tags.step_scalar("fault")))
+        returned = None if self._first_seen else sorted(
+            _tags.scalar_name(t) for t in values
+            if t not in (_tags.step_scalar("frozen"), _tags.step_scalar("fault")))
         if named is not None and named in values:
             values[LOSS_TAG] = values[named]
             source = f"the train step's {self._loss!r}"

@@ -98,13 +98,11 @@ class RuleRunner:
             return verdicts
         if not isinstance(record, StepRecord):
             record = StepRecord(record)  # indexed once for all the rules
-        # Rules that follow the others see the verdicts of the others at this step.
-        leading = [i for i, r in enumerate(self.rules) if not r.follows]
-        following = [i for i, r in enumerate(self.rules) if r.follows]
+        order, first_following = self._order()
         others: tuple = ()
-        for index in leading + following:
+        for index in order:
             rule = self.rules[index]
-            if index == (following or [None])[0]:
+            if index == first_following:
                 others = tuple(verdicts)
             if self.first_only and index in self.fired and not rule.repeats:
                 continue
@@ -118,6 +116,17 @@ class RuleRunner:
                 self.fired.add(index)
                 verdicts.append(verdict)
         return verdicts
+
+    def _order(self) -> Tuple[List[int], Optional[int]]:
+        """The rules' positions in the order they check (the rules that follow
+        the others, and see their verdicts at the step, last), and the first
+        of those that follow; worked out once for the rules there are."""
+        key = tuple(map(id, self.rules))  # `follows` is a rule's class's
+        if getattr(self, "_ordered", (None,))[0] != key:
+            leading = [i for i, r in enumerate(self.rules) if not r.follows]
+            following = [i for i, r in enumerate(self.rules) if r.follows]
+            self._ordered = (key, leading + following, (following or [None])[0])
+        return self._ordered[1], self._ordered[2]
 
     def key(self) -> Tuple[str, ...]:
         """The rules, by class and configuration: a runner of the same key

@@ -90,6 +90,7 @@ class EventWriter:
         self._described = set()
         # tag -> (step, value) of the last scalar written with `unique=True`.
         self._unique: Dict[str, Tuple[int, float]] = {}
+        self._unique_through = None  # the latest step in `_unique`
         # The scalar and view tags of a step -> its event serialized with a
         # slot for each value (`_ScalarTemplate`): a callback writes the same
         # tags every step, and filling 80 slots with NumPy costs a tenth of
@@ -247,6 +248,8 @@ class EventWriter:
         for function in self._derived:
             views.update(function(scalars))
         if unique:
+            self._unique_through = int(step) if self._unique_through is None else max(
+                int(step), self._unique_through)
             for values in (scalars, views):
                 for tag in list(values):
                     last = (int(step), float(values[tag]))
@@ -302,29 +305,28 @@ class EventWriter:
         if time.monotonic() - self._last_flush > FLUSH_SECONDS:
             self.flush()
 
-    def write_rows(self, rows: "List[ScalarRow]", wall_time: Optional[float] = None) -> None:
+    def write_rows(self, rows: "List[ScalarRow]", wall_time: Optional[float] = None,
+                   unique: bool = False) -> None:
         """Writes one event per row, in the rows' order: `write(step, scalars,
-        views=views)` for each, serialized as one array per tag layout (the
-        steps of a read repeat their tags) and handed to the file in one call.
+        views=views, unique=unique)` for each, serialized as one array per tag
+        layout (the steps of a read repeat their tags) and handed to the file
+        in one call.
 
         Args:
             rows: the rows (`ScalarRow`: the step, the scalar tags, their
                 values as an array in the tags' order, the views `{tag:
                 value}`).
             wall_time: seconds since the epoch of every row. Defaults to now.
+            unique: as `write`'s, row after row. Defaults to `False`.
         """
-        if self._derived:
-            # Views derived from each row's scalars: one row at a time.
-            for row in rows:
-                self.write(row.step, dict(zip(row.tags, np.asarray(row.values).tolist())),
-                           views=row.views, wall_time=wall_time)
-            return
         if self.failures:
             self._report()
             if self._writer is None:
                 return
         if not rows:
             return
+        if self._derived or unique:
+            rows = [self._prepared(row, unique) for row in rows]
         wall_time = time.time() if wall_time is None else wall_time
         layouts: Dict[tuple, List[int]] = {}
         for i, row in enumerate(rows):
@@ -363,6 +365,42 @@ class EventWriter:
             return
         if time.monotonic() - self._last_flush > FLUSH_SECONDS:
             self.flush()
+
+    def _prepared(self, row: "ScalarRow", unique: bool) -> "ScalarRow":
+        """`row` as `write` would write it: with the views the functions given
+        to `derive` add, and with `unique`, without the values this writer
+        already wrote at the row's step."""
+        if not (self._derived or unique):
+            return row
+        values = np.asarray(row.values, np.float64)
+        views = dict(row.views)
+        if self._derived:
+            scalars = dict(zip(row.tags, values.tolist()))
+            for function in self._derived:
+                views.update(function(scalars))
+        tags = row.tags
+        step = int(row.step)
+        if unique and (self._unique_through is None or step > self._unique_through):
+            # A step after every one written: no value can be written again.
+            self._unique_through = step
+            self._unique.update(zip(tags, zip(itertools.repeat(step), values.tolist())))
+            self._unique.update(zip(views, zip(itertools.repeat(step), map(float, views.values()))))
+        elif unique:
+            self._unique_through = max(step, self._unique_through)
+            kept = []
+            for i, (tag, value) in enumerate(zip(tags, values.tolist())):
+                last = (step, value)
+                if not _same(self._unique.get(tag), last):
+                    kept.append(i)
+                self._unique[tag] = last
+            if len(kept) < len(tags):
+                tags, values = tuple(tags[i] for i in kept), values[kept]
+            for tag in list(views):
+                last = (step, float(views[tag]))
+                if _same(self._unique.get(tag), last):
+                    del views[tag]
+                self._unique[tag] = last
+        return ScalarRow(row.step, tags, values, views)
 
     def _scalar_template(self, scalars: Tuple[str, ...],
                          views: Tuple[str, ...]) -> "_ScalarTemplate":
