@@ -224,6 +224,55 @@ def test_a_nan_in_one_batch_stops_at_its_step_with_the_weights_of_the_step_befor
     assert history.index.is_unique
 
 
+@pytest.mark.parametrize("spe, jit", MATRIX)
+def test_the_step_records_of_a_read_hold_each_steps_loss_and_a_fault_its_source(
+        monkeypatch, spe, jit):
+    # The step records of a read are made as one array (the steps of a layout share their
+    # tags); a faulty step's own, with what the capture found of its source.
+    from kerasdbg.capture.step_rows import StepRows
+
+    bad = 6
+    y = Y.copy()
+    y[(bad - 1) * BATCH] = np.nan
+    # Independently: the loss of each step before the fault, in NumPy, from the weights a
+    # plain model trained batch by batch holds before the step.
+    plain = make_model(1, jit)
+    want = []
+    for k in range(bad - 1):
+        xb, yb = X[k * BATCH:(k + 1) * BATCH], Y[k * BATCH:(k + 1) * BATCH]
+        want.append(float(np.mean((np.asarray(plain(xb), np.float64) - yb) ** 2)))
+        plain.train_on_batch(xb, yb)
+    taken = []
+    original = StepRows.take
+
+    def take(self, request, records):
+        if request.kind == "step":
+            taken.append(list(records))
+        return original(self, request, records)
+
+    monkeypatch.setattr(StepRows, "take", take)
+    model = make_model(spe, jit)
+    model.compile(keras.optimizers.Adam(0.01), "mse", metrics=["mae"], steps_per_execution=spe,
+                  jit_compile=jit)
+    stop = StopOnRule(verbose=False)
+    fit(model, [stop], y=y)
+    records = [r for read in taken for r in read]
+    # The steps of the fault's execution ran, frozen, and those up to the read that stopped.
+    steps = [r.step for r in records]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= (bad + spe - 1) // spe * spe
+    plain_tags = ("step/loss", "step/frozen", "step/fault", "step/mae")
+    for record in records[:bad - 1]:
+        assert record.tags == plain_tags and list(record.values[1:3]) == [0.0, 0.0]
+        assert np.isfinite(record.values[3])
+    np.testing.assert_allclose([r.values[0] for r in records[:bad - 1]], want, rtol=1e-5)
+    faulty = dict(zip(records[bad - 1].tags, records[bad - 1].values))
+    assert np.isnan(faulty["step/loss"]) and faulty["step/fault"] == 1.0
+    assert faulty["faults/nan_source/gradient/m/hidden/kernel"] == 1.0
+    for record in records[bad:]:
+        assert record.tags == plain_tags and list(record.values[1:3]) == [1.0, 0.0]
+    assert [v.step for v in stop.verdicts][:1] == [bad]
+
+
 @pytest.mark.parametrize("spe, jit", [MATRIX[0], MATRIX[3]])
 def test_data_parallel_describes_the_global_gradient_once_per_step(spe, jit):
     devices = jax.devices("cpu")

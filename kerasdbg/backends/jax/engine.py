@@ -1340,11 +1340,15 @@ class Engine(Capture):
                             request, hook, int(applied[i]), rows[i],
                             None if hist is None else (hist[0][i], hist[1][i]),
                             bool(skipped[i]), bool(updated[i])))
+        step_records = None
         for request in self.requests:
             into = found[id(request)]
             if request.kind == "step":
+                if step_records is None:
+                    step_records = self._step_records(group, steps)
                 for i in range(count):
-                    into[i].append(self._step_record(
+                    # A step with a fault says more (made for each request, as it is read).
+                    into[i].append(step_records[i] or self._step_record(
                         int(steps[i]), group.step(i), batches[i] if i < len(batches) else None))
             elif request.kind == "wrap":
                 for i, extras in enumerate(group.extras):
@@ -1441,6 +1445,53 @@ class Engine(Capture):
                     (_tags.fault("nan_source", "layer", names[index]), 1.0)]
         located = _tags.NAN_SOURCE_LOSS if self.loss_captured else _tags.NAN_SOURCE_TRAIN_STEP
         return [(tag, float(located))]
+
+    def _step_records(self, group: "_packing.Steps", steps: np.ndarray
+                      ) -> List[Optional[Record]]:
+        """The step records of the steps of `group` (`_step_record` of each),
+        their values as one array: the steps of a layout share their tags.
+        None for a step with a fault, whose record says more (`_step_record`)."""
+        columns, count = group.columns, group.count
+
+        def column(key):
+            values = np.asarray(columns[key], np.float64).reshape(count, -1)
+            if values.shape[1] != 1:
+                raise ValueError(key)  # not a scalar a step: made on its own
+            return values[:, 0]
+
+        names = {str(h.number): h.name for h in self.hooks.values()}
+        tags = [_tags.step_scalar("loss") if _LOSS in columns else None,
+                _tags.step_scalar("frozen"), _tags.step_scalar("fault")]
+        keys = [_LOSS if _LOSS in columns else None, _FROZEN, _FAULT]
+        for key in columns:
+            if key.startswith("logs/"):
+                name = key[len("logs/"):]
+                if name == "loss" and _LOSS in columns:
+                    continue  # the step's own loss comes first
+                tags.append(_tags.step_scalar(name))
+                keys.append(key)
+        for key in columns:
+            if key.startswith(_GUARD):
+                number, _, name = key[len(_GUARD):].partition("/")
+                tags.append(_tags.per_optimizer(
+                    _tags.STEP, name, names.get(number, number) if self._several else None))
+                keys.append(key)
+        try:
+            values = np.full((count, len(keys)), np.nan)
+            for position, key in enumerate(keys):
+                if key is not None:
+                    values[:, position] = column(key)
+        except (ValueError, TypeError):
+            values = None
+        own = np.ones(count, bool) if values is None else values[:, 2] != 0
+        if _NONFINITE in columns:
+            own |= np.asarray(columns[_NONFINITE]).reshape(count, -1).any(axis=1)
+        tags = tuple(tags)
+        out = []
+        for i in range(count):
+            out.append(None if own[i] else Record(
+                step=int(steps[i]), skipped=False, values=values[i], histograms=None, tags=tags))
+        return out
 
     def _step_record(self, step: int, records: dict, batch=None) -> Record:
         tags = [_tags.step_scalar("loss") if _LOSS in records else None,
