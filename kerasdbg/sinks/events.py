@@ -248,14 +248,7 @@ class EventWriter:
         for function in self._derived:
             views.update(function(scalars))
         if unique:
-            self._unique_through = int(step) if self._unique_through is None else max(
-                int(step), self._unique_through)
-            for values in (scalars, views):
-                for tag in list(values):
-                    last = (int(step), float(values[tag]))
-                    if _same(self._unique.get(tag), last):
-                        del values[tag]
-                    self._unique[tag] = last
+            self._drop_repeated(int(step), scalars, views)
         wall_time = time.time() if wall_time is None else wall_time
         histograms, texts = dict(histograms), dict(texts)
         values = None
@@ -369,38 +362,37 @@ class EventWriter:
     def _prepared(self, row: "ScalarRow", unique: bool) -> "ScalarRow":
         """`row` as `write` would write it: with the views the functions given
         to `derive` add, and with `unique`, without the values this writer
-        already wrote at the row's step."""
-        if not (self._derived or unique):
-            return row
+        already wrote at the row's step (`_drop_repeated`)."""
         values = np.asarray(row.values, np.float64)
+        scalars = dict(zip(row.tags, values.tolist()))
         views = dict(row.views)
-        if self._derived:
-            scalars = dict(zip(row.tags, values.tolist()))
-            for function in self._derived:
-                views.update(function(scalars))
-        tags = row.tags
-        step = int(row.step)
-        if unique and (self._unique_through is None or step > self._unique_through):
-            # A step after every one written: no value can be written again.
+        for function in self._derived:
+            views.update(function(scalars))
+        if unique and self._drop_repeated(int(row.step), scalars, views):
+            return ScalarRow(row.step, tuple(scalars),
+                             np.fromiter(scalars.values(), np.float64, len(scalars)), views)
+        return ScalarRow(row.step, row.tags, values, views)
+
+    def _drop_repeated(self, step: int, scalars: Dict[str, float],
+                       views: Dict[str, float]) -> bool:
+        """`write`'s `unique`: takes out of `scalars` and `views` each value
+        this writer already wrote at `step` with the same value (NaN equal to
+        NaN), and remembers the rest; returns whether a scalar was taken out."""
+        if self._unique_through is None or step > self._unique_through:
+            # A step after every one written: nothing can be written again.
             self._unique_through = step
-            self._unique.update(zip(tags, zip(itertools.repeat(step), values.tolist())))
-            self._unique.update(zip(views, zip(itertools.repeat(step), map(float, views.values()))))
-        elif unique:
-            self._unique_through = max(step, self._unique_through)
-            kept = []
-            for i, (tag, value) in enumerate(zip(tags, values.tolist())):
-                last = (step, value)
-                if not _same(self._unique.get(tag), last):
-                    kept.append(i)
-                self._unique[tag] = last
-            if len(kept) < len(tags):
-                tags, values = tuple(tags[i] for i in kept), values[kept]
-            for tag in list(views):
-                last = (step, float(views[tag]))
+            for values in (scalars, views):
+                self._unique.update(zip(values, zip(itertools.repeat(step),
+                                                    map(float, values.values()))))
+            return False
+        count = len(scalars)
+        for values in (scalars, views):
+            for tag in list(values):
+                last = (step, float(values[tag]))
                 if _same(self._unique.get(tag), last):
-                    del views[tag]
+                    del values[tag]
                 self._unique[tag] = last
-        return ScalarRow(row.step, tags, values, views)
+        return len(scalars) < count
 
     def _scalar_template(self, scalars: Tuple[str, ...],
                          views: Tuple[str, ...]) -> "_ScalarTemplate":

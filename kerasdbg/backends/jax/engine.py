@@ -1459,23 +1459,7 @@ class Engine(Capture):
                 raise ValueError(key)  # not a scalar a step: made on its own
             return values[:, 0]
 
-        names = {str(h.number): h.name for h in self.hooks.values()}
-        tags = [_tags.step_scalar("loss") if _LOSS in columns else None,
-                _tags.step_scalar("frozen"), _tags.step_scalar("fault")]
-        keys = [_LOSS if _LOSS in columns else None, _FROZEN, _FAULT]
-        for key in columns:
-            if key.startswith("logs/"):
-                name = key[len("logs/"):]
-                if name == "loss" and _LOSS in columns:
-                    continue  # the step's own loss comes first
-                tags.append(_tags.step_scalar(name))
-                keys.append(key)
-        for key in columns:
-            if key.startswith(_GUARD):
-                number, _, name = key[len(_GUARD):].partition("/")
-                tags.append(_tags.per_optimizer(
-                    _tags.STEP, name, names.get(number, number) if self._several else None))
-                keys.append(key)
+        tags, keys = self._step_layout(columns)
         try:
             values = np.full((count, len(keys)), np.nan)
             for position, key in enumerate(keys):
@@ -1493,26 +1477,33 @@ class Engine(Capture):
                 step=int(steps[i]), skipped=False, values=values[i], histograms=None, tags=tags))
         return out
 
-    def _step_record(self, step: int, records: dict, batch=None) -> Record:
-        tags = [_tags.step_scalar("loss") if _LOSS in records else None,
+    def _step_layout(self, keys) -> Tuple[List[Optional[str]], List[Optional[str]]]:
+        """`(tags, keys)` of a step record whose step's records have `keys`:
+        the loss (None where the step has none), frozen, fault, the train
+        step's logs, the guard's values (step/skipped, step/gradient_norm,
+        step/spike_fraction, per optimizer); each tag's key in the records."""
+        tags = [_tags.step_scalar("loss") if _LOSS in keys else None,
                 _tags.step_scalar("frozen"), _tags.step_scalar("fault")]
-        values = [float(records.get(_LOSS, np.nan)), float(records[_FROZEN]),
-                  float(records[_FAULT])]
-        for key, value in records.items():
+        found = [_LOSS if _LOSS in keys else None, _FROZEN, _FAULT]
+        for key in keys:
             if key.startswith("logs/"):
                 name = key[len("logs/"):]
-                if name == "loss" and _LOSS in records:
+                if name == "loss" and _LOSS in keys:
                     continue  # the step's own loss comes first
                 tags.append(_tags.step_scalar(name))
-                values.append(float(value))
+                found.append(key)
         names = {str(h.number): h.name for h in self.hooks.values()}
-        for key, value in records.items():
+        for key in keys:
             if key.startswith(_GUARD):
-                # step/skipped, step/gradient_norm, step/spike_fraction (per optimizer).
                 number, _, name = key[len(_GUARD):].partition("/")
                 tags.append(_tags.per_optimizer(
                     _tags.STEP, name, names.get(number, number) if self._several else None))
-                values.append(float(value))
+                found.append(key)
+        return tags, found
+
+    def _step_record(self, step: int, records: dict, batch=None) -> Record:
+        tags, keys = self._step_layout(records)
+        values = [np.nan if key is None else float(records[key]) for key in keys]
         freeze = self._freeze()
         if bool(records[_FAULT]) and freeze is not None \
                 and freeze.max_gradient_norm is not None:
