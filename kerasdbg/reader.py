@@ -177,7 +177,7 @@ class Run:
             for kind in ("scalars", "histograms", "text"):
                 for row in self._read(kind, stores, others, lambda t: t == tag):
                     written.append((int(row[1]), float(row[2])))
-        written.sort(key=lambda e: e[1])
+        written.sort(key=_written_order)
         return self._abandon(name, written)
 
     def _abandon(self, name: str, written: List[Tuple[int, float]]) -> List[Tuple[int, float]]:
@@ -253,14 +253,14 @@ class Run:
                 groups.setdefault(tuple(id(p[0]) for p in parts), parts)
             for parts in groups.values():
                 written = sorted(((int(s), float(w)) for steps, walls in parts
-                                  for s, w in zip(steps, walls)), key=lambda e: e[1])
+                                  for s, w in zip(steps, walls)), key=_written_order)
                 self._abandon(name, written)
             for kind in _KINDS:
                 for path in others:
                     accumulator = self._accumulator(path)
                     for tag in _plugin_tags(accumulator, kind):
                         written = sorted(((int(e.step), float(e.wall_time))
-                                          for e in accumulator.Tensors(tag)), key=lambda e: e[1])
+                                          for e in accumulator.Tensors(tag)), key=_written_order)
                         self._abandon(name, written)
         rows = [{"run": name, "step": step, "dropped": sorted(steps)}
                 for (name, step), steps in sorted(self._dropped.items())]
@@ -512,11 +512,21 @@ def _keep_latest(frame: pd.DataFrame) -> pd.DataFrame:
     TensorBoard purges orphaned data."""
     if not len(frame):
         return frame
-    frame = frame.sort_values(["tag", "wall_time"], kind="stable")
+    frame = frame.sort_values(["tag", "wall_time", "step"], kind="stable")
     tags = frame["tag"].to_numpy()
     bounds = np.flatnonzero(tags[1:] != tags[:-1]) + 1
     keep = np.concatenate([_kept(part) for part in np.split(frame["step"].to_numpy(), bounds)])
     return frame[keep]
+
+
+def _written_order(write: Tuple[int, float]) -> Tuple[float, int]:
+    """The order of a tag's `(step, wall_time)` writes: by wall time, and
+    where two share one, by step. kerasdbg's writer gives every row its own
+    wall time; files of earlier versions gave a read's rows one, and spread
+    a tag over several tag sets (e.g. the full statistics at a scheduled
+    step beside the every-step set): their steps, in one read, are in step
+    order."""
+    return write[1], write[0]
 
 
 def _kept(steps: np.ndarray) -> np.ndarray:

@@ -48,6 +48,9 @@ _FILE_IDS = itertools.count()
 # file beside the store cannot go on either.
 _FILE_SYSTEM_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.ENOENT)
 FLUSH_SECONDS = 30.0
+WALL_TICK = 1e-6
+"""Seconds between the wall times of two rows of a writer, at the least:
+every row it writes has its own wall time, later than the one before."""
 
 EVENTS = errors.EVENTS
 STORE = errors.STORE
@@ -102,6 +105,8 @@ class EventWriter:
         # what -> (path, error) of the sinks that failed.
         self.failures: Dict[str, Tuple[str, BaseException]] = {}
         self._last_flush = time.monotonic()
+        # The wall time of the last row written (`_walls`).
+        self._last_wall = -math.inf
         # Functions of a step's scalars -> views, added by the layout (`derive`).
         self._derived: List[Callable[[Mapping[str, float]], Dict[str, float]]] = []
         try:
@@ -230,7 +235,9 @@ class EventWriter:
             scalars: tag -> value.
             histograms: tag -> (counts, low, high) for equal-width bins.
             texts: tag -> markdown text.
-            wall_time: seconds since the epoch. Defaults to now.
+            wall_time: seconds since the epoch. Defaults to now. Moved on
+                to just after this writer's last write where it is not later
+                (see `_walls`).
             unique: leave out each scalar that this writer already wrote at
                 this step with the same value (several `StopOnRule`s in one
                 log directory each record `step/loss`). Defaults to `False`.
@@ -249,7 +256,7 @@ class EventWriter:
             views.update(function(scalars))
         if unique:
             self._drop_repeated(int(step), scalars, views)
-        wall_time = time.time() if wall_time is None else wall_time
+        wall_time = float(self._walls(1, wall_time)[0])
         histograms, texts = dict(histograms), dict(texts)
         values = None
         if scalars or views:
@@ -309,7 +316,9 @@ class EventWriter:
             rows: the rows (`ScalarRow`: the step, the scalar tags, their
                 values as an array in the tags' order, the views `{tag:
                 value}`).
-            wall_time: seconds since the epoch of every row. Defaults to now.
+            wall_time: seconds since the epoch of the first row; each later
+                row a tick (`WALL_TICK`) later, so that every row keeps its
+                place in the order of writes (`_walls`). Defaults to now.
             unique: as `write`'s, row after row. Defaults to `False`.
         """
         if self.failures:
@@ -320,7 +329,7 @@ class EventWriter:
             return
         if self._derived or unique:
             rows = [self._prepared(row, unique) for row in rows]
-        wall_time = time.time() if wall_time is None else wall_time
+        walls = self._walls(len(rows), wall_time)
         layouts: Dict[tuple, List[int]] = {}
         for i, row in enumerate(rows):
             layouts.setdefault((row.tags, tuple(row.views)), []).append(i)
@@ -334,7 +343,7 @@ class EventWriter:
             if not values.shape[1]:
                 continue
             events = self._scalar_template(tags, view_tags).events(
-                [rows[i].step for i in chosen], wall_time, values)
+                [rows[i].step for i in chosen], walls[chosen], values)
             for i, event in zip(chosen, events):
                 data[i] = event
         if self._store is not None:
@@ -347,7 +356,7 @@ class EventWriter:
             try:
                 for tags, chosen in sets.items():
                     self._store.scalar_rows(
-                        [rows[i].step for i in chosen], wall_time, tags,
+                        [rows[i].step for i in chosen], walls[chosen], tags,
                         np.asarray([rows[i].values for i in chosen], np.float64))
             except OSError as error:
                 self._drop_store(error)
@@ -358,6 +367,27 @@ class EventWriter:
             return
         if time.monotonic() - self._last_flush > FLUSH_SECONDS:
             self.flush()
+
+    def _walls(self, count: int, wall_time: Optional[float] = None) -> np.ndarray:
+        """The wall times of the next `count` rows: from `wall_time` (now
+        where `None`), each a tick after the one before and after every row
+        this writer wrote before.
+
+        A reader orders the writes of a tag by wall time (a step written again
+        after a later one is a rollback, `kerasdbg.reader`), and a tag's
+        writes may lie in several of the store's tag sets (the full
+        statistics' set at a scheduled step, the every-step set around it):
+        with one wall time for a read's rows, the order between sets was
+        lost and a scheduled step read as rewritten.
+        """
+        start = time.time() if wall_time is None else float(wall_time)
+        tick = max(WALL_TICK, 4 * float(np.spacing(abs(start))))
+        # Added one after the other (as `count` calls of one row would).
+        walls = np.full(count, tick, np.float64)
+        walls[0] = max(start, self._last_wall + tick)
+        walls = np.cumsum(walls)
+        self._last_wall = float(walls[-1])
+        return walls
 
     def _prepared(self, row: "ScalarRow", unique: bool) -> "ScalarRow":
         """`row` as `write` would write it: with the views the functions given
@@ -493,7 +523,7 @@ class EventWriter:
         """
         if self._writer is None:
             return
-        event = event_pb2.Event(wall_time=time.time(), step=int(step))
+        event = event_pb2.Event(wall_time=float(self._walls(1)[0]), step=int(step))
         event.summary.CopyFrom(summary)
         try:
             self._writer.write(event.SerializeToString())
@@ -556,17 +586,19 @@ class _ScalarTemplate:
                          self._head, body.tobytes()))
 
 
-    def events(self, steps: List[int], wall_time: float, values: np.ndarray) -> List[bytes]:
-        """The serialized events of several steps (`values[k]`: step k's
-        values in the tags' order), the slots of all filled at once."""
+    def events(self, steps: List[int], walls: np.ndarray, values: np.ndarray) -> List[bytes]:
+        """The serialized events of several steps (`walls[k]`, `values[k]`:
+        step k's wall time, and its values in the tags' order), the slots of
+        all filled at once."""
         body = np.tile(self._summary, (len(steps), 1))
         with np.errstate(over="ignore"):
             body[:, self._slots] = np.ascontiguousarray(values, "<f4").view(np.uint8)
-        wall = struct.pack("<d", wall_time)
-        head = (b"" if wall == _NO_WALL_TIME else b"\x09" + wall)
+        walls = np.ascontiguousarray(np.broadcast_to(walls, (len(steps),)), "<f8")
+        heads = [b"" if wall == _NO_WALL_TIME else b"\x09" + wall
+                 for wall in map(bytes, walls.view(np.uint8).reshape(-1, 8))]
         tail = self._head
         return [b"".join((head, b"\x10" + _varint(int(step)) if step else b"", tail, row))
-                for step, row in zip(steps, map(bytes, body))]
+                for head, step, row in zip(heads, steps, map(bytes, body))]
 
 
 class ScalarRow(NamedTuple):

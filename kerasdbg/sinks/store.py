@@ -142,13 +142,13 @@ class StoreWriter:
         row[_ROW_HEAD:] = values
         self._append(data, row.tobytes())
 
-    def scalar_rows(self, steps, wall_time: float, tags: Tuple[str, ...],
-                    values: np.ndarray) -> None:
-        """Appends one row per step of the tag set `tags` (`values[k]`: step
-        k's values in their order), as one block."""
+    def scalar_rows(self, steps, walls, tags: Tuple[str, ...], values: np.ndarray) -> None:
+        """Appends one row per step of the tag set `tags` (`walls[k]`,
+        `values[k]`: step k's wall time, and its values in their order), as
+        one block."""
         data = self._data(("s", tags), "s", {"kind": "scalars", "columns": list(tags)})
         rows = np.empty((len(steps), _ROW_HEAD + len(tags)), np.float64)
-        rows[:, 0], rows[:, 1] = steps, wall_time
+        rows[:, 0], rows[:, 1] = steps, walls
         rows[:, _ROW_HEAD:] = values
         self._append(data, rows.tobytes(), len(steps))
 
