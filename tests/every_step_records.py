@@ -43,6 +43,8 @@ X = _rng.normal(size=(BATCH * PER_EPOCH, 4)).astype("float32")
 Y = (X[:, :2].sum(1, keepdims=True) + 0.3 * _rng.normal(size=(BATCH * PER_EPOCH, 1))
      ).astype("float32")
 
+HISTOGRAMS = 7
+"""`GradientStatistics`' histograms, with all the instruments: between the scalars' rows."""
 INSTRUMENTS = ("gradients", "weights", "stop", "taps", "all", "all+keras")
 """Each instrument alone, all of them (with `StepTimer`), and all of them beside
 Keras's own callbacks (which make the callback list synchronous)."""
@@ -101,7 +103,8 @@ def callbacks(which: str, log_dir: str) -> list:
     }
     if which in made:
         return made[which]()
-    every = [GradientStatistics(log_dir), WeightStatistics(log_dir), StopOnRule(log_dir=log_dir),
+    every = [GradientStatistics(log_dir, histogram_every_n_steps=HISTOGRAMS),
+             WeightStatistics(log_dir), StopOnRule(log_dir=log_dir),
              ActivationStatistics(log_dir), StepTimer(log_dir)]
     if which == "all+keras":
         every += [keras.callbacks.EarlyStopping("loss", patience=5),
@@ -210,6 +213,16 @@ def _check(which: str, spe: int, weights, log_dir: str, jit_compile) -> None:
     for view in ("views/gradients/global_norm/log10", "views/step/loss/log10"):
         if view.split("/")[1] in expected_tags:
             assert sorted(board[view]) == ALL_STEPS, view
+
+    if which.startswith("all"):
+        histograms = kerasdbg.load_run(log_dir).histograms("gradients/.*", run="train")
+        accumulator = event_accumulator.EventAccumulator(
+            os.path.join(log_dir, "train"), size_guidance={event_accumulator.TENSORS: 0})
+        accumulator.Reload()
+        assert sorted(set(histograms.tag)) == [f"gradients/{p}" for p in sorted(PATHS)]
+        for tag, part in histograms.groupby("tag"):
+            assert part.step.tolist() == list(range(HISTOGRAMS, STEPS + 1, HISTOGRAMS)), tag
+            assert [e.step for e in accumulator.Tensors(tag)] == part.step.tolist(), tag
 
     # The values of every step against NumPy.
     for step in ALL_STEPS:
