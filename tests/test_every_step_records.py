@@ -5,11 +5,10 @@ references: tests/every_step_records.py; JAX: tests/jax/)."""
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
-from keras import ops
 
 from kerasdbg.callbacks import GradientStatistics, StopOnRule, WeightStatistics
 from tests import every_step_records as case
+from tests.examples import ports
 from tests.examples.capture import capture_applies
 
 
@@ -29,51 +28,7 @@ def test_the_same_with_jit_compile_on(spe, weights):
     case.check("all", spe, weights, jit_compile=True)
 
 
-class CycleGAN(keras.Model):
-    """The shape of keras.io's CycleGAN `train_step`: two generators and two
-    discriminators, each with its own optimizer, all four applied at every
-    step from one persistent tape."""
-
-    def __init__(self):
-        super().__init__()
-
-        def net(name, out):
-            return keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="relu"),
-                                     keras.layers.Dense(out)], name=name)
-
-        self.gen_G, self.gen_F = net("gen_G", 4), net("gen_F", 4)
-        self.disc_X, self.disc_Y = net("disc_X", 1), net("disc_Y", 1)
-
-    def compile(self, **kwargs):
-        super().compile(**kwargs)
-        self.gen_G_optimizer = keras.optimizers.Adam(1e-3)
-        self.gen_F_optimizer = keras.optimizers.Adam(1e-3)
-        self.disc_X_optimizer = keras.optimizers.Adam(1e-3)
-        self.disc_Y_optimizer = keras.optimizers.Adam(1e-3)
-
-    def call(self, x):
-        return self.gen_G(x)
-
-    def train_step(self, data):
-        real_x, real_y = data
-        with tf.GradientTape(persistent=True) as tape:
-            fake_y, fake_x = self.gen_G(real_x, training=True), self.gen_F(real_y, training=True)
-            cycle = (ops.mean(ops.abs(self.gen_F(fake_y) - real_x)) +
-                     ops.mean(ops.abs(self.gen_G(fake_x) - real_y)))
-            g_loss = ops.mean((self.disc_Y(fake_y) - 1) ** 2) + cycle
-            f_loss = ops.mean((self.disc_X(fake_x) - 1) ** 2) + cycle
-            x_loss = ops.mean(self.disc_X(real_x) ** 2) + ops.mean(self.disc_X(fake_x) ** 2)
-            y_loss = ops.mean(self.disc_Y(real_y) ** 2) + ops.mean(self.disc_Y(fake_y) ** 2)
-        for loss, net, optimizer in ((g_loss, self.gen_G, self.gen_G_optimizer),
-                                     (f_loss, self.gen_F, self.gen_F_optimizer),
-                                     (x_loss, self.disc_X, self.disc_X_optimizer),
-                                     (y_loss, self.disc_Y, self.disc_Y_optimizer)):
-            grads = tape.gradient(loss, net.trainable_variables)
-            optimizer.apply_gradients(zip(grads, net.trainable_variables))
-        return {"g_loss": g_loss, "f_loss": f_loss}
-
-
-OPTIMIZERS = ("gen_G_optimizer", "gen_F_optimizer", "disc_X_optimizer", "disc_Y_optimizer")
+OPTIMIZERS = ports.CycleGAN.OPTIMIZERS
 
 
 @pytest.mark.parametrize("spe", [1, 4], ids=["spe1", "spe4"])
@@ -86,7 +41,7 @@ def test_four_optimizers_have_every_step_from_every_sink(tmp_path, spe):
     x = rng.normal(size=(steps * 4, 4)).astype("float32")
     y = rng.normal(size=(steps * 4, 4)).astype("float32")
     keras.utils.set_random_seed(1)
-    model = CycleGAN()
+    model = ports.CycleGAN()
     model.compile(steps_per_execution=spe)
     model(x[:1])
     log_dir = str(tmp_path)

@@ -932,7 +932,7 @@ class StopOnRule(AfterEachExecution, ModelWithoutSync, CopiedAsNew, keras.callba
         variables = [v for v in self.model.variables if id(v) not in debug]
         for _, optimizer in keras_objects.find_optimizers(self.model):
             variables += list(optimizer.variables)
-            skipped = keras_objects.skipped_steps(optimizer)
+            skipped = keras_objects.uncounted_steps(optimizer)
             if skipped is not None:
                 variables.append(skipped)
         variables += _capture.engine_for(self.model).faults.guard_state()

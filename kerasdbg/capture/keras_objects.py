@@ -148,35 +148,37 @@ def raw_iterations(optimizer):
     divided by `gradient_accumulation_steps` there, and a tensor, not a variable."""
     return getattr(inner_optimizer(optimizer), ITERATIONS_ATTRIBUTE)
 
-_SKIPPED = None  # weakref.WeakKeyDictionary: inner optimizer -> its skipped-steps variable
+_UNCOUNTED = None  # weakref.WeakKeyDictionary: inner optimizer -> its uncounted-steps variable
 
 
-def skipped_steps(optimizer):
-    """The variable counting the optimizer steps kerasdbg skipped
-    (`StopOnRule(action="skip")`), or None when it never armed a skip for
-    it. Keras's step count (`iterations`) does not count a skipped step
-    (as `LossScaleOptimizer` does not count one it skips); kerasdbg numbers
-    steps by `iterations` + this, so that every batch that reached the
-    optimizer has its own step."""
-    return None if _SKIPPED is None else _SKIPPED.get(inner_optimizer(optimizer))
+def uncounted_steps(optimizer):
+    """The variable counting the optimizer steps that kerasdbg kept Keras's
+    step count (`iterations`) from counting: those it skipped
+    (`StopOnRule(action="skip")`) and those a fault froze, whose update is
+    thrown away whole, the count included, so that the learning-rate
+    schedule and Adam's bias correction go on from the last step that
+    trained (as `LossScaleOptimizer` does not count a step it skips). None
+    when no fault was armed for it. kerasdbg numbers steps by `iterations` +
+    this, so that every batch that reached the optimizer has its own step."""
+    return None if _UNCOUNTED is None else _UNCOUNTED.get(inner_optimizer(optimizer))
 
 
-def keep_skipped_steps(optimizer, variable) -> None:
-    """Sets `skipped_steps(optimizer)` (kept as long as the optimizer lives)."""
-    global _SKIPPED
-    if _SKIPPED is None:
+def keep_uncounted_steps(optimizer, variable) -> None:
+    """Sets `uncounted_steps(optimizer)` (kept as long as the optimizer lives)."""
+    global _UNCOUNTED
+    if _UNCOUNTED is None:
         import weakref
 
-        _SKIPPED = weakref.WeakKeyDictionary()
-    _SKIPPED[inner_optimizer(optimizer)] = variable
+        _UNCOUNTED = weakref.WeakKeyDictionary()
+    _UNCOUNTED[inner_optimizer(optimizer)] = variable
 
 
 def step_number(optimizer) -> int:
     """The optimizer's last step as kerasdbg numbers steps (host read):
-    `iterations` + the steps kerasdbg skipped."""
+    `iterations` + the steps it kept from counting (`uncounted_steps`)."""
     count = int(host_value(raw_iterations(optimizer)))
-    skipped = skipped_steps(optimizer)
-    return count if skipped is None else count + int(host_value(skipped))
+    uncounted = uncounted_steps(optimizer)
+    return count if uncounted is None else count + int(host_value(uncounted))
 
 
 def step_counters(model) -> list:

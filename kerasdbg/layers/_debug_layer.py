@@ -178,11 +178,11 @@ def _step_function(compute, key, layout, slots: int, mode: str, every_n_steps: i
 
 def _step_count(counter, model):
     """A step counter's value as kerasdbg numbers steps: Keras's count, plus
-    the steps kerasdbg skipped (which Keras does not count)."""
+    the steps kerasdbg kept it from counting (skipped or frozen)."""
     value = reads.read(counter)
     for _, optimizer in keras_objects.find_optimizers(model):
         if keras_objects.raw_iterations(optimizer) is counter:
-            skipped = keras_objects.skipped_steps(optimizer)
+            skipped = keras_objects.uncounted_steps(optimizer)
             if skipped is not None:
                 value = value + tf.cast(skipped.read_value(), value.dtype)
             break

@@ -230,6 +230,7 @@ def test_a_rules_own_stop_action_freezes_under_a_skipping_stop_on_rule():
     stop = StopOnRule([LossSpike(window=WINDOW, action="stop")], action="skip", verbose=False)
     _fit(model, _spiked(SPIKE), [stop])
     assert stop.skipped_steps == [] and model.stop_training
+    assert int(model.optimizer.iterations) == SPIKE - 1  # a frozen step does not count
     _assert_same_state_weights(model, _without("default", set(), steps=SPIKE - 1))
 
 

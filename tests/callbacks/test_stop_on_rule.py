@@ -19,6 +19,8 @@ from kerasdbg.rules import (
 )
 from kerasdbg.records.verdicts import no_verdict, verdict_rows
 from kerasdbg.rules import FreezeOnFault, NaNSource
+from tests import frozen_steps
+from tests.examples import ports
 from tests.conftest import make_strategy, matrix, only_upstream_failure
 
 BATCH, STEPS, FAULT = 4, 10, 7
@@ -169,15 +171,15 @@ def test_raise_carries_the_verdict_and_leaves_a_plain_model(tmp_path, read_every
 def test_warn_skips_the_frozen_steps_and_training_goes_on(read_every_execution):
     # Read after every execution: the freeze lasts until the fault's
     # execution ends (docs/rules.md: until the next read otherwise).
-    model = _model(spe=4, optimizer="sgd")
+    model = _model(spe=4)
     stop = StopOnRule(NonFiniteLoss(), action="warn", verbose=False)
     with pytest.warns(RuleWarning, match="NonFiniteLoss at step 7"):
         _fit(model, _with_batch(FAULT, np.nan), [stop])
-    assert int(model.optimizer.iterations.numpy()) == STEPS
-    # Steps 7 and 8 (the rest of that execution) were frozen; 9 and 10 trained.
+    # Steps 7 and 8 (the rest of that execution) were frozen, and not counted
+    # (Adam's bias correction goes on from step 6); 9 and 10 trained.
+    assert int(model.optimizer.iterations.numpy()) == STEPS - 2
     _assert_weights(model.get_weights(),
-                    _weights_after("default", None, batches=[0, 1, 2, 3, 4, 5, 8, 9],
-                                   optimizer="sgd"))
+                    _weights_after("default", None, batches=[0, 1, 2, 3, 4, 5, 8, 9]))
 
 
 def test_warn_says_each_verdict_once_as_a_diagnosis_not_a_failure(capsys):
@@ -289,7 +291,7 @@ def test_a_second_stop_on_rule_neither_reports_nor_lifts_the_freeze_of_the_first
                          log_dir=str(tmp_path), verbose=False)
     with pytest.warns(RuleWarning, match="NonFiniteLoss at step 7"):
         _fit(model, _with_batch(FAULT, np.nan), [freezing, warning])
-    assert int(model.optimizer.iterations.numpy()) == STEPS
+    assert int(model.optimizer.iterations.numpy()) == FAULT - 1  # the frozen steps uncounted
     assert [v.rule for v in freezing.verdicts] == ["NonFiniteLoss", "NaNSource"]
     assert [v.rule for v in warning.verdicts] == ["NonFiniteLoss", "NaNSource"]
     _assert_weights(model.get_weights(), _weights_after("default", FAULT - 1, optimizer="sgd"))
@@ -706,3 +708,48 @@ def test_mixed_precision_nan_loss_is_caught(mixed_precision, freeze):
         _assert_weights(model.get_weights(), reference.get_weights())
     # Either way no NaN reached the weights (frozen, or skipped by the scaler).
     assert all(np.all(np.isfinite(w)) for w in model.get_weights())
+
+
+# ------------------------------------------------------- frozen steps and the optimizer
+@pytest.mark.parametrize("strategy_name, spe, jit", matrix())
+def test_frozen_steps_leave_every_optimizer_variable_as_it_was(tmp_path, strategy_name, spe, jit):
+    with only_upstream_failure(strategy_name, jit):
+        frozen_steps.check_mlp("adam", spe, jit, log_dir=str(tmp_path),
+                               strategy=lambda: make_strategy(strategy_name))
+
+
+@pytest.mark.parametrize("optimizer", ["rmsprop", "adamw"])
+@pytest.mark.parametrize("spe", [1, 4], ids=["spe1", "spe4"])
+def test_frozen_steps_leave_other_optimizers_as_they_were(optimizer, spe):
+    frozen_steps.check_mlp(optimizer, spe)
+
+
+@pytest.mark.parametrize("spe", [1, 4], ids=["spe1", "spe4"])
+def test_frozen_steps_leave_a_loss_scale_optimizer_as_it_was(mixed_precision, spe):
+    frozen_steps.check_mlp("rmsprop", spe)
+
+
+@pytest.mark.parametrize("spe", [1, 4], ids=["spe1", "spe4"])
+@pytest.mark.parametrize("name", ["gan", "wgan_gp", "cyclegan"])
+def test_frozen_steps_leave_each_optimizer_of_a_custom_train_step_as_it_was(name, spe):
+    """Two optimizers (the DCGAN port), one applied three times a step
+    (WGAN-GP's critic), four (CycleGAN's shape): each one's variables, its
+    step count included, as after a plain fit on the batches before the NaN."""
+    if name == "cyclegan":
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(frozen_steps.STEPS * 4, 4)).astype("float32")
+        y = rng.normal(size=(frozen_steps.STEPS * 4, 4)).astype("float32")
+
+        def make():
+            keras.utils.set_random_seed(1)
+            model = ports.CycleGAN()
+            model.compile(steps_per_execution=spe)
+            model(x[:1])
+            return model
+
+        frozen_steps.check_model(make, x, y, 4, ports.CycleGAN.OPTIMIZERS)
+        return
+    port = ports.make(name, steps=frozen_steps.STEPS, steps_per_execution=spe)
+    frozen_steps.check_model(
+        lambda: ports.make(name, steps=frozen_steps.STEPS, steps_per_execution=spe).model,
+        port.x, port.y, port.batch_size, list(port.optimizers))

@@ -736,6 +736,54 @@ _FACTORIES = {
 }
 
 
+# --- CycleGAN's shape: four optimizers in one train_step (not a port of its own) ---------
+
+class CycleGAN(keras.Model):
+    """The shape of keras.io's CycleGAN `train_step`: two generators and two
+    discriminators, each with its own optimizer, all four applied at every
+    step from one persistent tape."""
+
+    OPTIMIZERS = ("gen_G_optimizer", "gen_F_optimizer", "disc_X_optimizer", "disc_Y_optimizer")
+
+    def __init__(self):
+        super().__init__()
+
+        def net(name, out):
+            return keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="relu"),
+                                     keras.layers.Dense(out)], name=name)
+
+        self.gen_G, self.gen_F = net("gen_G", 4), net("gen_F", 4)
+        self.disc_X, self.disc_Y = net("disc_X", 1), net("disc_Y", 1)
+
+    def compile(self, **kwargs):
+        super().compile(**kwargs)
+        self.gen_G_optimizer = keras.optimizers.Adam(1e-3)
+        self.gen_F_optimizer = keras.optimizers.Adam(1e-3)
+        self.disc_X_optimizer = keras.optimizers.Adam(1e-3)
+        self.disc_Y_optimizer = keras.optimizers.Adam(1e-3)
+
+    def call(self, x):
+        return self.gen_G(x)
+
+    def train_step(self, data):
+        real_x, real_y = data
+        with tf.GradientTape(persistent=True) as tape:
+            fake_y, fake_x = self.gen_G(real_x, training=True), self.gen_F(real_y, training=True)
+            cycle = (ops.mean(ops.abs(self.gen_F(fake_y) - real_x)) +
+                     ops.mean(ops.abs(self.gen_G(fake_x) - real_y)))
+            g_loss = ops.mean((self.disc_Y(fake_y) - 1) ** 2) + cycle
+            f_loss = ops.mean((self.disc_X(fake_x) - 1) ** 2) + cycle
+            x_loss = ops.mean(self.disc_X(real_x) ** 2) + ops.mean(self.disc_X(fake_x) ** 2)
+            y_loss = ops.mean(self.disc_Y(real_y) ** 2) + ops.mean(self.disc_Y(fake_y) ** 2)
+        for loss, net, optimizer in ((g_loss, self.gen_G, self.gen_G_optimizer),
+                                     (f_loss, self.gen_F, self.gen_F_optimizer),
+                                     (x_loss, self.disc_X, self.disc_X_optimizer),
+                                     (y_loss, self.disc_Y, self.disc_Y_optimizer)):
+            grads = tape.gradient(loss, net.trainable_variables)
+            optimizer.apply_gradients(zip(grads, net.trainable_variables))
+        return {"g_loss": g_loss, "f_loss": f_loss}
+
+
 def make(name: str, steps: int = 12, steps_per_execution: int = 1, jit_compile=False,
          strategy=None, seed: int = 0, **options) -> Port:
     """The port `name`, compiled (in `strategy.scope()` if given) with `steps_per_execution`

@@ -31,9 +31,10 @@ and leave it as outputs:
   the state it was given for its optimizer, its step counter included (not
   counted, as Keras's loss scaler does for an overflow), while the debug
   layers' counters and buffers record it as for a freeze. The steps
-  kerasdbg skipped, per optimizer, ride in the carry (`skipped`) and number
-  the steps (`iterations` + skipped + 1), the taps' too; the host keeps
-  each optimizer's count (`keras_objects.skipped_steps`) for later fits.
+  kerasdbg skipped or froze, per optimizer (with any freeze armed), ride in
+  the carry (`skipped`) and number the steps (`iterations` + those + 1),
+  the taps' too; the host keeps
+  each optimizer's count (`keras_objects.uncounted_steps`) for later fits.
 - With `action="rollback"` (`faults.snapshot` / `faults.put_back`): a
   snapshot is a host copy of the loop's state (`model._jax_state` after an
   execution: weights, the forward pass's state, every optimizer's
@@ -102,7 +103,7 @@ _FROZEN = _tags.step_scalar("frozen")
 _FAULT = _tags.step_scalar("fault")
 _NONFINITE = "fault/nonfinite"  # the step's fault is a NaN/Inf (not a norm above the limit)
 _GUARD = "guard/"  # + "<optimizer number>/<name>": the guard's values of the step
-_SKIPPED = "skipped"  # the carry's key of the steps kerasdbg skipped, per optimizer number
+_SKIPPED = "skipped"  # the carry's key of the steps no optimizer counted (skipped, frozen), per number
 _FORCED = "forced"  # the carry's key of the batches left to skip after a rollback
 _LOSS = _tags.LOSS
 
@@ -129,8 +130,9 @@ def _context() -> Optional["_StepContext"]:
 
 
 def skipped_offset(model, counter):
-    """The steps kerasdbg skipped of the optimizer of `model` whose step
-    counter is `counter`, for a debug layer that numbers a step while it is
+    """The steps kerasdbg kept from counting (skipped or frozen) of the
+    optimizer of `model` whose step counter is `counter`, for a debug layer
+    that numbers a step while it is
     traced (`layer_record`): in kerasdbg's step, the carry's count (as the
     applies number their steps); in another step (Keras's own, in a fit
     without kerasdbg's capture), the host's count when it is traced, fixed
@@ -145,7 +147,7 @@ def skipped_offset(model, counter):
         return 0
     for _, optimizer in keras_objects.find_optimizers(model):
         if keras_objects.raw_iterations(optimizer) is counter:
-            holder = keras_objects.skipped_steps(optimizer)
+            holder = keras_objects.uncounted_steps(optimizer)
             return 0 if holder is None else int(np.asarray(holder.value))
     return 0
 
@@ -225,9 +227,10 @@ class _Same:
         return self._id
 
 
-class _SkippedSteps:
-    """The steps kerasdbg skipped of one optimizer, on the host
-    (`keras_objects.skipped_steps`): `value`, a NumPy integer, kept up to
+class _UncountedSteps:
+    """The steps kerasdbg kept one optimizer from counting (skipped or
+    frozen), on the host
+    (`keras_objects.uncounted_steps`): `value`, a NumPy integer, kept up to
     date at each collect from the step's carry, where the count runs."""
 
     def __init__(self):
@@ -506,19 +509,21 @@ class Engine(Capture):
         self.requests = []
         self._uninstall()
 
-    def _kept_positions(self, model) -> List[int]:
-        """What a freeze keeps of a step, by position in Keras's state
-        (trainable, non-trainable, then the model's optimizer's variables,
-        flattened): the optimizers' step counters, which count a frozen step
-        (as on TensorFlow) so that each step keeps its own number (a second
-        optimizer of a train step written for JAX keeps its variables in the
-        non-trainable state), and the debug layers' counters and buffers,
-        which record the faulty step (on TensorFlow they are no weights)."""
-        counters = {id(keras_objects.raw_iterations(h.optimizer)) for h in self.hooks.values()}
-        variables = (list(model.trainable_variables) + list(model.non_trainable_variables) +
-                     (list(model.optimizer.variables) if model.optimizer is not None else []))
-        return [i for i, v in enumerate(variables)
-                if id(v) in counters or _layer_record.is_debug_variable(v)]
+    @staticmethod
+    def _uncount(keep, uncounted: dict, applies: Dict[int, int]) -> dict:
+        """`uncounted` (the carry's steps each optimizer did not count, by
+        number) plus, for each optimizer the step applied (`applies`: number
+        -> its applies in the step) and puts back (`keep(number)` false),
+        those applies: a frozen or skipped step counts in no optimizer's
+        `iterations` (its counter is put back with its other variables), and
+        the steps keep their numbers (as on TensorFlow, where each such apply
+        counts here instead, also one a loss scaler would have skipped)."""
+        uncounted = dict(uncounted)
+        for number, count in applies.items():
+            key = str(number)
+            if key in uncounted:
+                uncounted[key] = uncounted[key] + jnp.where(keep(number), 0, count)
+        return uncounted
 
     def _freeze(self):
         for request in self.requests:
@@ -532,11 +537,14 @@ class Engine(Capture):
 
     def _state_roles(self, model) -> List[tuple]:
         """With the guard, what a step keeps of each position of Keras's
-        state (flattened as in `_kept_positions`): `("debug",)` the debug
+        state (trainable, non-trainable, then the model's optimizer's
+        variables, flattened; a second optimizer of a train step written for
+        JAX keeps its variables in the non-trainable state): `("debug",)` the debug
         layers' counters and buffers, always the step's; `("counter", n)`
-        optimizer n's step counter, the step's unless n skipped it (a frozen
-        step counts); `("owned", n)` the variables optimizer n updates and
-        its own, the step's unless the weights are frozen or n skipped;
+        optimizer n's step counter, the step's unless n skipped it or the
+        weights are frozen (then `_uncount` counts the step); `("owned", n)`
+        the variables optimizer n updates and its own, the step's unless the
+        weights are frozen or n skipped;
         `("other",)` the rest (the forward pass's state, such as
         BatchNormalization's moving statistics), the step's unless the
         weights are frozen or an optimizer skipped."""
@@ -561,17 +569,18 @@ class Engine(Capture):
         return roles
 
     def _guard_carry(self, carry: dict) -> None:
-        """Adds to a fit's first carry the steps kerasdbg skipped of each
-        optimizer that has a count (registered here for the host when a
-        skip is armed) and, with the guard, its spike windows and skip
-        flags (those of the last fit, else empty)."""
+        """Adds to a fit's first carry the steps kerasdbg kept each optimizer
+        from counting (skipped or frozen), for each that has a count
+        (registered here for the host when a fault is armed) and, with the
+        guard, its spike windows and skip flags (those of the last fit, else
+        empty)."""
         freeze = self._freeze()
         skipped = {}
         for hook in self.hooks.values():
-            holder = keras_objects.skipped_steps(hook.optimizer)
-            if holder is None and freeze is not None and (freeze.skip or freeze.rollback):
-                holder = _SkippedSteps()
-                keras_objects.keep_skipped_steps(hook.optimizer, holder)
+            holder = keras_objects.uncounted_steps(hook.optimizer)
+            if holder is None and freeze is not None:
+                holder = _UncountedSteps()
+                keras_objects.keep_uncounted_steps(hook.optimizer, holder)
             if holder is not None:
                 skipped[str(hook.number)] = jnp.asarray(int(np.asarray(holder.value)), jnp.int32)
         if skipped:
@@ -596,10 +605,10 @@ class Engine(Capture):
 
     def _take_skipped(self, skipped) -> None:
         """The host's count of each optimizer's skipped steps
-        (`keras_objects.skipped_steps`), from the carry's (host values)."""
+        (`keras_objects.uncounted_steps`), from the carry's (host values)."""
         for hook in self.hooks.values():
-            holder = keras_objects.skipped_steps(hook.optimizer)
-            if isinstance(holder, _SkippedSteps) and str(hook.number) in skipped:
+            holder = keras_objects.uncounted_steps(hook.optimizer)
+            if isinstance(holder, _UncountedSteps) and str(hook.number) in skipped:
                 holder.value = np.int64(skipped[str(hook.number)])
 
     def _keep_guard(self) -> None:
@@ -1108,8 +1117,11 @@ class Engine(Capture):
                 new = list(trainable) + list(non_trainable) + list(optimizer_variables)
                 old = list(state[0]) + list(state[1]) + list(state[2])
                 kept = list(_ops.cond(keep, lambda: new, lambda: old))
-                for position in engine._kept_positions(model):
-                    kept[position] = new[position]
+                for position, role in enumerate(engine._state_roles(model)):
+                    if role[0] == "debug":  # they record the faulty step too
+                        kept[position] = new[position]
+                if skipped is not None:
+                    skipped = engine._uncount(lambda number: keep, skipped, context.applies)
                 a, b = len(trainable), len(trainable) + len(non_trainable)
                 new_state = (kept[:a], kept[a:b], kept[b:], metrics)
                 frozen = jnp.logical_or(frozen, fault)
@@ -1189,6 +1201,11 @@ class Engine(Capture):
         new = list(trainable) + list(non_trainable) + list(optimizer_variables)
         old = list(state[0]) + list(state[1]) + list(state[2])
         only = next(iter(skips)) if len(skips) == 1 else None
+
+        def counts(number):
+            # Whether optimizer `number` counts the step: not when it skipped, nor frozen.
+            return jnp.logical_and(keep, jnp.logical_not(skips[number]))
+
         groups: Dict[tuple, list] = {}
         for position, role in enumerate(self._state_roles(model)):
             if role[0] == "debug":
@@ -1196,9 +1213,9 @@ class Engine(Capture):
             number = role[1] if len(role) > 1 else only
             if role[0] == "counter":
                 if number not in skips:
-                    continue  # it counts every step it applies
+                    continue  # not applied in this step: nothing to put back
                 key = ("counter", number)
-                predicate = jnp.logical_not(skips[number])
+                predicate = counts(number)
             else:
                 key = ("keep", number)
                 predicate = jnp.logical_and(keep, jnp.logical_not(
@@ -1214,8 +1231,8 @@ class Engine(Capture):
         new_state = (kept[:a], kept[a:b], kept[b:], metrics)
         skipped = carry.get(_SKIPPED)
         if skipped is not None:
-            skipped = {key: value + skips[int(key)].astype(jnp.int32)
-                       if int(key) in skips else value for key, value in skipped.items()}
+            skipped = self._uncount(counts, skipped,
+                                    {n: context.applies.get(n, 1) for n in skips})
         if forced is not None:
             left = left - forced.astype(jnp.int32)
         return outcome.fault, outcome.frozen, new_state, outcome.state, skipped, left

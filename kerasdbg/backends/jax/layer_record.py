@@ -16,8 +16,8 @@ flattened, cast to float32.
 
 The step number in `fit` is the optimizer step this forward pass belongs to:
 the largest step counter of the optimizers (`keras_objects.step_counters`),
-each plus the steps kerasdbg skipped of its optimizer (`action="skip"`,
-which Keras's counter does not count), + 1, read from the state the
+each plus the steps kerasdbg kept its optimizer from counting (skipped by
+`action="skip"` or frozen by a fault), + 1, read from the state the
 model's `train_step(self, state, data)` was given (its frame, found on the
 stack at trace time): the counters live in the optimizer variables
 (`state[2]`) or, for a second optimizer of a train step written for JAX,
@@ -132,8 +132,8 @@ def decode(table: np.ndarray) -> np.ndarray:
 
 def _counter_values(model, state) -> list:
     """The step counters of `model`'s optimizers in `state` (the state its
-    `train_step` was given), each plus the steps kerasdbg skipped of it
-    (`engine.skipped_offset`)."""
+    `train_step` was given), each plus the steps kerasdbg kept it from
+    counting (`engine.skipped_offset`)."""
     from kerasdbg.backends.jax import engine as _engine  # which imports this module
 
     counters = keras_objects.step_counters(model)

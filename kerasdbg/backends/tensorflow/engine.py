@@ -829,7 +829,7 @@ class Engine(Capture):
         hook = channel.hook
         context.iterations = reads.read(keras_objects.raw_iterations(optimizer))
         step = context.iterations + 1
-        skipped = keras_objects.skipped_steps(optimizer)
+        skipped = keras_objects.uncounted_steps(optimizer)
         if skipped is not None:
             # kerasdbg numbers the steps it skipped too (`iterations` does not count them).
             step = step + tf.cast(skipped.read_value(), step.dtype)
@@ -856,10 +856,13 @@ class Engine(Capture):
         channel, hook = context.channel, context.channel.hook
         step = context.step
         after = reads.read(keras_objects.raw_iterations(optimizer))
-        # The loss scaler skipped the step (kerasdbg's own skip is not the scaler's).
+        # The loss scaler skipped the step (kerasdbg's own skip is not the
+        # scaler's, nor a frozen step, which no optimizer counts either).
         skipped = tf.equal(after, context.iterations)
         if context.skip is not None:
             skipped = tf.logical_and(skipped, tf.logical_not(context.skip))
+        if context.frozen is not None:
+            skipped = tf.logical_and(skipped, tf.logical_not(context.frozen))
         train_id = context.state.train_id
         row = self._row(train_id)
         # The weights describe updates that happened: not the batches gradient

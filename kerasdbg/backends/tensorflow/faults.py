@@ -164,6 +164,12 @@ class Faults:
             self._frozen = _buffers.on_read_variable(tf.zeros([], tf.int64), "kerasdbg_frozen")
         if self._freeze() is not None:
             self._prepare_state(model, strategy)
+            for _, optimizer in keras_objects.find_optimizers(model):
+                # The steps a freeze or a skip keeps from `iterations` (they number
+                # the optimizer's steps in every later fit too).
+                if keras_objects.uncounted_steps(optimizer) is None:
+                    keras_objects.keep_uncounted_steps(optimizer, _buffers.on_read_variable(
+                        tf.zeros([], tf.int64), "kerasdbg_uncounted_steps"))
         if self._localizes() and self._nan_row is None:
             self._nan_row = _buffers.on_read_variable(
                 tf.zeros([3 + MAX_FLAGGED], tf.int64), "kerasdbg_nan_source")
@@ -210,9 +216,6 @@ class Faults:
                     _buffers.on_read_variable(tf.zeros([freeze.skip_window, 2], tf.int64),
                                               "kerasdbg_skip_flags"),
                     _buffers.on_read_variable(tf.zeros([], tf.int64), "kerasdbg_guard_steps"))
-            if (freeze.skip or freeze.rollback) and keras_objects.skipped_steps(inner) is None:
-                keras_objects.keep_skipped_steps(inner, _buffers.on_read_variable(
-                    tf.zeros([], tf.int64), "kerasdbg_skipped_steps"))
 
     def begin_fit(self) -> None:
         """At the start of a fit: the weights unfrozen, no NaN source, no late fault."""
@@ -498,9 +501,6 @@ class Faults:
         # The fraction of spiky steps among the last `skip_window` (fewer at first).
         seen = tf.cast(tf.minimum(number + 1, freeze.skip_window), tf.float64)
         spikes = tf.cast(tf.reduce_sum(recent[:, 1]), tf.float64)
-        skipped = keras_objects.skipped_steps(inner)
-        if skipped is not None:
-            skipped.assign_add(tf.cast(skip, tf.int64))
         armed = bool(freeze.skip) or freeze.rollback
         context.spike, context.skip = spike, skip if armed else None
         name = context.channel.hook.name
@@ -630,9 +630,10 @@ class Faults:
 
     def apply_unless_frozen(self, original_apply, optimizer, grads, trainable_variables, frozen,
                             frozen_before, skip=None):
-        """Applies the update unless `frozen` or `skip`; a frozen step only
-        counts itself, a skipped one does not even count (`skip`: None when
-        no skip is armed).
+        """Applies the update unless `frozen` or `skip` (`skip`: None when no
+        skip is armed); a frozen or skipped step changes no variable of the
+        optimizer, its step count included, and counts in
+        `keras_objects.uncounted_steps` instead (which numbers the steps).
 
         Where the optimizer allows it (`update_gateable`, with one replica),
         Keras's own `apply` runs as it is, and two conditions inside it skip
@@ -640,15 +641,16 @@ class Faults:
         (`_route_update`, on `frozen`) and weight decay (`_route_weight_decay`,
         on `frozen_before`: whether an earlier train step froze the weights,
         known before this step's batch). The rest of
-        `apply` (the step count, the learning rate) is as in plain Keras,
-        also in the call that meets the end of a dataset of unknown length,
-        where no batch comes and plain Keras still counts a step and decays
-        the weights (the update waits for the batch). At the faulty step
-        itself the decay (it comes before the gradients in Keras's `apply`)
-        is undone once the fault test is known.
+        `apply` (the learning rate) is as in plain Keras, also in the call
+        that meets the end of a dataset of unknown length, where no batch
+        comes and plain Keras still counts a step and decays the weights (the
+        update waits for the batch); the step count of a frozen step is taken
+        back after it, with no condition. At the faulty step itself the decay
+        (it comes before the gradients in Keras's `apply`) is undone once the
+        fault test is known.
 
-        Elsewhere a `tf.cond` on `frozen` chooses between counting the step
-        and `apply`; strategies that need `merge_call` (Mirrored, OneDevice)
+        Elsewhere a `tf.cond` on `frozen` chooses between nothing and
+        `apply`; strategies that need `merge_call` (Mirrored, OneDevice)
         get it in cross-replica context, as `LossScaleOptimizer` does.
         """
 
@@ -661,11 +663,12 @@ class Faults:
         # of it while they trace, which replicas tracing at once would mix.
         variables = (keras_objects.optimizer_variables(inner) if trainable_variables is None
                      else list(trainable_variables))
-        counted = None
         if skip is not None:
-            # A skipped step is not counted: as if its batch had not come.
-            counted = tf.cast(tf.logical_not(skip), tf.int64)
             frozen = tf.logical_or(frozen, skip)
+        # Neither a frozen nor a skipped step is counted: as if its batch had not come.
+        uncounted = keras_objects.uncounted_steps(optimizer)
+        if uncounted is not None:
+            uncounted.assign_add(tf.cast(frozen, tf.int64))
         if (no_merge_call and _several_replicas() is None and frozen_before is not None
                 and routing.update_gateable(optimizer, variables)):
             key = (distribute.replica_id(), id(inner))
@@ -674,14 +677,14 @@ class Faults:
                 original_apply(grads, trainable_variables)
             finally:
                 GATES.pop(key, None)
-            if skip is not None:
-                iterations = keras_objects.raw_iterations(optimizer)
-                _buffers.run_if(skip, lambda: iterations.assign_sub(1))
+            iterations = keras_objects.raw_iterations(optimizer)
+            iterations.assign_sub(tf.cast(frozen, iterations.dtype))
             return True
 
-        def count_step(grads, trainable_variables, counted=None):
+        def count_step(grads, trainable_variables):
             # The gradient statistics of a frozen step are recorded too: the
-            # (routed) reduction records them, and nothing is applied.
+            # (routed) reduction records them, and nothing is applied (the
+            # step count neither).
             if scaled:
                 scale = optimizer.dynamic_scale
                 grads = [g if g is None else g / tf.cast(scale, g.dtype) for g in grads]
@@ -689,8 +692,6 @@ class Faults:
                 trainable_variables = keras_objects.optimizer_variables(inner)
             variables = [reads.read_handle(v) for v in trainable_variables]
             getattr(inner, routing.REDUCE_METHOD)(list(zip(grads, variables)))
-            keras_objects.raw_iterations(optimizer).assign_add(
-                1 if counted is None else counted)
 
         def branch(function):
             def run():
@@ -701,23 +702,23 @@ class Faults:
 
         if no_merge_call:
             tf.cond(
-                frozen, branch(lambda: count_step(grads, trainable_variables, counted)),
+                frozen, branch(lambda: count_step(grads, trainable_variables)),
                 branch(lambda: original_apply(grads, trainable_variables)),
             )
             return True
 
-        def cross_replica(distribution, frozen, grads, trainable_variables, counted):
+        def cross_replica(distribution, frozen, grads, trainable_variables):
             flag = distribution.experimental_local_results(frozen)[0]
             tf.cond(
                 flag,
                 branch(lambda: distribution.extended.call_for_each_replica(
-                    count_step, args=(grads, trainable_variables, counted))),
+                    count_step, args=(grads, trainable_variables))),
                 branch(lambda: distribution.extended.call_for_each_replica(
                     original_apply, args=(grads, trainable_variables))),
             )
 
         tf.distribute.get_replica_context().merge_call(
-            cross_replica, args=(frozen, grads, trainable_variables, counted)
+            cross_replica, args=(frozen, grads, trainable_variables)
         )
         return True
 
