@@ -237,7 +237,10 @@ def run_demo(out: str = "runs/demo", epochs: int = 3) -> Dict[str, str]:
         if not verdicts:
             print("    rules: none fired")
         if stopped:
-            step = int(model.optimizer.iterations.numpy())
+            # The optimizer counts none of the frozen steps: the step as kerasdbg numbers it.
+            from kerasdbg.capture import keras_objects
+
+            step = keras_objects.step_number(model.optimizer)
             print(f"    stopped by StopOnRule after step {step}; the weights are those before "
                   "the fault (frozen there)")
         try:

@@ -39,7 +39,7 @@ EXPECTED_OUTPUT = {
         "optimizer steps run: 2",
         "kerasdbg: NonFiniteLoss at step 4: the loss is nan",
         "NaNSource at step 4: the first layer whose output held NaN/Inf is 'out'",
-        "steps run: 8 | weights finite: True",
+        "optimizer steps counted: 3 | weights finite: True",
         "- **step 4 · NonFiniteLoss**: the loss is nan",
         "kerasdbg: DeadReLU at step 4: dead_fraction at or above 0.5: hidden_tap=1",
         "Verdict(rule='NonFiniteLoss', step=4",
