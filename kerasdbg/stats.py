@@ -5,9 +5,14 @@ Written against `kerasdbg.quantities.ops` (reductions, elementwise ops,
 TensorFlow, and the capture of any backend computes the same statistics.
 
 These run inside the train step, every recorded step, so they are written to
-touch memory as few times as possible: a fast path of plain reductions, and a
-masked float64 path that only runs when some value is NaN or infinite (or a
-sum overflows). Both paths give the same definitions:
+touch memory as few times as possible and to hold no condition (on a GPU a
+condition in a compiled step makes the host wait for the device): one masked
+pass of reductions over each tensor (or group of small tensors) gives every
+statistic, the NaN/Inf counts with the finite-only moments, in the tensor's
+own precision (a sum beyond float32's range, such as the squares of values
+above 1.8e19, reads as infinite while the counts say no element is).
+`masked_statistics` computes the same in float64, for a caller that wants
+them exact whatever the magnitudes. The definitions:
 
 - `l2_norm` is NaN when an element is NaN, else infinite when one is
   infinite: an explosion never reads as a small norm;
@@ -33,7 +38,7 @@ them.
 
 from __future__ import annotations
 
-from typing import Any, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -90,16 +95,6 @@ def _flat(tensor: TensorLike) -> Tensor:
     return B.reshape(tensor, [-1])
 
 
-LARGE = 1 << 16
-"""Tensors with at least this many elements get the one-pass variance: for them
-a pass over memory costs more than the `tf.cond` that guards it."""
-
-
-EXACT_FLOAT32_COUNT = 1 << 24
-"""Below this many elements a float32 sum of a 0/1 mask is exact (every
-partial sum is an integer below 2**24, whatever the order of summation)."""
-
-
 def _count(mask: Tensor) -> Tensor:
     size = B.num_elements(mask)
     if size is not None and size < 2**31:
@@ -131,59 +126,72 @@ def _quantiles(x: Tensor, n: Tensor, stats: Tuple[str, ...]) -> dict:
 
 
 # The reductions `_raw` takes of each tensor, from which `_finish` derives
-# every statistic but the quantiles, for all tensors at once.
-_RAW = ("sum", "sumsq", "centered", "min", "max", "abs_sum", "zeros")
+# every statistic but the quantiles, for all tensors at once: over the finite
+# elements (the others count as 0 in the sums), the counts of the finite and
+# of the NaN elements (the infinite ones are the rest).
+_RAW = ("sum", "sumsq", "centered", "min", "max", "abs_sum", "zeros", "finite", "nan")
+
+
+def _needs(stats: Tuple[str, ...]) -> set:
+    """The `_RAW` reductions that `stats` need."""
+    needs = set()
+    if {"mean", "std"} & set(stats):
+        needs.add("sum")
+    if "std" in stats:
+        needs.add("centered")
+    if "l2_norm" in stats:
+        needs.add("sumsq")
+    for name in ("min", "max"):
+        if name in stats:
+            needs.add(name)
+    if "mean_abs" in stats:
+        needs.add("abs_sum")
+    if "zero_fraction" in stats:
+        needs.add("zeros")
+    if needs - {"zeros", "sumsq"} or set(QUANTILES) & set(stats) \
+            or {"nan_count", "inf_count"} & set(stats):
+        needs.add("finite")
+    if {"nan_count", "inf_count"} & set(stats):
+        needs.add("nan")
+    return needs
 
 
 def _raw(x: Tensor, stats: Tuple[str, ...]) -> Tensor:
     """The `_RAW` reductions of `x` that `stats` need (0 for the others),
-    as a float64 vector; plain reductions, valid when every element is finite.
+    as a float64 vector: one masked pass (two with `std`, whose centered sum
+    needs the mean first), in `x`'s precision.
 
     Only the reductions happen here, per tensor; the arithmetic that turns
     them into statistics runs once over all tensors' rows (`_finish`).
     """
-    size = B.num_elements(x)
-    n = B.constant(size, x.dtype) if size is not None else B.cast(B.size(x), x.dtype)
-    large = size is not None and size >= LARGE
-    raw = {}
-    if {"mean", "std"} & set(stats) or "l2_norm" not in stats:
-        raw["sum"] = B.reduce_sum(x)  # also proves x finite, with nothing else asked
-    if "std" in stats and large:
-        # One pass, E[x^2] - E[x]^2, when the mean is no larger than the spread:
-        # the cancellation then costs at most a factor 2 in rounding, and the
-        # pass over x - mean (a tensor-sized temporary) is saved. Otherwise,
-        # e.g. weights like a BatchNorm gamma (mean 1, std ~0), two passes.
-        sumsq = _sum_of_squares(x)
-        mean = raw["sum"] / n
-        spread = sumsq / n - B.square(mean)
-        raw["sumsq"] = sumsq
-        raw["centered"] = B.cond(B.square(mean) <= spread, lambda: spread * n,
-                                  lambda: _sum_of_squares(x - mean))
-    elif "std" in stats:
-        # Two passes: E[x^2] - E[x]^2 in float32 loses everything for
-        # weights like a BatchNorm gamma (mean 1, std ~0). `_finish` takes
-        # the sum of squares from the centered one.
-        raw["centered"] = _sum_of_squares(x - raw["sum"] / n)
-    elif "l2_norm" in stats:
-        raw["sumsq"] = _sum_of_squares(x)
-    if "min" in stats:
-        raw["min"] = B.reduce_min(x)
-    if "max" in stats:
-        raw["max"] = B.reduce_max(x)
-    if "mean_abs" in stats:
-        raw["abs_sum"] = B.reduce_sum(B.abs(x))
-    counts = {}
-    if "zero_fraction" in stats:
-        if size is not None and size < EXACT_FLOAT32_COUNT:
-            raw["zeros"] = B.reduce_sum(B.cast(B.equal(x, 0), x.dtype))
-        else:
-            counts["zeros"] = _count(B.equal(x, 0))
+    needs = _needs(stats)
+    finite = B.is_finite(x)
     zero = B.zeros([], x.dtype)
-    row = B.cast(B.stack([raw.get(r, zero) for r in _RAW]), B.float64)
-    if counts:
-        row = B.scatter_update(
-            row, [[_RAW.index(r)] for r in counts], list(counts.values()))
-    return row
+    xz = B.where(finite, x, zero)
+    raw, counts = {}, {}
+    if "finite" in needs:
+        counts["finite"] = _count(finite)
+    if "nan" in needs:
+        counts["nan"] = _count(B.is_nan(x))
+    if "sum" in needs:
+        raw["sum"] = B.reduce_sum(xz)
+    if "centered" in needs:
+        mean = raw["sum"] / B.maximum(B.cast(counts["finite"], x.dtype), 1)
+        raw["centered"] = _sum_of_squares(B.where(finite, x - mean, zero))
+    if "sumsq" in needs:
+        # Of every element: NaN when one is NaN, else infinite when one is.
+        raw["sumsq"] = _sum_of_squares(x)
+    if "min" in needs:
+        raw["min"] = B.reduce_min(B.where(finite, x, B.constant(np.inf, x.dtype)))
+    if "max" in needs:
+        raw["max"] = B.reduce_max(B.where(finite, x, B.constant(-np.inf, x.dtype)))
+    if "abs_sum" in needs:
+        raw["abs_sum"] = B.reduce_sum(B.abs(xz))
+    if "zeros" in needs:
+        counts["zeros"] = _count(B.equal(x, 0))
+    row = [B.cast(raw[r], B.float64) if r in raw else counts[r] if r in counts
+           else B.zeros([], B.float64) for r in _RAW]
+    return B.stack(row)
 
 
 SEGMENTED = 1 << 12
@@ -252,6 +260,7 @@ class Packed:
         self.vectors = list(vectors)
         self.groups = tuple(groups)
         self.count = count
+        self.flats: Optional[list] = None  # the flat tensors, when `of` packed them here
 
     @classmethod
     def of(cls, tensors: Sequence[TensorLike]) -> "Packed":
@@ -264,7 +273,12 @@ class Packed:
         vectors = [flats[positions[0]] if len(positions) == 1
                    else B.concat([flats[i] for i in positions], 0)
                    for positions, _ in groups]
-        return cls(vectors, groups, len(flats))
+        packed = cls(vectors, groups, len(flats))
+        # The tensors the vectors were made of, where a reduction reads them
+        # better one by one (`_Segments`); a compiler drops a concatenation
+        # nothing reads.
+        packed.flats = flats
+        return packed
 
     def __len__(self) -> int:
         return self.count
@@ -307,37 +321,112 @@ class Packed:
 
 
 class _Segments:
-    """Tensors of one dtype as one vector, with per-tensor reductions."""
+    """Small tensors of one dtype, concatenated in one vector, reduced each
+    as a row of a few zero-padded matrices.
 
-    def __init__(self, x: Tensor, sizes: Sequence[int]):
+    The tensors are grouped in a few size classes (`_size_classes`): each
+    class is one zero-padded `[tensors, width]` matrix made from the vector
+    (`ops.padded_rows`: one copy, or one gather), and the sums a
+    statistic needs are taken along its rows together (`ops.reduce_sums`:
+    one pass on JAX). So the kernels do not grow with the number
+    of tensors, and no reduction is a scatter (a segment sum, which XLA runs
+    element by element on a CPU).
+    """
+
+    def __init__(self, x: Tensor, sizes: Sequence[int], pieces: Optional[list] = None):
         self.k = len(sizes)
         self.x = x
-        self.ids = B.constant(np.repeat(np.arange(self.k, dtype=np.int32), sizes))
-        self.n = B.constant(np.asarray(sizes, np.float64), self.x.dtype)
-
-    def total(self, values: Tensor) -> Tensor:
-        return B.segment_sum(values, self.ids, self.k)
+        self.pieces = pieces  # the tensors concatenated in `x`, where known
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        end = int(offsets[-1])  # the appended 0
+        # Per class: (index [k_c, width], valid [k_c, width], pads [k_c], offsets, sizes).
+        self.classes = []
+        order = []
+        for width, members in _size_classes(sizes):
+            index = np.full((len(members), width), end, np.int32)
+            for row, i in enumerate(members):
+                index[row, :sizes[i]] = np.arange(offsets[i], offsets[i + 1])
+            valid = index < end
+            self.classes.append((index, valid, width - valid.sum(1),
+                                 [int(offsets[i]) for i in members],
+                                 [int(sizes[i]) for i in members], members))
+            order += members
+        # Rows come out class by class: back to the tensors' order.
+        self.back = np.argsort(np.asarray(order, np.int64)).astype(np.int32)
 
     def raw(self, stats: Tuple[str, ...]) -> Tensor:
         """`_raw` of each tensor, as `[k, len(_RAW)]` (always two passes for
         the variance: the tensors are small)."""
-        x, raw = self.x, {}
-        if {"mean", "std"} & set(stats) or "l2_norm" not in stats:
-            raw["sum"] = self.total(x)
-        if "std" in stats:
-            raw["centered"] = self.total(B.square(x - B.gather(raw["sum"] / self.n, self.ids)))
-        elif "l2_norm" in stats:
-            raw["sumsq"] = self.total(B.square(x))
-        if "min" in stats:
-            raw["min"] = B.segment_min(x, self.ids, self.k)
-        if "max" in stats:
-            raw["max"] = B.segment_max(x, self.ids, self.k)
-        if "mean_abs" in stats:
-            raw["abs_sum"] = self.total(B.abs(x))
-        if "zero_fraction" in stats:
-            raw["zeros"] = self.total(B.cast(B.equal(x, 0), x.dtype))
-        zero = B.zeros([self.k], x.dtype)
-        return B.cast(B.stack([raw.get(r, zero) for r in _RAW], axis=1), B.float64)
+        needs = _needs(stats)
+        blocks = []
+        for index, valid, pads, starts, counts, members in self.classes:
+            pieces = None if self.pieces is None else [self.pieces[i] for i in members]
+            matrix = B.padded_rows(self.x, index, starts, counts, pieces)
+            blocks.append(self._rows(matrix, valid, pads, needs))
+        rows = blocks[0] if len(blocks) == 1 else B.concat(blocks, 0)
+        if len(self.classes) > 1:
+            rows = B.gather(rows, self.back)
+        return rows
+
+    @staticmethod
+    def _rows(m: Tensor, valid: np.ndarray, pads: np.ndarray, needs: set) -> Tensor:
+        """The `_RAW` rows of the tensors of one padded matrix `m` (a padding
+        element is 0: neutral to the sums; the counts take the padding off)."""
+        dtype = m.dtype
+        finite = B.is_finite(m)
+        zero = B.zeros([], dtype)
+        xz = B.where(finite, m, zero)
+        terms = {}
+        if "finite" in needs:
+            terms["finite"] = B.cast(finite, dtype)  # exact: a row is small
+        if "nan" in needs:
+            terms["nan"] = B.cast(B.is_nan(m), dtype)
+        if "sum" in needs:
+            terms["sum"] = xz
+        if "sumsq" in needs:
+            terms["sumsq"] = B.square(m)  # NaN / inf as `_raw`'s
+        if "abs_sum" in needs:
+            terms["abs_sum"] = B.abs(xz)
+        if "zeros" in needs:
+            terms["zeros"] = B.cast(B.equal(m, 0), dtype)
+        raw = dict(zip(terms, B.reduce_sums(list(terms.values()), axis=1)))
+        pads = B.constant(pads.astype(np.float64), dtype)
+        for name in ("finite", "zeros"):
+            if name in raw:
+                raw[name] = raw[name] - pads
+        if {"centered", "min", "max"} & needs:
+            real = B.logical_and(finite, B.constant(valid))
+        if "centered" in needs:
+            mean = raw["sum"] / B.maximum(raw["finite"], 1)
+            deviation = B.where(real, m - B.reshape(mean, [-1, 1]), zero)
+            raw["centered"] = B.reduce_sum(B.square(deviation), axis=1)
+        if "min" in needs:
+            raw["min"] = B.reduce_min(B.where(real, m, B.constant(np.inf, dtype)), axis=1)
+        if "max" in needs:
+            raw["max"] = B.reduce_max(B.where(real, m, B.constant(-np.inf, dtype)), axis=1)
+        zeros = B.zeros([len(valid)], dtype)
+        return B.cast(B.stack([raw.get(r, zeros) for r in _RAW], axis=1), B.float64)
+
+
+def _size_classes(sizes: Sequence[int]) -> list:
+    """`[(width, [tensor positions]), ...]`: the small tensors' padded
+    matrices, as few as the padding allows: from the largest tensor down, a
+    class of the next power of two of its size takes every tensor at least
+    an eighth of that wide (so a class pads at most eightfold).
+
+    Examples:
+        >>> from kerasdbg.stats import _size_classes
+        >>> _size_classes([2048, 64, 4096, 64, 640, 10])
+        [(4096, [0, 2, 4]), (64, [1, 3, 5])]
+    """
+    left = sorted(range(len(sizes)), key=lambda i: -int(sizes[i]))
+    classes = []
+    while left:
+        width = 1 << max(int(sizes[left[0]]) - 1, 0).bit_length()
+        members = [i for i in left if int(sizes[i]) * 8 >= width]
+        left = [i for i in left if int(sizes[i]) * 8 < width]
+        classes.append((width, sorted(members)))
+    return classes
 
 
 def _reduced(packed: Packed, single, segmented) -> Tuple[Tensor, list]:
@@ -348,7 +437,9 @@ def _reduced(packed: Packed, single, segmented) -> Tuple[Tensor, list]:
     blocks, sizes = [], []
     for vector, (positions, counts) in zip(packed.vectors, packed.groups):
         if len(positions) > 1:
-            blocks.append(B.reshape(segmented(_Segments(vector, counts)), [len(counts), -1]))
+            pieces = None if packed.flats is None else [packed.flats[i] for i in positions]
+            blocks.append(B.reshape(segmented(_Segments(vector, counts, pieces)),
+                                    [len(counts), -1]))
             sizes += list(counts)
         else:
             blocks.append(B.reshape(single(vector), [1, -1]))
@@ -370,34 +461,34 @@ def _placed(rows: Tensor, packed: Packed, empty: Tensor) -> Tensor:
 
 def _finish(raw: Tensor, sizes: Sequence[Any], stats: Tuple[str, ...]) -> Tensor:
     """The `[k, len(stats)]` statistics of k tensors of `sizes` elements (a
-    tensor where not known) from their `[k, 7]` `_RAW` rows (quantile
-    columns 0)."""
+    tensor where not known) from their `[k, len(_RAW)]` `_RAW` rows
+    (quantile columns 0)."""
     column = dict(zip(_RAW, B.unstack(raw, num=len(_RAW), axis=1)))
     if all(isinstance(size, int) for size in sizes):
         n = B.constant(sizes, B.float64)
     else:
         n = B.stack([B.cast(size, B.float64) for size in sizes])
-        sizes = [size if isinstance(size, int) else None for size in sizes]
-    mean = column["sum"] / n
+    finite, nans = column["finite"], column["nan"]
+    nan = B.constant(np.nan, B.float64)
+    none_finite = B.equal(finite, 0)
 
-    def l2_norm():
-        # Two-pass rows (see `_raw`) have no sum of squares of their own.
-        if "std" not in stats:
-            return B.sqrt(column["sumsq"])
-        two_pass = [size is None or size < LARGE for size in sizes]
-        return B.sqrt(B.where(two_pass, column["centered"] + n * B.square(mean), column["sumsq"]))
+    def extreme(name):
+        return B.where(none_finite, nan, column[name])
 
+    # Over the finite elements (0 / 0: NaN where none is finite).
     # Only the statistics asked for become graph ops (trace time grows with them).
     out = {
-        "l2_norm": l2_norm,
-        "mean": lambda: mean,
-        "std": lambda: B.sqrt(column["centered"] / n),
-        "min": lambda: column["min"],
-        "max": lambda: column["max"],
-        "mean_abs": lambda: column["abs_sum"] / n,
+        "l2_norm": lambda: B.sqrt(column["sumsq"]),
+        "mean": lambda: column["sum"] / finite,
+        "std": lambda: B.sqrt(column["centered"] / finite),
+        "min": lambda: extreme("min"),
+        "max": lambda: extreme("max"),
+        "mean_abs": lambda: column["abs_sum"] / finite,
         "zero_fraction": lambda: column["zeros"] / n,
+        "nan_count": lambda: nans,
+        "inf_count": lambda: n - finite - nans,
     }
-    zero = B.zeros_like(mean)
+    zero = B.zeros_like(n)
     return B.stack([out[s]() if s in out else zero for s in stats], axis=1)
 
 
@@ -555,20 +646,13 @@ def _sum_of_squares(x: Tensor) -> Tensor:
     return B.reduce_sum(B.square(x))
 
 
-def _norms_fast(packed: Packed, stats: Tuple[str, ...]) -> Tuple[Tensor, Tensor]:
-    """The fast path of `tensor_statistics` for `NORM_STATISTICS` only: one
-    reduction per tensor (or per group of small ones) and a few ops for all;
-    valid when every sum of squares is finite (else a NaN/Inf, or an
-    overflow of finite values)."""
-    squares, _ = _reduced(
-        packed, lambda x: B.cast(_sum_of_squares(x), B.float64),
-        lambda segments: B.cast(segments.total(B.square(segments.x)), B.float64))
-    squares = B.reshape(squares, [-1])
-    zero = B.zeros_like(squares)
-    fast = B.stack([B.sqrt(squares) if s == "l2_norm" else zero for s in stats], axis=1)
-    # An empty tensor's row is all zeros, as its sum of squares is.
-    return _placed(fast, packed, B.zeros([len(stats)], B.float64)), B.reduce_all(
-        B.is_finite(squares))
+def _norms(packed: Packed, stats: Tuple[str, ...]) -> Tensor:
+    """`tensor_statistics` for `NORM_STATISTICS` only: one pass per tensor
+    (or per group of small ones), the sum of squares beside the counts of the
+    finite and the NaN elements."""
+    raw, sizes = _reduced(packed, lambda x: _raw(x, stats),
+                          lambda segments: segments.raw(stats))
+    return _placed(_finish(raw, sizes, stats), packed, _empty_row(stats))
 
 
 def _empty_values(stats: Tuple[str, ...]) -> list:
@@ -613,13 +697,7 @@ def tensor_statistics(
     stats = _checked(stats)
     if not len(tensors) or not stats:
         return B.zeros([len(tensors), len(stats)], B.float64)
-    packed = Packed.of(tensors)
-    fast, finite = fast_statistics(packed, stats)
-    if finite is True:
-        return fast
-    # Every reduction finite proves every element finite; otherwise (or when
-    # a float32 sum overflowed) the masked float64 path.
-    return B.cond(finite, lambda: fast, lambda: masked_statistics(packed, stats))
+    return fast_statistics(Packed.of(tensors), stats)[0]
 
 
 def _checked(stats: Sequence[str]) -> Tuple[str, ...]:
@@ -640,18 +718,17 @@ def flat_tensors(tensors: Sequence[TensorLike]) -> list:
 
 
 def fast_statistics(packed: Any, stats: Sequence[str]) -> Tuple[Tensor, Any]:
-    """The two parts of `tensor_statistics` (which picks between them), for
-    a capture that places them itself: `(table, finite)`, the statistics of
-    the tensors of `packed` (a `Packed`, or tensors to pack) by plain
-    reductions, right when `finite` holds (a boolean tensor, or True when
-    there is nothing to test), else `masked_statistics(packed, stats)` is."""
+    """`(table, True)`: `tensor_statistics` of the tensors of `packed` (a
+    `Packed`, or tensors to pack), one masked pass each, with no condition;
+    the second value, always True, is kept for the captures that once chose
+    between this and `masked_statistics` on it."""
     stats = _checked(stats)
     packed = Packed.of(packed)
     if set(stats) <= set(NORM_STATISTICS):
         with B.name_scope("kerasdbg_norms"):
             if not packed.order:
                 return B.zeros([len(packed), len(stats)], B.float64), True
-            return _norms_fast(packed, stats)
+            return _norms(packed, stats), True
     if not packed.order:
         return _empty_rows(stats, len(packed)), True
     with B.name_scope("kerasdbg_statistics"):
@@ -660,14 +737,18 @@ def fast_statistics(packed: Any, stats: Sequence[str]) -> Tuple[Tensor, Any]:
         fast = _finish(raw, sizes, stats)
         wanted = [s for s in stats if s in QUANTILES]
         if wanted:
-            rows = [_quantiles(x, B.cast(B.size(x), B.float64), stats) for x in packed.pieces()]
+            rows = []
+            for x in packed.pieces():
+                finite = B.is_finite(x)
+                rows.append(_quantiles(B.where(finite, x, B.constant(np.inf, x.dtype)),
+                                       _count(finite), stats))
             fast = B.scatter_update(
                 B.transpose(fast),
                 [[stats.index(s)] for s in wanted],
                 B.stack([B.stack([row[s] for row in rows]) for s in wanted]),
             )
             fast = B.transpose(fast)
-        return _placed(fast, packed, _empty_row(stats)), B.reduce_all(B.is_finite(raw))
+        return _placed(fast, packed, _empty_row(stats)), True
 
 
 def masked_statistics(packed: Any, stats: Sequence[str]) -> Tensor:

@@ -2,8 +2,8 @@
 
 The gradient norm a rule judges, the norm a `max_gradient_norm` freeze
 compares, and the norm written as `gradients/global_norm` are the same
-number, computed here; the fault test, the NaN localisation and the
-statistics' fast path ask `all_finite`. Both are written against
+number, computed here; the fault test and the NaN localisation ask
+`all_finite`. Both are written against
 `kerasdbg.quantities.ops`, so any backend's capture computes them in its
 compiled step.
 """
@@ -52,11 +52,9 @@ def all_finite(tensors) -> "stats_lib.Tensor":
     one tensor) is finite, as a boolean scalar, in one read of each.
 
     The tensors are packed (`stats.Packed`: the small ones concatenated per
-    dtype), so that the condition below takes a few vectors, not one input
-    per tensor. The sum of a vector is finite when its elements are (one
-    reduction, no vector-sized temporary); only when a sum is not (a
-    NaN/Inf, or a sum of finite values that overflowed) is each element
-    tested, in a condition taken then.
+    dtype), so that the test takes a few vectors, not one input per tensor:
+    one reduction of each, and no condition (on a GPU a condition in a
+    compiled step makes the host wait for the device).
 
     Examples:
         >>> import numpy as np
@@ -72,10 +70,4 @@ def all_finite(tensors) -> "stats_lib.Tensor":
                else stats_lib.Packed.of([B.dense(t) for t in tensors])).vectors
     if not vectors:
         return B.constant(True)
-    if len(vectors) == 1 and (B.num_elements(vectors[0]) or stats_lib.SEGMENTED + 1) \
-            <= stats_lib.SEGMENTED:
-        return B.reduce_all(B.is_finite(vectors[0]))  # one small read: no condition
-    sums = B.stack([B.cast(B.reduce_sum(v), B.float32) for v in vectors])
-    return B.cond(
-        B.reduce_all(B.is_finite(sums)), lambda: B.constant(True),
-        lambda: B.reduce_all(B.stack([B.reduce_all(B.is_finite(v)) for v in vectors])))
+    return B.reduce_all(B.stack([B.reduce_all(B.is_finite(v)) for v in vectors]))

@@ -41,3 +41,33 @@ def test_two_optimizers_have_every_step_from_every_sink(tmp_path, spe):
     case.assert_schedule(recorded, every, list(range(1, 11)) + [50])
     for name in port.names.values():
         assert sorted(recorded[f"gradients/{name}/global_norm"]) == every, name
+
+
+def test_the_full_statistics_stay_at_the_scheduled_steps_when_a_loss_scaler_skips(
+        mixed_precision):
+    """A loss scaler's skips hold the step count, so the host's count of the
+    steps runs ahead of them until a read: the full variant runs for the
+    calls that may make a scheduled step, and the records keep the full
+    statistics at the scheduled steps only (NumPy's schedule, written out)."""
+    import keras
+    import numpy as np
+
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+                              keras.layers.Dense(1)])
+    # An initial loss scale that overflows float16 a few times first (the scaler
+    # halves it at each skip).
+    optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01),
+                                                    initial_scale=2.0 ** 30)
+    model.compile(optimizer, "mse")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(96 * 4, 4)).astype("float32") * 100
+    y = rng.normal(size=(96 * 4, 1)).astype("float32")
+    gradients = GradientStatistics()
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[gradients])
+    history = gradients.history
+    assert history["skipped"].any(), "the test needs the scaler to skip"
+    kept = history[~history["skipped"]]
+    full = kept["step"][kept.filter(like="/mean").notna().all(axis=1)].tolist()
+    scheduled = [s for s in kept["step"].tolist() if s <= 10 or s % 50 == 0]
+    assert full == scheduled and 50 in scheduled

@@ -672,9 +672,10 @@ def test_each_loop_gives_the_model_its_functions_back_and_the_next_records_again
     if capture:
         from kerasdbg.backends.jax import engine
 
-        # One trace: the second fit reused the step jitted for the first
-        # (a fit that raises, below, leaves none to reuse).
-        assert engine.engine_for(model).trace_count == 1
+        # The second fit reused the steps jitted for the first (a fit that
+        # raises, below, leaves none to reuse): the full variant traced for
+        # steps 1-10, the every-step one once, for steps 11 and 12.
+        assert engine.engine_for(model).trace_count == 2
     model.evaluate(X, Y, batch_size=16, verbose=0)
     unwrapped()
     assert tap.latest_by_mode["evaluate"]["step"] == 3

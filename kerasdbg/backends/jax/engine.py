@@ -171,6 +171,12 @@ class _StepContext:
         # tensors (else None), and whether an apply recorded them already.
         self.tensors: Optional[_tensors.TensorRequest] = None
         self.tensors_taken = False
+        # Which variant of the step this trace makes (`_Variants`): True, the
+        # one that computes the scheduled statistics and histograms (kept at
+        # the steps the schedules name, by a select); False, the every-step
+        # one that leaves them out; None, one step that picks between them
+        # with a condition (unjitted, where the condition is a Python branch).
+        self.full: Optional[bool] = None
 
 
 class _Hook:
@@ -349,8 +355,9 @@ class Engine(Capture):
         self._initial: Dict[str, list] = {}
         self._located = False  # whether this fit's first fault was located
         # The step of this fit, and the one kept for a later fit of the same graph.
-        self._step_function = None
+        self._step_function = None  # {variant: the jitted step} of this fit (`_Variants`)
         self._recording_function = None  # the step variant of a StepRecorder's steps
+        self._variants: Optional["_Variants"] = None
         self._kept_key: Optional[tuple] = None
         self._kept_step = None
         self._kept_applies: Dict[int, int] = {}
@@ -460,6 +467,7 @@ class Engine(Capture):
         # Where each optimizer starts this fit (read while the model holds its
         # variables; Keras's loop takes them at the first batch).
         self._fit_start = {h.number: n for h, n in zip(self.hooks.values(), iterations)}
+        self._variants = _UNDECIDED  # at the first call, when every request is attached
         # The state's shardings under a keras.distribution, read while the
         # model still holds its variables (Keras's loop moves them into its
         # state at the first batch).
@@ -492,6 +500,7 @@ class Engine(Capture):
         # the model only weakly): the state and the optimizers go with the fit.
         self._step_function = None
         self._recording_function = None
+        self._variants = None
         self._carry = None
         self._initial = {}
         self._pending = []
@@ -755,13 +764,12 @@ class Engine(Capture):
                 if hook.scale_index is not None and freeze.max_gradient_norm is None:
                     ok = jnp.asarray(True)  # an overflow is the loss scaler's to skip
                 if any(r.localize for r in self.requests):
-                    # Which gradients held NaN/Inf, computed at a fault only.
-                    tensors = [grads[i] for i in floats]
-                    context.records[f"apply/{key}/nonfinite"] = _ops.cond(
-                        reductions.all_finite(tensors),
-                        lambda: jnp.zeros([len(tensors)], jnp.bool_),
-                        lambda: jnp.stack([jnp.logical_not(reductions.all_finite(g))
-                                           for g in tensors]))
+                    # Which gradients held NaN/Inf: counted at every step, in
+                    # one pass with no condition (NaN localisation reads them
+                    # at a fault).
+                    counts = stats_lib.tensor_statistics([grads[i] for i in floats],
+                                                         ["nan_count", "inf_count"])
+                    context.records[f"apply/{key}/nonfinite"] = jnp.sum(counts, axis=1) > 0
                 if freeze.max_gradient_norm is not None:
                     ok = jnp.logical_and(ok, norm <= freeze.max_gradient_norm)
                     if hook.scale_index is not None:
@@ -779,7 +787,7 @@ class Engine(Capture):
                 if request.kind == "gradients":
                     tensors = [grads[i] for i in positions]
                     table = _scheduled(request, step, lambda stats, tensors=tensors:
-                                       stats_lib.tensor_statistics(tensors, stats))
+                                       stats_lib.tensor_statistics(tensors, stats), context.full)
                     tail = [norm]
                     if hook.clipping:
                         tail.append(_clipped(hook.clipping, [grads[i] for i in floats], norm))
@@ -792,8 +800,9 @@ class Engine(Capture):
                         # What the optimizer applies: its own clipping of them.
                         applied = keras_objects.clip_gradients(optimizer, grads)
                         chosen = [applied[i] for i in positions]
-                        applied_table = _scheduled(request, step, lambda stats, chosen=chosen:
-                                                   stats_lib.tensor_statistics(chosen, stats))
+                        applied_table = _scheduled(
+                            request, step, lambda stats, chosen=chosen:
+                            stats_lib.tensor_statistics(chosen, stats), context.full)
                         applied_norm = reductions.norm_of([applied[i] for i in floats])
                         row = jnp.concatenate([row, jnp.reshape(applied_table, [-1]),
                                                jnp.reshape(jnp.asarray(applied_norm,
@@ -805,11 +814,11 @@ class Engine(Capture):
                     start = [initial[i] for i in positions] if initial is not None else None
                     row = jnp.reshape(_scheduled(
                         request, step, lambda stats, tensors=tensors, before=before, start=start:
-                        _weight_table(stats, tensors, before, start)), [-1])
+                        _weight_table(stats, tensors, before, start), context.full), [-1])
                 context.records[f"apply/{key}/{number}"] = row
                 if request.histogram_every_n_steps:
                     context.records[f"apply/{key}/{number}/hist"] = _histograms(
-                        request, step, tensors)
+                        request, step, tensors, context.full)
             return new_trainable, new_optimizer
 
         return stateless_apply
@@ -870,9 +879,23 @@ class Engine(Capture):
 
     def _stepper(self, model):
         """The step each call of this execution runs: with a `StepRecorder`,
-        the variant that records its tensors at the steps it asks for, else
-        the step (see `kerasdbg.backends.jax.step_tensors`)."""
-        step = self._jitted(model)
+        the variant that records its tensors at the steps it asks for; else,
+        where the schedules take some statistics at some steps only, the
+        full or the every-step variant, as the host counts the steps
+        (`_Variants`); else the step (see `kerasdbg.backends.jax.step_tensors`)."""
+        if self._variants is _UNDECIDED:
+            self._variants = _Variants.of(self, model)
+        variants = self._variants
+        if variants is None:
+            step = self._jitted(model)
+        else:
+            engine = self
+
+            def step(state, carry, data):
+                full = variants.wanted()
+                variants.called()
+                return engine._jitted(model, full=full)(state, carry, data)
+
         request = self._tensor_request()
         if request is None:
             return step
@@ -886,6 +909,8 @@ class Engine(Capture):
                 return step(state, carry, data)
             guessed = request.next_step
             request.called()
+            if variants is not None:
+                variants.called()
             logs, state, carry, records = engine._jitted(model, request)(state, carry, data)
             return logs, state, carry, dict(records, **{_tensors.PREFIX + "guess": guessed})
 
@@ -1000,28 +1025,32 @@ class Engine(Capture):
                 tuple(id(v) for v in model.trainable_variables),
                 tuple(sorted(self._initial)))
 
-    def _jitted(self, model, tensors: Optional[_tensors.TensorRequest] = None):
-        """The step of this fit: the one jitted for an earlier fit of the
-        same graph (`_graph_key`), else a new one. With `tensors`: its
-        variant that records a `StepRecorder`'s tensors (made once a fit)."""
+    def _jitted(self, model, tensors: Optional[_tensors.TensorRequest] = None,
+                full: Optional[bool] = None):
+        """The step of this fit, in its variant `full` (`_Variants`): the
+        one jitted for an earlier fit of the same graph (`_graph_key`), else
+        a new one. With `tensors`: its variant that records a
+        `StepRecorder`'s tensors (made once a fit, a full one)."""
         if tensors is not None:
             if self._recording_function is None:
-                self._recording_function = self._compiled(model, self._step(model, tensors))
+                full = True if isinstance(self._variants, _Variants) else None
+                self._recording_function = self._compiled(model, self._step(model, tensors, full))
             return self._recording_function
-        if self._step_function is not None:
-            return self._step_function
-        key = self._graph_key(model)
-        if key is not None and key == self._kept_key:
-            # What its trace found: how many applies of each optimizer a step makes.
-            for hook in self.hooks.values():
-                hook.applies = self._kept_applies.get(hook.number, 0)
-            self._label(self._kept_classes)
-            self._step_function = self._kept_step
-            return self._step_function
-        self._kept_applies = {}
-        step = self._compiled(model, self._step(model))
-        self._step_function = step
-        self._kept_key, self._kept_step = key, step
+        if self._step_function is None:
+            key = self._graph_key(model)
+            if key is not None and key == self._kept_key:
+                # What its trace found: how many applies of each optimizer a step makes.
+                for hook in self.hooks.values():
+                    hook.applies = self._kept_applies.get(hook.number, 0)
+                self._label(self._kept_classes)
+                self._step_function = self._kept_step
+            else:
+                self._kept_applies = {}
+                self._step_function = {}
+                self._kept_key, self._kept_step = key, self._step_function
+        step = self._step_function.get(full)
+        if step is None:
+            step = self._step_function[full] = self._compiled(model, self._step(model, full=full))
         return step
 
     def _compiled(self, model, step):
@@ -1075,7 +1104,8 @@ class Engine(Capture):
                 classes = found[0] if found is not None else 0
                 request.present = [k < classes for k in range(MAX_CLASSES)]
 
-    def _step(self, model, tensors: Optional[_tensors.TensorRequest] = None):
+    def _step(self, model, tensors: Optional[_tensors.TensorRequest] = None,
+              full: Optional[bool] = None):
         engine = self
         model_ref = weakref.ref(model)  # the kept step must not keep the model alive
 
@@ -1084,6 +1114,7 @@ class Engine(Capture):
             engine.trace_count += 1
             context = _StepContext(engine, carry)
             context.tensors = tensors
+            context.full = full
             stack = getattr(_LOCAL, "stack", None)
             if stack is None:
                 stack = _LOCAL.stack = []
@@ -1116,7 +1147,7 @@ class Engine(Capture):
                 trainable, non_trainable, optimizer_variables, metrics = new_state
                 new = list(trainable) + list(non_trainable) + list(optimizer_variables)
                 old = list(state[0]) + list(state[1]) + list(state[2])
-                kept = list(_ops.cond(keep, lambda: new, lambda: old))
+                kept = _selected(keep, new, old)
                 for position, role in enumerate(engine._state_roles(model)):
                     if role[0] == "debug":  # they record the faulty step too
                         kept[position] = new[position]
@@ -1223,8 +1254,7 @@ class Engine(Capture):
             groups.setdefault(key, [predicate, []])[1].append(position)
         kept = list(new)
         for predicate, positions in groups.values():
-            chosen = _ops.cond(predicate, lambda p=positions: [new[i] for i in p],
-                               lambda p=positions: [old[i] for i in p])
+            chosen = _selected(predicate, [new[i] for i in positions], [old[i] for i in positions])
             for position, value in zip(positions, chosen):
                 kept[position] = value
         a, b = len(trainable), len(trainable) + len(non_trainable)
@@ -1336,6 +1366,8 @@ class Engine(Capture):
                 applied = np.asarray(columns[f"{key}/step"]).astype(np.int64).reshape(count)
                 # Where the guard last saw this optimizer (`_kept_guard_of`).
                 self._guard_seen[hook.number] = int(applied[-1])
+                if isinstance(self._variants, _Variants):
+                    self._variants.seen(hook.number, int(calls[-1]), int(applied[-1]))
                 skipped = columns.get(f"{key}/skipped")
                 skipped = no if skipped is None else np.asarray(skipped).astype(bool).reshape(count)
                 # False at a batch that gradient accumulation only accumulated.
@@ -1573,6 +1605,81 @@ class _StepFailed(Exception):
         self.state, self.data, self.index = state, data, index
 
 
+_UNDECIDED = object()
+
+
+class _Variants:
+    """The host's choice, call by call, between the two variants of the
+    jitted step, so that the step that runs at most calls holds no condition
+    and computes no more than what is recorded at every step.
+
+    Keras's JAX loop calls the step once per batch from Python, so the host
+    knows each call before it runs. The full variant computes every scheduled
+    statistic and histogram and keeps them, by a select, at the steps the
+    schedules name; the every-step variant computes only the statistics
+    recorded at every step (the l2 norms, the NaN/Inf counts). The host runs
+    the full one at the calls whose steps a schedule names, counting each
+    optimizer's steps from where it stood at the fit's start (its applies a
+    call), corrected at every read by the steps the records say were made.
+    A loss scaler that skips a step does not move the count, so past a read
+    an optimizer with one may be up to a step behind the host's count per
+    call since: for it the full variant runs from the first call that may
+    make a scheduled step until the read that says which did.
+    """
+
+    def __init__(self, engine: "Engine", requests: List[Request]):
+        self.engine = engine
+        self.requests = requests
+        self.made = 0  # calls of the step this fit
+        self.anchor: Dict[int, Tuple[int, int]] = {}  # number -> (call, its last step)
+
+    @classmethod
+    def of(cls, engine: "Engine", model) -> Optional["_Variants"]:
+        """The choice, where the fit's step is jitted and a request takes
+        some of its statistics or its histograms at some steps only."""
+        if model.run_eagerly or not model.jit_compile:
+            return None  # unjitted: the step's conditions are Python branches
+        requests = [r for r in engine.requests if r.kind in ("gradients", "weights") and (
+            set(r.stats) - set(r.frequent) and not r.schedule.every_step
+            or r.histogram_every_n_steps)]
+        return cls(engine, requests) if requests else None
+
+    def _any_in(self, low: int, high: int) -> bool:
+        """Whether a request takes its scheduled statistics or histograms at
+        a step in `[low, high]`."""
+        for request in self.requests:
+            schedule = request.schedule
+            if not schedule.every_step:
+                top = high if schedule.last_step is None else min(high, schedule.last_step)
+                if low <= top and (low <= schedule.first_steps or
+                                   top // schedule.every_n_steps * schedule.every_n_steps >= low):
+                    return True
+            every = request.histogram_every_n_steps
+            if every and high // every * every >= low:
+                return True
+        return False
+
+    def wanted(self) -> bool:
+        """Whether the next call runs the full variant."""
+        call = self.made + 1
+        for hook in self.engine.hooks.values():
+            applies = max(hook.applies, 1)
+            since, last = self.anchor.get(hook.number,
+                                          (0, self.engine._fit_start.get(hook.number, 0)))
+            first = last + (call - since - 1) * applies + 1
+            low = last + 1 if hook.scale_index is not None else first
+            if self._any_in(max(low, 1), first + applies - 1):
+                return True
+        return False
+
+    def called(self) -> None:
+        self.made += 1
+
+    def seen(self, number: int, call: int, step: int) -> None:
+        """A read: call `call` of this fit made optimizer `number`'s step `step` last."""
+        self.anchor[number] = (call, step)
+
+
 class _Guarded:
     """A step whose failure carries what the plain function needs to go on."""
 
@@ -1592,6 +1699,19 @@ class _Guarded:
         return logs, new_state, new_carry, records
 
 
+def _selected(predicate, new: list, old: list) -> list:
+    """`new` where `predicate` holds, else `old`, as a `lax.cond`: the one
+    condition left in the step with a freeze armed. A select (`where`) would
+    hold no condition, but XLA fuses it into the update that makes `new`, and
+    the fused update is no longer contracted into FMAs as plain Keras's is:
+    BatchNormalization's moving statistics then differ from plain Keras's in
+    the last bit (measured on XLA CPU; an optimization barrier does not
+    survive its pipeline). Training bitwise plain Keras's comes first."""
+    if not new:
+        return []
+    return list(_ops.cond(predicate, lambda: list(new), lambda: list(old)))
+
+
 def _nbytes(data) -> int:
     """The bytes of the arrays of a batch (0 for None)."""
     if data is None:
@@ -1608,9 +1728,11 @@ def _examples(data) -> float:
     return float("nan")
 
 
-def _histograms(request: Request, step, tensors):
+def _histograms(request: Request, step, tensors, full: Optional[bool] = None):
     """`stats.histograms` of `tensors` at the request's histogram steps, NaN
-    at the others (not computed there)."""
+    at the others: in the full variant of the step (`full`) computed and
+    kept by a select at those steps, in the every-step one not computed;
+    with `full` None, one `lax.cond`."""
     def compute():
         return stats_lib.histograms(tensors, request.bins)
 
@@ -1619,17 +1741,26 @@ def _histograms(request: Request, step, tensors):
         return (jnp.full(counts.shape, np.nan, counts.dtype),
                 jnp.full(ranges.shape, np.nan, ranges.dtype))
 
-    return _ops.cond(request.histograms_at(step), compute, nothing)
+    at = request.histograms_at(step)
+    if full is None or isinstance(at, bool):
+        return _ops.cond(at, compute, nothing)
+    if not full:
+        return nothing()
+    return tuple(jnp.where(at, value, empty) for value, empty in zip(compute(), nothing()))
 
 
-def _scheduled(request: Request, step, compute):
+def _scheduled(request: Request, step, compute, full: Optional[bool] = None):
     """`compute(request.stats)` at the steps the request's schedule records
     in full; at the others only its every-step (`frequent`) statistics, the
-    other columns NaN (one `lax.cond`: a step pays for what it records)."""
+    other columns NaN. In the full variant of the step (`full` True) all are
+    computed and a select keeps the others at the scheduled steps only; in
+    the every-step variant (`full` False) only the frequent ones are
+    computed; with `full` None, one `lax.cond` (a step pays for what it
+    records)."""
     stats = tuple(request.stats)
     frequent = tuple(s for s in stats if s in request.frequent)
-    full = request.records_at(step)
-    if full is True or frequent == stats:
+    scheduled = request.records_at(step)
+    if scheduled is True or frequent == stats:
         return compute(stats)
 
     def part():
@@ -1640,9 +1771,14 @@ def _scheduled(request: Request, step, compute):
         return jnp.stack([table[:, frequent.index(s)] if s in frequent else nan
                           for s in stats], axis=1)
 
-    if full is False:
+    if scheduled is False or full is False:
         return part()
-    return _ops.cond(full, lambda: compute(stats), part)
+    if full is None:
+        return _ops.cond(scheduled, lambda: compute(stats), part)
+    table = compute(stats)
+    # The frequent columns the same as the every-step variant's (one pass gives both).
+    kept = np.asarray([s in frequent for s in stats])
+    return jnp.where(jnp.logical_or(scheduled, kept), table, jnp.asarray(np.nan, table.dtype))
 
 
 def _clipped(clipping, grads, norm):

@@ -73,3 +73,18 @@ def num_elements(tensor):
 def is_float(tensor) -> bool:
     """Whether the tensor holds float32 or float64 (others are cast to float32)."""
     return tensor.dtype in (tf.float32, tf.float64)
+
+
+def padded_rows(x, index, offsets, sizes, pieces=None):
+    """`[len(sizes), width]`: the pieces `x[offsets[i]:offsets[i] + sizes[i]]`
+    of a flat vector, each padded with zeros to `index`'s width: one gather
+    of `x` with a 0 appended, by the constant `index` (positions past a
+    piece read the 0), one op whatever the number of pieces (`pieces`, the
+    flat tensors of `x`, are not needed)."""
+    padded = tf.concat([x, tf.zeros([1], x.dtype)], 0)
+    return tf.gather(padded, index)
+
+
+def reduce_sums(terms, axis):
+    """The sums of same-shaped `terms` along `axis` (one reduction each)."""
+    return [tf.reduce_sum(t, axis=axis) for t in terms]

@@ -1,0 +1,74 @@
+"""The program a JAX fit runs at every step, read off XLA's optimized HLO.
+
+kerasdbg jits two variants of its step where a schedule takes some
+statistics at some steps only: the full one (the scheduled statistics and
+histograms, kept at the scheduled steps by a select) and the every-step one,
+which runs at every other step. Counted here, for a 6-variable MLP and a
+122-variable one, beside plain Keras's step (`jax.jit(model.train_step)` on
+the same state): the `conditional`s of each variant (on a GPU each one makes
+the host wait for the device) and the fusions the every-step variant adds.
+The programs are taken by bench/step_program.py, which also times them.
+"""
+
+import importlib.util
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("step_program", ROOT / "bench" / "step_program.py")
+program = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(program)
+
+X, Y = program.data(12)  # steps 1-10 run the full variant, 11 and 12 the every-step one
+_PLAIN = {}
+
+
+def plain_fusions(depth):
+    if depth not in _PLAIN:
+        counted = program.counts(program.hlo(*program.plain_program(program.mlp(depth), X, Y)))
+        assert counted["conditionals"] == 0
+        _PLAIN[depth] = counted["fusions"]
+    return _PLAIN[depth]
+
+
+def variants(config, depth):
+    """`[(conditionals, fusions added to plain's)]` of the full, then the every-step variant."""
+    callbacks, taps = program.callbacks_of(config)  # verdicts that stop nothing
+    taken = program.programs(program.mlp(depth, taps=taps), callbacks, X, Y)
+    out = []
+    for jitted, args in taken:
+        counted = program.counts(program.hlo(jitted, args))
+        out.append((counted["conditionals"], counted["fusions"] - plain_fusions(depth)))
+    return out
+
+
+# The fusions the every-step variant adds to plain Keras's 44 on the 6-variable MLP, at most:
+# 40 (the aim); with StopOnRule beside the statistics callbacks it adds 50 today (their
+# requests' sums are separate reductions: one variadic reduction each would make it 30,
+# but XLA runs a variadic reduction unvectorized on a CPU, 20-30% slower in all).
+ADDED_AT_MOST = {"defaults": 40, "stop": 40, "stop+defaults": 55}
+
+
+@pytest.mark.parametrize("config", list(ADDED_AT_MOST))
+def test_the_every_step_program_adds_a_few_fusions_and_no_condition_but_the_freeze(config):
+    # The one condition left with StopOnRule: the freeze's choice of the state
+    # (a select there changes how XLA contracts the update; see `engine._selected`).
+    freeze = 0 if config == "defaults" else 1
+    added = {}
+    for depth in (2, 60):
+        (full_conditionals, _), (conditionals, added[depth]) = variants(config, depth)
+        assert conditionals == full_conditionals == freeze, depth
+    assert added[2] <= ADDED_AT_MOST[config], added
+    # The kernels kerasdbg adds do not grow with the variables (6 -> 122).
+    assert added[60] - added[2] <= 12, added
+
+
+def test_every_statistic_at_every_step_is_one_program_with_no_condition():
+    taken = variants("every_step", 2)
+    assert len(taken) == 1 and taken[0][0] == 0
+
+
+def test_taps_with_the_defaults_hold_no_condition():
+    (full_conditionals, _), (conditionals, _) = variants("taps+defaults", 2)
+    assert full_conditionals == conditionals == 0
