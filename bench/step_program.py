@@ -60,45 +60,38 @@ def data(steps: int):
     return x, y
 
 
-class _Taken:
-    """Every jitted step kerasdbg made in a fit, with the abstract arguments of its first call."""
-
-    def __init__(self):
-        self.steps: List[Tuple[object, tuple]] = []
-
-
 def programs(model, callbacks, x, y, steps: int = 12) -> List[Tuple[object, tuple]]:
     """`[(jitted, abstract args), ...]`: every variant of the step that
     kerasdbg's engine jitted in a `fit` of `steps` batches with `callbacks`,
-    each with the shapes, dtypes and shardings of the arguments of its first
-    call (the arrays themselves are donated), in the order of their first
-    calls (with the default schedule: the full variant at steps 1-10, the
-    every-step one from step 11)."""
+    each with the shapes, dtypes and shardings of the arguments it was first
+    called or compiled for (the arrays themselves are donated): the full
+    variant first, then the every-step one (or the one step there is)."""
     from kerasdbg.backends.jax import engine as engine_lib
 
-    taken = _Taken()
-    original = engine_lib.Engine._compiled
+    taken: Dict[int, Tuple[object, object, tuple]] = {}
+    original_call, original_prepare = engine_lib._Jitted.__call__, engine_lib._Jitted.prepare
 
-    def compiled(self, model, step):
-        made = original(self, model, step)
-        jitted = getattr(made, "args", (None,))[0]
-        if jitted is None:
-            return made
+    def record(made, arguments):
+        if id(made.jitted) not in taken:
+            taken[id(made.jitted)] = (made.variant, made.jitted, _abstract(arguments))
 
-        def call(state, carry, data):
-            if not any(j is jitted for j, _ in taken.steps):
-                taken.steps.append((jitted, _abstract((state, carry, data))))
-            return made(state, carry, data)
+    def call(self, state, carry, data):
+        record(self, (state, carry, data))
+        return original_call(self, state, carry, data)
 
-        return call
+    def prepare(self, model, arguments):
+        record(self, arguments)
+        return original_prepare(self, model, arguments)
 
-    engine_lib.Engine._compiled = compiled
+    engine_lib._Jitted.__call__, engine_lib._Jitted.prepare = call, prepare
     try:
         model.fit(x[:steps * BATCH], y[:steps * BATCH], batch_size=BATCH, epochs=1,
                   verbose=0, shuffle=False, callbacks=list(callbacks))
     finally:
-        engine_lib.Engine._compiled = original
-    return taken.steps
+        engine_lib._Jitted.__call__, engine_lib._Jitted.prepare = original_call, original_prepare
+    order = {True: 0, False: 1, None: 2}
+    return [(jitted, args) for _, jitted, args in
+            sorted(taken.values(), key=lambda t: order[t[0]])]
 
 
 def _abstract(tree):

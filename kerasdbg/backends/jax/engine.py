@@ -88,7 +88,8 @@ from kerasdbg.capture import progress as _progress
 from kerasdbg.capture import reads
 from kerasdbg.capture.interface import Capture, supported
 from kerasdbg.capture.requests import (
-    CLASS_COLUMNS, MAX_CLASSES, Record, Request, unique_paths,
+    CLASS_COLUMNS, MAX_CLASSES, Record, Request, scheduled_between, sometimes_recorded,
+    unique_paths,
 )
 from kerasdbg.quantities import reductions
 from kerasdbg.records import tags as _tags
@@ -408,13 +409,22 @@ class Engine(Capture):
         return self._several
 
     def detach(self, request: Request) -> None:
+        # A variant compiled ahead is traced with this fit's requests: before one goes.
+        self._wait_ahead()
         self.collect()
         if request in self.requests:
             self.requests.remove(request)
         if not self.requests:
             self._uninstall()
 
+    def _wait_ahead(self) -> None:
+        """Waits for the variants compiled ahead on a thread (`_Jitted.prepare`)."""
+        for function in (self._step_function or {}).values():
+            if isinstance(function, _Jitted):
+                function.wait()
+
     def abort(self) -> None:
+        self._wait_ahead()
         self._kept_key = self._kept_step = None
         try:
             self.collect()
@@ -496,6 +506,7 @@ class Engine(Capture):
         self._plain = None
         self.installed = False
         self._keep_guard()
+        self._wait_ahead()  # no thread left behind
         # Nothing of this fit kept but the step for a later one (which holds
         # the model only weakly): the state and the optimizers go with the fit.
         self._step_function = None
@@ -509,6 +520,7 @@ class Engine(Capture):
         self.hooks = {}
 
     def _after_failed_fit(self) -> None:
+        self._wait_ahead()
         self._kept_key = self._kept_step = None  # a fit that raised leaves nothing to reuse
         _progress.of(self).end(finished=False)  # it may have raised in its first step
         try:
@@ -894,7 +906,17 @@ class Engine(Capture):
             def step(state, carry, data):
                 full = variants.wanted()
                 variants.called()
-                return engine._jitted(model, full=full)(state, carry, data)
+                function = engine._jitted(model, full=full)
+                other = engine._jitted(model, full=not full)
+                if not isinstance(other, _Jitted) or other.ready:
+                    return function(state, carry, data)
+                # The variant not needed first, compiled for this call's shapes
+                # before the loop needs it (not at a step mid-fit), beside the
+                # loop, once this call traced the first (one trace at a time).
+                abstract = _abstract((state, carry, data))
+                out = function(state, carry, data)
+                other.prepare(model, abstract)
+                return out
 
         request = self._tensor_request()
         if request is None:
@@ -1051,6 +1073,8 @@ class Engine(Capture):
         step = self._step_function.get(full)
         if step is None:
             step = self._step_function[full] = self._compiled(model, self._step(model, full=full))
+            if isinstance(step, _Jitted):
+                step.variant = full
         return step
 
     def _compiled(self, model, step):
@@ -1063,7 +1087,7 @@ class Engine(Capture):
             return step
         inner, call = _packing.packed(step)
         jitted = jax.jit(inner, donate_argnums=0, out_shardings=self._out_shardings)
-        return functools.partial(call, jitted)
+        return _Jitted(jitted, call)
 
     def _first_carry(self, model):
         carry = {"frozen": jnp.asarray(False), "calls": jnp.asarray(self._calls, jnp.int32),
@@ -1639,25 +1663,8 @@ class _Variants:
         some of its statistics or its histograms at some steps only."""
         if model.run_eagerly or not model.jit_compile:
             return None  # unjitted: the step's conditions are Python branches
-        requests = [r for r in engine.requests if r.kind in ("gradients", "weights") and (
-            set(r.stats) - set(r.frequent) and not r.schedule.every_step
-            or r.histogram_every_n_steps)]
+        requests = sometimes_recorded(engine.requests)
         return cls(engine, requests) if requests else None
-
-    def _any_in(self, low: int, high: int) -> bool:
-        """Whether a request takes its scheduled statistics or histograms at
-        a step in `[low, high]`."""
-        for request in self.requests:
-            schedule = request.schedule
-            if not schedule.every_step:
-                top = high if schedule.last_step is None else min(high, schedule.last_step)
-                if low <= top and (low <= schedule.first_steps or
-                                   top // schedule.every_n_steps * schedule.every_n_steps >= low):
-                    return True
-            every = request.histogram_every_n_steps
-            if every and high // every * every >= low:
-                return True
-        return False
 
     def wanted(self) -> bool:
         """Whether the next call runs the full variant."""
@@ -1668,7 +1675,7 @@ class _Variants:
                                           (0, self.engine._fit_start.get(hook.number, 0)))
             first = last + (call - since - 1) * applies + 1
             low = last + 1 if hook.scale_index is not None else first
-            if self._any_in(max(low, 1), first + applies - 1):
+            if scheduled_between(self.requests, max(low, 1), first + applies - 1):
                 return True
         return False
 
@@ -1678,6 +1685,73 @@ class _Variants:
     def seen(self, number: int, call: int, step: int) -> None:
         """A read: call `call` of this fit made optimizer `number`'s step `step` last."""
         self.anchor[number] = (call, step)
+
+
+def _abstract(arguments):
+    """The shapes, dtypes and shardings of the arrays of `arguments` (what a
+    program is compiled for; the arrays themselves may be donated)."""
+    return jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+        if isinstance(a, jax.Array) else a, arguments)
+
+
+class _Jitted:
+    """A jitted variant of the step, with its records packed
+    (`packing.packed`'s `call`): called as the jitted function, or, once
+    `prepare` compiled it ahead for the arguments' shapes, as that
+    compiled program (a call of other shapes, such as an epoch's last
+    batch, goes to the jitted function, which traces them)."""
+
+    def __init__(self, jitted, call):
+        self.jitted = jitted
+        self.call = call
+        self.ahead = None  # the program compiled ahead (`prepare`)
+        self.ready = False  # compiled, by a call or ahead
+        self.variant: Optional[bool] = None  # `_Variants`' full, every-step, or the one step
+
+    def prepare(self, model, arguments) -> None:
+        """Traces and compiles the variant for the shapes of `arguments`
+        (`(state, carry, data)`, or their `_abstract`) without running it, on a
+        thread of its own: the loop goes on meanwhile, and waits for it
+        only if it needs the variant before it is compiled (`wait`)."""
+        self.ready = True
+        abstract = _abstract(arguments)
+        # Keras keeps its settings (the distribution, scopes) per thread: the
+        # trace sees the loop thread's.
+        from keras.src.backend.common import global_state
+
+        settings = [dict(vars(tracker)) for tracker in
+                    (global_state.GLOBAL_STATE_TRACKER, global_state.GLOBAL_SETTINGS_TRACKER)]
+
+        def compile_ahead():
+            for tracker, values in zip((global_state.GLOBAL_STATE_TRACKER,
+                                        global_state.GLOBAL_SETTINGS_TRACKER), settings):
+                for name, value in values.items():
+                    setattr(tracker, name, value)
+            try:
+                self.ahead = self.jitted.lower(*abstract).compile()
+            except Exception:  # noqa: BLE001 - compiled at its first call instead
+                self.ahead = None
+
+        self._thread = threading.Thread(target=compile_ahead, name="kerasdbg-compile",
+                                        daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Waits for the compilation `prepare` started, if any."""
+        thread, self._thread = getattr(self, "_thread", None), None
+        if thread is not None:
+            thread.join()
+
+    def __call__(self, state, carry, data):
+        self.ready = True
+        self.wait()
+        if self.ahead is not None:
+            try:
+                return self.call(self.ahead, state, carry, data)
+            except TypeError:  # other shapes or structure: the jitted function
+                self.ahead = None
+        return self.call(self.jitted, state, carry, data)
 
 
 class _Guarded:
