@@ -283,6 +283,31 @@ def _scheduled(schedule: Schedule, step):
     return _and(every, B.less_equal(step, B.cast(schedule.last_step, step.dtype)))
 
 
+def sometimes_recorded(requests: Sequence["Request"]) -> List["Request"]:
+    """The gradient and weight requests that take some statistics or their
+    histograms at some steps only: what a second, full variant of the step
+    records (the every-step variant leaves it out)."""
+    return [r for r in requests if r.kind in ("gradients", "weights") and (
+        set(r.stats) - set(r.frequent) and not r.schedule.every_step
+        or r.histogram_every_n_steps)]
+
+
+def scheduled_between(requests: Sequence["Request"], low: int, high: int) -> bool:
+    """On the host: whether one of `requests` takes its scheduled statistics
+    or its histograms at a step in `[low, high]`."""
+    for request in requests:
+        schedule = request.schedule
+        if not schedule.every_step:
+            top = high if schedule.last_step is None else min(high, schedule.last_step)
+            if low <= top and (low <= schedule.first_steps or
+                               top // schedule.every_n_steps * schedule.every_n_steps >= low):
+                return True
+        every = request.histogram_every_n_steps
+        if every and high // every * every >= low:
+            return True
+    return False
+
+
 def _or(a, b):
     if a is True or b is True:
         return True
