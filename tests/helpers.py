@@ -68,15 +68,24 @@ class PerReplicaUpdates(keras.Model):
         return {"loss": loss}
 
 
-def traced_functions(model) -> list:
+def traced_functions(model, full=None) -> list:
     """The `tf.function`s the model's current train function calls (found
-    through its closures): the traced train step's, to look at its graph."""
+    through its closures): the traced train step's, to look at its graph.
+    Where kerasdbg runs it in two variants (`VariantFunction`): the full one
+    with `full=True`, the every-step one with `full=False`, by default the
+    every-step one where it was made, else the full one."""
     found, stack, seen = [], [model.train_function], set()
     while stack:
         item = stack.pop()
         if id(item) in seen:
             continue
         seen.add(id(item))
+        variants = vars(item).get("functions") if hasattr(item, "__dict__") else None
+        if isinstance(variants, dict) and set(variants) == {True, False}:
+            key = full if full is not None else variants[False] is None
+            if variants[key] is not None:
+                stack.append(variants[key])
+            continue
         if hasattr(item, "_list_all_concrete_functions"):
             found.append(item)
             continue

@@ -115,6 +115,9 @@ class Collector:
         if calls <= self._last_call:
             return
         self.clock.read()
+        variants = view.variants
+        if variants is not None:
+            variants.read(calls)
         first = max(self._last_call + 1, calls - rows + 1)
         if first > self._last_call + 1 and view.wants(
                 "gradients", "weights", "step", "classes"):
@@ -205,6 +208,9 @@ class Collector:
         if not rows:
             return
         steps = [int(meta[row, 1]) for row, _ in rows]
+        variants = self._view.variants
+        if variants is not None:
+            variants.seen(channel.hook.index, rows[-1][1], steps[-1])
         name = channel.hook.name
         for slot in channel.slots.values():
             request = slot.request

@@ -36,6 +36,7 @@ from kerasdbg.backends.tensorflow import faults as faults_module
 from kerasdbg.backends.tensorflow import logits as _logits_lib
 from kerasdbg.backends.tensorflow.faults import Faults
 from kerasdbg.backends.tensorflow.quantities import Quantities, _several_replicas
+from kerasdbg.backends.tensorflow import variants as _variants
 from kerasdbg.capture.requests import (
     CLASS_COLUMNS, MAX_CLASSES, MAX_STEP_SCALARS, Request, _STEP_FIXED, _and,
     unique_paths,
@@ -320,6 +321,19 @@ class EngineView:
         """The ids of the optimizers whose `apply` passed through the route."""
         return self._engine.routed
 
+    @property
+    def variant(self) -> Optional[bool]:
+        """In a trace: False where it builds the every-step variant of the
+        train function (`variants`), which leaves out what a schedule takes
+        at some steps only; True or None: everything."""
+        return self._engine.variant
+
+    @property
+    def variants(self) -> Optional[_variants.Variants]:
+        """The host's choice of variant this fit, once made, or None."""
+        chosen = self._engine._variants
+        return chosen if isinstance(chosen, _variants.Variants) else None
+
     def wants(self, *kinds: str) -> bool:
         """Whether a request of one of these kinds is attached."""
         return self._engine._wants(*kinds)
@@ -377,6 +391,12 @@ class Engine(Capture):
         self._step_warned = False
         # Whether the traced train step called `compute_loss`.
         self.loss_captured = False
+        # Which variant of the train function a trace builds (`EngineView.variant`)
+        # and the host's choice between them this fit (`variants`).
+        self.variant: Optional[bool] = None
+        self._variants = None
+        self._starts: Dict[int, int] = {}
+        self._start_calls = 0
         # Keras's train function that this fit's stands in for (put back at
         # its end), and the requests of this fit in order.
         self._plain = _ABSENT
@@ -464,7 +484,10 @@ class Engine(Capture):
             if hook.started is not None:  # distances count from this fit's start
                 hook.started.assign(tf.zeros([], tf.int64))
         iterations = [keras_objects.step_number(o) for _, o in found]
-        self.collector.begin_fit(iterations, int(self._calls.numpy()))
+        self._start_calls = int(self._calls.numpy())
+        self._starts = {id(o): n for (_, o), n in zip(found, iterations)}
+        self._variants = _variants.UNDECIDED
+        self.collector.begin_fit(iterations, self._start_calls)
         self.faults.begin_fit()
         self._step_warned = False
         self._prepared = True
@@ -482,6 +505,10 @@ class Engine(Capture):
                 traced = None
         if traced is None:
             model.make_train_function(force=True)
+            if not model.run_eagerly:
+                model.train_function = _variants.VariantFunction(
+                    self, model.train_function,
+                    lambda: model._make_function(model.train_step))
             return False
         for request, state in zip(self.requests, traced.states):
             request.adopt(state)
@@ -541,6 +568,16 @@ class Engine(Capture):
 
     def _wants(self, *kinds) -> bool:
         return any(r.kind in kinds for r in self.requests)
+
+    def variants(self) -> Optional[_variants.Variants]:
+        """The host's choice of variant for this fit's executions (decided at
+        its first execution, when every request is attached), or None: the
+        full variant does all."""
+        if self._variants is _variants.UNDECIDED:
+            model = self._model()
+            self._variants = None if model is None or not self._prepared else \
+                _variants.Variants.of(self, model, self._start_calls, self._starts)
+        return self._variants
 
     @property
     def several_optimizers(self) -> bool:
@@ -877,7 +914,7 @@ class Engine(Capture):
             self.quantities.record_weights(weight_slots, step, updates, row, train_id)
         for slot in channel.slots_of("weights"):
             _buffers.run_if(
-                _and(slot.request.histograms_at(step), updates),
+                _and(self.quantities.histograms_at(slot.request, step), updates),
                 lambda slot=slot: self.quantities.record_histograms(
                     slot, [reads.read(v) for v in slot.variables], row, train_id),
             )

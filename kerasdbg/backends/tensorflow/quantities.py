@@ -23,7 +23,7 @@ from kerasdbg.capture import keras_objects
 from kerasdbg.backends.tensorflow import variable_reads as reads
 from kerasdbg import stats as stats_lib
 from kerasdbg.quantities import reductions
-from kerasdbg.capture.requests import MAX_CLASSES, WEIGHT_EXTRA_STATISTICS, _and, _scheduled
+from kerasdbg.capture.requests import MAX_CLASSES, WEIGHT_EXTRA_STATISTICS, _and, _or, _scheduled
 from kerasdbg.backends.tensorflow.channels import Slot
 from kerasdbg.schedule import Schedule
 
@@ -84,9 +84,12 @@ class Quantities:
                 assign(channel.initial)
                 hook.started.assign(tf.ones([], tf.int64))
 
-            _buffers.run_if(tf.equal(hook.started.read_value(), 0), start)
+            if self._view.variant is not False:
+                # The full variant runs each fit's first execution (`Variants.wanted`).
+                _buffers.run_if(tf.equal(hook.started.read_value(), 0), start)
         if snapshots:
-            _buffers.run_if(_and(_any([s.request.needs_at("update_ratio", step) for s in ratios]),
+            _buffers.run_if(_and(_any([self.needs_at(s.request, "update_ratio", step)
+                                       for s in ratios]),
                                  hook.updates_at(step)), lambda: assign(channel.previous))
 
     def record_model_gradients(self, context: _ApplyContext, optimizer, grads) -> None:
@@ -197,7 +200,8 @@ class Quantities:
         gate = slots[0].channel.hook.updates_at(step) if applied else True
 
         plan = _scheduled_table(slots, step, gate, _gradient_table, (),
-                                [[grads[i] for i in wanted], [grads[i] for i in others]])
+                                [[grads[i] for i in wanted], [grads[i] for i in others]],
+                                every_step_only=self._view.variant is False)
         if plan is not None:
             table, columns, global_norm = plan
             tail = [global_norm]
@@ -206,18 +210,15 @@ class Quantities:
                             else tf.cast(clipped, tf.float64))
             tail = [tf.stack(tail)]
             for slot in slots:
-                def write(slot=slot):
-                    values = _slot_rows(table, wanted, slot.positions, slot.present,
-                                        [columns.index(s) for s in slot.request.stats])
-                    buffer = slot.applied_values if applied else slot.values
-                    _buffers.write_row(buffer, row, tf.concat(
-                        [tf.cast(train_id, tf.float64)[None], values] + tail, 0))
-
-                _buffers.run_if(_and(gate, slot.request.writes_at(step)), write)
+                values = _slot_rows(table, wanted, slot.positions, slot.present,
+                                    [columns.index(s) for s in slot.request.stats])
+                buffer = slot.applied_values if applied else slot.values
+                _write_if(_and(gate, self.writes_at(slot.request, step)), buffer, row, train_id,
+                          [values] + tail)
         if not applied:
             for slot in slots:
                 mine = [grads[i] for i in slot.positions]
-                _buffers.run_if(slot.request.histograms_at(step),
+                _buffers.run_if(self.histograms_at(slot.request, step),
                                 lambda slot=slot, mine=mine: self.record_histograms(
                                     slot, mine, row, train_id))
 
@@ -278,18 +279,41 @@ class Quantities:
         inputs = [stats_lib.Packed.of([reads.read(channel.variables[i]) for i in wanted]),
                   _copies_of(channel, channel.previous, wanted) if ratio else [],
                   _copies_of(channel, channel.initial, wanted) if distance else []]
-        plan = _scheduled_table(slots, step, updates, _weight_table, (ratio, distance), inputs)
+        plan = _scheduled_table(slots, step, updates, _weight_table, (ratio, distance), inputs,
+                                every_step_only=self._view.variant is False)
         if plan is None:
             return
         table, columns, _ = plan
         for slot in slots:
-            def write(slot=slot):
-                values = _slot_rows(table, wanted, slot.positions, [True] * len(slot.positions),
-                                    [columns.index(s) for s in slot.request.stats])
-                _buffers.write_row(slot.values, row, tf.concat(
-                    [tf.cast(train_id, tf.float64)[None], values], 0))
+            values = _slot_rows(table, wanted, slot.positions, [True] * len(slot.positions),
+                                [columns.index(s) for s in slot.request.stats])
+            _write_if(_and(updates, self.writes_at(slot.request, step)), slot.values, row,
+                      train_id, [values])
 
-            _buffers.run_if(_and(updates, slot.request.writes_at(step)), write)
+    def _records_at(self, request, step):
+        """`request.records_at(step)`; never in the every-step variant of the
+        train function, where the schedule does not take every step."""
+        if self._view.variant is False and not request.schedule.every_step:
+            return False
+        return request.records_at(step)
+
+    def writes_at(self, request, step):
+        """In the graph: whether `request` writes values at `step` (in the
+        every-step variant, at the steps of its `frequent` statistics)."""
+        return _or(self._records_at(request, step), request.frequent_at(step))
+
+    def needs_at(self, request, statistic: str, step):
+        """In the graph: whether `request` records `statistic` at `step`."""
+        if statistic in request.frequent:
+            return request.frequent_at(step)
+        return self._records_at(request, step) if statistic in request.stats else False
+
+    def histograms_at(self, request, step):
+        """In the graph: whether `request` takes its histograms at `step`
+        (never in the every-step variant of the train function)."""
+        if self._view.variant is False:
+            return False
+        return request.histograms_at(step)
 
     def record_histograms(self, slot: Slot, tensors, row, train_id) -> None:
         present = [t for t in tensors if t is not None]
@@ -348,7 +372,8 @@ def _weight_table(stats, settings, weights, previous, initial):
     return tf.stack([columns[s] for s in stats], axis=1), tf.constant(0.0, tf.float64)
 
 
-def _scheduled_table(slots: List[Slot], step, gate, recipe, settings, inputs):
+def _scheduled_table(slots: List[Slot], step, gate, recipe, settings, inputs,
+                     every_step_only: bool = False):
     """The statistics the slots record at `step`, each computed once.
 
     Slots are grouped by schedule. In the graph, the first group (largest
@@ -369,7 +394,10 @@ def _scheduled_table(slots: List[Slot], step, gate, recipe, settings, inputs):
     the train step gets one call op, and the function is traced once
     whatever the number of fits. Returns `(table [rows, len(columns)],
     columns, scalar)`, NaN where a statistic was not computed at this step,
-    or None when no slot ever records.
+    or None when no slot ever records. `every_step_only`: in the every-step
+    variant of the train function, the statistics a schedule takes at some
+    steps only are left out (no condition: the host runs the full variant
+    at those steps, `variants.Variants`).
     """
     groups: Dict[Schedule, List[Slot]] = {}
     for slot in slots:
@@ -382,6 +410,9 @@ def _scheduled_table(slots: List[Slot], step, gate, recipe, settings, inputs):
     full = [ordered(s for m in members for s in m.request.base_stats) for members in groups.values()]
     frequent = ordered(s for m in slots for s in m.request.base_frequent)
     predicates = [_and(gate, _scheduled(schedule, step)) for schedule in groups]
+    if every_step_only:
+        predicates = [p if schedule.every_step else False
+                      for p, schedule in zip(predicates, groups)]
     if frequent:
         last = [m.request.schedule.last_step for m in slots if m.request.frequent]
         frequent_gate = gate if None in last else _and(
@@ -427,6 +458,13 @@ def _scheduled_table(slots: List[Slot], step, gate, recipe, settings, inputs):
                 return branch(k + 1)
             if predicate[k] is True:
                 return widened(levels[k])
+            if k == len(levels) - 1:
+                # The statistics of every step (a frozen step's, past a last
+                # step: not written): computed, and kept by a select, not a
+                # condition (the every-step variant holds none).
+                table, scalar = widened(levels[k])
+                return (tf.where(predicate[k], table, tf.fill([rows, len(columns)], nan)),
+                        tf.where(predicate[k], scalar, nan))
             return tf.cond(predicate[k], lambda: widened(levels[k]), lambda: branch(k + 1))
 
         return branch(0)
@@ -435,6 +473,21 @@ def _scheduled_table(slots: List[Slot], step, gate, recipe, settings, inputs):
     table, scalar = graph_functions.shared_call(
         key, run, [dynamic] + [pack.vectors for pack in packs], inline=False)
     return table, columns, scalar
+
+
+def _write_if(predicate, buffer, row, train_id, parts) -> None:
+    """Writes `[train_id, *parts]` into row `row` of `buffer` where
+    `predicate` holds (a Python bool or a tensor). Where it is a tensor the row
+    is written anyway, its id NaN where it does not hold: the host takes a
+    row whose id is the step's (`Collector`), and the row overwritten held a
+    step read already (a ring's rows are read before a step could reach
+    them again). A select, not a condition."""
+    if predicate is False:
+        return
+    identity = tf.cast(train_id, tf.float64)
+    if predicate is not True:
+        identity = tf.where(predicate, identity, tf.constant(np.nan, tf.float64))
+    _buffers.write_row(buffer, row, tf.concat([identity[None]] + list(parts), 0))
 
 
 def _copies_of(channel, copies, wanted: List[int]) -> stats_lib.Packed:
