@@ -70,25 +70,23 @@ class PerReplicaUpdates(keras.Model):
 
 def traced_functions(model, full=None) -> list:
     """The `tf.function`s the model's current train function calls (found
-    through its closures): the traced train step's, to look at its graph.
-    Where kerasdbg runs it in two variants (`VariantFunction`): the full one
-    with `full=True`, the every-step one with `full=False`, by default the
-    every-step one where it was made, else the full one."""
-    found, stack, seen = [], [model.train_function], set()
-    while stack:
-        item = stack.pop()
-        if id(item) in seen:
-            continue
-        seen.add(id(item))
-        variants = vars(item).get("functions") if hasattr(item, "__dict__") else None
-        if isinstance(variants, dict) and set(variants) == {True, False}:
-            key = full if full is not None else variants[False] is None
-            if variants[key] is not None:
-                stack.append(variants[key])
-            continue
-        if hasattr(item, "_list_all_concrete_functions"):
-            found.append(item)
-            continue
-        for cell in getattr(item, "__closure__", None) or ():
-            stack.append(cell.cell_contents)
-    return found
+    through its closures): the traced train step's, to look at its graph;
+    where kerasdbg runs two variants, the one `full` names (by default the
+    every-step one where it was made). See `bench/tf_step_program.py`."""
+    return tf_step_program().functions_of(model, full)
+
+
+def tf_step_program():
+    """bench/tf_step_program.py as a module (what tests count programs with)."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    module = sys.modules.get("kerasdbg_bench_tf_step_program")
+    if module is None:
+        path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "tf_step_program.py"
+        spec = importlib.util.spec_from_file_location("kerasdbg_bench_tf_step_program", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    return module
