@@ -638,6 +638,10 @@ class Engine(Capture):
             _pop_traced(self._plain)
         self.requests = []
         self._fit_requests = []
+        # The choice holds the requests (their consumers, the callbacks, hold
+        # the model: an engine that kept them would keep its own key alive).
+        self._variants = None
+        self.variant = None
         self._prepared = False
         self._failed = False
         for channel in self.channels:
