@@ -394,3 +394,30 @@ def test_the_engines_view_is_read_only_and_holds_the_engine_weakly():
     gc.collect()
     with pytest.raises(ReferenceError):
         _ = view.requests
+
+
+@pytest.mark.parametrize("spe", [1, 4])
+def test_a_recorded_model_is_freed_with_its_last_reference(tmp_path, spe):
+    """After a fit that ran both variants of the train function (the full one
+    at steps 1-10, the every-step one after), nothing of kerasdbg keeps the
+    model alive: the engine's table holds it weakly, and the engine drops
+    the fit's requests (their callbacks hold the model) at the fit's end.
+    A model kept alive leaked its graphs, fit after fit."""
+    import weakref
+
+    from kerasdbg.backends.tensorflow import engine as engine_lib
+
+    model = make_mlp()
+    _compile(model, spe=spe)
+    x = np.concatenate([X] * 8)
+    y = np.concatenate([Y] * 8)
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[
+        GradientStatistics(str(tmp_path)), WeightStatistics(str(tmp_path)),
+        StopOnRule(log_dir=str(tmp_path), action="warn", verbose=False)])
+    assert len(x) // BATCH > 10  # the every-step variant ran
+    engines = len(engine_lib._ENGINES)
+    reference = weakref.ref(model)
+    del model
+    gc.collect()
+    assert reference() is None
+    assert len(engine_lib._ENGINES) == engines - 1
