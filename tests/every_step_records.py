@@ -278,3 +278,37 @@ def _statistics(recorded, prefix: str, value, step: int, full: bool) -> None:
                                 ("mean_abs", np.abs(value).mean())):
             _close(recorded[f"{prefix}/{statistic}"][step], want, f"{prefix}/{statistic} {step}",
                    scale=scale)
+
+
+def assert_full_statistics_at_a_redone_scheduled_step() -> None:
+    """A loss scaler skips step 50 (a batch that overflows float16) and the
+    next batch makes step 50 again; with a read after every execution the
+    host has just read the skipped step 50: the full statistics must still
+    come at the redone step 50, and only at the scheduled steps (the caller
+    sets mixed_float16)."""
+    import kerasdbg
+    from kerasdbg.callbacks import GradientStatistics
+
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+                              keras.layers.Dense(1)])
+    # A loss scale of 1: no overflow but the planted one.
+    model.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01),
+                                                      initial_scale=1.0), "mse",
+                  jit_compile=True)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(70 * 4, 4)).astype("float32")
+    y = rng.normal(size=(70 * 4, 1)).astype("float32")
+    x[49 * 4:50 * 4] = 6e4  # batch 50: the scaled loss overflows float16
+    gradients = GradientStatistics()
+    kerasdbg.set_read_interval(0)
+    try:
+        model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[gradients])
+    finally:
+        kerasdbg.set_read_interval(None)
+    history = gradients.history
+    skipped = history[history["skipped"]]["step"].tolist()
+    assert skipped == [50], skipped
+    kept = history[~history["skipped"]]
+    full = kept["step"][kept.filter(like="/mean").notna().all(axis=1)].tolist()
+    assert full == list(range(1, 11)) + [50], full

@@ -59,3 +59,7 @@ def test_four_optimizers_have_every_step_from_every_sink(tmp_path, spe):
         got = recorded[f"gradients/{name}/global_norm"]
         assert sorted(got) == every, name
         np.testing.assert_allclose([got[s] for s in every], norms, rtol=2e-5, err_msg=name)
+
+
+def test_the_full_statistics_come_at_a_scheduled_step_a_loss_scaler_made_again(mixed_precision):
+    case.assert_full_statistics_at_a_redone_scheduled_step()

@@ -71,3 +71,7 @@ def test_the_full_statistics_stay_at_the_scheduled_steps_when_a_loss_scaler_skip
     full = kept["step"][kept.filter(like="/mean").notna().all(axis=1)].tolist()
     scheduled = [s for s in kept["step"].tolist() if s <= 10 or s % 50 == 0]
     assert full == scheduled and 50 in scheduled
+
+
+def test_the_full_statistics_come_at_a_scheduled_step_a_loss_scaler_made_again(mixed_precision):
+    case.assert_full_statistics_at_a_redone_scheduled_step()

@@ -1390,9 +1390,11 @@ class Engine(Capture):
                 applied = np.asarray(columns[f"{key}/step"]).astype(np.int64).reshape(count)
                 # Where the guard last saw this optimizer (`_kept_guard_of`).
                 self._guard_seen[hook.number] = int(applied[-1])
-                if isinstance(self._variants, _Variants):
-                    self._variants.seen(hook.number, int(calls[-1]), int(applied[-1]))
                 skipped = columns.get(f"{key}/skipped")
+                if isinstance(self._variants, _Variants):
+                    # A step a loss scaler skipped is made again under its number.
+                    redo = skipped is not None and bool(np.asarray(skipped).reshape(count)[-1])
+                    self._variants.seen(hook.number, int(calls[-1]), int(applied[-1]) - redo)
                 skipped = no if skipped is None else np.asarray(skipped).astype(bool).reshape(count)
                 # False at a batch that gradient accumulation only accumulated.
                 updated = columns.get(f"{key}/applied")
@@ -1727,7 +1729,10 @@ class _Jitted:
             for tracker, values in zip((global_state.GLOBAL_STATE_TRACKER,
                                         global_state.GLOBAL_SETTINGS_TRACKER), settings):
                 for name, value in values.items():
-                    setattr(tracker, name, value)
+                    # Its own copy of a list or dict (the name scope stack):
+                    # the loop thread may trace meanwhile and push to its own.
+                    setattr(tracker, name, type(value)(value)
+                            if isinstance(value, (list, dict)) else value)
             try:
                 self.ahead = self.jitted.lower(*abstract).compile()
             except Exception:  # noqa: BLE001 - compiled at its first call instead

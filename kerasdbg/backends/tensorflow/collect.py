@@ -210,7 +210,9 @@ class Collector:
         steps = [int(meta[row, 1]) for row, _ in rows]
         variants = self._view.variants
         if variants is not None:
-            variants.seen(channel.hook.index, rows[-1][1], steps[-1])
+            # A step a loss scaler skipped is made again under its number.
+            variants.seen(channel.hook.index, rows[-1][1],
+                          steps[-1] - bool(meta[rows[-1][0], 2]))
         name = channel.hook.name
         for slot in channel.slots.values():
             request = slot.request

@@ -70,6 +70,8 @@ class Variants:
             return True
         first_id, last_id = self.calls + 1, self.calls + self.steps
         for hook in hooks:
+            if not any(channel.slots for channel in hook.channels):
+                continue  # an optimizer of an earlier compile, or one nothing records
             applies = max(len(hook.channels), 1)
             start = self.starts.get(id(hook.optimizer))
             since, last = self.anchor.get(hook.index, (self.first_calls, start))
@@ -91,7 +93,9 @@ class Variants:
         self.calls = calls
 
     def seen(self, index: int, train_id: int, step: int) -> None:
-        """A read: train step `train_id` made optimizer `index`'s step `step` last."""
+        """A read: train step `train_id` made optimizer `index`'s steps up to
+        `step` (one less than the last read's where a loss scaler skipped it:
+        the next train step makes it again)."""
         anchor = self.anchor.get(index)
         if anchor is not None and anchor[0] == train_id:
             step = max(step, anchor[1])
