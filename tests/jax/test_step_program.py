@@ -12,6 +12,7 @@ The programs are taken by bench/step_program.py, which also times them.
 
 import importlib.util
 import pathlib
+import threading
 
 import pytest
 
@@ -72,3 +73,30 @@ def test_every_statistic_at_every_step_is_one_program_with_no_condition():
 def test_taps_with_the_defaults_hold_no_condition():
     (full_conditionals, _), (conditionals, _) = variants("taps+defaults", 2)
     assert full_conditionals == conditionals == 0
+
+
+
+def test_the_variant_not_needed_first_is_compiled_ahead_and_run_as_compiled(monkeypatch):
+    # The every-step variant is compiled on a thread after the fit's first
+    # call, and its calls run that program: its jitted function never traces
+    # in the loop. (A copy of Keras's settings there raised on a defaultdict,
+    # and the variant was traced at its first call instead.)
+    from kerasdbg.backends.jax import engine as engine_lib
+
+    prepared, raised = [], []
+    original_prepare = engine_lib._Jitted.prepare
+
+    def prepare(self, model, arguments):
+        prepared.append(self)
+        return original_prepare(self, model, arguments)
+
+    monkeypatch.setattr(engine_lib._Jitted, "prepare", prepare)
+    monkeypatch.setattr(threading, "excepthook", raised.append)
+    callbacks, _ = program.callbacks_of("defaults")
+    program.mlp(2).fit(X, Y, batch_size=program.BATCH, epochs=1, verbose=0, shuffle=False,
+                       callbacks=callbacks)
+    assert not raised, [str(r.exc_value) for r in raised]
+    assert len(prepared) == 1 and prepared[0].variant is False
+    prepared[0].wait()
+    assert prepared[0].ahead is not None
+    assert prepared[0].jitted._cache_size() == 0

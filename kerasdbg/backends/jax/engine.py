@@ -61,6 +61,7 @@ ones and a sharded variable is described whole, once per step.
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import threading
@@ -1726,14 +1727,15 @@ class _Jitted:
                     (global_state.GLOBAL_STATE_TRACKER, global_state.GLOBAL_SETTINGS_TRACKER)]
 
         def compile_ahead():
-            for tracker, values in zip((global_state.GLOBAL_STATE_TRACKER,
-                                        global_state.GLOBAL_SETTINGS_TRACKER), settings):
-                for name, value in values.items():
-                    # Its own copy of a list or dict (the name scope stack):
-                    # the loop thread may trace meanwhile and push to its own.
-                    setattr(tracker, name, type(value)(value)
-                            if isinstance(value, (list, dict)) else value)
             try:
+                for tracker, values in zip((global_state.GLOBAL_STATE_TRACKER,
+                                            global_state.GLOBAL_SETTINGS_TRACKER), settings):
+                    for name, value in values.items():
+                        # Its own copy of a list or dict (the name scope stack, a
+                        # defaultdict of names): the loop thread may trace meanwhile
+                        # and change its own.
+                        setattr(tracker, name, copy.copy(value)
+                                if isinstance(value, (list, dict)) else value)
                 self.ahead = self.jitted.lower(*abstract).compile()
             except Exception:  # noqa: BLE001 - compiled at its first call instead
                 self.ahead = None
