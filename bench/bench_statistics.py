@@ -9,7 +9,11 @@ a long run. Per fit:
 - steady-state step time: the wall time of the executions after the first
   two, divided by their steps (a mean: the steps a schedule records in full
   count at their share);
-- trace time: the first execution's time minus the steady-state execution time.
+- trace time: the first execution's time minus the steady-state execution time,
+  plus the same for the execution where kerasdbg's TensorFlow train function
+  traced its second variant (the every-step one, at its first call: once per
+  fit shape, and this bench makes a fresh train function for every fit); that
+  execution is left out of the steady state, as the first is.
 
 Configurations:
 - "defaults": `GradientStatistics(log_dir)` + `WeightStatistics(log_dir)` with
@@ -81,6 +85,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import List
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -105,11 +110,27 @@ BACKEND = keras.backend.backend()
 
 
 class _Timer(keras.callbacks.Callback):
+    """The end of each execution, and the executions that traced a variant
+    of kerasdbg's TensorFlow train function other than the first (once per
+    fit shape: the every-step one, traced at its first call)."""
+
     def on_train_begin(self, logs=None):
         self.ends = [time.perf_counter()]
+        self.traced: List[int] = []
+        self._made = self._variants_made()
+
+    def _variants_made(self) -> int:
+        functions = getattr(self.model.train_function, "functions", None)
+        if not isinstance(functions, dict):
+            return 0
+        return sum(function is not None for function in functions.values())
 
     def on_train_batch_end(self, batch, logs=None):
         self.ends.append(time.perf_counter())
+        made = self._variants_made()
+        if made > self._made and len(self.ends) > 2:
+            self.traced.append(len(self.ends) - 2)  # the index of this execution's duration
+        self._made = made
 
 
 def _model(name):
@@ -201,7 +222,7 @@ def bench(model_name, spe, steps, repeats, configs):
                        shuffle=False, callbacks=callbacks + [timer])
         for callback in callbacks:
             results[config]["snapshots"] += list(getattr(callback, "snapshot_seconds", []))
-        return np.diff(timer.ends)
+        return np.diff(timer.ends), timer.traced
 
     def run(config):
         fitted = tapped if config.startswith("taps") else model
@@ -214,14 +235,18 @@ def bench(model_name, spe, steps, repeats, configs):
             graph_functions.clear()
         else:
             _drop_jax_step(fitted)
-        durations = fit(config, fitted, len(x))
-        steady = float(np.mean(durations[2:]))
+        durations, traced = fit(config, fitted, len(x))
+        # The steady state leaves out the first two executions and those that
+        # traced the second variant (its trace counts with the first's).
+        steady_part = np.delete(durations, [0, 1] + [i for i in traced if i > 1])
+        steady = float(np.mean(steady_part))
+        trace = float(durations[0] - steady + sum(durations[i] - steady for i in traced))
         later = np.nan
         if BACKEND == "jax":
             # A later fit of the same compiled model: plain Keras runs the
             # function it jitted above; kerasdbg jits its step again.
-            later = float(fit(config, fitted, batch * spe * LATER_EXECUTIONS)[0])
-        return steady / spe, float(durations[0] - steady), float(durations[0]), later
+            later = float(fit(config, fitted, batch * spe * LATER_EXECUTIONS)[0][0])
+        return steady / spe, trace, float(durations[0]), later
 
     for _ in range(repeats):
         # Each configuration between two plain fits: P A P B P ...; its ratio
