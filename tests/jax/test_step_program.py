@@ -100,3 +100,32 @@ def test_the_variant_not_needed_first_is_compiled_ahead_and_run_as_compiled(monk
     prepared[0].wait()
     assert prepared[0].ahead is not None
     assert prepared[0].jitted._cache_size() == 0
+
+
+def test_each_variant_is_compiled_once_across_the_steps_and_fits_that_pass_it_the_others_state():
+    # The full variant runs at steps 1-10 and 50 of each fit, after the
+    # every-step one (compiled ahead): called with that one's outputs, with
+    # a later fit's state (which Keras commits to its device) and with a
+    # fresh carry, it keeps the one program it compiled first.
+    from kerasdbg.backends.jax import engine as engine_lib
+
+    made = {}
+    original_prepare = engine_lib._Jitted.prepare
+
+    def prepare(self, model, arguments):
+        made[False] = self
+        return original_prepare(self, model, arguments)
+
+    model = program.mlp(2)
+    x, y = program.data(64)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine_lib._Jitted, "prepare", prepare)
+        for _ in range(2):
+            callbacks, _ = program.callbacks_of("defaults")
+            model.fit(x, y, batch_size=program.BATCH, epochs=1, verbose=0, shuffle=False,
+                      callbacks=callbacks)
+    every_step = made[False]
+    full = engine_lib.engine_for(model)._kept_step[True]
+    assert full.variant is True and every_step.variant is False
+    assert full.jitted._cache_size() == 1
+    assert every_step.jitted._cache_size() == 0 and every_step.ahead is not None
