@@ -49,6 +49,8 @@ PARTS = (
     ("the step (device + dispatch)", (), (("jax/packing.py:", "(call)"),
                                           ("keras/src/backend/jax/trainer.py", "(iterator_step)"),
                                           ("keras/src/backend/jax/trainer.py", "(one_train_step)"),
+                                          # the variant of kerasdbg's step compiled ahead
+                                          ("jax/_src/stages.py:", "(__call__)"),
                                           ("TFE_Py_Execute",), ("_pywrap_tfe",))),
     ("capture: read + decode", ("kerasdbg/backends/", "kerasdbg/capture/requests",
                                 "kerasdbg/capture/reads", "kerasdbg/capture/keras_objects",
