@@ -10,10 +10,13 @@ a long run. Per fit:
   two, divided by their steps (a mean: the steps a schedule records in full
   count at their share);
 - trace time: the first execution's time minus the steady-state execution time,
-  plus the same for the execution where kerasdbg's TensorFlow train function
-  traced its second variant (the every-step one, at its first call: once per
-  fit shape, and this bench makes a fresh train function for every fit); that
-  execution is left out of the steady state, as the first is.
+  plus the same for the execution where kerasdbg's step compiled its second
+  variant (the every-step one: once per fit shape, and this bench makes a
+  fresh train function for every fit; TensorFlow traces it at its first call,
+  JAX compiles it ahead on a thread and the loop may wait for it there); that
+  execution is left out of the steady state, as the first is (on a 2-core
+  machine the compile thread also slows the executions beside it, which
+  stay in).
 
 Configurations:
 - "defaults": `GradientStatistics(log_dir)` + `WeightStatistics(log_dir)` with
@@ -111,8 +114,9 @@ BACKEND = keras.backend.backend()
 
 class _Timer(keras.callbacks.Callback):
     """The end of each execution, and the executions that traced a variant
-    of kerasdbg's TensorFlow train function other than the first (once per
-    fit shape: the every-step one, traced at its first call)."""
+    of kerasdbg's step other than the first (once per fit shape: on
+    TensorFlow the every-step one, traced at its first call; on JAX the one
+    compiled ahead on a thread, where the loop waited for it)."""
 
     def on_train_begin(self, logs=None):
         self.ends = [time.perf_counter()]
@@ -120,6 +124,17 @@ class _Timer(keras.callbacks.Callback):
         self._made = self._variants_made()
 
     def _variants_made(self) -> int:
+        """How many programs kerasdbg's variants compiled so far (TensorFlow:
+        variants made; JAX: programs its jitted variants compiled, and the
+        variants whose compilation ahead the loop waited for)."""
+        if BACKEND == "jax":
+            from kerasdbg.backends.jax import engine
+
+            steps = getattr(engine.engine_for(self.model), "_step_function", None)
+            if not isinstance(steps, dict) or len(steps) < 2:
+                return 0
+            return sum(step.jitted._cache_size() + (step.waited > 0)
+                       for step in steps.values() if isinstance(step, engine._Jitted))
         functions = getattr(self.model.train_function, "functions", None)
         if not isinstance(functions, dict):
             return 0

@@ -1730,6 +1730,7 @@ class _Jitted:
         self.ready = False  # compiled, by a call or ahead
         self.variant: Optional[bool] = None  # `_Variants`' full, every-step, or the one step
         self.commits = False  # whether a call of `jitted` commits its state and carry first
+        self.waited = 0.0  # seconds a caller waited for the compilation `prepare` started
 
     def prepare(self, model, arguments) -> None:
         """Traces and compiles the variant for the shapes of `arguments`
@@ -1764,10 +1765,13 @@ class _Jitted:
         self._thread.start()
 
     def wait(self) -> None:
-        """Waits for the compilation `prepare` started, if any."""
+        """Waits for the compilation `prepare` started, if any (`waited`
+        adds the seconds the caller waited)."""
         thread, self._thread = getattr(self, "_thread", None), None
         if thread is not None:
+            begin = time.perf_counter()
             thread.join()
+            self.waited += time.perf_counter() - begin
 
     def __call__(self, state, carry, data):
         self.ready = True
