@@ -56,6 +56,22 @@ class _Layout:
                 np.int64)
         return found
 
+    def position(self, tag: str):
+        """The position of `tag` among the tags, or None."""
+        found = self._cached.get("positions")
+        if found is None:
+            found = self._cached["positions"] = {t: i for i, t in enumerate(self.tags)}
+        return found.get(tag)
+
+    def positions_starting(self, prefix: str) -> np.ndarray:
+        """The positions of the tags that start with `prefix`."""
+        key = ("positions_starting", prefix)
+        found = self._cached.get(key)
+        if found is None:
+            found = self._cached[key] = np.asarray(
+                [i for i, t in enumerate(self.tags) if t.startswith(prefix)], np.int64)
+        return found
+
     def starting(self, prefixes: Tuple[str, ...]) -> Tuple[str, ...]:
         """The tags that start with one of `prefixes`, in order."""
         key = ("starting", prefixes)

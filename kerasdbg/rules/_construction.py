@@ -28,7 +28,9 @@ it fails again after that.
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, Mapping, Optional, Set, Tuple
+from typing import Dict, Iterable, Mapping, Optional, Sequence, Set, Tuple
+
+import numpy as np
 
 RATIO = 1e3
 """How much larger than a tensor's magnitude a healthy sibling's must be."""
@@ -71,6 +73,25 @@ class Construction:
         if self.from_start is None:
             self.from_start = initial(step)
         return self.from_start
+
+    def quiet(self, collection: str, tensors: Sequence[str],
+              magnitudes: Optional[np.ndarray] = None) -> None:
+        """What `split` remembers of steps at which none of `tensors` (every
+        tensor of the collection there) failed: `magnitudes` (`[steps,
+        tensors]`, in the order of `tensors`) as `split`'s, for the sibling
+        margin."""
+        tensors = list(tensors)
+        self.seen.update((collection, t) for t in tensors)
+        if magnitudes is not None and len(magnitudes) and tensors:
+            every = _dwarfed(tensors, np.asarray(magnitudes, np.float64)).all(axis=0)
+            for tensor, dwarfed in zip(tensors, every.tolist()):
+                key = (collection, tensor)
+                self.dwarfed[key] = self.dwarfed.get(key, True) and dwarfed
+        if self.exempt:
+            present = set(tensors)
+            for tensor in [t for c, t in list(self.exempt) if c == collection]:
+                if tensor in present:
+                    del self.exempt[(collection, tensor)]  # healthy now
 
     def split(
         self,
@@ -168,3 +189,34 @@ class Construction:
         faults = {t: v for t, v in failing.items() if (collection, t) not in self.exempt
                   and not (defer_first and t in first_chance and self.started(step))}
         return faults, new
+
+
+def _dwarfed(tensors: Sequence[str], magnitudes: np.ndarray) -> np.ndarray:
+    """`[steps, tensors]`: whether a sibling of each tensor (another variable
+    of its layer) was `RATIO` times larger at each step, as `split` decides
+    it: the sibling is the largest positive magnitude of the layer but the
+    tensor's own."""
+    larger = np.zeros(magnitudes.shape, bool)
+    groups: Dict[str, list] = {}
+    for position, tensor in enumerate(tensors):
+        layer = layer_of(tensor)
+        if layer:  # a tensor of no layer has no sibling
+            groups.setdefault(layer, []).append(position)
+    rows = np.arange(len(magnitudes))
+    for positions in groups.values():
+        if len(positions) < 2:
+            continue
+        values = magnitudes[:, positions]
+        with np.errstate(invalid="ignore"):
+            positive = np.where(values > 0.0, values, -np.inf)
+        first = positive.argmax(axis=1)
+        top = positive[rows, first]
+        rest = positive.copy()
+        rest[rows, first] = -np.inf
+        second = rest.max(axis=1)
+        for column, position in enumerate(positions):
+            sibling = np.where(first == column, second, top)
+            with np.errstate(invalid="ignore"):
+                larger[:, position] = (sibling > 0.0) & (
+                    sibling >= RATIO * np.abs(values[:, column]))
+    return larger

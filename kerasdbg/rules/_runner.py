@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
 
 from kerasdbg import _qualified
 from kerasdbg.records import tags as _tags
+from kerasdbg.records.step_block import StepBlock, blocks_of
 from kerasdbg.records.step_record import StepRecord
 from kerasdbg.rules.rule import Rule, Verdict
 
@@ -87,12 +90,15 @@ class RuleRunner:
         self.rules = list(rules)
         self.first_only = first_only
         self.fired: set = set()
+        self.judged = 0  # the rules' judgements of one step that `check_block` made
         for rule in self.rules:
             rule.reset()
 
-    def check(self, step: int, record: Mapping[str, float]) -> List[Verdict]:
+    def check(self, step: int, record: Mapping[str, float],
+              only: Optional[set] = None) -> List[Verdict]:
         """The verdicts on one record, in the order of the rules; a rule's
-        "info" verdicts (notes) come before its fault."""
+        "info" verdicts (notes) come before its fault. With `only`, the rules
+        at those positions only (the others found the step quiet)."""
         verdicts = []
         if not record:
             return verdicts
@@ -106,6 +112,8 @@ class RuleRunner:
                 others = tuple(verdicts)
             if self.first_only and index in self.fired and not rule.repeats:
                 continue
+            if only is not None and index not in only:
+                continue
             rule.others = others if rule.follows else ()
             try:
                 verdict = rule.check(int(step), record)
@@ -115,6 +123,71 @@ class RuleRunner:
             if verdict is not None:
                 self.fired.add(index)
                 verdicts.append(verdict)
+        return verdicts
+
+    def check_block(self, block: StepBlock, also: Optional[np.ndarray] = None
+                    ) -> Iterator[Tuple[int, List[Verdict]]]:
+        """The verdicts on the steps of `block`, the same as `check` gives
+        step by step: each rule judges one by one only the steps its screen
+        keeps (`Rule.screen`; every step for a rule without one), and
+        `advance`s over the others. Yields `(index in the block, verdicts)`
+        for each step some rule judged, and for those of `also` (a boolean
+        mask), in order. A caller that stops iterating (a rollback) leaves
+        the rules as if they had seen the steps up to the last one yielded."""
+        count = len(block)
+        if not count:
+            return
+        masks: Dict[int, Optional[np.ndarray]] = {}
+        union = np.zeros(count, bool) if also is None else np.array(also, bool)
+        for index, rule in enumerate(self.rules):
+            if not self._done(index):
+                mask = rule.screen(block)
+                masks[index] = None if mask is None else np.asarray(mask, bool)
+                union |= True if mask is None else masks[index]
+        quiet_from = {index: 0 for index, mask in masks.items() if mask is not None}
+        for position in np.flatnonzero(union).tolist():
+            judging = {index for index, mask in masks.items()
+                       if mask is None or mask[position]}
+            for index in judging & quiet_from.keys():
+                self._advance(index, block, quiet_from[index], position)
+                quiet_from[index] = position + 1
+            self.judged += sum(not self._done(index) for index in judging)
+            yield position, self.check(int(block.steps[position]), block.record(position),
+                                       only=judging)
+        for index, start in quiet_from.items():
+            self._advance(index, block, start, count)
+
+    def _done(self, index: int) -> bool:
+        """Whether rule `index` is no longer checked (it fired, once is enough)."""
+        return self.first_only and index in self.fired and not self.rules[index].repeats
+
+    def _advance(self, index: int, block: StepBlock, start: int, end: int) -> None:
+        """Rule `index` advances over the quiet steps `start:end` (unless done)."""
+        if end > start and not self._done(index):
+            self.rules[index].advance(block.rows(start, end))
+
+    def check_records(self, rows: Iterable[Tuple[int, Mapping[str, float]]]
+                      ) -> List[Verdict]:
+        """The verdicts on `(step, record)` pairs in step order (each record's
+        step part, then its epoch part, as `check_step`), the steps of one
+        tag layout screened as a block (`check_block`)."""
+        verdicts: List[Verdict] = []
+        pending: List[Tuple[int, Dict[str, float]]] = []
+
+        def flush():
+            for block in blocks_of(pending):
+                for _, found in self.check_block(block):
+                    verdicts.extend(found)
+            pending.clear()
+
+        for step, record in rows:
+            steps, epochs = split_epoch(record)
+            if steps:
+                pending.append((step, steps))
+            if epochs:
+                flush()
+                verdicts.extend(self.check(step, epochs))
+        flush()
         return verdicts
 
     def _order(self) -> Tuple[List[int], Optional[int]]:

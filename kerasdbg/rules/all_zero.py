@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+import numpy as np
+
 from kerasdbg import _validation as check
 from kerasdbg.rules._construction import Construction
 from kerasdbg.rules.rule import COLLECTIONS, Rule, values_of
@@ -64,6 +66,23 @@ class AllZero(Rule):
     @property
     def requires(self):
         return tuple((c, "zero_fraction") for c in self.collections)
+
+    def screen(self, block):
+        flagged = np.zeros(len(block), bool)
+        with np.errstate(invalid="ignore"):
+            for collection in self.collections:
+                flagged |= (block.column(collection, "zero_fraction")
+                            >= self.zero_fraction).any(axis=1)
+        return flagged
+
+    def advance(self, block):
+        self._construction.started(int(block.steps[0]))
+        for collection in self.collections:
+            names = block.names(collection, "zero_fraction")
+            if collection == "activations":
+                self._taps.update(names)
+            else:
+                self._construction.quiet(collection, names)
 
     def check(self, step, record):
         self._construction.started(step)

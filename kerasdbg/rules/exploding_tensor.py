@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
+import numpy as np
+
 from kerasdbg import _validation as check
 from kerasdbg.rules.rule import COLLECTIONS, Rule, StepRecord, values_of
 
@@ -48,6 +50,22 @@ class ExplodingTensor(Rule):
         stats = ["nan_count"] + ([] if self.only_nan else ["inf_count"])
         stats += ["min", "max"] if self.threshold is not None else []
         return tuple((c, s) for c in self.collections for s in stats)
+
+    def screen(self, block):
+        flagged = np.zeros(len(block), bool)
+        with np.errstate(invalid="ignore"):
+            for collection in self.collections:
+                flagged |= (block.column(collection, "nan_count") > 0).any(axis=1)
+                if not self.only_nan:
+                    flagged |= (block.column(collection, "inf_count") > 0).any(axis=1)
+                if self.threshold is not None:
+                    for stat in ("min", "max"):
+                        flagged |= (np.abs(block.column(collection, stat))
+                                    > self.threshold).any(axis=1)
+        return flagged
+
+    def advance(self, block):
+        pass  # no memory
 
     def check(self, step, record):
         for collection in self.collections:

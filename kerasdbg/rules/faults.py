@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
+
 from kerasdbg.records import tags as _tags
 from kerasdbg import _validation as check
 from kerasdbg.rules.rule import Rule, make_verdict
@@ -68,6 +70,12 @@ class FreezeOnFault(Rule):
     def reset(self) -> None:
         self._seen = False
 
+    def screen(self, block):
+        return _set(block, _tags.step_scalar("frozen"))
+
+    def advance(self, block):
+        pass  # a step that did not freeze changes nothing
+
     def check(self, step, record):
         if self._seen or not record.get(_tags.step_scalar("frozen")):
             return None
@@ -122,6 +130,12 @@ class NaNSource(Rule):
     watches_nonfinite = True
     follows = True
 
+    def screen(self, block):
+        return _set(block, _tags.step_scalar("fault"))
+
+    def advance(self, block):
+        pass  # no memory
+
     def check(self, step, record):
         located = record.get(_tags.fault("nan_source", "located"))
         if not record.get(_tags.step_scalar("fault")) or located is None:
@@ -145,3 +159,10 @@ class NaNSource(Rule):
         tensors = ([layer] if layer else []) + variables
         return self.verdict(step, f"{where}; non-finite gradients{by}: {grads or 'none'}",
                             {t: 1.0 for t in tensors})
+
+
+def _set(block, tag: str):
+    """The steps of `block` whose value of `tag` is set (not 0: NaN is, as
+    in Python's truth), none where the block has no such tag."""
+    values = block.tag(tag)
+    return np.zeros(len(block), bool) if values is None else values != 0

@@ -11,9 +11,11 @@ import collections
 import math
 from typing import Optional
 
+import numpy as np
+
 from kerasdbg import _validation as check
 from kerasdbg.records.tags import LOSS, epoch_scalar, is_loss_name, scalar_parts, step_losses
-from kerasdbg.records.tags import STEP, step_scalar
+from kerasdbg.records.tags import STEP, prefix, step_scalar
 from kerasdbg.rules.rule import Rule
 
 TRAIN_LOSS = epoch_scalar("loss")
@@ -50,6 +52,16 @@ class NonFiniteLoss(Rule):
     def can_check(self, present):
         return super().can_check(present) or any(
             collection == STEP and is_loss_name(name) for collection, name in present)
+
+    def screen(self, block):
+        loss = block.tag(LOSS)
+        if loss is not None:
+            return ~np.isfinite(loss)
+        # No single loss: a step any of whose step/ scalars is not finite.
+        return ~np.isfinite(block.starting(prefix(STEP))).all(axis=1)
+
+    def advance(self, block):
+        pass  # no memory
 
     def check(self, step, record):
         loss = record.get(LOSS)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Collection, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
+import numpy as np
+
 from kerasdbg.records.step_record import Record, StepRecord, values_of  # noqa: F401
 from kerasdbg.records.tags import CLASSES, COLLECTIONS, SCALAR_COLLECTIONS  # noqa: F401
 from kerasdbg.records.tags import tag_parts, tag_pattern  # noqa: F401
@@ -189,6 +191,24 @@ class Rule:
 
     def reset(self) -> None:
         """Forgets the steps seen so far (called before a run is checked)."""
+
+    def screen(self, block) -> Optional["np.ndarray"]:
+        """The steps of `block` (a `kerasdbg.records.step_block.StepBlock`)
+        that `check` must judge, as a boolean mask, or None for every step.
+
+        A screen reads the whole block in a few array operations and never
+        leaves out a step at which `check` would return a verdict or a note,
+        whatever the rule remembers of earlier steps; a step it leaves out
+        is "quiet", and `advance` then updates the rule's memory over it.
+        The default (None) judges every step one by one: the slow path, and
+        what a custom rule that implements `check` only gets.
+        """
+        return None
+
+    def advance(self, block) -> None:
+        """Updates what the rule remembers as `check` would over the steps of
+        `block`, which `screen` found quiet (called only where `screen`
+        returns a mask)."""
 
     def get_config(self) -> dict:
         return {}

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from kerasdbg import _validation as check
 from kerasdbg.rules._construction import Construction
 from kerasdbg.rules._decay import decay_fractions, still
@@ -115,6 +117,34 @@ class VanishingGradient(Rule):
         # The gradients' magnitudes and the updates: a small gradient alone
         # is no verdict (offline as online, where both are recorded).
         return ("gradients", "mean_abs") in present and ("weights", "update_ratio") in present
+
+    def _magnitudes(self, block):
+        """`(names, magnitudes)` of `block`: each gradient's mean |gradient|
+        over its non-zero elements, as `check` computes it."""
+        names = block.names("gradients", "mean_abs")
+        values = block.column("gradients", "mean_abs")
+        zeros = dict(zip(block.names("gradients", "zero_fraction"),
+                         block.column("gradients", "zero_fraction").T))
+        magnitudes = values.copy()
+        with np.errstate(invalid="ignore", divide="ignore"):
+            for column, name in enumerate(names):
+                zero = zeros.get(name)
+                if zero is not None:
+                    partial = (zero > 0.0) & (zero < 1.0)
+                    magnitudes[:, column] = np.where(
+                        partial, values[:, column] / (1.0 - zero), values[:, column])
+        return names, values, magnitudes
+
+    def screen(self, block):
+        _, values, magnitudes = self._magnitudes(block)
+        # A step with a gradient not recorded (NaN) is judged as it is.
+        with np.errstate(invalid="ignore"):
+            return np.isnan(values).any(axis=1) | (magnitudes < self.threshold).any(axis=1)
+
+    def advance(self, block):
+        names, _, magnitudes = self._magnitudes(block)
+        if names:
+            self._construction.quiet("gradients", names, magnitudes)
 
     def check(self, step, record):
         values = {k: v for k, v in values_of(record, "gradients", "mean_abs") if not math.isnan(v)}

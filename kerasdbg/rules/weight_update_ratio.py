@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from kerasdbg import _validation as check
 from kerasdbg.rules._construction import initial
 from kerasdbg.rules.rule import Rule, values_of
@@ -74,6 +76,43 @@ class WeightUpdateRatio(Rule):
         self._peak: dict = {}  # tensor -> the largest norm recorded before this step
         self._seen: dict = {}  # tensor -> its recorded updates
         self._from_start = None  # whether the rule watches the training from step 1
+
+    def _counted(self, block):
+        """`(names, ratios, counted)`: the update ratios of `block` and where
+        `check` reads them (finite, of weights not below `epsilon`)."""
+        names = block.names("weights", "update_ratio")
+        ratios = block.column("weights", "update_ratio")
+        norms = dict(zip(block.names("weights", "l2_norm"),
+                         block.column("weights", "l2_norm").T))
+        counted = np.isfinite(ratios)
+        with np.errstate(invalid="ignore"):
+            for column, name in enumerate(names):
+                norm = norms.get(name)
+                if norm is not None:
+                    counted[:, column] &= ~(norm < self.epsilon)
+        return names, ratios, counted
+
+    def screen(self, block):
+        _, ratios, counted = self._counted(block)
+        with np.errstate(invalid="ignore"):
+            out = (ratios < self.small_threshold) | (ratios > self.large_threshold)
+        return (counted & out).any(axis=1)
+
+    def advance(self, block):
+        if self._from_start is None:
+            self._from_start = initial(int(block.steps[0]))
+        names, _, counted = self._counted(block)
+        for name, count in zip(names, counted.sum(axis=0).tolist()):
+            if count:
+                self._seen[name] = self._seen.get(name, 0) + count
+        norms = block.column("weights", "l2_norm")
+        for column, name in enumerate(block.names("weights", "l2_norm")):
+            finite = np.flatnonzero(np.isfinite(norms[:, column]))
+            if len(finite):
+                self._peak[name] = max(self._peak.get(name, 0.0),
+                                       float(norms[finite, column].max()))
+                last = finite[-1]
+                self._last[name] = (int(block.steps[last]), float(norms[last, column]))
 
     def check(self, step, record):
         if self._from_start is None:
