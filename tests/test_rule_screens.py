@@ -37,10 +37,13 @@ def scheduled(step, every_step=False):
     return every_step or step <= 10 or step % 50 == 0
 
 
-def healthy(steps=STEPS, seed=0, every_step=False, first=1):
+def healthy(steps=STEPS, seed=0, every_step=False, first=1, bias="zero"):
     """`[(step, record)]` of a healthy run: the full statistics at steps 1-10
-    and every 50th (or every step), the frequent ones elsewhere; the bias of
-    `m/d1` has a zero gradient by construction (a bias before a normalization)."""
+    and every 50th (or every step), the frequent ones elsewhere. The bias of
+    `m/d1` has a zero gradient by construction (a bias before a
+    normalization: `bias="zero"`), or one a thousand times below its
+    kernel's, rounding noise (`"tiny"`), or a gradient like the others
+    (`"healthy"`)."""
     rng = np.random.default_rng(seed)
     rows = []
     norms = {t: 1.0 + rng.uniform() for t in TENSORS}
@@ -50,7 +53,8 @@ def healthy(steps=STEPS, seed=0, every_step=False, first=1):
                   "step/fault": 0.0, "step/skipped": 0.0}
         for collection, stats in (FULL if full else FREQUENT).items():
             for tensor in TENSORS:
-                zero_gradient = collection == "gradients" and tensor == "m/d1/bias"
+                odd = collection == "gradients" and tensor == "m/d1/bias"
+                zero_gradient = odd and bias == "zero"
                 if collection == "weights":
                     norms[tensor] *= 1.0 + rng.uniform(1e-4, 1e-2)
                 for stat in stats:
@@ -69,6 +73,10 @@ def healthy(steps=STEPS, seed=0, every_step=False, first=1):
                         value = 0.0
                     if zero_gradient and stat == "zero_fraction":
                         value = 1.0
+                    if odd and bias == "tiny" and stat in ("mean_abs", "l2_norm"):
+                        value *= 1e-8
+                    if bias == "tiny" and tensor == "m/d1/bias" and stat == "update_ratio":
+                        value = math.inf  # weights at their initial zeros: no ratio says
                     record[f"{collection}/{tensor}/{stat}"] = value
         rows.append((step, dict(sorted(record.items()))))
     return rows
@@ -107,6 +115,7 @@ def plant(rows, fault, position):
                     f"weights/m/d2/kernel/{stat}", 0.0))
         if fault == "not_recorded":  # a gradient statistic not captured at one step
             if at == position:
+                put(at, "gradients/m/d1/bias/mean_abs", math.nan)
                 put(at, "gradients/m/d2/bias/mean_abs", math.nan)
     return rows
 
@@ -174,26 +183,31 @@ def test_a_healthy_run_is_judged_alike_and_no_screened_rule_judges_a_step_one_by
             assert runner.judged == 0, rule.__name__
 
 
-def test_a_healthy_run_without_a_zero_tensor_is_judged_at_no_step():
-    rows = healthy()
-    for _, record in rows:
-        for tag in list(record):
-            if "/m/d1/bias/" in tag and tag.startswith("gradients/"):
-                record[tag] = {"zero_fraction": 0.1, "nan_count": 0.0, "inf_count": 0.0}.get(
-                    tag.rsplit("/", 1)[1], 0.5)
+@pytest.mark.parametrize("every_step", [False, True])
+def test_a_healthy_run_without_a_zero_tensor_is_judged_at_no_step(every_step):
+    rows = healthy(every_step=every_step, bias="healthy")
+    assert same(assert_same(lambda: [rule() for rule in SCREENED], rows)[0], [])
     runner = RuleRunner([rule() for rule in SCREENED])
     assert runner.check_records(rows) == []
     assert runner.judged == 0
+
+
+def test_a_gradient_dwarfed_by_its_sibling_is_judged_where_it_is_small_only():
+    rows = healthy(bias="tiny")
+    verdicts, runner = assert_same(defaults, rows)
+    assert [(v.rule, v.severity) for v in verdicts] == [("VanishingGradient", "info")]
+    assert 0 < runner.judged
 
 
 FAULTS = ("nan_loss", "inf_gradient", "nan_count_nan", "all_zero", "large_update", "vanished",
           "unchanged", "not_recorded")
 
 
+@pytest.mark.parametrize("bias", ["zero", "tiny", "healthy"])
 @pytest.mark.parametrize("fault", FAULTS)
 def test_a_fault_planted_at_every_position_gets_the_verdicts_of_the_step_by_step_judgement(
-        fault):
-    base = healthy()
+        fault, bias):
+    base = healthy(bias=bias)
     fired_somewhere = False
     for position in range(len(base)):
         rows = plant(base, fault, position)
