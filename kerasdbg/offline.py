@@ -78,12 +78,9 @@ def check_run(
                 "and step/ and epoch/ values with StopOnRule(log_dir=...)."
             )
     runner = RuleRunner(rules, first_only=first_only)
-    verdicts = []
-    # One step's record at a time, in step order: a run of millions of values is
-    # never held whole.
-    for step, record in source._records(run):
-        verdicts += runner.check_step(step, record)
-    return verdicts
+    # In step order, a block of steps at a time (as `StopOnRule` judges a
+    # read): a run of millions of values is never held whole.
+    return runner.check_records(source._records(run))
 
 
 def recorded_pairs(tags) -> set:

@@ -21,6 +21,7 @@ from kerasdbg.sinks import workers as _workers
 from kerasdbg import schedule as schedule_lib
 from kerasdbg.records import tags as _tags
 from kerasdbg.records import verdicts as _verdicts
+from kerasdbg.records.step_block import StepBlock, blocks_of
 from kerasdbg.records.step_record import StepRecord, per_optimizer_values
 from kerasdbg.records.verdicts import notes_line, verdict_markdown
 from kerasdbg.callbacks._copies import CopiedAsNew
@@ -824,29 +825,63 @@ class StopOnRule(AfterEachExecution, ModelWithoutSync, CopiedAsNew, keras.callba
         # The last step of this read: a verdict that stops training stops it
         # after that step (`kerasdbg.capture.reads`), which it says.
         self._read_step = max((step for step, _ in rows), default=None)
-        for step, record in rows:
-            if self._rolled_to is not None:
-                continue  # the steps after a rollback's step in its execution: undone
-            self._last_step = max(self._last_step, step)
-            # After a verdict that stops training, the rest of the read's steps
-            # ran all the same: judged too (as `kerasdbg check` judges them),
-            # never acted on.
-            if step < self.start_step:
-                continue
-            self._ran = (step if self._ran is None else self._ran[0], step)
-            self._write(step, record)
-            skipped = _skipped(record)
-            if skipped:
-                self._skipped.append(step)
-                self._epoch_skipped += 1
-            verdicts = self._runner.check(step, record)
-            self._evaluate(step, verdicts, skipped=skipped,
-                           frozen=bool(record.get(_tags.step_scalar("frozen"))))
+        early = 0
+        while early < len(rows) and rows[early][0] < self.start_step:
+            self._last_step = max(self._last_step, rows[early][0])
+            early += 1
+        # The steps of one tag layout as a block: the rules screen it and judge
+        # one by one only the steps that may make one fire. After a verdict
+        # that stops training, the rest of the read's steps ran all the same:
+        # judged too (as `kerasdbg check` judges them), never acted on.
+        for block in blocks_of(rows[early:]):
+            if not self._judge(block):
+                break  # a rollback: the steps after its step in its execution are undone
         self._write_rows()
         if rows and self._writer is not None:
             # Once a read: a killed run keeps every step up to its last read.
             self._writer.flush(events_only=True)
         self._raise_decided()
+
+    def _judge(self, block: StepBlock) -> bool:
+        """Judges and writes the steps of `block`; False after a rollback (the
+        later steps of the read are undone: neither judged nor written)."""
+        plan = block._plan
+        skipped_tags = plan.per_optimizer(_tags.STEP, "skipped")
+        skipped = (block.values[:, [plan.position(t) for t in skipped_tags]] != 0).any(axis=1) \
+            if skipped_tags else np.zeros(len(block), bool)
+        frozen = block.tag(_tags.step_scalar("frozen"))
+        start = 0
+        for position, verdicts in self._runner.check_block(block):
+            self._quiet(block, start, position + 1, skipped)
+            start = position + 1
+            step = int(block.steps[position])
+            self._evaluate(step, verdicts, skipped=bool(skipped[position]),
+                           frozen=frozen is not None and bool(frozen[position]))
+            if self._rolled_to is not None:
+                return False
+        self._quiet(block, start, len(block), skipped)
+        return True
+
+    def _quiet(self, block: StepBlock, start: int, end: int, skipped: np.ndarray) -> None:
+        """The steps `start:end` of `block` ran: counted, their skips kept,
+        their own scalars written (`_write_rows`)."""
+        if end <= start:
+            return
+        steps = block.steps[start:end]
+        self._last_step = max(self._last_step, int(steps[-1]))
+        self._ran = (int(steps[0]) if self._ran is None else self._ran[0], int(steps[-1]))
+        for step in steps[skipped[start:end]].tolist():
+            self._skipped.append(step)
+            self._epoch_skipped += 1
+        if self._writer is None:
+            return
+        positions = block._plan.positions_starting(_OWN_PREFIXES)
+        if len(positions):
+            tags = tuple(block.tags[i] for i in positions.tolist())
+            values = block.values[start:end][:, positions]
+            # Written with the read's others (`_write_rows`): one call a read.
+            self.__dict__.setdefault("_unwritten", []).extend(_events.ScalarRow(step, tags, row, {})
+                                   for step, row in zip(steps.tolist(), values))
 
     def _raise_decided(self) -> None:
         """Raises the verdicts `action="raise"` decided (once the read's or the

@@ -78,6 +78,10 @@ def _memory(rule) -> set:
     return {k for k, v in vars(probe).items() if k not in before or v is not before[k]}
 
 
+BLOCK_STEPS = 4096
+"""`check_records` holds at most this many steps before it judges them."""
+
+
 class RuleRunner:
     """Feeds records to rules in step order; remembers which fired.
 
@@ -170,7 +174,8 @@ class RuleRunner:
                       ) -> List[Verdict]:
         """The verdicts on `(step, record)` pairs in step order (each record's
         step part, then its epoch part, as `check_step`), the steps of one
-        tag layout screened as a block (`check_block`)."""
+        tag layout screened as a block (`check_block`), at most `BLOCK_STEPS`
+        of them held at a time."""
         verdicts: List[Verdict] = []
         pending: List[Tuple[int, Dict[str, float]]] = []
 
@@ -184,7 +189,7 @@ class RuleRunner:
             steps, epochs = split_epoch(record)
             if steps:
                 pending.append((step, steps))
-            if epochs:
+            if epochs or len(pending) >= BLOCK_STEPS:
                 flush()
                 verdicts.extend(self.check(step, epochs))
         flush()
