@@ -102,12 +102,30 @@ def test_the_variant_not_needed_first_is_compiled_ahead_and_run_as_compiled(monk
     assert prepared[0].jitted._cache_size() == 0
 
 
-def test_each_variant_is_compiled_once_across_the_steps_and_fits_that_pass_it_the_others_state():
+@pytest.mark.parametrize("distribution", ["default", "data_parallel"])
+def test_each_variant_is_compiled_once_across_the_steps_and_fits_that_pass_it_the_others_state(
+        distribution):
     # The full variant runs at steps 1-10 and 50 of each fit, after the
     # every-step one (compiled ahead): called with that one's outputs, with
-    # a later fit's state (which Keras commits to its device) and with a
+    # a later fit's state (which Keras commits to its devices) and with a
     # fresh carry, it keeps the one program it compiled first.
+    import jax
+    import keras
+
     from kerasdbg.backends.jax import engine as engine_lib
+
+    if distribution == "data_parallel":
+        devices = jax.devices("cpu")
+        assert len(devices) == 2, "tests/conftest.py gives JAX two CPU devices"
+        keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+        try:
+            return _compiled_once(engine_lib)
+        finally:
+            keras.distribution.set_distribution(None)
+    _compiled_once(engine_lib)
+
+
+def _compiled_once(engine_lib):
 
     made = {}
     original_prepare = engine_lib._Jitted.prepare

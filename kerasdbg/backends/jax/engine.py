@@ -1695,8 +1695,11 @@ class _Variants:
 def _abstract(arguments):
     """The shapes, dtypes and shardings of the arrays of `arguments` (what a
     program is compiled for; the arrays themselves may be donated)."""
+    # An array not committed to a device has no sharding of its own: it
+    # goes where the computation runs.
     return jax.tree_util.tree_map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding if a._committed
+                                       else None)
         if isinstance(a, jax.Array) else a, arguments)
 
 
@@ -1711,8 +1714,16 @@ def _committed(tree):
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     if all(getattr(leaf, "_committed", True) for leaf in leaves):
         return tree
+    # Under a distribution over several devices, replicated over its mesh
+    # (where the computation runs: committed to one device, it could not).
+    spread = next((leaf.sharding for leaf in leaves if isinstance(leaf, jax.Array)
+                   and len(leaf.sharding.device_set) > 1), None)
+    if spread is not None and not isinstance(spread, jax.sharding.NamedSharding):
+        return tree
+    replicated = None if spread is None else jax.sharding.NamedSharding(
+        spread.mesh, jax.sharding.PartitionSpec())
     return jax.tree_util.tree_unflatten(treedef, [
-        jax.device_put(leaf, leaf.sharding)
+        jax.device_put(leaf, replicated or leaf.sharding)
         if isinstance(leaf, jax.Array) and not leaf._committed else leaf for leaf in leaves])
 
 
