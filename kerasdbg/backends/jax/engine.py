@@ -1076,8 +1076,8 @@ class Engine(Capture):
             step = self._step_function[full] = self._compiled(model, self._step(model, full=full))
             if isinstance(step, _Jitted):
                 step.variant = full
-                # Two variants pass each other their outputs: one signature.
-                step.commits = full is not None
+                # Two variants pass each other their outputs: one program each.
+                step.keeps = full is not None
         return step
 
     def _compiled(self, model, step):
@@ -1703,30 +1703,6 @@ def _abstract(arguments):
         if isinstance(a, jax.Array) else a, arguments)
 
 
-def _committed(tree):
-    """`tree` with each array committed to its sharding (a copy of those
-    that were not). A jitted function's signature holds whether each
-    argument is committed: the variants' state and carry come from Keras's
-    variables, from the other variant (compiled ahead) and from the host,
-    committed or not, and each new mix would compile the variant again
-    (0.9 s on a small MLP, at a step mid-fit and again in every later fit);
-    committed, each variant is compiled once."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    if all(getattr(leaf, "_committed", True) for leaf in leaves):
-        return tree
-    # Under a distribution over several devices, replicated over its mesh
-    # (where the computation runs: committed to one device, it could not).
-    spread = next((leaf.sharding for leaf in leaves if isinstance(leaf, jax.Array)
-                   and len(leaf.sharding.device_set) > 1), None)
-    if spread is not None and not isinstance(spread, jax.sharding.NamedSharding):
-        return tree
-    replicated = None if spread is None else jax.sharding.NamedSharding(
-        spread.mesh, jax.sharding.PartitionSpec())
-    return jax.tree_util.tree_unflatten(treedef, [
-        jax.device_put(leaf, replicated or leaf.sharding)
-        if isinstance(leaf, jax.Array) and not leaf._committed else leaf for leaf in leaves])
-
-
 class _Jitted:
     """A jitted variant of the step, with its records packed
     (`packing.packed`'s `call`): called as the jitted function, or, once
@@ -1740,7 +1716,7 @@ class _Jitted:
         self.ahead = None  # the program compiled ahead (`prepare`)
         self.ready = False  # compiled, by a call or ahead
         self.variant: Optional[bool] = None  # `_Variants`' full, every-step, or the one step
-        self.commits = False  # whether a call of `jitted` commits its state and carry first
+        self.keeps = False  # whether the program of the first call of `jitted` is kept (`ahead`)
         self.waited = 0.0  # seconds a caller waited for the compilation `prepare` started
 
     def prepare(self, model, arguments) -> None:
@@ -1790,11 +1766,24 @@ class _Jitted:
         if self.ahead is not None:
             try:
                 return self.call(self.ahead, state, carry, data)
-            except TypeError:  # other shapes or structure: the jitted function
-                self.ahead = None
-        if self.commits:
-            state, carry = _committed((state, carry))
-        return self.call(self.jitted, state, carry, data)
+            except TypeError:  # other shapes (an epoch's last batch): the jitted function
+                return self.call(self.jitted, state, carry, data)
+        if not self.keeps:
+            return self.call(self.jitted, state, carry, data)
+        # The variants pass each other their outputs, which the device may or
+        # may not have committed, and a jitted function's signature holds
+        # whether each argument is: a new mix would compile the variant again
+        # (0.9 s on a small MLP, at a step mid-fit and in every later fit). So
+        # the program of this first call is kept and run from now on, as the
+        # one compiled ahead is (lowered again for the same arguments, it
+        # comes from the jitted function's cache, not compiled again).
+        abstract = _abstract((state, carry, data))
+        out = self.call(self.jitted, state, carry, data)
+        try:
+            self.ahead = self.jitted.lower(*abstract).compile()
+        except Exception:  # noqa: BLE001 - the jitted function goes on
+            self.keeps = False
+        return out
 
 
 class _Guarded:
