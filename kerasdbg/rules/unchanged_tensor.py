@@ -7,11 +7,13 @@ import functools
 import math
 from typing import Sequence
 
+import numpy as np
+
 from kerasdbg import _validation as check
 from kerasdbg.rules._construction import Construction
 from kerasdbg.records.step_record import statistics_by_tensor
-from kerasdbg.records.tags import statistic
-from kerasdbg.rules._decay import decay_fractions, still
+from kerasdbg.records.tags import STEP, statistic
+from kerasdbg.rules._decay import DECAY, ROUNDING, decay_fractions, still
 from kerasdbg.rules.rule import COLLECTIONS, Rule
 
 # Statistics compared between steps, where recorded.
@@ -95,6 +97,115 @@ class UnchangedTensor(Rule):
         self._moved = collections.defaultdict(
             functools.partial(collections.deque, maxlen=self.num_steps - 1))
         self._construction = Construction()
+
+    # ---------------------------------------------------- a block of steps
+    def _series(self, block):
+        """Per tensor of `block` (in the records' order): `(key, names, values,
+        moved)`: its compared statistics (sorted names, `[steps, names]`) and
+        whether its gradient moved it at each step (weights), as `check`
+        reads them."""
+        plan = block._plan
+        found: dict = {}
+        for key, stat, tag in plan.by_tensor(tuple(self.collections), COMPARED):
+            found.setdefault(key, {})[stat] = plan.position(tag)
+        decays = block.values[:, [plan.position(t) for t in plan.per_optimizer(STEP, DECAY)]]
+        with np.errstate(invalid="ignore"):
+            kept = np.where(np.isfinite(decays) & (decays > 0.0), decays, 0.0)
+            largest = kept.max(axis=1, initial=0.0) + np.where(
+                (kept > 0.0).any(axis=1), ROUNDING, 0.0)
+        out = []
+        for key, stats in found.items():
+            names = sorted(stats)
+            values = block.values[:, [stats[n] for n in names]]
+            moved = None
+            if key[0] == "weights":
+                ratio = block.tag(statistic("weights", key[1], "update_ratio"))
+                if ratio is None:
+                    moved = np.zeros(len(block), bool)
+                else:
+                    with np.errstate(invalid="ignore"):
+                        still_ = np.isfinite(ratio) & (ratio + largest < MOVED)
+                    moved = ~np.isnan(ratio) & ~still_
+            out.append((key, names, values, moved))
+        return out
+
+    def _windows_of(self, key, names, values):
+        """`(full, evaluated, close)` per step of the block: the tensor's window
+        holds `num_steps` entries, they share the step's statistics (the window
+        is judged), and every entry equals the step's within the tolerances."""
+        count, size = len(values), self.num_steps
+        prior = list(self._windows.get(key, ()))[-(size - 1):]
+        keys = set(names)
+        before = np.array([[w.get(n, np.nan) for n in names] for w in prior],
+                          np.float64).reshape(len(prior), len(names))
+        matches = np.array([set(w) == keys for w in prior] + [True] * count, bool)
+        series = np.concatenate([before, values])
+        start = len(prior)
+        seen = len(self._windows.get(key, ())) + np.arange(1, count + 1)
+        full = seen >= size
+        evaluated = full.copy()
+        close = full & np.isfinite(values).all(axis=1)
+        rows = np.arange(count)
+        with np.errstate(invalid="ignore"):
+            for back in range(1, size):
+                at = start + rows - back
+                inside = at >= 0
+                other = series[np.maximum(at, 0)]
+                same = inside & matches[np.maximum(at, 0)]
+                evaluated &= same | ~full  # (rows not full are not evaluated anyway)
+                close &= same & np.isfinite(other).all(axis=1) & (
+                    np.abs(other - values) <= self.atol + self.rtol * np.abs(values)).all(axis=1)
+        return full, evaluated & full, close
+
+    def _moved_within(self, key, moved):
+        """Per step: whether the gradient moved the weights at one of the
+        window's last `num_steps - 1` steps (the moves `check` keeps)."""
+        prior = list(self._moved.get(key, ()))
+        flags = np.concatenate([np.asarray(prior, bool), moved])
+        window = self.num_steps - 1
+        cumulative = np.concatenate([[0], np.cumsum(flags)])
+        ends = len(prior) + np.arange(1, len(moved) + 1)
+        return (cumulative[ends] - cumulative[np.maximum(ends - window, 0)]) > 0
+
+    def screen(self, block):
+        flagged = np.zeros(len(block), bool)
+        for key, names, values, moved in self._series(block):
+            _, evaluated, close = self._windows_of(key, names, values)
+            fires = evaluated & close
+            if moved is not None:
+                fires &= ~self._moved_within(key, moved)
+            flagged |= fires
+        return flagged
+
+    def advance(self, block):
+        series = self._series(block)
+        evaluated_at = {}
+        for key, names, values, moved in series:
+            _, evaluated, _ = self._windows_of(key, names, values)
+            evaluated_at[key] = evaluated
+            if evaluated.any():
+                self._checked.add(key)
+            window = self._windows[key]
+            for row in values[-self.num_steps:].tolist():
+                window.append(dict(zip(names, row)))
+            if moved is not None:
+                self._moved[key].extend(moved[-(self.num_steps - 1):].tolist())
+        steps = len(block)
+        for collection in ("gradients", "weights"):
+            keys = [entry for entry in series if entry[0][0] == collection]
+            norms = {key[1]: values[:, names.index("l2_norm")]
+                     for key, names, values, _ in keys if "l2_norm" in names} \
+                if collection == "weights" else {}
+            # The steps that judge the same tensors are one call of `quiet`.
+            groups: dict = {}
+            for row in range(steps):
+                judged = tuple(key[1] for key, *_ in keys if evaluated_at[key][row])
+                groups.setdefault(judged, []).append(row)
+            for tensors, rows in groups.items():
+                magnitudes = np.stack([norms.get(t, np.zeros(steps))[rows] for t in tensors],
+                                      axis=1) if norms and tensors else None
+                self._construction.quiet(collection, tensors,
+                                         magnitudes if norms else None)
 
     def check(self, step, record):
         current = statistics_by_tensor(record, self.collections, COMPARED)
