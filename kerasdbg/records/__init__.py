@@ -9,6 +9,8 @@ rules, the sinks and the reader:
   request (`kerasdbg.records.capture_record`);
 - `StepRecord` (`Record`, `values_of`): the scalars of one step that rules
   read (`kerasdbg.records.step_record`);
+- `StepBlock`: the scalars of consecutive steps with the same tags, as
+  arrays, that rules screen (`kerasdbg.records.step_block`);
 - `verdict_markdown`, `verdict_rows`: `StopOnRule`'s verdict text, written and
   read back (`kerasdbg.records.verdicts`).
 
@@ -22,6 +24,7 @@ Examples:
 
 from kerasdbg.records import tags
 from kerasdbg.records.capture_record import CaptureRecord
+from kerasdbg.records.step_block import StepBlock
 from kerasdbg.records.step_record import Record
 from kerasdbg.records.step_record import StepRecord
 from kerasdbg.records.step_record import values_of
@@ -32,6 +35,7 @@ from kerasdbg.records.verdicts import verdict_rows
 __all__ = (
     "CaptureRecord",
     "Record",
+    "StepBlock",
     "StepRecord",
     "VERDICT_TENSORS",
     "tags",

@@ -196,10 +196,12 @@ class Rule:
         """The steps of `block` (a `kerasdbg.records.step_block.StepBlock`)
         that `check` must judge, as a boolean mask, or None for every step.
 
-        A screen reads the whole block in a few array operations and never
-        leaves out a step at which `check` would return a verdict or a note,
-        whatever the rule remembers of earlier steps; a step it leaves out
-        is "quiet", and `advance` then updates the rule's memory over it.
+        A screen reads the whole block in a few array operations, with what
+        the rule remembers of the steps before it, and never leaves out a
+        step at which `check` would return a verdict or a note; a step it
+        leaves out is "quiet", and `advance` then updates the rule's memory
+        over it (the rule's `check` may judge some of the block's steps in
+        between: its memory then is what `advance` would have made it).
         The default (None) judges every step one by one: the slow path, and
         what a custom rule that implements `check` only gets.
         """
