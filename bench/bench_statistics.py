@@ -133,7 +133,7 @@ class _Timer(keras.callbacks.Callback):
             steps = getattr(engine.engine_for(self.model), "_step_function", None)
             if not isinstance(steps, dict) or len(steps) < 2:
                 return 0
-            return sum(step.jitted._cache_size() + (step.waited > 0)
+            return sum(step.jitted._cache_size() + (step.waited > 1e-3)
                        for step in steps.values() if isinstance(step, engine._Jitted))
         functions = getattr(self.model.train_function, "functions", None)
         if not isinstance(functions, dict):

@@ -79,7 +79,8 @@ def check_run(
             )
     runner = RuleRunner(rules, first_only=first_only)
     # In step order, a block of steps at a time (as `StopOnRule` judges a
-    # read): a run of millions of values is never held whole.
+    # read, at most `_runner.BLOCK_VALUES` values): a run of millions of
+    # values is never held whole.
     return runner.check_records(source._records(run))
 
 

@@ -298,3 +298,34 @@ def test_a_block_holds_its_steps_as_arrays():
     part = block.rows(2, 5)
     assert part.steps.tolist() == [3, 4, 5] and part.values.base is not None
     assert isinstance(part, StepBlock) and len(part) == 3
+
+
+def test_a_rule_that_overrides_a_built_in_check_only_is_judged_at_every_step():
+    class Stricter(ExplodingTensor):
+        def check(self, step, record):  # fires on any step with a gradient norm above 0.5
+            if any(v > 0.5 for k, v in record.items()
+                   if k.startswith("gradients/") and k.endswith("/l2_norm")):
+                return self.verdict(step, "a norm above 0.5", {"any": 1.0})
+
+    rows = healthy(20)
+    expected, found, (_, runner) = both_ways(lambda: [Stricter()], rows)
+    assert same(found, expected) and len(expected) == 1
+    assert runner.judged == 1  # it fired at step 1 and, firing once, is checked no more
+
+
+def test_a_long_run_is_judged_a_bounded_block_at_a_time(monkeypatch):
+    from kerasdbg.rules import _runner
+
+    sizes = []
+    original = _runner.RuleRunner.check_block
+
+    def check_block(self, block, also=None):
+        sizes.append(block.values.size)
+        return original(self, block, also)
+
+    monkeypatch.setattr(_runner.RuleRunner, "check_block", check_block)
+    monkeypatch.setattr(_runner, "BLOCK_VALUES", 1000)
+    rows = healthy(120, bias="healthy")
+    RuleRunner(defaults()).check_records(rows)
+    tags = max(len(record) for _, record in rows)
+    assert max(sizes) <= 1000 + tags and sum(sizes) == sum(len(r) for _, r in rows)

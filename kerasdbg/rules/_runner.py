@@ -78,8 +78,26 @@ def _memory(rule) -> set:
     return {k for k, v in vars(probe).items() if k not in before or v is not before[k]}
 
 
+def screens(rule: Rule) -> bool:
+    """Whether `rule`'s screen is its own check's: a subclass that overrides
+    `check` but not `screen` (a custom rule built on a built-in one) is
+    judged at every step."""
+    kind = type(rule)
+    found = _SCREENS.get(kind)
+    if found is None:
+        mro = kind.__mro__
+        checking = next(c for c in mro if "check" in vars(c))
+        screening = next(c for c in mro if "screen" in vars(c))
+        found = _SCREENS[kind] = mro.index(screening) <= mro.index(checking)
+    return found
+
+
+_SCREENS: Dict[type, bool] = {}
+
+BLOCK_VALUES = 1 << 18
+"""`check_records` holds at most this many values (steps x tags) before it
+judges them, and `BLOCK_STEPS` steps."""
 BLOCK_STEPS = 4096
-"""`check_records` holds at most this many steps before it judges them."""
 
 
 class RuleRunner:
@@ -136,8 +154,10 @@ class RuleRunner:
         keeps (`Rule.screen`; every step for a rule without one), and
         `advance`s over the others. Yields `(index in the block, verdicts)`
         for each step some rule judged, and for those of `also` (a boolean
-        mask), in order. A caller that stops iterating (a rollback) leaves
-        the rules as if they had seen the steps up to the last one yielded."""
+        mask), in order. A caller that stops iterating leaves the screened
+        rules short of their quiet steps since each one's last judgement:
+        `StopOnRule` stops only for a rollback, which gives the rules their
+        memory of the snapshot's step anew (`resume`)."""
         count = len(block)
         if not count:
             return
@@ -145,7 +165,7 @@ class RuleRunner:
         union = np.zeros(count, bool) if also is None else np.array(also, bool)
         for index, rule in enumerate(self.rules):
             if not self._done(index):
-                mask = rule.screen(block)
+                mask = rule.screen(block) if screens(rule) else None
                 masks[index] = None if mask is None else np.asarray(mask, bool)
                 union |= True if mask is None else masks[index]
         quiet_from = {index: 0 for index, mask in masks.items() if mask is not None}
@@ -174,22 +194,25 @@ class RuleRunner:
                       ) -> List[Verdict]:
         """The verdicts on `(step, record)` pairs in step order (each record's
         step part, then its epoch part, as `check_step`), the steps of one
-        tag layout screened as a block (`check_block`), at most `BLOCK_STEPS`
-        of them held at a time."""
+        tag layout screened as a block (`check_block`), at most `BLOCK_VALUES`
+        values held at a time."""
         verdicts: List[Verdict] = []
         pending: List[Tuple[int, Dict[str, float]]] = []
+        held = [0]
 
         def flush():
             for block in blocks_of(pending):
                 for _, found in self.check_block(block):
                     verdicts.extend(found)
             pending.clear()
+            held[0] = 0
 
         for step, record in rows:
             steps, epochs = split_epoch(record)
             if steps:
                 pending.append((step, steps))
-            if epochs or len(pending) >= BLOCK_STEPS:
+                held[0] += len(steps)
+            if epochs or held[0] >= BLOCK_VALUES or len(pending) >= BLOCK_STEPS:
                 flush()
                 verdicts.extend(self.check(step, epochs))
         flush()

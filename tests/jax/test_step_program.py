@@ -147,3 +147,38 @@ def _compiled_once(engine_lib):
     assert full.variant is True and every_step.variant is False
     assert full.jitted._cache_size() == 1
     assert every_step.jitted._cache_size() == 0 and every_step.ahead is not None
+
+
+def test_a_later_fit_of_another_batch_size_keeps_its_own_programs_and_runs_them_first_time():
+    # Each variant keeps the program of each shape it met: a fit at batch 64,
+    # then two at batch 32, and the last runs every step on a kept program at
+    # the first try (before, every call of the later fits failed over to the
+    # jitted function).
+    from kerasdbg.backends.jax import engine as engine_lib
+
+    model = program.mlp(2)
+    x, y = program.data(64)
+    failed = []
+
+    def fit(batch):
+        callbacks, _ = program.callbacks_of("defaults")
+        model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
+                  callbacks=callbacks)
+
+    fit(program.BATCH)
+    fit(program.BATCH // 2)
+    variants = engine_lib.engine_for(model)._kept_step
+    for variant in variants.values():
+        original = variant.call
+
+        def call(function, *arguments, _original=original):
+            try:
+                return _original(function, *arguments)
+            except (TypeError, ValueError):
+                failed.append(function)
+                raise
+
+        variant.call = call
+    fit(program.BATCH // 2)
+    assert failed == []
+    assert all(len(v.programs) == 2 for v in variants.values())

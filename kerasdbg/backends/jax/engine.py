@@ -1692,6 +1692,10 @@ class _Variants:
         self.anchor[number] = (call, step)
 
 
+KEPT_PROGRAMS = 4
+"""The compiled programs a variant keeps (one per shape of its arguments)."""
+
+
 def _abstract(arguments):
     """The shapes, dtypes and shardings of the arrays of `arguments` (what a
     program is compiled for; the arrays themselves may be donated)."""
@@ -1713,7 +1717,9 @@ class _Jitted:
     def __init__(self, jitted, call):
         self.jitted = jitted
         self.call = call
-        self.ahead = None  # the program compiled ahead (`prepare`)
+        # Compiled programs, the one that ran last first: the one compiled ahead
+        # (`prepare`), those kept from calls of `jitted` (`keeps`).
+        self.programs: list = []
         self.ready = False  # compiled, by a call or ahead
         self.variant: Optional[bool] = None  # `_Variants`' full, every-step, or the one step
         self.keeps = False  # whether the program of the first call of `jitted` is kept (`ahead`)
@@ -1730,7 +1736,11 @@ class _Jitted:
         # trace sees the loop thread's.
         from keras.src.backend.common import global_state
 
-        settings = [dict(vars(tracker)) for tracker in
+        # Its own copy of a list or dict (the name scope stack, a defaultdict
+        # of names), made here: the loop thread may trace meanwhile and
+        # change its own.
+        settings = [{name: copy.copy(value) if isinstance(value, (list, dict)) else value
+                     for name, value in vars(tracker).items()} for tracker in
                     (global_state.GLOBAL_STATE_TRACKER, global_state.GLOBAL_SETTINGS_TRACKER)]
 
         def compile_ahead():
@@ -1738,14 +1748,10 @@ class _Jitted:
                 for tracker, values in zip((global_state.GLOBAL_STATE_TRACKER,
                                             global_state.GLOBAL_SETTINGS_TRACKER), settings):
                     for name, value in values.items():
-                        # Its own copy of a list or dict (the name scope stack, a
-                        # defaultdict of names): the loop thread may trace meanwhile
-                        # and change its own.
-                        setattr(tracker, name, copy.copy(value)
-                                if isinstance(value, (list, dict)) else value)
-                self.ahead = self.jitted.lower(*abstract).compile()
+                        setattr(tracker, name, value)
+                self.programs.append(self.jitted.lower(*abstract).compile())
             except Exception:  # noqa: BLE001 - compiled at its first call instead
-                self.ahead = None
+                pass
 
         self._thread = threading.Thread(target=compile_ahead, name="kerasdbg-compile",
                                         daemon=True)
@@ -1760,29 +1766,45 @@ class _Jitted:
             thread.join()
             self.waited += time.perf_counter() - begin
 
+    @property
+    def ahead(self):
+        """The program the next call tries first (None before any is compiled)."""
+        return self.programs[0] if self.programs else None
+
     def __call__(self, state, carry, data):
         self.ready = True
         self.wait()
-        if self.ahead is not None:
+        programs = self.programs
+        for index, program in enumerate(programs):
             try:
-                return self.call(self.ahead, state, carry, data)
-            except TypeError:  # other shapes (an epoch's last batch): the jitted function
-                return self.call(self.jitted, state, carry, data)
-        if not self.keeps:
+                out = self.call(program, state, carry, data)
+            except TypeError:  # other shapes or structure (an epoch's last batch)
+                continue
+            except ValueError:  # other shardings: refused before it ran, else raised
+                if any(getattr(leaf, "is_deleted", lambda: False)()
+                       for leaf in jax.tree_util.tree_leaves(state)):
+                    raise
+                continue
+            if index:
+                programs.insert(0, programs.pop(index))
+            return out
+        if not (self.keeps or programs):
             return self.call(self.jitted, state, carry, data)
         # The variants pass each other their outputs, which the device may or
         # may not have committed, and a jitted function's signature holds
         # whether each argument is: a new mix would compile the variant again
         # (0.9 s on a small MLP, at a step mid-fit and in every later fit). So
-        # the program of this first call is kept and run from now on, as the
-        # one compiled ahead is (lowered again for the same arguments, it
-        # comes from the jitted function's cache, not compiled again).
+        # the program of this call is kept and run from now on, as the one
+        # compiled ahead is (lowered again for the same arguments, it comes
+        # from the jitted function's cache, not compiled again); a call of
+        # other shapes (a later fit's batch size) keeps its own beside it.
         abstract = _abstract((state, carry, data))
         out = self.call(self.jitted, state, carry, data)
         try:
-            self.ahead = self.jitted.lower(*abstract).compile()
+            programs.insert(0, self.jitted.lower(*abstract).compile())
+            del programs[KEPT_PROGRAMS:]
         except Exception:  # noqa: BLE001 - the jitted function goes on
-            self.keeps = False
+            pass
         return out
 
 
