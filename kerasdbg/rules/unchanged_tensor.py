@@ -100,112 +100,123 @@ class UnchangedTensor(Rule):
 
     # ---------------------------------------------------- a block of steps
     def _series(self, block):
-        """Per tensor of `block` (in the records' order): `(key, names, values,
-        moved)`: its compared statistics (sorted names, `[steps, names]`) and
-        whether its gradient moved it at each step (weights), as `check`
-        reads them."""
+        """What `check` reads of the block's steps, every tensor at once: the
+        tensors `keys` (in the records' order), and per group of tensors
+        with the same compared statistics `(positions in keys, names, values
+        [steps, tensors, names])`; `moved` (`[steps, keys]`: whether the
+        gradient moved each weight at each step; False for gradients)."""
         plan = block._plan
         found: dict = {}
         for key, stat, tag in plan.by_tensor(tuple(self.collections), COMPARED):
             found.setdefault(key, {})[stat] = plan.position(tag)
+        keys = list(found)
+        groups: dict = {}
+        for index, key in enumerate(keys):
+            groups.setdefault(tuple(sorted(found[key])), []).append(index)
+        series = [(positions, names, block.values[:, [[found[keys[k]][n] for n in names]
+                                                      for k in positions]])
+                  for names, positions in groups.items()]
         decays = block.values[:, [plan.position(t) for t in plan.per_optimizer(STEP, DECAY)]]
+        moved = np.zeros((len(block), len(keys)), bool)
         with np.errstate(invalid="ignore"):
             kept = np.where(np.isfinite(decays) & (decays > 0.0), decays, 0.0)
             largest = kept.max(axis=1, initial=0.0) + np.where(
                 (kept > 0.0).any(axis=1), ROUNDING, 0.0)
-        out = []
-        for key, stats in found.items():
-            names = sorted(stats)
-            values = block.values[:, [stats[n] for n in names]]
-            moved = None
-            if key[0] == "weights":
-                ratio = block.tag(statistic("weights", key[1], "update_ratio"))
-                if ratio is None:
-                    moved = np.zeros(len(block), bool)
-                else:
-                    with np.errstate(invalid="ignore"):
+            for index, key in enumerate(keys):
+                if key[0] == "weights":
+                    ratio = block.tag(statistic("weights", key[1], "update_ratio"))
+                    if ratio is not None:
                         still_ = np.isfinite(ratio) & (ratio + largest < MOVED)
-                    moved = ~np.isnan(ratio) & ~still_
-            out.append((key, names, values, moved))
-        return out
+                        moved[:, index] = ~np.isnan(ratio) & ~still_
+        return keys, series, moved
 
-    def _windows_of(self, key, names, values):
-        """`(full, evaluated, close)` per step of the block: the tensor's window
-        holds `num_steps` entries, they share the step's statistics (the window
-        is judged), and every entry equals the step's within the tolerances."""
-        count, size = len(values), self.num_steps
-        prior = list(self._windows.get(key, ()))[-(size - 1):]
-        keys = set(names)
-        before = np.array([[w.get(n, np.nan) for n in names] for w in prior],
-                          np.float64).reshape(len(prior), len(names))
-        matches = np.array([set(w) == keys for w in prior] + [True] * count, bool)
-        series = np.concatenate([before, values])
-        start = len(prior)
-        seen = len(self._windows.get(key, ())) + np.arange(1, count + 1)
-        full = seen >= size
-        evaluated = full.copy()
-        close = full & np.isfinite(values).all(axis=1)
-        rows = np.arange(count)
-        with np.errstate(invalid="ignore"):
-            for back in range(1, size):
-                at = start + rows - back
-                inside = at >= 0
-                other = series[np.maximum(at, 0)]
-                same = inside & matches[np.maximum(at, 0)]
-                evaluated &= same | ~full  # (rows not full are not evaluated anyway)
-                close &= same & np.isfinite(other).all(axis=1) & (
-                    np.abs(other - values) <= self.atol + self.rtol * np.abs(values)).all(axis=1)
-        return full, evaluated & full, close
-
-    def _moved_within(self, key, moved):
-        """Per step: whether the gradient moved the weights at one of the
-        window's last `num_steps - 1` steps (the moves `check` keeps)."""
-        prior = list(self._moved.get(key, ()))
-        flags = np.concatenate([np.asarray(prior, bool), moved])
-        window = self.num_steps - 1
-        cumulative = np.concatenate([[0], np.cumsum(flags)])
-        ends = len(prior) + np.arange(1, len(moved) + 1)
-        return (cumulative[ends] - cumulative[np.maximum(ends - window, 0)]) > 0
+    def _judged(self, block):
+        """`(keys, evaluated, fires)`, `[steps, keys]`: whether each tensor's
+        window is judged at each step (it holds `num_steps` entries with the
+        step's statistics) and whether it would fire there (every entry equal
+        to the step's within the tolerances, and no move of the weights)."""
+        keys, series, moved = self._series(block)
+        count, size = len(block), self.num_steps
+        evaluated = np.zeros((count, len(keys)), bool)
+        fires = np.zeros((count, len(keys)), bool)
+        earlier = size - 1
+        for positions, names, values in series:
+            wanted = set(names)
+            before = np.full((earlier, len(positions), len(names)), np.nan)
+            matches = np.zeros((earlier + count, len(positions)), bool)
+            matches[earlier:] = True
+            counts = np.zeros(len(positions), np.int64)
+            for column, index in enumerate(positions):
+                window = self._windows.get(keys[index], ())
+                counts[column] = len(window)
+                prior = list(window)[-earlier:] if earlier else []
+                for row, entry in enumerate(prior, earlier - len(prior)):
+                    matches[row, column] = set(entry) == wanted
+                    before[row, column] = [entry.get(n, np.nan) for n in names]
+            full = (counts[None, :] + np.arange(1, count + 1)[:, None]) >= size
+            joined = np.concatenate([before, values])
+            judged = full.copy()
+            close = full & np.isfinite(values).all(axis=2)
+            with np.errstate(invalid="ignore"):
+                for back in range(1, size):
+                    other = joined[earlier - back:earlier - back + count]
+                    same = matches[earlier - back:earlier - back + count]
+                    judged &= same
+                    close &= same & (np.abs(other - values) <= self.atol + self.rtol * np.abs(
+                        values)).all(axis=2)
+            evaluated[:, positions] = judged
+            fires[:, positions] = judged & close
+        # The moves `check` keeps: the window's last `num_steps - 1` steps.
+        flags = np.concatenate([np.zeros((earlier, len(keys)), bool), moved])
+        for index, key in enumerate(keys):
+            prior = list(self._moved.get(key, ()))
+            if prior:
+                flags[earlier - len(prior):earlier, index] = prior
+        cumulative = np.concatenate([np.zeros((1, len(keys)), np.int64),
+                                     np.cumsum(flags, axis=0)])
+        ends = earlier + np.arange(1, count + 1)
+        recent = (cumulative[ends] - cumulative[ends - earlier]) > 0 if earlier \
+            else np.zeros((count, len(keys)), bool)
+        return keys, series, moved, evaluated, fires & ~recent
 
     def screen(self, block):
-        flagged = np.zeros(len(block), bool)
-        for key, names, values, moved in self._series(block):
-            _, evaluated, close = self._windows_of(key, names, values)
-            fires = evaluated & close
-            if moved is not None:
-                fires &= ~self._moved_within(key, moved)
-            flagged |= fires
-        return flagged
+        return self._judged(block)[4].any(axis=1)
 
     def advance(self, block):
-        series = self._series(block)
-        evaluated_at = {}
-        for key, names, values, moved in series:
-            _, evaluated, _ = self._windows_of(key, names, values)
-            evaluated_at[key] = evaluated
-            if evaluated.any():
-                self._checked.add(key)
-            window = self._windows[key]
-            for row in values[-self.num_steps:].tolist():
-                window.append(dict(zip(names, row)))
-            if moved is not None:
-                self._moved[key].extend(moved[-(self.num_steps - 1):].tolist())
+        keys, series, moved, evaluated, _ = self._judged(block)
+        size = self.num_steps
+        for index in np.flatnonzero(evaluated.any(axis=0)).tolist():
+            self._checked.add(keys[index])
+        for positions, names, values in series:
+            for column, index in enumerate(positions):
+                window = self._windows[keys[index]]
+                for row in values[-size:, column].tolist():
+                    window.append(dict(zip(names, row)))
+        for index, key in enumerate(keys):
+            if key[0] == "weights":
+                self._moved[key].extend(moved[-(size - 1):, index].tolist())
+        norms = {}
+        for positions, names, values in series:
+            if "l2_norm" in names:
+                at = names.index("l2_norm")
+                for column, index in enumerate(positions):
+                    norms[index] = values[:, column, at]
         steps = len(block)
         for collection in ("gradients", "weights"):
-            keys = [entry for entry in series if entry[0][0] == collection]
-            norms = {key[1]: values[:, names.index("l2_norm")]
-                     for key, names, values, _ in keys if "l2_norm" in names} \
-                if collection == "weights" else {}
+            mine = [index for index, key in enumerate(keys) if key[0] == collection]
+            if not mine:
+                continue
+            weights = collection == "weights" and any(index in norms for index in mine)
             # The steps that judge the same tensors are one call of `quiet`.
-            groups: dict = {}
-            for row in range(steps):
-                judged = tuple(key[1] for key, *_ in keys if evaluated_at[key][row])
-                groups.setdefault(judged, []).append(row)
-            for tensors, rows in groups.items():
-                magnitudes = np.stack([norms.get(t, np.zeros(steps))[rows] for t in tensors],
-                                      axis=1) if norms and tensors else None
-                self._construction.quiet(collection, tensors,
-                                         magnitudes if norms else None)
+            patterns, rows = np.unique(evaluated[:, mine], axis=0, return_inverse=True)
+            for number, pattern in enumerate(patterns):
+                judged = [mine[k] for k in np.flatnonzero(pattern).tolist()]
+                chosen = np.flatnonzero(rows.reshape(-1) == number)
+                magnitudes = np.stack(
+                    [norms[index][chosen] if index in norms else np.zeros(len(chosen))
+                     for index in judged], axis=1) if weights and judged else None
+                self._construction.quiet(collection, [keys[index][1] for index in judged],
+                                         magnitudes if weights else None)
 
     def check(self, step, record):
         current = statistics_by_tensor(record, self.collections, COMPARED)
