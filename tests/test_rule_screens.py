@@ -319,9 +319,9 @@ def test_a_long_run_is_judged_a_bounded_block_at_a_time(monkeypatch):
     sizes = []
     original = _runner.RuleRunner.check_block
 
-    def check_block(self, block, also=None):
+    def check_block(self, block):
         sizes.append(block.values.size)
-        return original(self, block, also)
+        return original(self, block)
 
     monkeypatch.setattr(_runner.RuleRunner, "check_block", check_block)
     monkeypatch.setattr(_runner, "BLOCK_VALUES", 1000)

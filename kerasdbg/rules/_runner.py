@@ -147,14 +147,12 @@ class RuleRunner:
                 verdicts.append(verdict)
         return verdicts
 
-    def check_block(self, block: StepBlock, also: Optional[np.ndarray] = None
-                    ) -> Iterator[Tuple[int, List[Verdict]]]:
+    def check_block(self, block: StepBlock) -> Iterator[Tuple[int, List[Verdict]]]:
         """The verdicts on the steps of `block`, the same as `check` gives
         step by step: each rule judges one by one only the steps its screen
         keeps (`Rule.screen`; every step for a rule without one), and
         `advance`s over the others. Yields `(index in the block, verdicts)`
-        for each step some rule judged, and for those of `also` (a boolean
-        mask), in order. A caller that stops iterating leaves the screened
+        for each step some rule judged, in order. A caller that stops iterating leaves the screened
         rules short of their quiet steps since each one's last judgement:
         `StopOnRule` stops only for a rollback, which gives the rules their
         memory of the snapshot's step anew (`resume`)."""
@@ -162,7 +160,7 @@ class RuleRunner:
         if not count:
             return
         masks: Dict[int, Optional[np.ndarray]] = {}
-        union = np.zeros(count, bool) if also is None else np.array(also, bool)
+        union = np.zeros(count, bool)
         for index, rule in enumerate(self.rules):
             if not self._done(index):
                 mask = rule.screen(block) if screens(rule) else None
