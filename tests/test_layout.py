@@ -391,7 +391,7 @@ def test_a_views_failure_warns_once_and_the_records_are_still_written(tmp_path, 
     def fail(*args, **kwargs):
         raise ZeroDivisionError("a bug in the views")
 
-    monkeypatch.setattr(_layout, "views_of_steps", fail)
+    monkeypatch.setattr(_layout, "view_groups", fail)  # (`views_of_steps` too)
     log_dir = str(tmp_path / "logs")
     grads = GradientStatistics(log_dir, every_n_steps=1)
     with warnings.catch_warnings(record=True) as caught:
@@ -418,7 +418,7 @@ def test_strict_raises_when_the_views_fail(tmp_path, monkeypatch):
     def fail(*args, **kwargs):
         raise ZeroDivisionError("a bug in the views")
 
-    monkeypatch.setattr(_layout, "views_of_steps", fail)
+    monkeypatch.setattr(_layout, "view_groups", fail)  # (`views_of_steps` too)
     with pytest.raises(_events.RecordingError, match=re.escape(
             "GradientStatistics could not record: kerasdbg could not write the TensorBoard views "
             f"(views/gradients/...) to {str(tmp_path / 'logs' / 'train')!r}; the fit stops "

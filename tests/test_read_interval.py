@@ -70,7 +70,7 @@ def test_reads_buffer_reads_and_event_writes_per_fit_follow_the_interval(
         return lambda self, *a, **k: bursts.append(engine.collector.clock.reads) or \
             original(self, *a, **k)
 
-    for method in ("write", "write_rows"):
+    for method in ("write", "write_rows", "write_block"):
         monkeypatch.setattr(_events.EventWriter, method,
                             counted(getattr(_events.EventWriter, method)))
     callbacks = [GradientStatistics(str(tmp_path)), WeightStatistics(str(tmp_path)),

@@ -15,6 +15,7 @@ from kerasdbg.capture import unique_paths
 from kerasdbg.sinks import events as _events
 from kerasdbg.sinks import layout as _layout
 from kerasdbg.records import tags as _tags
+from kerasdbg.records.capture_record import CaptureBlock
 from kerasdbg.capture import keras_objects
 from kerasdbg.callbacks._executions import AfterEachExecution
 from kerasdbg.callbacks._recording import RecordingCallback, release_writer, selected
@@ -91,7 +92,9 @@ class StatisticsCallback(AfterEachExecution, RecordingCallback):
         self.history_size = check.non_negative_int(owner, "history_size", history_size)
         self.strict = check.boolean(owner, "strict", strict)
         self._request: Optional[_capture.Request] = None
-        self._rows: collections.deque = collections.deque(maxlen=history_size)
+        # The latest records and blocks (`CaptureBlock`), `_kept` rows in all.
+        self._rows: collections.deque = collections.deque()
+        self._kept = 0
         self._columns: Dict[str, None] = {}
         self._layouts: dict = {}  # a record layout (its tags) -> `_layout`
         self._clipped = 0
@@ -122,6 +125,7 @@ class StatisticsCallback(AfterEachExecution, RecordingCallback):
     # --------------------------------------------------------- callbacks
     def on_train_begin(self, logs=None):
         self._rows.clear()
+        self._kept = 0
         self._columns = {}
         self._layouts = {}
         self._failed = False
@@ -138,6 +142,7 @@ class StatisticsCallback(AfterEachExecution, RecordingCallback):
             frequent=schedule_lib.EVERY_STEP_STATISTICS if self._default_schedule else (),
             histogram_every_n_steps=self.histogram_every_n_steps,
             consumer=self._consume,
+            blocks=True,
             include=self.include,
             exclude=self.exclude,
             bins=self.histogram_bins,
@@ -174,27 +179,97 @@ class StatisticsCallback(AfterEachExecution, RecordingCallback):
         release_writer(self, self._writer)
 
     # -------------------------------------------------------- records
-    def _consume(self, records: List[_capture.Record]) -> None:
-        # One at a time: a write that fails (a full disk) loses no other
+    def _consume(self, items: list) -> None:
+        # The records and blocks (`CaptureBlock`) of a read, in step order.
+        # A block's steps are kept and written as arrays; the records one at
+        # a time, so that a write that fails (a full disk) loses no other
         # record of a deferred read from `history`. The views of a step are
         # computed from the records of every optimizer at that step (one
         # point per step of "the largest of all variables"), and written
         # with the last of them.
         engine = _capture.engine_for(self.model)
         several = engine.several_optimizers
-        groups = _same_step(records)
         # The events of scalars only, written together (`write_rows`).
         rows: List[_events.ScalarRow] = []
-        for group, views in zip(groups, self._views(groups, several)):
-            last = max((i for i, r in enumerate(group) if not r.skipped), default=-1)
-            for i, record in enumerate(group):
-                self._guarded(self._write, [record], views if i == last else {}, several, engine,
-                              rows)
+        records: List[_capture.Record] = []
+        for item in list(items) + [None]:
+            if item is not None and not isinstance(item, CaptureBlock):
+                records.append(item)
+                continue
+            if records:
+                groups = _same_step(records)
+                for group, views in zip(groups, self._views(groups, several)):
+                    last = max((i for i, r in enumerate(group) if not r.skipped), default=-1)
+                    for i, record in enumerate(group):
+                        self._guarded(self._write, [record], views if i == last else {},
+                                      several, engine, rows)
+                records = []
+            if item is not None:
+                self._guarded(self._write_block, item, several, engine, rows)
         if rows:
             self._guarded(self._writer.write_rows, rows)
         if self._writer is not None:
             # Once a read: a killed run keeps every step up to its last read.
             self._guarded(self._writer.flush, events_only=True)
+
+    def _keep(self, item) -> None:
+        """Adds a record or a block to `history`, which keeps the latest
+        `history_size` rows (a block cut where it must)."""
+        if not self.history_size:
+            return
+        self._rows.append(item)
+        self._kept += len(item) if isinstance(item, CaptureBlock) else 1
+        while self._kept > self.history_size:
+            first = self._rows[0]
+            size = len(first) if isinstance(first, CaptureBlock) else 1
+            excess = self._kept - self.history_size
+            if size <= excess:
+                self._rows.popleft()
+                self._kept -= size
+            else:
+                self._rows[0] = first[excess:]
+                self._kept -= excess
+
+    def _write_block(self, block: CaptureBlock, several: bool, engine,
+                     rows: List[_events.ScalarRow]) -> None:
+        """`_write` of the steps of a block (one optimizer, the same tags,
+        no histogram) as arrays: kept in `history`, and their events written
+        after `rows` (the records' before it)."""
+        if not len(block):
+            return
+        self._several = self._several or several
+        counts = self._skipped + np.cumsum(block.skipped)
+        self._skipped = int(counts[-1])
+        self._accumulating = self._accumulating or not bool(block.applied.all())
+        positions, tags, clipped = self._layout(block.tags)
+        self._keep(block)
+        if clipped is not None:
+            self._clipped += int(np.count_nonzero(block.values[:, clipped] > 0))
+        written = ~block.skipped
+        if self._writer is None or not written.any():
+            return
+        if rows:
+            pending = list(rows)
+            rows.clear()  # (written once, whatever happens here)
+            self._writer.write_rows(pending)
+        kept = block.values[written]
+        values = kept[:, positions]
+        if self.kind == "gradients" and isinstance(
+                self._optimizer(block.optimizer, engine), keras.optimizers.LossScaleOptimizer):
+            tags = tags + (_tags.per_optimizer(self.kind, "skipped_updates",
+                                               block.optimizer if several else None),)
+            values = np.concatenate([values, counts[written, None].astype(np.float64)], axis=1)
+        self._writer.write_block(block.steps[written], tags, values,
+                                 self._view_groups(block.tags, kept))
+
+    def _view_groups(self, tags: tuple, values: np.ndarray) -> list:
+        """The views of a block's steps (`_layout.view_groups`); a failure as
+        `_views`'s."""
+        try:
+            return _layout.view_groups(self.kind, tags, values)
+        except Exception as error:  # noqa: BLE001 - a chart must not stop fit
+            self._views_failure(error)
+            return []
 
     def _views(self, groups: List[List[_capture.Record]],
                several: bool = False) -> List[Dict[str, float]]:
@@ -233,19 +308,23 @@ class StatisticsCallback(AfterEachExecution, RecordingCallback):
                     out[k] = views
             return out
         except Exception as error:  # noqa: BLE001 - a chart must not stop fit
-            if self.strict:
-                raise _events.RecordingError(
-                    [type(self).__name__], f"the TensorBoard views (views/{self.kind}/...) to",
-                    self._writer.log_dir, error) from error
-            if not self._views_failed:
-                self._views_failed = True
-                # Worded as the other failures to record (`_guarded`).
-                warnings.warn(
-                    f"{type(self).__name__} could not record: it could not compute its "
-                    f"TensorBoard views (views/{self.kind}/..., the Custom Scalars charts); its "
-                    "records are written without them, and training goes on. Cause: "
-                    f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=3)
+            self._views_failure(error)
             return [{} for _ in groups]
+
+    def _views_failure(self, error: Exception) -> None:
+        """The views could not be computed: warns once (`strict` raises)."""
+        if self.strict:
+            raise _events.RecordingError(
+                [type(self).__name__], f"the TensorBoard views (views/{self.kind}/...) to",
+                self._writer.log_dir, error) from error
+        if not self._views_failed:
+            self._views_failed = True
+            # Worded as the other failures to record (`_guarded`).
+            warnings.warn(
+                f"{type(self).__name__} could not record: it could not compute its "
+                f"TensorBoard views (views/{self.kind}/..., the Custom Scalars charts); its "
+                "records are written without them, and training goes on. Cause: "
+                f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=4)
 
     def _layout(self, tags: tuple) -> tuple:
         """Of a record's tags: the positions and tags of its values, and the
@@ -283,8 +362,7 @@ class StatisticsCallback(AfterEachExecution, RecordingCallback):
             self._accumulating = self._accumulating or not record.applied
             layout = self._layout(record.tags) if record.values is not None else None
             if record.values is not None or record.skipped:
-                if self.history_size:
-                    self._rows.append(record)
+                self._keep(record)
             if layout is not None and layout[2] is not None:
                 self._clipped += int(record.values[layout[2]] > 0)
             if self._writer is None or record.skipped:
@@ -349,20 +427,39 @@ class StatisticsCallback(AfterEachExecution, RecordingCallback):
         self._read_pending()
         columns = list(self._columns)
         index = {c: i for i, c in enumerate(columns)}
-        values = np.full((len(self._rows), len(columns)), np.nan)
-        for row, record in enumerate(self._rows):
-            if record.values is None:
+        values = np.full((self._kept, len(columns)), np.nan)
+        steps = np.empty(self._kept, np.int64)
+        skipped = np.zeros(self._kept, bool)
+        applied = np.ones(self._kept, bool)
+        optimizers = np.empty(self._kept, object)
+        row = 0
+        for item in self._rows:
+            if isinstance(item, CaptureBlock):
+                size = len(item)
+                chosen = slice(row, row + size)
+                steps[chosen], skipped[chosen] = item.steps, item.skipped
+                applied[chosen], optimizers[chosen] = item.applied, item.optimizer
+                held = [(k, index[_tags.column(tag, self.kind)])
+                        for k, tag in enumerate(item.tags) if tag is not None]
+                if held:
+                    source, target = (np.asarray(c, np.int64) for c in zip(*held))
+                    values[chosen, target] = item.values[:, source]
+                row += size
                 continue
-            for tag, value in zip(record.tags, record.values):
-                if tag is not None:
-                    values[row, index[_tags.column(tag, self.kind)]] = value
+            steps[row], skipped[row] = item.step, item.skipped
+            applied[row], optimizers[row] = item.applied, item.optimizer
+            if item.values is not None:
+                for tag, value in zip(item.tags, item.values):
+                    if tag is not None:
+                        values[row, index[_tags.column(tag, self.kind)]] = value
+            row += 1
         frame = pd.DataFrame(values, columns=columns)
-        frame.insert(0, "skipped", [r.skipped for r in self._rows])
+        frame.insert(0, "skipped", skipped.tolist())
         if self._accumulating:
-            frame.insert(0, "applied", [r.applied for r in self._rows])
+            frame.insert(0, "applied", applied.tolist())
         if self._several:
-            frame.insert(0, "optimizer", [r.optimizer for r in self._rows])
-        frame.insert(0, "step", np.array([r.step for r in self._rows], dtype=np.int64))
+            frame.insert(0, "optimizer", optimizers.tolist())
+        frame.insert(0, "step", steps)
         return frame
 
     @property
@@ -373,6 +470,8 @@ class StatisticsCallback(AfterEachExecution, RecordingCallback):
         latest: Dict[str, float] = {}
         seen = set()
         for record in reversed(self._rows):
+            if isinstance(record, CaptureBlock):
+                record = record[len(record) - 1:].records()[0]  # (a block: one optimizer)
             if record.values is None or record.optimizer in seen:
                 continue
             seen.add(record.optimizer)

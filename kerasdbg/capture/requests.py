@@ -16,7 +16,9 @@ from typing import (
     Callable, Dict, FrozenSet, Hashable, List, NamedTuple, Optional, Sequence, Tuple,
 )
 
-from kerasdbg.records.capture_record import CaptureRecord
+import numpy as np
+
+from kerasdbg.records.capture_record import CaptureRecord, records_of
 from kerasdbg import stats as stats_lib
 from kerasdbg.quantities import ops as B
 from kerasdbg.quantities.spikes import MIN_RELATIVE_STD, SPIKE_QUANTITIES, Spike  # noqa: F401
@@ -117,6 +119,9 @@ class Request:
         deferred: its consumer may get the records of a step at the next
             read (`kerasdbg.capture.reads`: once per interval, at the latest
             at the epoch's end), not after the execution that ran it.
+        blocks: its consumer takes `CaptureBlock`s among the records (the
+            steps of one optimizer with the same tags and no histogram, as
+            arrays); otherwise each is handed as one record per step.
     """
 
     def __init__(
@@ -140,9 +145,11 @@ class Request:
         schedule: Optional[Schedule] = None,
         frequent: Sequence[str] = (),
         deferred: bool = False,
+        blocks: bool = False,
     ):
         self.kind = kind
         self.deferred = deferred
+        self.blocks = blocks
         self.stats = tuple(stats)
         self.schedule = schedule or Schedule(every_n_steps=every_n_steps, last_step=last_step)
         every_n_steps, last_step = self.schedule.every_n_steps, self.schedule.last_step
@@ -245,6 +252,30 @@ class Request:
                               or step <= self.schedule.last_step):
             return self.frequent
         return None
+
+    def column_sets(self, steps) -> "np.ndarray":
+        """`columns_at` of each of `steps` (an array), as a code: 0 None,
+        1 `stats`, 2 `frequent`."""
+        steps = np.asarray(steps, np.int64)
+        schedule = self.schedule
+        within = np.ones(steps.shape, bool) if schedule.last_step is None else \
+            steps <= schedule.last_step
+        scheduled = within & ((steps <= schedule.first_steps)
+                              | (steps % schedule.every_n_steps == 0))
+        frequent = within if self.frequent else np.zeros(steps.shape, bool)
+        return np.where(scheduled, 1, np.where(frequent, 2, 0)).astype(np.int8)
+
+    def columns_of(self, code: int) -> Optional[Tuple[str, ...]]:
+        """The statistics of a `column_sets` code."""
+        return (None, self.stats, self.frequent)[int(code)]
+
+    def deliver(self, items: list) -> None:
+        """Hands `items` (records and `CaptureBlock`s, in step order) to the
+        consumer: the blocks as they are where it takes blocks, else as a
+        record per step."""
+        if not items:
+            return
+        self.consumer(items if self.blocks else records_of(items))
 
     def histograms_at(self, step) -> object:
         if not self.histogram_every_n_steps:

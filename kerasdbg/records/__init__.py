@@ -6,7 +6,8 @@ rules, the sinks and the reader:
 - `tags`: every TensorBoard tag kerasdbg writes or reads, built, parsed and
   matched in one module (`kerasdbg.records.tags`);
 - `CaptureRecord`: what the capture hands a callback for one step of one
-  request (`kerasdbg.records.capture_record`);
+  request, and `CaptureBlock`, what consecutive steps recorded, as arrays
+  (`kerasdbg.records.capture_record`);
 - `StepRecord` (`Record`, `values_of`): the scalars of one step that rules
   read (`kerasdbg.records.step_record`);
 - `StepBlock`: the scalars of consecutive steps with the same tags, as
@@ -23,6 +24,7 @@ Examples:
 """
 
 from kerasdbg.records import tags
+from kerasdbg.records.capture_record import CaptureBlock
 from kerasdbg.records.capture_record import CaptureRecord
 from kerasdbg.records.step_block import StepBlock
 from kerasdbg.records.step_record import Record
@@ -33,6 +35,7 @@ from kerasdbg.records.verdicts import verdict_markdown
 from kerasdbg.records.verdicts import verdict_rows
 
 __all__ = (
+    "CaptureBlock",
     "CaptureRecord",
     "Record",
     "StepBlock",

@@ -31,7 +31,7 @@ import socket
 import struct
 import time
 import warnings
-from typing import Callable, Dict, Hashable, List, Mapping, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, Hashable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2
@@ -358,6 +358,71 @@ class EventWriter:
                     self._store.scalar_rows(
                         [rows[i].step for i in chosen], walls[chosen], tags,
                         np.asarray([rows[i].values for i in chosen], np.float64))
+            except OSError as error:
+                self._drop_store(error)
+        try:
+            _tfrecord.write_all(self._writer, [d for d in data if d is not None])
+        except Exception as error:  # noqa: BLE001 - tf.errors of every kind
+            self._fail(error)
+            return
+        if time.monotonic() - self._last_flush > FLUSH_SECONDS:
+            self.flush()
+
+    def write_block(self, steps: np.ndarray, tags: Tuple[str, ...], values: np.ndarray,
+                    views: Sequence[Tuple[Tuple[str, ...], np.ndarray, np.ndarray]] = (),
+                    wall_time: Optional[float] = None) -> None:
+        """`write_rows` of steps of the same scalar tags, as arrays: an
+        event per step, in the steps' order, with no object per step.
+
+        Args:
+            steps: the steps, `[n]`.
+            tags: the scalars' tags.
+            values: their values, `[n, len(tags)]`.
+            views: the views, as `kerasdbg.sinks.layout.view_groups` gives
+                them: `(view tags, the positions of the steps that have
+                them, their values [steps, view tags])`; a step in no group
+                has none.
+            wall_time: as `write_rows`'s.
+        """
+        steps = np.asarray(steps, np.int64).reshape(-1)
+        count = steps.shape[0]
+        values = np.asarray(values, np.float64).reshape(count, len(tags))
+        if self._derived:
+            # The views of a function (`derive`) are worked out per step.
+            rows = [{} for _ in range(count)]
+            for view_tags, positions, found in views:
+                for k, row in zip(positions.tolist(), found.tolist()):
+                    rows[k] = dict(zip(view_tags, row))
+            self.write_rows([ScalarRow(step, tags, row, view)
+                             for step, row, view in zip(steps.tolist(), values, rows)],
+                            wall_time)
+            return
+        if self.failures:
+            self._report()
+            if self._writer is None:
+                return
+        if not count:
+            return
+        walls = self._walls(count, wall_time)
+        groups = list(views)
+        covered = np.zeros(count, bool)
+        for _, positions, _ in groups:
+            covered[positions] = True
+        if not covered.all():
+            positions = np.flatnonzero(~covered)
+            groups.append(((), positions, np.empty((positions.size, 0))))
+        data: List[Optional[bytes]] = [None] * count
+        for view_tags, positions, found in groups:
+            if not len(tags) + len(view_tags):
+                continue
+            events = self._scalar_template(tuple(tags), tuple(view_tags)).events(
+                steps[positions].tolist(), walls[positions],
+                np.concatenate([values[positions], found], axis=1))
+            for k, event in zip(positions.tolist(), events):
+                data[k] = event
+        if self._store is not None and tags:
+            try:
+                self._store.scalar_rows(steps, walls, tuple(tags), values)
             except OSError as error:
                 self._drop_store(error)
         try:

@@ -356,11 +356,35 @@ def views_of_steps(kind: str, tags: Sequence[Optional[str]], values: np.ndarray,
         ...  for v in layout.views_of_steps("gradients", tags, [[10.0, 1.0], [100.0, 2.0]])]
         [1.0, 2.0]
     """
+    values = np.asarray(values, np.float64)
+    out: List[Dict[str, float]] = [{} for _ in range(values.shape[0])]
+    for view_tags, rows, found in view_groups(kind, tags, values, names):
+        for s, row in zip(rows.tolist(), found.tolist()):
+            out[s] = dict(zip(view_tags, row))
+    return out
+
+
+def view_groups(kind: str, tags: Sequence[Optional[str]], values: np.ndarray,
+                names: Sequence[str] = ()) -> List[Tuple[Tuple[str, ...], np.ndarray, np.ndarray]]:
+    """`views_of_steps` as blocks: the steps that have the same view tags
+    (most steps of a read share them), each group as `(its view tags, its
+    steps' positions in values, their views [steps, tags])`, computed as
+    arrays with no object per step.
+
+    Examples:
+        >>> from kerasdbg.sinks import layout
+        >>> tags = ["gradients/global_norm", "gradients/m/a/kernel/l2_norm"]
+        >>> [(len(t), rows.tolist()) for t, rows, _ in layout.view_groups(
+        ...     "gradients", tags, [[10.0, 1.0], [0.0, 0.0], [100.0, 2.0]])]
+        [(7, [0, 2]), (1, [1])]
+    """
     plan = _plan(kind, tuple(tags), tuple(names))
     values = np.asarray(values, np.float64)
     steps = values.shape[0]
-    # (tag, or one per step; values; log10 of them; the steps that have one),
-    # in the order of a step's views.
+    if not steps:
+        return []
+    # (tag, or (tags, which of them at each step); values; log10 of them; the
+    # steps that have one), in the order of a step's views.
     entries: List[tuple] = []
     for index, tag in plan.global_norms:
         entries.append((tag, values[:, index], True, None))
@@ -390,21 +414,74 @@ def views_of_steps(kind: str, tags: Sequence[Optional[str]], values: np.ndarray,
             above = (np.where(finite, chosen, -np.inf) > UPDATE_RATIO_ABOVE).sum(axis=1)
             entries.append((_tags.view(kind, stat, _fraction_view()),
                             above / np.maximum(counted, 1), False, counted > 0))
-    out: List[Dict[str, float]] = [{} for _ in range(steps)]
-    for tag, column, logged, present in entries:
-        if logged:
-            # Absent at a value <= 0 or NaN, +inf at +inf (an exploded value still shows).
-            present = column > 0 if present is None else present & (column > 0)
-            column = np.log10(np.where(present, column, 1.0))
-        kept = range(steps) if present is None else np.flatnonzero(present).tolist()
-        column = column.tolist()
-        if isinstance(tag, str):
-            for s in kept:
-                out[s][tag] = column[s]
-        else:
-            for s in kept:
-                out[s][tag[s]] = column[s]
+    if not entries:
+        return []
+    # Per step and entry: the value, and 0 where it has no view, else 1 + which tag.
+    columns = np.stack([entry[1] for entry in entries], axis=1).astype(np.float64)
+    present = np.stack([np.ones(steps, bool) if entry[3] is None else entry[3]
+                        for entry in entries], axis=1)
+    logged = np.asarray([entry[2] for entry in entries], bool)
+    # Absent at a value <= 0 or NaN, +inf at +inf (an exploded value still shows).
+    present &= ~logged | (columns > 0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        columns = np.where(logged, np.log10(np.where(present, columns, 1.0)), columns)
+    which = np.stack([np.zeros(steps, np.int64) if isinstance(entry[0], str) else entry[0][1]
+                      for entry in entries], axis=1) + 1
+    which *= present
+    groups = _same_rows(which)
+    known = _SIGNATURES.setdefault((kind, tuple(tags), tuple(names)), {})
+    if len(known) > 4096:  # (views that never repeat)
+        known.clear()
+    out = []
+    for signature, rows in groups:
+        key = signature.tobytes()
+        chosen = known.get(key)
+        if chosen is None:
+            chosen = known[key] = _chosen(entries, signature.tolist())
+        view_tags, kept = chosen
+        out.append((view_tags, rows, columns[np.ix_(rows, kept)]))
     return out
+
+
+def _same_rows(which: np.ndarray) -> List[Tuple[np.ndarray, np.ndarray]]:
+    """The rows of `which` (small non-negative ints) that are equal, as
+    `(the row, the positions of the rows equal to it)`, in the order each
+    first occurs."""
+    varying = np.flatnonzero((which != which[0]).any(axis=0))
+    if not varying.size:  # (most reads: every step alike)
+        return [(which[0], np.arange(which.shape[0]))]
+    part = which[:, varying]
+    radix = part.max(axis=0) + 1
+    if float(np.prod(radix.astype(np.float64))) < 2.0 ** 62:
+        # Each row as one number (mixed radix): unique ints, not rows.
+        places = np.concatenate([[1], np.cumprod(radix[:-1])]).astype(np.int64)
+        keys = part @ places
+        _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    else:
+        _, first, inverse = np.unique(part, axis=0, return_index=True, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    order = np.argsort(inverse, kind="stable")
+    parts = np.split(order, np.cumsum(np.bincount(inverse))[:-1])
+    return [(which[first[g]], parts[g]) for g in np.argsort(first).tolist()]
+
+
+_SIGNATURES: Dict[tuple, Dict[bytes, tuple]] = {}
+"""Per layout of tags: the view tags and entries of each signature of views
+(`view_groups`) seen, worked out once."""
+
+
+def _chosen(entries: List[tuple], signature: List[int]) -> tuple:
+    """The view tags of the steps of one signature (per entry, 0 for no
+    view, else 1 + which tag), and the entries that give their values."""
+    kept = [k for k, w in enumerate(signature) if w]
+    view_tags = [entries[k][0] if isinstance(entries[k][0], str)
+                 else entries[k][0][0][signature[k] - 1] for k in kept]
+    if len(set(view_tags)) < len(view_tags):
+        # A tag twice at a step: where it came first, the last value (as a dict).
+        last = {tag: k for k, tag in zip(kept, view_tags)}
+        view_tags = list(dict.fromkeys(view_tags))
+        kept = [last[tag] for tag in view_tags]
+    return tuple(view_tags), np.asarray(kept, np.int64)
 
 
 def _extremes(kind: str, stat: str, chosen: np.ndarray, tensors: Tuple[str, ...]) -> List[tuple]:
@@ -425,12 +502,12 @@ def _extremes(kind: str, stat: str, chosen: np.ndarray, tensors: Tuple[str, ...]
     # Every positive value infinite: the first of them (argmin takes the first inf).
     j = np.where(np.isinf(smallest_of[rows, j]), np.argmax(positive, axis=1), j)
     smallest = chosen[rows, j]
-    largest_tags = [_tags.view(kind, stat, "log10_largest", t) for t in tensors]
-    smallest_tags = [_tags.view(kind, stat, "log10_smallest", t) for t in tensors]
+    largest_tags = tuple(_tags.view(kind, stat, "log10_largest", t) for t in tensors)
+    smallest_tags = tuple(_tags.view(kind, stat, "log10_smallest", t) for t in tensors)
     return [(_tags.view(kind, stat, "log10_max"), largest, True, has),
-            ([largest_tags[k] for k in i.tolist()], largest, True, has),
+            ((largest_tags, i), largest, True, has),
             (_tags.view(kind, stat, "log10_min"), smallest, True, has),
-            ([smallest_tags[k] for k in j.tolist()], smallest, True, has)]
+            ((smallest_tags, j), smallest, True, has)]
 
 
 # ----------------------------------------------------------------- layout

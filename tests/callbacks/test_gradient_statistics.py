@@ -247,9 +247,11 @@ def test_writer_failure_warns_once_and_training_goes_on(tmp_path, monkeypatch):
     def broken(self, *args, **kwargs):
         raise OSError("disk full")
 
-    # (A read's events of scalars go through `write_rows`, the histograms' through `write`.)
+    # (A read's events of scalars go through `write_block` and `write_rows`, the
+    # histograms' through `write`.)
     monkeypatch.setattr(_events.EventWriter, "write", broken)
     monkeypatch.setattr(_events.EventWriter, "write_rows", broken)
+    monkeypatch.setattr(_events.EventWriter, "write_block", broken)
     with pytest.warns(RuntimeWarning, match="could not write its records.*disk full"):
         history = _fit(model, [callback])
     assert len(history.history["loss"]) == 1

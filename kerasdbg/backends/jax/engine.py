@@ -83,6 +83,7 @@ from kerasdbg.backends.jax import nan_source as _nan_source
 from kerasdbg.backends.jax import ops as _ops
 from kerasdbg.backends.jax import packing as _packing
 from kerasdbg.backends.jax import step_tensors as _tensors
+from kerasdbg.capture import blocks as _blocks
 from kerasdbg.capture import fit_end
 from kerasdbg.capture import keras_objects
 from kerasdbg.capture import progress as _progress
@@ -94,6 +95,7 @@ from kerasdbg.capture.requests import (
 )
 from kerasdbg.quantities import reductions
 from kerasdbg.records import tags as _tags
+from kerasdbg.records.capture_record import CaptureBlock
 
 KINDS = ("gradients", "weights", "step", "classes", "wrap", "tensors")
 """The request kinds JAX's capture records (`kerasdbg.capture.interface.RECORDS`)."""
@@ -1356,8 +1358,7 @@ class Engine(Capture):
                 if request.kind == "classes" and request.labelled:
                     out[id(request)].append(self._classes_record(request, step, totals))
         for request in self.requests:
-            if out[id(request)]:
-                request.consumer(out[id(request)])
+            request.deliver(out[id(request)])
 
     def _read_steps(self, group: "_packing.Steps", batches: list,
                     out: Dict[int, List[Record]]) -> int:
@@ -1382,6 +1383,12 @@ class Engine(Capture):
         found: Dict[int, List[List[Record]]] = {id(r): [[] for _ in range(count)]
                                                for r in self.requests}
         no = np.zeros(count, bool)
+        # A request that one apply alone records in these steps (one optimizer
+        # applied once a step) takes its steps as blocks (`Request.blocks`).
+        sources = {number: sum(f"apply/{h.number}/{i}/{number}" in columns
+                               for h in self.hooks.values() for i in range(h.applies))
+                   for number, request in enumerate(self.requests) if request.blocks}
+        blocked: Dict[int, list] = {}
         for hook in sorted(self.hooks.values(), key=lambda h: h.number):
             guard_skipped = columns.get(f"{_GUARD}{hook.number}/skipped")
             dropped = frozen if guard_skipped is None else \
@@ -1410,6 +1417,11 @@ class Engine(Capture):
                     rows = np.asarray(rows, np.float64).reshape(count, -1)
                     hist = columns.get(f"{key}/{number}/hist")
                     weights = request.kind == "weights"
+                    if sources.get(number) == 1:
+                        blocked[id(request)] = self._blocks(
+                            request, hook, applied, rows, hist, skipped, updated,
+                            ~dropped if weights else ~no)
+                        continue
                     into = found[id(request)]
                     for i in range(count):
                         if weights and dropped[i]:
@@ -1437,7 +1449,35 @@ class Engine(Capture):
             kept = out[id(request)]
             for records in into:
                 kept.extend(records)
+            kept.extend(blocked.get(id(request), ()))
         return int(steps[-1])
+
+    def _blocks(self, request: Request, hook: _Hook, applied, rows, hist, skipped, updated,
+                kept) -> list:
+        """The records of `request` from `hook`'s one apply a step, as
+        `CaptureBlock`s (a record of its own where a step has a histogram
+        or no values), in step order."""
+        codes = request.column_sets(applied)
+        blockable = codes > 0
+        if hist is not None and request.histogram_every_n_steps:
+            blockable &= applied % request.histogram_every_n_steps != 0
+        several = self._several
+
+        def block(chosen, code):
+            columns = request.columns_of(code)
+            key = (id(request), columns, several)
+            tags = hook.tags.get(key)
+            if tags is None or tags[0] is not request:
+                tags = hook.tags[key] = (request, self._record_tags(request, hook, columns))
+            return CaptureBlock(applied[chosen], rows[chosen], tags[1], skipped[chosen],
+                                updated[chosen], hook.name)
+
+        def record(i):
+            return self._record(request, hook, int(applied[i]), rows[i],
+                                None if hist is None else (hist[0][i], hist[1][i]),
+                                bool(skipped[i]), bool(updated[i]))
+
+        return _blocks.items_of(codes, kept, blockable, block, record)
 
     def _record(self, request: Request, hook: _Hook, step: int, row, hist,
                 skipped: bool = False, updated: bool = True) -> Record:

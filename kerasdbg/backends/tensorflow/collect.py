@@ -19,6 +19,8 @@ import numpy as np
 
 from kerasdbg.backends.tensorflow import buffers as _buffers
 from kerasdbg.records import tags as _tags
+from kerasdbg.records.capture_record import CaptureBlock
+from kerasdbg.capture import blocks as _blocks
 from kerasdbg.capture import keras_objects
 from kerasdbg.capture import reads
 from kerasdbg.backends.tensorflow.channels import Channel
@@ -142,8 +144,7 @@ class Collector:
         self._last_call = calls
         self._saw_steps = True
         for request in view.requests:
-            if records[id(request)]:
-                request.consumer(records[id(request)])
+            request.deliver(records[id(request)])
         if not self._diagnosed:
             self._diagnosed = True
             self._diagnose()
@@ -216,6 +217,12 @@ class Collector:
         name = channel.hook.name
         for slot in channel.slots.values():
             request = slot.request
+            if request.blocks and not several and sum(
+                    id(request) in c.slots for c in self._view.channels) == 1:
+                # One apply a step records it: its steps as blocks (`Request.blocks`).
+                records[id(request)].extend(self._channel_blocks(channel, slot, meta, rows,
+                                                                 steps))
+                continue
             # A buffer no step of these wrote is not read (10-30 us each).
             has_values, has_histograms = request.written_at(steps)
             values = ids_ = applied = applied_ids = hist = None
@@ -244,6 +251,70 @@ class Collector:
                     step=step, skipped=bool(meta[row, 2]), values=row_values,
                     histograms=histograms, tags=row_tags, histogram_tags=histogram_tags,
                     optimizer=name, applied=bool(meta[row, 3]))))
+
+    def _channel_blocks(self, channel: Channel, slot, meta, rows, steps) -> list:
+        """`_collect_channel`'s entries of one slot as `CaptureBlock`s (a
+        record of its own where a step has a histogram or no values), each
+        keyed by its first step's train id and the channel."""
+        request = slot.request
+        positions = np.asarray([row for row, _ in rows], np.int64)
+        train_ids = np.asarray([train_id for _, train_id in rows], np.int64)
+        applied_steps = np.asarray(steps, np.int64)
+        has_values, has_histograms = request.written_at(steps)
+        codes = request.column_sets(applied_steps)
+        blockable = codes > 0
+        values = applied = applied_written = None
+        if has_values:
+            table = _buffers.read(slot.values)
+            written = table[positions, 0] == train_ids
+            values = table[positions, 1:]
+            blockable &= written
+            if slot.applied_values is not None:
+                table = _buffers.read(slot.applied_values)
+                applied, applied_written = table[positions, 1:], table[positions, 0] == train_ids
+                blockable &= applied_written
+        else:
+            blockable[:] = False
+        hist = None
+        if has_histograms:
+            hist = [_buffers.read(b) for b in (slot.hist_ids, slot.hist_counts,
+                                               slot.hist_ranges)]
+            blockable &= hist[0][positions] != train_ids
+        skipped = meta[positions, 2].astype(bool)
+        updated = meta[positions, 3].astype(bool)
+        name = channel.hook.name
+        histogram_tags = slot.histogram_tags()
+
+        def block(chosen, code):
+            columns = request.columns_of(code)
+            tags = slot.tags(False, columns)
+            chosen_values = values[chosen]
+            if applied is not None:
+                chosen_values = np.concatenate([chosen_values, applied[chosen]], axis=1)
+                tags = tags + slot.applied_tags(False, columns)
+            return (int(train_ids[chosen[0]]), channel.number, CaptureBlock(
+                applied_steps[chosen], chosen_values, tags, skipped[chosen], updated[chosen],
+                name))
+
+        def record(i):
+            row, train_id = rows[i]
+            step = int(applied_steps[i])
+            histograms = None
+            if hist is not None and hist[0][row] == train_id:
+                histograms = (hist[1][row], hist[2][row])
+            columns = request.columns_at(step)
+            row_values, row_tags = None, slot.tags(False, columns)
+            if values is not None and written[i]:
+                row_values = values[i].copy()
+                if applied is not None and applied_written[i]:
+                    row_values = np.concatenate([row_values, applied[i]])
+                    row_tags = row_tags + slot.applied_tags(False, columns)
+            return (train_id, channel.number, Record(
+                step=step, skipped=bool(skipped[i]), values=row_values, histograms=histograms,
+                tags=row_tags, histogram_tags=histogram_tags, optimizer=name,
+                applied=bool(updated[i])))
+
+        return _blocks.items_of(codes, np.ones(len(rows), bool), blockable, block, record)
 
     def _bypassed(self, model) -> str:
         """Why the optimizers whose `apply` did not pass through kerasdbg

@@ -1,0 +1,22 @@
+"""A read hands the statistics callbacks blocks, on TensorFlow (the shared
+checks: tests/capture_blocks.py; JAX: tests/jax/)."""
+
+import pytest
+
+from tests import capture_blocks as case
+
+
+@pytest.mark.parametrize("spe", [1, 4], ids=["spe1", "spe4"])
+def test_a_healthy_read_makes_no_record_or_event_row_per_step(monkeypatch, tmp_path, spe):
+    case.check_no_object_per_step(monkeypatch, tmp_path, spe)
+
+
+@pytest.mark.parametrize("spe", [1, 4], ids=["spe1", "spe4"])
+@pytest.mark.parametrize("optimizer", ["adam", "clipped", "scaled"])
+def test_the_blocks_write_what_the_records_write(monkeypatch, tmp_path, spe, optimizer):
+    case.check_blocks_write_what_records_write(monkeypatch, tmp_path, spe, optimizer)
+
+
+def test_the_same_with_histograms_a_short_history_and_jit(monkeypatch, tmp_path):
+    case.check_blocks_write_what_records_write(monkeypatch, tmp_path, 3, "adam", histograms=7,
+                                               history_size=25, jit_compile=True)
