@@ -101,6 +101,45 @@ def check_no_object_per_step(monkeypatch, tmp_path, spe: int) -> None:
     assert counted.counts["CaptureRecord"] == STEPS // 7
 
 
+def check_rules_take_blocks(monkeypatch, tmp_path, spe: int, step_records: bool) -> None:
+    """`StopOnRule()` with the statistics callbacks on a healthy fit: the
+    rules get the read as blocks; no step record for the rules
+    (`StepRecord`) and no event row (`ScalarRow`) is made, nor a capture
+    record, but the step records where `step_records` (TensorFlow's step
+    request still makes one a step), and one of each at an epoch's end (its
+    logs); no rule judges a step."""
+    from kerasdbg.callbacks import StopOnRule
+    from kerasdbg.records import step_record
+    from kerasdbg.rules import _runner
+
+    judged = []
+    original = _runner.RuleRunner.check_block
+
+    def checking(runner, block):
+        found = original(runner, block)
+        judged.append(runner.judged)
+        return found
+
+    monkeypatch.setattr(_runner.RuleRunner, "check_block", checking)
+    counted = Counted(monkeypatch, capture_record.CaptureRecord, step_record.StepRecord,
+                      _events.ScalarRow)
+    model = make_model(spe)
+    stop = StopOnRule(log_dir=str(tmp_path), verbose=False)
+    callbacks = instruments(str(tmp_path)) + [stop]
+    model.fit(X, Y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
+    assert not model.stop_training and not stop.verdicts
+    # (At each epoch's end, its logs: a record for the rules, written with
+    # `write_rows`, which makes a row of it again.)
+    counts = dict(counted.counts)
+    assert counts == {"CaptureRecord": 2 * STEPS if step_records else 0,
+                      "StepRecord": 2, "ScalarRow": 2 * 2}, counts
+    assert judged and judged[-1] == 0
+    # Every step's loss written, once.
+    board = _board(str(tmp_path / "train"))
+    assert sorted(board["step/loss"]) == list(range(1, 2 * STEPS + 1))
+    assert sorted(board["views/step/loss/log10"]) == list(range(1, 2 * STEPS + 1))
+
+
 def _board(run_dir: str) -> Dict[str, Dict[int, float]]:
     accumulator = event_accumulator.EventAccumulator(
         run_dir, size_guidance={event_accumulator.SCALARS: 0,

@@ -20,3 +20,8 @@ def test_the_blocks_write_what_the_records_write(monkeypatch, tmp_path, spe, opt
 def test_the_same_with_histograms_a_short_history_and_jit(monkeypatch, tmp_path):
     case.check_blocks_write_what_records_write(monkeypatch, tmp_path, 3, "adam", histograms=7,
                                                history_size=25, jit_compile=True)
+
+
+@pytest.mark.parametrize("spe", [1, 4], ids=["spe1", "spe4"])
+def test_the_rules_take_a_healthy_read_as_blocks_and_judge_no_step(monkeypatch, tmp_path, spe):
+    case.check_rules_take_blocks(monkeypatch, tmp_path, spe, step_records=True)

@@ -149,6 +149,53 @@ def test_rows_written_together_with_unique_and_derived_views_are_those_of_write(
                        (4, sorted([loss, frozen, view]))]
 
 
+@pytest.mark.parametrize("derive", [True, False], ids=["derived", "plain"])
+def test_a_block_writes_the_bytes_its_rows_write(tmp_path, derive):
+    """`write_block(steps, tags, values, views, unique=True)` (what
+    `StopOnRule` and the statistics callbacks write a read with): the bytes
+    `write_rows` writes for one row a step, with the views of each step
+    (coming and going), the loss's log10 derived (absent at a loss <= 0 or
+    NaN, +inf at +inf), a block after the steps written, and one that writes
+    steps again (a rollback: only what is new at a step is written)."""
+    from kerasdbg.sinks import layout
+
+    tags = ("step/loss", "step/frozen")
+    values = np.array([[2.0, 0.0], [-1.0, 0.0], [np.nan, 1.0], [np.inf, 0.0], [0.5, 0.0]])
+    view_tags = ("views/a", "views/b")
+    views = [(view_tags, np.array([0, 3]), np.array([[1.0, 2.0], [3.0, 4.0]])),
+             (("views/a",), np.array([1]), np.array([[5.0]]))]  # step 3 and 5: none
+    per_step = [{}] * 5
+    for view_tags_, positions, found in views:
+        for k, row in zip(positions.tolist(), found.tolist()):
+            per_step[k] = dict(zip(view_tags_, row))
+    wall = 1796197613.5
+    writers = []
+    for name in ("rows", "block"):
+        writer = _events.EventWriter(str(tmp_path / name / "train"))
+        if derive:
+            writer.derive(layout.loss_views)
+        writers.append(writer)
+    for steps in ([1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [10, 11, 12, 13, 14], [4, 5, 6, 7, 8]):
+        # From step 10 again: step 10 as written (a second StopOnRule on the
+        # writer: nothing new there), then new values.
+        again = values[[4, 0, 1, 2, 3]] if steps[0] == 10 else \
+            values + (steps[0] == 4) * np.array([[0.0, 0.0]] * 2 + [[1.0, 0.0]] * 3)
+        writers[0].write_rows([_events.ScalarRow(s, tags, row, v)
+                               for s, row, v in zip(steps, again, per_step)],
+                              wall_time=wall, unique=True)
+        writers[1].write_block(np.asarray(steps), tags, again, views, wall_time=wall,
+                               unique=True)
+    for writer in writers:
+        writer.close()
+    records = [list(event_file_loader.RawEventFileLoader(w.path).Load())[1:] for w in writers]
+    assert records[0] == records[1]
+    assert len(records[0]) == 20  # (step 10 again: only its views are new)
+    written = {(e.step, v.tag) for e in event_file_loader.EventFileLoader(writers[1].path).Load()
+               for v in e.summary.value}
+    assert ((1, "views/step/loss/log10") in written) == derive
+    assert (2, "views/step/loss/log10") not in written and (3, "views/a") not in written
+
+
 def test_rows_written_together_after_a_failure_write_nothing_and_say_so(tmp_path):
     writer = _events.EventWriter(str(tmp_path / "train"))
     writer.attach("owner", "GradientStatistics")

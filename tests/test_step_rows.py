@@ -144,3 +144,86 @@ def test_during_an_epoch_rows_after_the_last_step_read_wait_for_their_read():
     assert taken[5] == {"activations/tap/dead_fraction": 1.0, "step/loss": 5.0}
     rows.add(9, {"a": 1.0})
     assert dict(rows.pop_in_order()) == {9: {"a": 1.0}}  # the epoch's end: every row
+
+
+def _reference(takes, loss_tag="step/loss"):
+    """The rows `takes` make, merged one record at a time into a dict per step
+    (what `StepRows` must give, written here as the rule it follows)."""
+    rows = {}
+    for kind, record in takes:
+        if record.values is None or (record.skipped and kind != "step"):
+            continue
+        if not record.applied and kind == "weights":
+            continue
+        row = rows.setdefault(record.step, {})
+        values = {t: float(v) for t, v in zip(record.tags, record.values) if t is not None}
+        loss = row.get(loss_tag)
+        row.update(values)
+        if loss is not None and not math.isfinite(loss) and loss_tag in values:
+            row[loss_tag] = loss
+    return [(step, {t: rows[step][t] for t in sorted(rows[step])}) for step in sorted(rows)]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_blocks_and_records_merge_as_one_record_at_a_time_would(seed):
+    """Records and blocks of every kind, in random reads: steps twice (a
+    skipped step's loss, non-finite or not), absent values, tags absent at some
+    steps, accumulation, taps' rows; merged as arrays, they give the rows that
+    merging one record at a time gives, step by step."""
+    from kerasdbg.records import CaptureBlock
+
+    rng = np.random.default_rng(seed)
+    rows, _ = _rows()
+    takes, handed = [], []
+    kinds = {"step": STEP, "gradients": GRADIENTS, "weights": WEIGHTS}
+    layouts = {"step": [("step/loss", "step/frozen"), ("step/loss", "step/frozen", "step/fault")],
+               "gradients": [("gradients/a/l2_norm", None, "gradients/global_norm"),
+                             ("gradients/a/l2_norm", "gradients/a/max", "gradients/b/max")],
+               "weights": [("weights/a/l2_norm",), ("weights/a/l2_norm", "weights/a/max")]}
+    step = 0
+    for read in range(6):
+        steps = list(range(step + 1, step + 1 + int(rng.integers(1, 9))))
+        step = steps[-1]
+        for kind in ("step", "gradients", "weights"):
+            tags = layouts[kind][int(rng.integers(2))]
+            chosen = [s for s in steps for _ in range(2 if rng.random() < 0.15 else 1)]
+            values = rng.normal(size=(len(chosen), len(tags)))
+            values[rng.random(values.shape) < 0.1] = np.inf
+            skipped = rng.random(len(chosen)) < 0.2
+            applied = rng.random(len(chosen)) > 0.1
+            records = [CaptureRecord(step=s, skipped=bool(k), values=v, histograms=None,
+                                     tags=tags, applied=bool(a))
+                       for s, k, v, a in zip(chosen, skipped, values, applied)]
+            if rng.random() < 0.2:
+                records[0] = records[0]._replace(values=None)
+            takes += [(kind, r) for r in records]
+            if rng.random() < 0.5:
+                rows.take(kinds[kind], records)  # one record a step
+            else:
+                rows.take(kinds[kind], [CaptureBlock(chosen, values, tags, skipped, applied)
+                                        if records[0].values is not None else records[0]] +
+                          ([] if records[0].values is not None else
+                           [CaptureBlock(chosen[1:], values[1:], tags, skipped[1:],
+                                         applied[1:])]))
+        if rng.random() < 0.5:
+            # The same steps again in another take (a later value wins, a
+            # non-finite loss stays).
+            again = [CaptureRecord(step=s, skipped=False, values=rng.normal(size=2), histograms=None,
+                                   tags=("step/loss", "step/frozen")) for s in steps[:3]]
+            for record in again:
+                if rng.random() < 0.2:
+                    record.values[0] = np.inf
+            takes += [("step", r) for r in again]
+            rows.take(STEP, again)
+        if rng.random() < 0.5:
+            tap = {"activations/t/mean": float(rng.normal())}
+            rows.add(steps[0], tap)
+            takes.append(("tap", CaptureRecord(step=steps[0], skipped=False, histograms=None,
+                                               values=list(tap.values()), tags=tuple(tap))))
+        handed += list(rows.pop_in_order(final=bool(rng.random() < 0.3)))
+    handed += list(rows.pop_in_order())
+    want = _reference(takes)
+    assert [s for s, _ in handed] == [s for s, _ in want]
+    for (step, got), (_, expected) in zip(handed, want):
+        assert list(got) == list(expected), step
+        np.testing.assert_array_equal(list(got.values()), list(expected.values()))

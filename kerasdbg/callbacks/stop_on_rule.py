@@ -21,7 +21,7 @@ from kerasdbg.sinks import workers as _workers
 from kerasdbg import schedule as schedule_lib
 from kerasdbg.records import tags as _tags
 from kerasdbg.records import verdicts as _verdicts
-from kerasdbg.records.step_block import StepBlock, blocks_of
+from kerasdbg.records.step_block import StepBlock
 from kerasdbg.records.step_record import StepRecord, per_optimizer_values
 from kerasdbg.records.verdicts import notes_line, verdict_markdown
 from kerasdbg.callbacks._copies import CopiedAsNew
@@ -538,7 +538,7 @@ class StopOnRule(AfterEachExecution, ModelWithoutSync, CopiedAsNew, keras.callba
         self._replica_every = plan.replica_every
         requests = plan.requests
         self._writer = None
-        self._unwritten: List[_events.ScalarRow] = []
+        self._unwritten: list = []  # `ScalarRow`s and blocks `(steps, tags, values)`
         # Under several workers every one decides, the chief alone prints.
         self._prints = _workers.writes(getattr(self.model, "distribute_strategy", None))
         if self.log_dir is not None:
@@ -554,6 +554,7 @@ class StopOnRule(AfterEachExecution, ModelWithoutSync, CopiedAsNew, keras.callba
         rows = self._rows
         for request in requests:
             request.consumer = lambda records, request=request: rows.take(request, records)
+            request.blocks = True  # (`StepRows` merges blocks as arrays)
             # The rules judge each read's rows (`kerasdbg.capture.reads`); a
             # rollback's snapshots must be known clean: read every execution.
             request.deferred = not self._rolling
@@ -821,23 +822,23 @@ class StopOnRule(AfterEachExecution, ModelWithoutSync, CopiedAsNew, keras.callba
                           f"Cause: {type(error).__name__}: {error}", RuntimeWarning, stacklevel=2)
             return
         self._rolled_to = None
-        rows = list(self._rows.pop_in_order(final=batch is None))
+        blocks = self._rows.pop_blocks(final=batch is None)
         # The last step of this read: a verdict that stops training stops it
         # after that step (`kerasdbg.capture.reads`), which it says.
-        self._read_step = max((step for step, _ in rows), default=None)
-        early = 0
-        while early < len(rows) and rows[early][0] < self.start_step:
-            self._last_step = max(self._last_step, rows[early][0])
-            early += 1
+        self._read_step = int(blocks[-1].steps[-1]) if blocks else None
         # The steps of one tag layout as a block: the rules screen it and judge
         # one by one only the steps that may make one fire. After a verdict
         # that stops training, the rest of the read's steps ran all the same:
         # judged too (as `kerasdbg check` judges them), never acted on.
-        for block in blocks_of(rows[early:]):
-            if not self._judge(block):
+        for block in blocks:
+            early = int(np.searchsorted(block.steps, self.start_step))
+            if early:
+                self._last_step = max(self._last_step, int(block.steps[early - 1]))
+                block = block.rows(early, len(block))
+            if len(block) and not self._judge(block):
                 break  # a rollback: the steps after its step in its execution are undone
         self._write_rows()
-        if rows and self._writer is not None:
+        if blocks and self._writer is not None:
             # Once a read: a killed run keeps every step up to its last read.
             self._writer.flush(events_only=True)
         self._raise_decided()
@@ -879,9 +880,8 @@ class StopOnRule(AfterEachExecution, ModelWithoutSync, CopiedAsNew, keras.callba
         if len(positions):
             tags = tuple(block.tags[i] for i in positions.tolist())
             values = block.values[start:end][:, positions]
-            # Written with the read's others (`_write_rows`): one call a read.
-            self.__dict__.setdefault("_unwritten", []).extend(_events.ScalarRow(step, tags, row, {})
-                                   for step, row in zip(steps.tolist(), values))
+            # Written with the read's others (`_write_rows`), as a block.
+            self.__dict__.setdefault("_unwritten", []).append((steps, tags, values))
 
     def _raise_decided(self) -> None:
         """Raises the verdicts `action="raise"` decided (once the read's or the
@@ -905,10 +905,21 @@ class StopOnRule(AfterEachExecution, ModelWithoutSync, CopiedAsNew, keras.callba
                 step, tuple(scalars), np.fromiter(scalars.values(), np.float64, len(scalars)), {}))
 
     def _write_rows(self) -> None:
-        """Writes the rows `_write` kept, in step order, as one call."""
-        rows, self._unwritten = getattr(self, "_unwritten", []), []
-        if rows and self._writer is not None:
-            self._writer.write_rows(rows, unique=True)
+        """Writes the rows `_write` and the blocks `_quiet` kept, in step
+        order: the rows in a row as one call, each block as one."""
+        items, self._unwritten = getattr(self, "_unwritten", []), []
+        if not items or self._writer is None:
+            return
+        rows: List[_events.ScalarRow] = []
+        for item in items + [None]:
+            if isinstance(item, _events.ScalarRow):
+                rows.append(item)
+                continue
+            if rows:
+                self._writer.write_rows(rows, unique=True)
+                rows = []
+            if item is not None:
+                self._writer.write_block(*item, unique=True)
 
     # ----------------------------------------------------------- acting
     def _say(self, text: str) -> None:

@@ -370,7 +370,7 @@ class EventWriter:
 
     def write_block(self, steps: np.ndarray, tags: Tuple[str, ...], values: np.ndarray,
                     views: Sequence[Tuple[Tuple[str, ...], np.ndarray, np.ndarray]] = (),
-                    wall_time: Optional[float] = None) -> None:
+                    wall_time: Optional[float] = None, unique: bool = False) -> None:
         """`write_rows` of steps of the same scalar tags, as arrays: an
         event per step, in the steps' order, with no object per step.
 
@@ -383,11 +383,20 @@ class EventWriter:
                 them, their values [steps, view tags])`; a step in no group
                 has none.
             wall_time: as `write_rows`'s.
+            unique: as `write_rows`'s (steps after every one written with it
+                are written as they are).
         """
         steps = np.asarray(steps, np.int64).reshape(-1)
         count = steps.shape[0]
         values = np.asarray(values, np.float64).reshape(count, len(tags))
-        if self._derived:
+        fresh = not unique or not count or self._unique_through is None or \
+            int(steps[0]) > self._unique_through
+        if count and self._derived and fresh and all(
+                hasattr(f, "of_block") for f in self._derived):
+            # The views the functions derive, as blocks too, after the given ones.
+            for function in self._derived:
+                views = _joined(count, views, function.of_block(tuple(tags), values))
+        elif self._derived or not fresh:
             # The views of a function (`derive`) are worked out per step.
             rows = [{} for _ in range(count)]
             for view_tags, positions, found in views:
@@ -395,8 +404,19 @@ class EventWriter:
                     rows[k] = dict(zip(view_tags, row))
             self.write_rows([ScalarRow(step, tags, row, view)
                              for step, row, view in zip(steps.tolist(), values, rows)],
-                            wall_time)
+                            wall_time, unique)
             return
+        if unique and count:
+            # Every step is after those written: remembered as `_drop_repeated` does.
+            last = int(steps[-1])
+            self._unique_through = last
+            self._unique.update(zip(tags, zip(itertools.repeat(last),
+                                              values[-1].tolist())))
+            # A view's last step (views come and go from step to step).
+            for view_tags, positions, found in sorted(
+                    (v for v in views if len(v[1])), key=lambda v: int(v[1][-1])):
+                self._unique.update(zip(view_tags, zip(
+                    itertools.repeat(int(steps[positions[-1]])), found[-1].tolist())))
         if self.failures:
             self._report()
             if self._writer is None:
@@ -597,6 +617,33 @@ class EventWriter:
             strict = any(strict for _, strict in self._owners.values())
             self._fail(error, report=strict or not self._owners)
         self._last_flush = time.monotonic()
+
+
+def _joined(count: int, first, second) -> list:
+    """Two sets of view groups (`EventWriter.write_block`'s `views`) of the
+    same `count` steps as one: each step's views of the first, then of the
+    second."""
+    labels = []
+    for groups in (first, second):
+        label = np.full(count, len(groups), np.int64)  # (a step in no group: none)
+        for g, (_, positions, _) in enumerate(groups):
+            label[positions] = g
+        labels.append(label)
+    combined = labels[0] * (len(second) + 1) + labels[1]
+    out = []
+    for key in dict.fromkeys(combined.tolist()):
+        rows = np.flatnonzero(combined == key)
+        a, b = divmod(key, len(second) + 1)
+        parts_tags, parts_values = [], []
+        for g, groups in ((a, first), (b, second)):
+            if g < len(groups):
+                view_tags, positions, found = groups[g]
+                parts_tags += list(view_tags)
+                parts_values.append(found[np.searchsorted(positions, rows)])
+        out.append((tuple(parts_tags), rows,
+                    np.concatenate(parts_values, axis=1) if parts_values
+                    else np.empty((len(rows), 0))))
+    return out
 
 
 def _varint(value: int) -> bytes:

@@ -229,6 +229,36 @@ def loss_views(scalars: Mapping[str, float]) -> Dict[str, float]:
     return out
 
 
+def loss_view_groups(tags: Tuple[str, ...], values: np.ndarray) -> list:
+    """`loss_views` of steps of the same tags (`values [n, len(tags)]`), as
+    `view_groups` gives views: `(view tags, positions of the steps, their
+    values)`, the steps with the same views together.
+
+    Examples:
+        >>> import numpy as np
+        >>> from kerasdbg.sinks import layout
+        >>> [(t, rows.tolist(), v.tolist()) for t, rows, v in layout.loss_view_groups(
+        ...     ("step/loss",), np.array([[100.0], [-1.0], [10.0]]))]
+        [(('views/step/loss/log10',), [0, 2], [[2.0], [1.0]]), ((), [1], [[]])]
+    """
+    plan = _loss_plan(tuple(tags))
+    values = np.asarray(values, np.float64)
+    if not plan or not len(values):
+        return [((), np.arange(len(values)), np.empty((len(values), 0)))]
+    chosen = values[:, [tags.index(tag) for tag, _ in plan]]
+    present = chosen > 0  # (NaN: absent; +inf: +inf)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logged = np.log10(np.where(present, chosen, 1.0))
+    out = []
+    for signature, rows in _same_rows(present.astype(np.int64)):
+        kept = np.flatnonzero(signature)
+        out.append((tuple(plan[k][1] for k in kept.tolist()), rows, logged[np.ix_(rows, kept)]))
+    return out
+
+
+loss_views.of_block = loss_view_groups  # (what `EventWriter.write_block` derives with)
+
+
 @functools.lru_cache(maxsize=64)
 def _loss_plan(tags: Tuple[str, ...]) -> Tuple[Tuple[str, str], ...]:
     """(tag, view tag) of each loss among `tags` (a callback writes the same

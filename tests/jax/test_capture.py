@@ -22,6 +22,7 @@ from kerasdbg.callbacks import (
     WeightStatistics,
 )
 from kerasdbg.capture import supported
+from kerasdbg.records.capture_record import records_of
 from kerasdbg.errors import UnsupportedBackendError
 from kerasdbg.rules import NonFiniteLoss
 from tests.conftest import reference_stats
@@ -247,7 +248,7 @@ def test_the_step_records_of_a_read_hold_each_steps_loss_and_a_fault_its_source(
 
     def take(self, request, records):
         if request.kind == "step":
-            taken.append(list(records))
+            taken.append(records_of(records))  # (blocks: a record per step)
         return original(self, request, records)
 
     monkeypatch.setattr(StepRows, "take", take)

@@ -1430,9 +1430,20 @@ class Engine(Capture):
                             request, hook, int(applied[i]), rows[i],
                             None if hist is None else (hist[0][i], hist[1][i]),
                             bool(skipped[i]), bool(updated[i])))
-        step_records = None
+        step_records = step_values = None
         for request in self.requests:
             into = found[id(request)]
+            kept = out[id(request)]
+            if request.kind == "step" and request.blocks:
+                if step_values is None:
+                    step_values = self._step_values(group)
+                values, tags, own = step_values
+                kept.extend(_blocks.items_of(
+                    np.zeros(count, np.int8), np.ones(count, bool), ~own,
+                    lambda rows, _: CaptureBlock(steps[rows], values[rows], tags),
+                    lambda i: self._step_record(int(steps[i]), group.step(i),
+                                                batches[i] if i < len(batches) else None)))
+                continue
             if request.kind == "step":
                 if step_records is None:
                     step_records = self._step_records(group, steps)
@@ -1446,7 +1457,6 @@ class Engine(Capture):
                         into[i].append(Record(
                             step=int(steps[i]), skipped=False, histograms=None, tags=TIMING,
                             values=np.asarray([extras[k] for k in _TIMING], np.float64)))
-            kept = out[id(request)]
             for records in into:
                 kept.extend(records)
             kept.extend(blocked.get(id(request), ()))
@@ -1459,6 +1469,8 @@ class Engine(Capture):
         or no values), in step order."""
         codes = request.column_sets(applied)
         blockable = codes > 0
+        # A step that records nothing of it says nothing, but a skip.
+        kept = kept & (blockable | skipped)
         if hist is not None and request.histogram_every_n_steps:
             blockable &= applied % request.histogram_every_n_steps != 0
         several = self._several
@@ -1569,6 +1581,15 @@ class Engine(Capture):
         """The step records of the steps of `group` (`_step_record` of each),
         their values as one array: the steps of a layout share their tags.
         None for a step with a fault, whose record says more (`_step_record`)."""
+        values, tags, own = self._step_values(group)
+        return [None if own[i] else Record(step=int(steps[i]), skipped=False, values=values[i],
+                                           histograms=None, tags=tags)
+                for i in range(group.count)]
+
+    def _step_values(self, group: "_packing.Steps") -> tuple:
+        """`(values [n, tags], tags, own [n])` of the step records of the
+        steps of `group`: the steps of a layout share their tags; `own`: a
+        step with a fault, whose record says more (`_step_record`)."""
         columns, count = group.columns, group.count
 
         def column(key):
@@ -1588,12 +1609,7 @@ class Engine(Capture):
         own = np.ones(count, bool) if values is None else values[:, 2] != 0
         if _NONFINITE in columns:
             own |= np.asarray(columns[_NONFINITE]).reshape(count, -1).any(axis=1)
-        tags = tuple(tags)
-        out = []
-        for i in range(count):
-            out.append(None if own[i] else Record(
-                step=int(steps[i]), skipped=False, values=values[i], histograms=None, tags=tags))
-        return out
+        return values, tuple(tags), own
 
     def _step_layout(self, keys) -> Tuple[List[Optional[str]], List[Optional[str]]]:
         """`(tags, keys)` of a step record whose step's records have `keys`:

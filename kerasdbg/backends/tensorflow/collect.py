@@ -314,7 +314,10 @@ class Collector:
                 tags=row_tags, histogram_tags=histogram_tags, optimizer=name,
                 applied=bool(updated[i])))
 
-        return _blocks.items_of(codes, np.ones(len(rows), bool), blockable, block, record)
+        # A step that records nothing of it says nothing, but a skip.
+        valued = codes > 0
+        valued &= False if values is None else written
+        return _blocks.items_of(codes, valued | skipped, blockable, block, record)
 
     def _bypassed(self, model) -> str:
         """Why the optimizers whose `apply` did not pass through kerasdbg
