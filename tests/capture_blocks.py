@@ -101,13 +101,12 @@ def check_no_object_per_step(monkeypatch, tmp_path, spe: int) -> None:
     assert counted.counts["CaptureRecord"] == STEPS // 7
 
 
-def check_rules_take_blocks(monkeypatch, tmp_path, spe: int, step_records: bool) -> None:
+def check_rules_take_blocks(monkeypatch, tmp_path, spe: int) -> None:
     """`StopOnRule()` with the statistics callbacks on a healthy fit: the
-    rules get the read as blocks; no step record for the rules
-    (`StepRecord`) and no event row (`ScalarRow`) is made, nor a capture
-    record, but the step records where `step_records` (TensorFlow's step
-    request still makes one a step), and one of each at an epoch's end (its
-    logs); no rule judges a step."""
+    rules get the read as blocks; no capture record, no step record for the
+    rules (`StepRecord`) and no event row (`ScalarRow`) is made, but one of
+    each of the last two at an epoch's end (its logs); no rule judges a
+    step."""
     from kerasdbg.callbacks import StopOnRule
     from kerasdbg.records import step_record
     from kerasdbg.rules import _runner
@@ -131,8 +130,7 @@ def check_rules_take_blocks(monkeypatch, tmp_path, spe: int, step_records: bool)
     # (At each epoch's end, its logs: a record for the rules, written with
     # `write_rows`, which makes a row of it again.)
     counts = dict(counted.counts)
-    assert counts == {"CaptureRecord": 2 * STEPS if step_records else 0,
-                      "StepRecord": 2, "ScalarRow": 2 * 2}, counts
+    assert counts == {"CaptureRecord": 0, "StepRecord": 2, "ScalarRow": 2 * 2}, counts
     assert judged and judged[-1] == 0
     # Every step's loss written, once.
     board = _board(str(tmp_path / "train"))

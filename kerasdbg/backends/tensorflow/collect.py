@@ -159,6 +159,10 @@ class Collector:
         replicas = _buffers.read_replicas(view.step_values)
         table = replicas[0]
         names = view.step_names
+        blocked = [r for r in requests if r.kind == "step" and r.blocks]
+        if blocked:
+            self._step_blocks(ids, replicas, blocked, records)
+            requests = [r for r in requests if r not in blocked]
         for train_id in ids:
             row = table[(train_id - 1) % n]
             if not row[0] == train_id:  # (NaN: a row never written, a call that ran no step)
@@ -201,6 +205,87 @@ class Collector:
                     records[id(request)].append(Record(
                         step=self.fit_step(int(last[-1][0]), last[-1][1]), skipped=False,
                         values=totals.reshape(-1), histograms=None, tags=tags))
+
+    def _step_blocks(self, ids, replicas, requests, records) -> None:
+        """`_collect_steps` for requests that take blocks: the steps with
+        no fault and nothing skipped as `CaptureBlock`s (their values as
+        arrays), the others a record each, in step order."""
+        view = self._view
+        n = view.rows
+        table = replicas[0]
+        names = view.step_names
+        ids = np.asarray(ids, np.int64)
+        rows = table[(ids - 1) % n]
+        present = rows[:, 0] == ids  # (NaN: a row never written, a call that ran no step)
+        ids, rows = ids[present], rows[present]
+        if not len(ids):
+            return
+        steps = np.asarray([self.fit_step(int(i), s) for i, s in zip(ids.tolist(), rows[:, 1])],
+                           np.int64)
+        for step, position in zip(steps[rows[:, 6] > 0].tolist(), rows[rows[:, 6] > 0, 6]):
+            self._faults.late_fault(step, int(position))  # a fault found after other applies
+        scalars = np.mean([r[(ids - 1) % n][:, _STEP_FIXED:_STEP_FIXED + len(names)]
+                           for r in replicas], axis=0) if names else np.zeros((len(ids), 0))
+        captured, frozen, fault = rows[:, 3] > 0, ~np.isnan(rows[:, 4]), ~np.isnan(rows[:, 5])
+        # The guard's values (`Faults.guard_scalars`): a step the guard skipped
+        # (a reason given) or left no row for says more: a record of its own.
+        guard_tags, guard_values, guarded = (), np.zeros((len(ids), 0)), np.ones(len(ids), bool)
+        faults = self._faults
+        if faults._guard is not None and faults.guard_names:
+            tables = getattr(faults, "_guard_table", None)
+            if tables is None:
+                tables = faults._guard_table = _buffers.read_replicas(faults._guard)
+            found = np.stack([t[(ids - 1) % t.shape[0]] for t in tables])
+            mine = found[:, :, 0] == ids
+            guarded = mine.all(axis=0)
+            values = np.max(found, axis=0)[:, 1:]
+            several = view.several_optimizers
+            kept = []
+            for k, (name, qualifier, kind) in enumerate(faults.guard_names):
+                if kind == "reason":
+                    guarded &= ~(values[:, k] > 0)
+                    continue
+                if kind == "optimizer":
+                    qualifier = qualifier if several else None
+                guard_tags += (_tags.per_optimizer(_tags.STEP, name, qualifier),)
+                kept.append(k)
+            guard_values = values[:, kept]
+        blockable = guarded & ~(rows[:, 5] > 0)
+        codes = captured.astype(np.int64) + 2 * frozen + 4 * fault
+
+        def block(chosen, code):
+            has_loss, has_frozen, has_fault = bool(code & 1), bool(code & 2), bool(code & 4)
+            tags = [_tags.step_scalar("loss") if has_loss else None,
+                    _tags.step_scalar("frozen") if has_frozen else None,
+                    _tags.step_scalar("fault") if has_fault else None]
+            columns = [k for k, name in enumerate(names) if not (name == "loss" and has_loss)]
+            tags += [_tags.step_scalar(names[k]) for k in columns]
+            values = np.concatenate([rows[chosen][:, [2, 4, 5]], scalars[chosen][:, columns],
+                                     guard_values[chosen]], axis=1)
+            return CaptureBlock(steps[chosen], values, tuple(tags) + guard_tags)
+
+        def record(i):
+            train_id, row = int(ids[i]), rows[i]
+            tags = [_tags.step_scalar("loss") if captured[i] else None,
+                    _tags.step_scalar("frozen") if frozen[i] else None,
+                    _tags.step_scalar("fault") if fault[i] else None]
+            values = [row[2], row[4], row[5]]
+            for name, value in zip(names, scalars[i]):
+                if name == "loss" and captured[i]:
+                    continue  # compute_loss's loss of the step comes first
+                tags.append(_tags.step_scalar(name))
+                values.append(value)
+            step = int(steps[i])
+            for tag, value in list(faults.scalars(step, row).items()) + list(
+                    faults.guard_scalars(train_id, view.several_optimizers).items()):
+                tags.append(tag)
+                values.append(value)
+            return Record(step=step, skipped=False, values=np.asarray(values, np.float64),
+                          histograms=None, tags=tuple(tags))
+
+        for request in requests:
+            records[id(request)].extend(_blocks.items_of(
+                codes, np.ones(len(ids), bool), blockable, block, record))
 
     def _collect_channel(self, channel: Channel, ids, records, several: bool) -> None:
         n = self._view.rows
