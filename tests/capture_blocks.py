@@ -43,6 +43,7 @@ def make_model(spe: int, optimizer: str = "adam", jit_compile="auto") -> keras.M
                               keras.layers.Dense(1, name="o")], name="m")
     made = {"adam": lambda: keras.optimizers.Adam(0.01),
             "clipped": lambda: keras.optimizers.SGD(0.05, global_clipnorm=0.5),
+            "accumulating": lambda: keras.optimizers.SGD(0.05, gradient_accumulation_steps=2),
             # (a scale that overflows: the first steps are skipped)
             "scaled": lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01),
                                                                   initial_scale=2.0 ** 127)}
@@ -50,10 +51,11 @@ def make_model(spe: int, optimizer: str = "adam", jit_compile="auto") -> keras.M
     return model
 
 
-def instruments(log_dir: str, histograms=None, history_size: int = 1000) -> list:
+def instruments(log_dir: str, histograms=None, history_size: int = 1000,
+                every_n_steps=None) -> list:
     return [GradientStatistics(log_dir, histogram_every_n_steps=histograms,
-                               history_size=history_size),
-            WeightStatistics(log_dir, history_size=history_size)]
+                               history_size=history_size, every_n_steps=every_n_steps),
+            WeightStatistics(log_dir, history_size=history_size, every_n_steps=every_n_steps)]
 
 
 class Counted:
@@ -152,13 +154,18 @@ def _board(run_dir: str) -> Dict[str, Dict[int, float]]:
 
 
 def _recorded(monkeypatch, log_dir: str, spe: int, optimizer: str, histograms,
-              history_size: int, per_step: bool, jit_compile="auto"):
+              history_size: int, per_step: bool, jit_compile="auto", every_n_steps=None):
     if per_step:
-        # As a consumer that takes no blocks: a record per step.
-        monkeypatch.setattr(_requests.Request, "deliver", lambda request, items: items and
-                            request.consumer(capture_record.records_of(items)))
+        # Requests that take no blocks: the captures' record per step.
+        made = _requests.Request.__init__
+
+        def per_step_request(request, *args, **kwargs):
+            made(request, *args, **kwargs)
+            request.blocks = False
+
+        monkeypatch.setattr(_requests.Request, "__init__", per_step_request)
     model = make_model(spe, optimizer, jit_compile)
-    callbacks = instruments(log_dir, histograms, history_size)
+    callbacks = instruments(log_dir, histograms, history_size, every_n_steps)
     model.fit(X, Y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
     monkeypatch.undo()
     assert not _capture.engine_for(model).requests
@@ -168,14 +175,18 @@ def _recorded(monkeypatch, log_dir: str, spe: int, optimizer: str, histograms,
 
 def check_blocks_write_what_records_write(monkeypatch, tmp_path, spe: int, optimizer: str,
                                           histograms=None, history_size: int = 1000,
-                                          jit_compile="auto") -> None:
+                                          jit_compile="auto", every_n_steps=None) -> None:
     blocked = _recorded(monkeypatch, str(tmp_path / "blocks"), spe, optimizer, histograms,
-                        history_size, per_step=False, jit_compile=jit_compile)
+                        history_size, per_step=False, jit_compile=jit_compile,
+                        every_n_steps=every_n_steps)
     stepped = _recorded(monkeypatch, str(tmp_path / "steps"), spe, optimizer, histograms,
-                        history_size, per_step=True, jit_compile=jit_compile)
+                        history_size, per_step=True, jit_compile=jit_compile,
+                        every_n_steps=every_n_steps)
+    recorded = 2 * STEPS if every_n_steps is None else 2 * STEPS // every_n_steps
     for got, want in zip(blocked[0], stepped[0]):
         pd.testing.assert_frame_equal(got, want)
-        assert len(got) == min(history_size, 2 * STEPS)
+        assert len(got) == min(history_size, recorded)
+        assert ("applied" in got) == (optimizer == "accumulating")
     assert blocked[1] == stepped[1]
     assert blocked[2] == stepped[2]
     board, want = blocked[3], stepped[3]
@@ -183,8 +194,8 @@ def check_blocks_write_what_records_write(monkeypatch, tmp_path, spe: int, optim
     for tag in want:
         assert board[tag] == want[tag], tag
     # What the fit recorded is there at all (not two empty runs alike).
-    written = 2 * STEPS if optimizer != "scaled" else \
-        2 * STEPS - int(blocked[0][0].skipped.sum())  # (a skipped step writes no event)
+    written = recorded if optimizer != "scaled" else \
+        recorded - int(blocked[0][0].skipped.sum())  # (a skipped step writes no event)
     assert len(want["gradients/global_norm"]) == written
     assert any(tag.startswith("views/gradients/") for tag in want)
     if optimizer == "scaled":

@@ -227,7 +227,10 @@ class StatisticsCallback(AfterEachExecution, RecordingCallback):
                 self._rows.popleft()
                 self._kept -= size
             else:
-                self._rows[0] = first[excess:]
+                # A copy: the rest of the block is not kept alive.
+                rest = first[excess:]
+                rest.values = rest.values.copy()
+                self._rows[0] = rest
                 self._kept -= excess
 
     def _write_block(self, block: CaptureBlock, several: bool, engine,

@@ -106,9 +106,17 @@ class StepRows:
         elif kind == "weights" and self._decays():
             fractions = self._decay_fractions(steps)
             if fractions:
-                tags = tuple(tags) + tuple(fractions)
-                values = np.concatenate([values, np.stack(list(fractions.values()), axis=1)],
-                                        axis=1)
+                # Absent where not finite: the steps of each pattern a piece.
+                found = np.stack(list(fractions.values()), axis=1)
+                finite = np.isfinite(found)
+                pattern = finite @ (1 << np.arange(finite.shape[1]))
+                for code in np.unique(pattern).tolist():
+                    rows = pattern == code
+                    held = np.flatnonzero(finite[rows][0])
+                    self._pieces.append((np.asarray(steps[rows], np.int64), tuple(tags) + tuple(
+                        list(fractions)[k] for k in held.tolist()), np.concatenate(
+                            [values[rows], found[rows][:, held]], axis=1)))
+                return
         self._pieces.append((np.asarray(steps, np.int64), tuple(tags),
                              np.asarray(values, np.float64)))
 
@@ -168,7 +176,8 @@ class StepRows:
         optimizer that decays (`step/<optimizer>/...` with several), at each
         of `steps`, for `VanishingGradient` to tell the decay's part of an
         update from the gradient's. Left out where not known (absent, never
-        a guess): an optimizer whose fraction is not finite at every step."""
+        a guess): an optimizer whose rate could not be found; a step where
+        it is not finite holds NaN or an infinity here."""
         fractions = {}
         for name, optimizer in self._decays():
             try:
@@ -184,8 +193,7 @@ class StepRows:
                 fraction = rates * float(optimizer.weight_decay)
             except Exception:  # noqa: BLE001 - not known: absent
                 continue
-            if np.isfinite(fraction).all():
-                fractions[_tags.per_optimizer(_tags.STEP, DECAY, name)] = fraction
+            fractions[_tags.per_optimizer(_tags.STEP, DECAY, name)] = fraction
         return fractions
 
     def _step_values(self, tags: Tuple[str, ...], values: np.ndarray

@@ -383,14 +383,15 @@ class EventWriter:
                 them, their values [steps, view tags])`; a step in no group
                 has none.
             wall_time: as `write_rows`'s.
-            unique: as `write_rows`'s (steps after every one written with it
-                are written as they are).
+            unique: as `write_rows`'s (steps in order after every one written
+                with it are written as they are; others row by row).
         """
         steps = np.asarray(steps, np.int64).reshape(-1)
         count = steps.shape[0]
         values = np.asarray(values, np.float64).reshape(count, len(tags))
-        fresh = not unique or not count or self._unique_through is None or \
-            int(steps[0]) > self._unique_through
+        fresh = not unique or not count or (
+            (self._unique_through is None or int(steps[0]) > self._unique_through)
+            and bool(np.all(steps[1:] > steps[:-1])))
         if count and self._derived and fresh and all(
                 hasattr(f, "of_block") for f in self._derived):
             # The views the functions derive, as blocks too, after the given ones.

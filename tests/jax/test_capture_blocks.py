@@ -17,6 +17,14 @@ def test_the_blocks_write_what_the_records_write(monkeypatch, tmp_path, spe, opt
     case.check_blocks_write_what_records_write(monkeypatch, tmp_path, spe, optimizer)
 
 
+@pytest.mark.parametrize("optimizer", ["adam", "accumulating"])
+def test_the_same_with_histograms_between_the_scheduled_steps(monkeypatch, tmp_path, optimizer):
+    # Every 10th step's statistics, the histograms every 4th (steps 4, 8, 12 ...
+    # hold a histogram and no statistic), gradient accumulation.
+    case.check_blocks_write_what_records_write(monkeypatch, tmp_path, 3, optimizer, histograms=4,
+                                               every_n_steps=10)
+
+
 def test_the_same_with_histograms_a_short_history_and_jit(monkeypatch, tmp_path):
     case.check_blocks_write_what_records_write(monkeypatch, tmp_path, 3, "adam", histograms=7,
                                                history_size=25, jit_compile=True)

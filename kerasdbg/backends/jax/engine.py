@@ -1417,7 +1417,7 @@ class Engine(Capture):
                     rows = np.asarray(rows, np.float64).reshape(count, -1)
                     hist = columns.get(f"{key}/{number}/hist")
                     weights = request.kind == "weights"
-                    if sources.get(number) == 1:
+                    if sources.get(number) == 1 and not self._several:
                         blocked[id(request)] = self._blocks(
                             request, hook, applied, rows, hist, skipped, updated,
                             ~dropped if weights else ~no)
@@ -1469,10 +1469,13 @@ class Engine(Capture):
         or no values), in step order."""
         codes = request.column_sets(applied)
         blockable = codes > 0
-        # A step that records nothing of it says nothing, but a skip.
-        kept = kept & (blockable | skipped)
+        drawn = np.zeros(len(applied), bool)  # the steps with a histogram
         if hist is not None and request.histogram_every_n_steps:
-            blockable &= applied % request.histogram_every_n_steps != 0
+            drawn = applied % request.histogram_every_n_steps == 0
+        # A step that records nothing of it says nothing, but a skip, a
+        # histogram or a batch that only accumulated.
+        kept = kept & (blockable | skipped | drawn | ~updated)
+        blockable &= ~drawn
         several = self._several
 
         def block(chosen, code):

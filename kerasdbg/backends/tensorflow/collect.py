@@ -163,7 +163,8 @@ class Collector:
         if blocked:
             self._step_blocks(ids, replicas, blocked, records)
             requests = [r for r in requests if r not in blocked]
-        for train_id in ids:
+        # (Where the blocks took the steps, only the classes' totals are left.)
+        for train_id in ids if not blocked or any(r.kind == "step" for r in requests) else ():
             row = table[(train_id - 1) % n]
             if not row[0] == train_id:  # (NaN: a row never written, a call that ran no step)
                 continue
@@ -222,8 +223,6 @@ class Collector:
             return
         steps = np.asarray([self.fit_step(int(i), s) for i, s in zip(ids.tolist(), rows[:, 1])],
                            np.int64)
-        for step, position in zip(steps[rows[:, 6] > 0].tolist(), rows[rows[:, 6] > 0, 6]):
-            self._faults.late_fault(step, int(position))  # a fault found after other applies
         scalars = np.mean([r[(ids - 1) % n][:, _STEP_FIXED:_STEP_FIXED + len(names)]
                            for r in replicas], axis=0) if names else np.zeros((len(ids), 0))
         captured, frozen, fault = rows[:, 3] > 0, ~np.isnan(rows[:, 4]), ~np.isnan(rows[:, 5])
@@ -250,7 +249,7 @@ class Collector:
                 guard_tags += (_tags.per_optimizer(_tags.STEP, name, qualifier),)
                 kept.append(k)
             guard_values = values[:, kept]
-        blockable = guarded & ~(rows[:, 5] > 0)
+        blockable = guarded & ~(rows[:, 5] > 0) & ~(rows[:, 6] > 0)
         codes = captured.astype(np.int64) + 2 * frozen + 4 * fault
 
         def block(chosen, code):
@@ -266,6 +265,8 @@ class Collector:
 
         def record(i):
             train_id, row = int(ids[i]), rows[i]
+            if row[6] > 0:  # a fault found after other applies of this train step
+                faults.late_fault(int(steps[i]), int(row[6]))
             tags = [_tags.step_scalar("loss") if captured[i] else None,
                     _tags.step_scalar("frozen") if frozen[i] else None,
                     _tags.step_scalar("fault") if fault[i] else None]
@@ -361,10 +362,12 @@ class Collector:
         else:
             blockable[:] = False
         hist = None
+        drawn = np.zeros(len(rows), bool)  # the steps with a histogram
         if has_histograms:
             hist = [_buffers.read(b) for b in (slot.hist_ids, slot.hist_counts,
                                                slot.hist_ranges)]
-            blockable &= hist[0][positions] != train_ids
+            drawn = hist[0][positions] == train_ids
+            blockable &= ~drawn
         skipped = meta[positions, 2].astype(bool)
         updated = meta[positions, 3].astype(bool)
         name = channel.hook.name
@@ -399,10 +402,12 @@ class Collector:
                 tags=row_tags, histogram_tags=histogram_tags, optimizer=name,
                 applied=bool(updated[i])))
 
-        # A step that records nothing of it says nothing, but a skip.
+        # A step that records nothing of it says nothing, but a skip, a
+        # histogram or a batch that only accumulated.
         valued = codes > 0
         valued &= False if values is None else written
-        return _blocks.items_of(codes, valued | skipped, blockable, block, record)
+        return _blocks.items_of(codes, valued | skipped | drawn | ~updated, blockable, block,
+                                record)
 
     def _bypassed(self, model) -> str:
         """Why the optimizers whose `apply` did not pass through kerasdbg
