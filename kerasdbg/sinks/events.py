@@ -360,13 +360,7 @@ class EventWriter:
                         np.asarray([rows[i].values for i in chosen], np.float64))
             except OSError as error:
                 self._drop_store(error)
-        try:
-            _tfrecord.write_all(self._writer, [d for d in data if d is not None])
-        except Exception as error:  # noqa: BLE001 - tf.errors of every kind
-            self._fail(error)
-            return
-        if time.monotonic() - self._last_flush > FLUSH_SECONDS:
-            self.flush()
+        self._write_events(data)
 
     def write_block(self, steps: np.ndarray, tags: Tuple[str, ...], values: np.ndarray,
                     views: Sequence[Tuple[Tuple[str, ...], np.ndarray, np.ndarray]] = (),
@@ -446,6 +440,11 @@ class EventWriter:
                 self._store.scalar_rows(steps, walls, tuple(tags), values)
             except OSError as error:
                 self._drop_store(error)
+        self._write_events(data)
+
+    def _write_events(self, data: List[Optional[bytes]]) -> None:
+        """Hands the serialized events (None: a row with nothing to write)
+        to the file in one call; flushes when it is time."""
         try:
             _tfrecord.write_all(self._writer, [d for d in data if d is not None])
         except Exception as error:  # noqa: BLE001 - tf.errors of every kind
