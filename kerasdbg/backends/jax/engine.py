@@ -1430,11 +1430,13 @@ class Engine(Capture):
                             request, hook, int(applied[i]), rows[i],
                             None if hist is None else (hist[0][i], hist[1][i]),
                             bool(skipped[i]), bool(updated[i])))
-        step_records = step_values = None
+        step_values = None
         for request in self.requests:
             into = found[id(request)]
             kept = out[id(request)]
-            if request.kind == "step" and request.blocks:
+            if request.kind == "step":
+                # As blocks; `Request.deliver` makes a record a step of them
+                # for a request that takes none.
                 if step_values is None:
                     step_values = self._step_values(group)
                 values, tags, own = step_values
@@ -1444,14 +1446,7 @@ class Engine(Capture):
                     lambda i: self._step_record(int(steps[i]), group.step(i),
                                                 batches[i] if i < len(batches) else None)))
                 continue
-            if request.kind == "step":
-                if step_records is None:
-                    step_records = self._step_records(group, steps)
-                for i in range(count):
-                    # A step with a fault says more (made for each request, as it is read).
-                    into[i].append(step_records[i] or self._step_record(
-                        int(steps[i]), group.step(i), batches[i] if i < len(batches) else None))
-            elif request.kind == "wrap":
+            if request.kind == "wrap":
                 for i, extras in enumerate(group.extras):
                     if _TIMING[0] in extras:
                         into[i].append(Record(
@@ -1578,16 +1573,6 @@ class Engine(Capture):
                     (_tags.fault("nan_source", "layer", names[index]), 1.0)]
         located = _tags.NAN_SOURCE_LOSS if self.loss_captured else _tags.NAN_SOURCE_TRAIN_STEP
         return [(tag, float(located))]
-
-    def _step_records(self, group: "_packing.Steps", steps: np.ndarray
-                      ) -> List[Optional[Record]]:
-        """The step records of the steps of `group` (`_step_record` of each),
-        their values as one array: the steps of a layout share their tags.
-        None for a step with a fault, whose record says more (`_step_record`)."""
-        values, tags, own = self._step_values(group)
-        return [None if own[i] else Record(step=int(steps[i]), skipped=False, values=values[i],
-                                           histograms=None, tags=tags)
-                for i in range(group.count)]
 
     def _step_values(self, group: "_packing.Steps") -> tuple:
         """`(values [n, tags], tags, own [n])` of the step records of the

@@ -159,43 +159,11 @@ class Collector:
         replicas = _buffers.read_replicas(view.step_values)
         table = replicas[0]
         names = view.step_names
-        blocked = [r for r in requests if r.kind == "step" and r.blocks]
-        if blocked:
-            self._step_blocks(ids, replicas, blocked, records)
-            requests = [r for r in requests if r not in blocked]
-        # (Where the blocks took the steps, only the classes' totals are left.)
-        for train_id in ids if not blocked or any(r.kind == "step" for r in requests) else ():
-            row = table[(train_id - 1) % n]
-            if not row[0] == train_id:  # (NaN: a row never written, a call that ran no step)
-                continue
-            step = self.fit_step(train_id, row[1])
-            if row[6] > 0:  # a fault found after other applies of this train step
-                self._faults.late_fault(step, int(row[6]))
-            scalars = np.mean([r[(train_id - 1) % n][_STEP_FIXED:_STEP_FIXED + len(names)]
-                               for r in replicas], axis=0) if names else np.zeros(0)
-            for request in requests:
-                if request.kind == "classes":
-                    continue
-                captured = row[3] > 0
-                tags = [_tags.step_scalar("loss") if captured else None,
-                        _tags.step_scalar("frozen") if not np.isnan(row[4]) else None,
-                        _tags.step_scalar("fault") if not np.isnan(row[5]) else None]
-                values = [row[2], row[4], row[5]]
-                for name, value in zip(names, scalars):
-                    if name == "loss" and captured:
-                        continue  # compute_loss's loss of the step comes first
-                    tags.append(_tags.step_scalar(name))
-                    values.append(value)
-                for tag, value in self._faults.scalars(step, row).items():
-                    tags.append(tag)
-                    values.append(value)
-                for tag, value in self._faults.guard_scalars(
-                        train_id, view.several_optimizers).items():
-                    tags.append(tag)
-                    values.append(value)
-                records[id(request)].append(Record(
-                    step=step, skipped=False, values=np.asarray(values, np.float64),
-                    histograms=None, tags=tuple(tags)))
+        steps = [r for r in requests if r.kind == "step"]
+        if steps:
+            # As blocks; `Request.deliver` makes a record a step of them for
+            # a request that takes none.
+            self._step_blocks(ids, replicas, steps, records)
         for request in requests:
             if request.kind == "classes":
                 totals = _buffers.read(request.totals)
@@ -208,9 +176,9 @@ class Collector:
                         values=totals.reshape(-1), histograms=None, tags=tags))
 
     def _step_blocks(self, ids, replicas, requests, records) -> None:
-        """`_collect_steps` for requests that take blocks: the steps with
-        no fault and nothing skipped as `CaptureBlock`s (their values as
-        arrays), the others a record each, in step order."""
+        """The records of the "step" `requests` of train steps `ids`: the
+        steps with no fault and nothing skipped as `CaptureBlock`s (their
+        values as arrays), the others a record each, in step order."""
         view = self._view
         n = view.rows
         table = replicas[0]
