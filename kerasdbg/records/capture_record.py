@@ -115,7 +115,17 @@ class CaptureBlock:
 
 def records_of(items) -> list:
     """`items` (`CaptureRecord`s and `CaptureBlock`s, in step order) as
-    `CaptureRecord`s only."""
+    `CaptureRecord`s only.
+
+    Examples:
+        >>> import numpy as np
+        >>> from kerasdbg.records.capture_record import CaptureBlock, CaptureRecord, records_of
+        >>> first = CaptureRecord(step=1, skipped=False, values=[0.5], histograms=None,
+        ...                       tags=("step/loss",))
+        >>> later = CaptureBlock(np.array([2, 3]), np.array([[0.4], [0.3]]), ("step/loss",))
+        >>> [r.step for r in records_of([first, later])]
+        [1, 2, 3]
+    """
     out = []
     for item in items:
         if isinstance(item, CaptureBlock):
