@@ -23,7 +23,7 @@ from kerasdbg.capture import reads as read_clock
 from kerasdbg.rules import NonFiniteLoss, Rule, RuleFired
 from tests.conftest import make_strategy, matrix
 from tests.helpers import BATCH, LEARNING_RATE, make_mlp, reference_training
-from tests.read_helpers import FiresAt, expected_reads
+from tests.read_helpers import BatchEndWork, FiresAt, expected_reads
 
 STEPS = 40
 RING = 8
@@ -263,3 +263,53 @@ def test_the_first_callback_at_a_batch_decides_for_the_others():
     assert clock.first_at(None) and clock.first_at(None)  # no batch: always
     clock.final()  # an epoch's end: batch numbers start again
     assert clock.first_at(4)
+
+
+def test_the_clock_says_which_batch_end_read():
+    """`read_at`: the callbacks after the first at a batch end know whether
+    it read (a final read, no batch, always counts as one)."""
+    clock = read_clock.ReadClock()
+    clock.begin_fit()
+    assert clock.first_at(3)
+    clock.read()
+    assert clock.read_at(3) and not clock.read_at(2)
+    assert clock.first_at(4)  # decided: no read
+    assert not clock.read_at(4) and not clock.read_at(3)
+    assert clock.read_at(None)
+    clock.final()
+    assert clock.first_at(3) and not clock.read_at(3)  # the next epoch's batch 3
+
+
+def test_a_new_interval_holds_from_the_next_batch_end(monkeypatch):
+    """The deadline kept since the last read follows `set_read_interval`."""
+    now = [50.0]
+    monkeypatch.setattr(read_clock.time, "monotonic", lambda: now[0])
+    kerasdbg.set_read_interval(10)
+    clock = read_clock.ReadClock()
+    clock.begin_fit()
+    clock.read()
+    now[0] += 1
+    assert not clock.due(1, 1, 256)
+    kerasdbg.set_read_interval(0.5)
+    assert clock.due(1, 1, 256)
+    kerasdbg.set_read_interval(5)
+    assert not clock.due(1, 1, 256)
+
+
+@pytest.mark.parametrize("spe", [1, 3])
+def test_a_batch_end_that_reads_nothing_does_nothing(spe, small_ring, monkeypatch, tmp_path):
+    """Between two reads, the batch ends neither pop, judge nor write."""
+    work = BatchEndWork(monkeypatch)
+    model = _compiled(spe=spe)
+    engine = _capture.engine_for(model)
+    callbacks = [GradientStatistics(str(tmp_path)), WeightStatistics(str(tmp_path)),
+                 StopOnRule(log_dir=str(tmp_path), verbose=False)]
+    model.fit(X, Y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
+    executions = -(-STEPS // spe)
+    reads = engine.collector.clock.reads
+    assert reads < executions  # most batch ends read nothing
+    work.check(reads, epochs=2, statistics=2)
+    assert callbacks[0].history.step.tolist() == list(range(1, 2 * STEPS + 1))
+    assert load_run(str(tmp_path)).scalars("step/loss").step.tolist() == \
+        list(range(1, 2 * STEPS + 1))
+    assert callbacks[2].verdicts == []

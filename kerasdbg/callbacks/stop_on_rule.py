@@ -634,9 +634,9 @@ class StopOnRule(AfterEachExecution, ModelWithoutSync, CopiedAsNew, keras.callba
     def _gather(self, batch: Optional[int] = None) -> None:
         try:
             if batch is None:
-                _capture.engine_for(self.model).collect()
+                self._engine.collect()
             else:  # a batch end: the read clock decides
-                _capture.engine_for(self.model).collect(final=False, batch=batch)
+                self._engine.collect(final=False, batch=batch)
         finally:
             # A collective under several workers: reached on every worker;
             # taps the model's sink already read at this step are skipped.
@@ -648,7 +648,7 @@ class StopOnRule(AfterEachExecution, ModelWithoutSync, CopiedAsNew, keras.callba
 
     # ------------------------------------------------------ evaluation
     def _before_execution(self, batch: int) -> None:
-        _capture.engine_for(self.model).prepare()
+        self._engine.prepare()
         if getattr(self, "_replica_every", None) and self._start_iterations is None:
             # Where the optimizers' steps stand before this fit's first step.
             try:
@@ -821,6 +821,9 @@ class StopOnRule(AfterEachExecution, ModelWithoutSync, CopiedAsNew, keras.callba
             warnings.warn(f"StopOnRule could not read its records; training goes on. "
                           f"Cause: {type(error).__name__}: {error}", RuntimeWarning, stacklevel=2)
             return
+        if batch is not None and not self._rows.waiting and not self._taps and \
+                not self.__dict__.get("_unwritten") and not self._engine.read_at(batch):
+            return  # a batch end that read nothing: nothing new to judge or write
         self._rolled_to = None
         blocks = self._rows.pop_blocks(final=batch is None)
         # The last step of this read: a verdict that stops training stops it

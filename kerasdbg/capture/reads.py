@@ -37,7 +37,7 @@ RING_STEPS = 256
 ENVIRONMENT = "KERASDBG_READ_INTERVAL"
 """The environment variable that sets the interval (seconds, as a number)."""
 
-_set: dict = {"seconds": None}
+_set: dict = {"seconds": None, "generation": 0}
 
 
 def set_read_interval(seconds: Optional[float]) -> None:
@@ -70,6 +70,7 @@ def set_read_interval(seconds: Optional[float]) -> None:
         _check(seconds, "set_read_interval: `seconds`")
         seconds = float(seconds)
     _set["seconds"] = seconds
+    _set["generation"] += 1  # the clocks' deadlines are computed again
 
 
 def _check(seconds, where: str) -> None:
@@ -107,19 +108,26 @@ class ReadClock:
     """Decides, at each execution's end, whether the host reads now.
 
     `executed()` counts an execution; `due(...)` says whether to read;
-    `read()` notes a read. Counts what it decided (`reads`), for tests."""
+    `read()` notes a read; `read_at(batch)` says whether the end of `batch`
+    read (for the callbacks that come after the one that decided there).
+    Counts what it decided (`reads`), for tests. A batch end where no read
+    is due costs a few comparisons: the interval is looked up at a read
+    (and again after `set_read_interval`), not at every batch."""
 
     def __init__(self):
         self.reads = 0
         self._last: Optional[float] = None
+        self._deadline = 0.0  # when the interval since the last read is over
+        self._generation = -1  # `set_read_interval`'s, when the deadline was computed
         self._executions = 0  # since the last read
         self._batch: Optional[int] = None  # the batch end already decided
+        self._read_batch: Optional[int] = None  # the batch end that read
 
     def begin_fit(self) -> None:
         interval()  # a bad KERASDBG_READ_INTERVAL is said at the fit's start
         self._last = None
         self._executions = 0
-        self._batch: Optional[int] = None
+        self._batch = self._read_batch = None
 
     def first_at(self, batch: Optional[int]) -> bool:
         """Whether this is the first call at the end of batch `batch`: each
@@ -127,14 +135,19 @@ class ReadClock:
         None (no batch given) is always a first call."""
         if batch is None:
             return True
-        if batch == getattr(self, "_batch", None):
+        if batch == self._batch:
             return False
         self._batch = batch
         return True
 
+    def read_at(self, batch: Optional[int]) -> bool:
+        """Whether the host read at the end of batch `batch` (the last batch
+        end decided; always True for None, a final read)."""
+        return batch is None or (batch == self._batch and batch == self._read_batch)
+
     def final(self) -> None:
         """A final read (an epoch's or the fit's end): the next batch is new."""
-        self._batch = None
+        self._batch = self._read_batch = None
 
     def executed(self) -> None:
         self._executions += 1
@@ -152,13 +165,18 @@ class ReadClock:
             return True
         if waiting_steps + next_steps > rows:
             return True
-        seconds = interval()
-        return seconds == 0 or time.monotonic() - self._last >= seconds
+        if self._generation != _set["generation"]:
+            self._generation = _set["generation"]
+            self._deadline = self._last + interval()
+        return time.monotonic() >= self._deadline
 
     def read(self) -> None:
         self.reads += 1
         self._last = time.monotonic()
+        self._generation = _set["generation"]
+        self._deadline = self._last + interval()
         self._executions = 0
+        self._read_batch = self._batch
 
 
 __all__ = ("DEFAULT_SECONDS", "RING_STEPS", "ENVIRONMENT", "ReadClock", "interval",

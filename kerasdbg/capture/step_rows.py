@@ -65,6 +65,11 @@ class StepRows:
         self._read_through = 0
         self._plans: Dict[tuple, tuple] = {}
 
+    @property
+    def waiting(self) -> bool:
+        """Whether rows wait to be popped."""
+        return bool(self._pieces)
+
     def take(self, request: Request, records: list) -> None:
         """Merges the capture's records and blocks (`CaptureBlock`) of
         `request` (a request's consumer)."""

@@ -19,7 +19,7 @@ from kerasdbg import capture as _capture
 from kerasdbg.callbacks import GradientStatistics, StopOnRule, WeightStatistics
 from kerasdbg.capture import reads as read_clock
 from kerasdbg.rules import NonFiniteLoss, RuleFired
-from tests.read_helpers import FiresAt, expected_reads
+from tests.read_helpers import BatchEndWork, FiresAt, expected_reads
 
 BATCH, STEPS, RING = 16, 40, 8
 RNG = np.random.default_rng(13)
@@ -165,3 +165,22 @@ def test_the_batches_kept_for_nan_location_are_bounded(monkeypatch, small_ring):
     engine = _capture.engine_for(model)
     assert engine.clock.reads >= STEPS // 4 > expected_reads(STEPS, RING)
     assert stop.verdicts == []
+
+
+@pytest.mark.parametrize("spe", [1, 3])
+def test_a_batch_begin_that_reads_nothing_does_nothing(spe, small_ring, monkeypatch, tmp_path):
+    """Between two reads (at the batch begins, on JAX), the callbacks neither
+    pop, judge nor write."""
+    work = BatchEndWork(monkeypatch)
+    model = make_model(spe)
+    callbacks = [GradientStatistics(str(tmp_path)), WeightStatistics(str(tmp_path)),
+                 StopOnRule(log_dir=str(tmp_path), verbose=False)]
+    fit(model, callbacks, epochs=2)
+    executions = -(-STEPS // spe)
+    reads = _capture.engine_for(model).clock.reads
+    assert reads < executions  # most batch begins read nothing
+    work.check(reads, epochs=2, statistics=2)
+    assert callbacks[0].history.step.tolist() == list(range(1, 2 * STEPS + 1))
+    assert kerasdbg.load_run(str(tmp_path)).scalars("step/loss").step.tolist() == \
+        list(range(1, 2 * STEPS + 1))
+    assert callbacks[2].verdicts == []

@@ -403,6 +403,17 @@ class Engine(Capture):
         traced at its first call."""
         _progress.of(self).begin(self._model())
 
+    def _ring(self) -> tuple:
+        """`(steps_per_execution, rows of a ring)` of the model now."""
+        steps = int(getattr(self._model(), "steps_per_execution", 1) or 1)
+        known = self.__dict__.get("_ring_of")
+        if known is None or known[0] != steps:
+            known = self._ring_of = (steps, reads.ring_rows(steps))
+        return known
+
+    def read_at(self, batch: Optional[int]) -> bool:
+        return self.clock.read_at(batch)
+
     def hold_next_execution(self) -> None:
         if self._last_logs is not None:  # an execution ran: its logs stand for this one
             self._hold = True
@@ -1313,12 +1324,11 @@ class Engine(Capture):
             # at an interval, only the steps the device finished: the read never
             # waits for it. A request read after every execution (a rollback's,
             # a timer's) and an interval of 0 read every step run.
-            every = not (self.requests and all(r.deferred for r in self.requests)) or \
-                self._data_bytes > LOCATE_BYTES
-            model = self._model()
-            steps = int(getattr(model, "steps_per_execution", 1) or 1)
-            if not self.clock.due(len(self._pending), steps, reads.ring_rows(steps),
-                                  every_execution=every):
+            requests = self.requests
+            every = not requests or self._data_bytes > LOCATE_BYTES or \
+                not all(r.deferred for r in requests)
+            steps, rows = self._ring()
+            if not self.clock.due(len(self._pending), steps, rows, every_execution=every):
                 return
             if not every and reads.interval() > 0 and \
                     len(self._pending) <= 2 * reads.RING_STEPS and jax.default_backend() != "cpu":
