@@ -273,8 +273,9 @@ class _Plan(NamedTuple):
 
     groups: Tuple[str, ...]
     # statistic -> (indices of its per-tensor tags in the tuple, group of each as an
-    # index into `groups`, the tensor of each)
-    statistics: Dict[str, Tuple[np.ndarray, np.ndarray, Tuple[str, ...]]]
+    # index into `groups`, the tensor of each, the columns of each group among them)
+    statistics: Dict[str, Tuple[np.ndarray, np.ndarray, Tuple[str, ...],
+                                Tuple[np.ndarray, ...]]]
     # (index, view tag) of each per-optimizer global norm
     global_norms: Tuple[Tuple[int, str], ...]
 
@@ -310,20 +311,24 @@ def _plan(kind: str, tags: Tuple[Optional[str], ...], names: Tuple[str, ...] = (
         chosen = [(i, number[group_of[t]], t) for i, t, s in found if s == stat]
         if chosen:
             index, group = (np.array(c, np.int64) for c in list(zip(*chosen))[:2])
-            statistics[stat] = (index, group, tuple(t for _, _, t in chosen))
+            members = tuple(np.flatnonzero(group == g) for g in range(len(groups)))
+            statistics[stat] = (index, group, tuple(t for _, _, t in chosen), members)
     return _Plan(groups, statistics, tuple(global_norms))
 
 
-def _group_max(values: np.ndarray, group: np.ndarray, count: int) -> np.ndarray:
+def _group_max(values: np.ndarray, members: Tuple[np.ndarray, ...]) -> np.ndarray:
     """Of each row of `values` (steps x tensors), the largest value in each
-    of `count` groups (`group[j]`: that of column j), NaN left out: a
-    (steps x count) array, NaN where a group holds only NaN or nothing."""
-    out = np.full((values.shape[0], count), np.nan)
-    for g in range(count):
-        columns = np.flatnonzero(group == g)
+    group (`members[g]`: the columns of group g), NaN left out: a (steps x
+    groups) array, NaN where a group holds only NaN or nothing."""
+    out = np.full((values.shape[0], len(members)), np.nan)
+    for g, columns in enumerate(members):
         if columns.size:
             out[:, g] = np.fmax.reduce(values[:, columns], axis=1)
     return out
+
+
+_view = functools.lru_cache(maxsize=8192)(_tags.view)
+"""`tags.view`, each tag worked out once (the views' tags, at every read)."""
 
 
 def views(kind: str, tags: Sequence[Optional[str]], values: Sequence[float],
@@ -419,30 +424,30 @@ def view_groups(kind: str, tags: Sequence[Optional[str]], values: np.ndarray,
     for index, tag in plan.global_norms:
         entries.append((tag, values[:, index], True, None))
     count = len(plan.groups)
-    for stat, (index, group, tensors) in plan.statistics.items():
+    for stat, (index, group, tensors, members) in plan.statistics.items():
         chosen = values[:, index]
         if stat != "update_ratio":
             # The groups holding a tensor of this statistic (a tap records
             # either its dead or its saturated fraction).
-            held = np.flatnonzero(np.bincount(group, minlength=count) > 0)
-            largest = _group_max(chosen, group, count)
+            held = [g for g, columns in enumerate(members) if columns.size]
+            largest = _group_max(chosen, members)
             for g in held:
-                entries.append((_tags.view(kind, stat, "max", plan.groups[g]),
+                entries.append((_view(kind, stat, "max", plan.groups[g]),
                                 largest[:, g], False, None))
             if kind == _tags.GRADIENTS and stat == "l2_norm":
                 for g in held:
-                    entries.append((_tags.view(kind, stat, "log10_max", plan.groups[g]),
+                    entries.append((_view(kind, stat, "log10_max", plan.groups[g]),
                                     largest[:, g], True, None))
                 entries.extend(_extremes(kind, stat, chosen, tensors))
         else:
             finite = np.isfinite(chosen)
-            largest = _group_max(np.where(finite, chosen, np.nan), group, count)
+            largest = _group_max(np.where(finite, chosen, np.nan), members)
             for g in range(count):
-                entries.append((_tags.view(kind, stat, "log10_max", plan.groups[g]),
+                entries.append((_view(kind, stat, "log10_max", plan.groups[g]),
                                 largest[:, g], True, None))
             counted = finite.sum(axis=1)
             above = (np.where(finite, chosen, -np.inf) > UPDATE_RATIO_ABOVE).sum(axis=1)
-            entries.append((_tags.view(kind, stat, _fraction_view()),
+            entries.append((_view(kind, stat, _fraction_view()),
                             above / np.maximum(counted, 1), False, counted > 0))
     if not entries:
         return []
@@ -469,7 +474,7 @@ def view_groups(kind: str, tags: Sequence[Optional[str]], values: np.ndarray,
         if chosen is None:
             chosen = known[key] = _chosen(entries, signature.tolist())
         view_tags, kept = chosen
-        out.append((view_tags, rows, columns[np.ix_(rows, kept)]))
+        out.append((view_tags, rows, columns[rows[:, None], kept]))
     return out
 
 
@@ -532,12 +537,18 @@ def _extremes(kind: str, stat: str, chosen: np.ndarray, tensors: Tuple[str, ...]
     # Every positive value infinite: the first of them (argmin takes the first inf).
     j = np.where(np.isinf(smallest_of[rows, j]), np.argmax(positive, axis=1), j)
     smallest = chosen[rows, j]
-    largest_tags = tuple(_tags.view(kind, stat, "log10_largest", t) for t in tensors)
-    smallest_tags = tuple(_tags.view(kind, stat, "log10_smallest", t) for t in tensors)
-    return [(_tags.view(kind, stat, "log10_max"), largest, True, has),
+    largest_tags, smallest_tags = _named(kind, stat, tensors)
+    return [(_view(kind, stat, "log10_max"), largest, True, has),
             ((largest_tags, i), largest, True, has),
-            (_tags.view(kind, stat, "log10_min"), smallest, True, has),
+            (_view(kind, stat, "log10_min"), smallest, True, has),
             ((smallest_tags, j), smallest, True, has)]
+
+
+@functools.lru_cache(maxsize=256)
+def _named(kind: str, stat: str, tensors: Tuple[str, ...]) -> Tuple[tuple, tuple]:
+    """The tags of `_extremes`'s views named after their tensor."""
+    return (tuple(_tags.view(kind, stat, "log10_largest", t) for t in tensors),
+            tuple(_tags.view(kind, stat, "log10_smallest", t) for t in tensors))
 
 
 # ----------------------------------------------------------------- layout
