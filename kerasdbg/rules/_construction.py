@@ -28,7 +28,8 @@ it fails again after that.
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, Mapping, Optional, Sequence, Set, Tuple
+import functools
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -197,15 +198,8 @@ def _dwarfed(tensors: Sequence[str], magnitudes: np.ndarray) -> np.ndarray:
     it: the sibling is the largest positive magnitude of the layer but the
     tensor's own."""
     larger = np.zeros(magnitudes.shape, bool)
-    groups: Dict[str, list] = {}
-    for position, tensor in enumerate(tensors):
-        layer = layer_of(tensor)
-        if layer:  # a tensor of no layer has no sibling
-            groups.setdefault(layer, []).append(position)
     rows = np.arange(len(magnitudes))
-    for positions in groups.values():
-        if len(positions) < 2:
-            continue
+    for positions in _siblings(tuple(tensors)):
         values = magnitudes[:, positions]
         with np.errstate(invalid="ignore"):
             positive = np.where(values > 0.0, values, -np.inf)
@@ -220,3 +214,15 @@ def _dwarfed(tensors: Sequence[str], magnitudes: np.ndarray) -> np.ndarray:
                 larger[:, position] = (sibling > 0.0) & (
                     sibling >= RATIO * np.abs(values[:, column]))
     return larger
+
+
+@functools.lru_cache(maxsize=256)
+def _siblings(tensors: Tuple[str, ...]) -> Tuple[List[int], ...]:
+    """The positions in `tensors` of each layer's tensors, for the layers
+    with two or more (a tensor of no layer has no sibling)."""
+    groups: Dict[str, list] = {}
+    for position, tensor in enumerate(tensors):
+        layer = layer_of(tensor)
+        if layer:
+            groups.setdefault(layer, []).append(position)
+    return tuple(positions for positions in groups.values() if len(positions) >= 2)

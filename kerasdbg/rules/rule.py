@@ -212,6 +212,23 @@ class Rule:
         `block`, which `screen` found quiet (called only where `screen`
         returns a mask)."""
 
+    def _of_block(self, block, compute, screening: bool):
+        """`compute(block)`, worked out once for a `screen` (`screening`) and
+        the `advance` over the same steps that follows it when the screen
+        found them all quiet (`StepBlock.rows` of the whole block is the
+        block): a rule whose screen and advance read the same arrays of a
+        block computes them once a read. `compute` may read what the rule
+        remembers: between the two nothing changed it (its `check` judged no
+        step of the block, or the advance would be over fewer steps)."""
+        if not screening:
+            kept, self._cache_block = self.__dict__.get("_cache_block"), None
+            if kept is not None and kept[0] is block:
+                return kept[1]
+            return compute(block)
+        value = compute(block)
+        self._cache_block = (block, value)
+        return value
+
     def get_config(self) -> dict:
         return {}
 

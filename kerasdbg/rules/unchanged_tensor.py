@@ -105,30 +105,53 @@ class UnchangedTensor(Rule):
         with the same compared statistics `(positions in keys, names, values
         [steps, tensors, names])`; `moved` (`[steps, keys]`: whether the
         gradient moved each weight at each step; False for gradients)."""
-        plan = block._plan
-        found: dict = {}
+        keys, groups, decay_columns, ratios = self._columns(block._plan)
+        series = [(positions, names, block.values[:, columns])
+                  for positions, names, columns in groups]
+        decays = block.values[:, decay_columns]
+        moved = np.zeros((len(block), len(keys)), bool)
+        if ratios:
+            with np.errstate(invalid="ignore"):
+                kept = np.where(np.isfinite(decays) & (decays > 0.0), decays, 0.0)
+                largest = kept.max(axis=1, initial=0.0) + np.where(
+                    (kept > 0.0).any(axis=1), ROUNDING, 0.0)
+                indexes, columns = (list(c) for c in zip(*ratios))
+                ratio = block.values[:, columns]
+                still_ = np.isfinite(ratio) & (ratio + largest[:, None] < MOVED)
+                moved[:, indexes] = ~np.isnan(ratio) & ~still_
+        return keys, series, moved
+
+    def _columns(self, plan):
+        """Where `_series` reads a block of the layout `plan` (the records'
+        tags; worked out once per layout): `(keys, [(positions in keys,
+        names, columns [tensors, names])], the decay fractions' columns,
+        [(position in keys, the update ratio's column)] of the weights)`."""
+        known = self.__dict__.setdefault("_cache_columns", {})
+        found = known.get(id(plan))
+        if found is not None and found[0] is plan:
+            return found[1]
+        by_key: dict = {}
         for key, stat, tag in plan.by_tensor(tuple(self.collections), COMPARED):
-            found.setdefault(key, {})[stat] = plan.position(tag)
-        keys = list(found)
+            by_key.setdefault(key, {})[stat] = plan.position(tag)
+        keys = list(by_key)
         groups: dict = {}
         for index, key in enumerate(keys):
-            groups.setdefault(tuple(sorted(found[key])), []).append(index)
-        series = [(positions, names, block.values[:, [[found[keys[k]][n] for n in names]
-                                                      for k in positions]])
+            groups.setdefault(tuple(sorted(by_key[key])), []).append(index)
+        series = [(positions, names, np.array([[by_key[keys[k]][n] for n in names]
+                                               for k in positions], np.int64))
                   for names, positions in groups.items()]
-        decays = block.values[:, [plan.position(t) for t in plan.per_optimizer(STEP, DECAY)]]
-        moved = np.zeros((len(block), len(keys)), bool)
-        with np.errstate(invalid="ignore"):
-            kept = np.where(np.isfinite(decays) & (decays > 0.0), decays, 0.0)
-            largest = kept.max(axis=1, initial=0.0) + np.where(
-                (kept > 0.0).any(axis=1), ROUNDING, 0.0)
-            for index, key in enumerate(keys):
-                if key[0] == "weights":
-                    ratio = block.tag(statistic("weights", key[1], "update_ratio"))
-                    if ratio is not None:
-                        still_ = np.isfinite(ratio) & (ratio + largest < MOVED)
-                        moved[:, index] = ~np.isnan(ratio) & ~still_
-        return keys, series, moved
+        decays = np.array([plan.position(t) for t in plan.per_optimizer(STEP, DECAY)], np.int64)
+        ratios = []
+        for index, key in enumerate(keys):
+            if key[0] == "weights":
+                column = plan.position(statistic("weights", key[1], "update_ratio"))
+                if column is not None:
+                    ratios.append((index, column))
+        if len(known) > 64:  # (layouts that never repeat)
+            known.clear()
+        value = (keys, series, decays, ratios)
+        known[id(plan)] = (plan, value)
+        return value
 
     def _judged(self, block):
         """`(keys, evaluated, fires)`, `[steps, keys]`: whether each tensor's
@@ -180,10 +203,10 @@ class UnchangedTensor(Rule):
         return keys, series, moved, evaluated, fires & ~recent
 
     def screen(self, block):
-        return self._judged(block)[4].any(axis=1)
+        return self._of_block(block, self._judged, screening=True)[4].any(axis=1)
 
     def advance(self, block):
-        keys, series, moved, evaluated, _ = self._judged(block)
+        keys, series, moved, evaluated, _ = self._of_block(block, self._judged, screening=False)
         size = self.num_steps
         for index in np.flatnonzero(evaluated.any(axis=0)).tolist():
             self._checked.add(keys[index])

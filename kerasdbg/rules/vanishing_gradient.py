@@ -136,13 +136,13 @@ class VanishingGradient(Rule):
         return names, values, magnitudes
 
     def screen(self, block):
-        _, values, magnitudes = self._magnitudes(block)
+        _, values, magnitudes = self._of_block(block, self._magnitudes, screening=True)
         # A step with a gradient not recorded (NaN) is judged as it is.
         with np.errstate(invalid="ignore"):
             return np.isnan(values).any(axis=1) | (magnitudes < self.threshold).any(axis=1)
 
     def advance(self, block):
-        names, _, magnitudes = self._magnitudes(block)
+        names, _, magnitudes = self._of_block(block, self._magnitudes, screening=False)
         if names:
             self._construction.quiet("gradients", names, magnitudes)
 

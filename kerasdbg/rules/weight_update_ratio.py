@@ -93,7 +93,7 @@ class WeightUpdateRatio(Rule):
         return names, ratios, counted
 
     def screen(self, block):
-        _, ratios, counted = self._counted(block)
+        _, ratios, counted = self._of_block(block, self._counted, screening=True)
         with np.errstate(invalid="ignore"):
             out = (ratios < self.small_threshold) | (ratios > self.large_threshold)
         return (counted & out).any(axis=1)
@@ -101,7 +101,7 @@ class WeightUpdateRatio(Rule):
     def advance(self, block):
         if self._from_start is None:
             self._from_start = initial(int(block.steps[0]))
-        names, _, counted = self._counted(block)
+        names, _, counted = self._of_block(block, self._counted, screening=False)
         for name, count in zip(names, counted.sum(axis=0).tolist()):
             if count:
                 self._seen[name] = self._seen.get(name, 0) + count
