@@ -339,6 +339,24 @@ def scheduled_between(requests: Sequence["Request"], low: int, high: int) -> boo
     return False
 
 
+def scheduled_in(requests: Sequence["Request"], low: np.ndarray, high: np.ndarray) -> np.ndarray:
+    """`scheduled_between` of each pair `(low[i], high[i])`, as an array of
+    bools (the host's choice for many calls at once)."""
+    low = np.asarray(low, np.int64)
+    high = np.asarray(high, np.int64)
+    out = np.zeros(np.broadcast(low, high).shape, bool)
+    for request in requests:
+        schedule = request.schedule
+        if not schedule.every_step:
+            top = high if schedule.last_step is None else np.minimum(high, schedule.last_step)
+            every = schedule.every_n_steps
+            out |= (low <= top) & ((low <= schedule.first_steps) | (top // every * every >= low))
+        every = request.histogram_every_n_steps
+        if every:
+            out |= high // every * every >= low
+    return out
+
+
 def _or(a, b):
     if a is True or b is True:
         return True

@@ -64,6 +64,7 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+import math
 import threading
 import time
 import warnings
@@ -90,8 +91,8 @@ from kerasdbg.capture import progress as _progress
 from kerasdbg.capture import reads
 from kerasdbg.capture.interface import Capture, supported
 from kerasdbg.capture.requests import (
-    CLASS_COLUMNS, MAX_CLASSES, Record, Request, scheduled_between, sometimes_recorded,
-    unique_paths,
+    CLASS_COLUMNS, MAX_CLASSES, Record, Request, scheduled_between, scheduled_in,
+    sometimes_recorded, unique_paths,
 )
 from kerasdbg.quantities import reductions
 from kerasdbg.records import tags as _tags
@@ -916,13 +917,18 @@ class Engine(Capture):
             step = self._jitted(model)
         else:
             engine = self
+            both: list = []  # [every-step, full] once each has run (this execution)
 
             def step(state, carry, data):
                 full = variants.wanted()
                 variants.called()
+                if both:
+                    return both[full](state, carry, data)
                 function = engine._jitted(model, full=full)
                 other = engine._jitted(model, full=not full)
                 if not isinstance(other, _Jitted) or other.ready:
+                    if isinstance(function, _Jitted) and isinstance(other, _Jitted):
+                        both.extend((other, function) if full else (function, other))
                     return function(state, carry, data)
                 # The variant not needed first, compiled for this call's shapes
                 # before the loop needs it (not at a step mid-fit), beside the
@@ -969,14 +975,15 @@ class Engine(Capture):
             try:
                 if engine._wants("wrap"):
                     return engine._timed_execution(step, steps, state, carry, iterator)
+                keep = engine._keeps_batches()
                 data = next(iterator)
                 logs, state, carry, records = step(state, carry, data)
-                engine._add(records, data)
+                engine._add(records, data, keep)
                 try:
                     for _ in range(steps - 1):
                         data = next(iterator)
                         logs, state, carry, records = step(state, carry, data)
-                        engine._add(records, data)
+                        engine._add(records, data, keep)
                 except StopIteration:
                     pass
             except _StepFailed as failed:
@@ -1121,15 +1128,24 @@ class Engine(Capture):
     def _localizes(self) -> bool:
         return any(r.localize for r in self.requests)
 
-    def _add(self, records, data) -> None:
-        """Keeps a step's records until they are read, and with NaN location
-        its batch (a reference, no copy: the batches of one execution)."""
+    def _keeps_batches(self) -> bool:
+        """Whether the steps keep their batches (NaN location, until a fault
+        of this fit is located): decided once an execution."""
+        return not self._located and self._localizes()
+
+    def _add(self, records, data, keep: Optional[bool] = None) -> None:
+        """Keeps a step's records until they are read, and where `keep`
+        (None: `_keeps_batches()`) its batch (a reference, no copy: the
+        batches of one execution)."""
         self._pending.append(records)
-        kept = data if self._localizes() and not self._located else None
-        self._pending_data.append(kept)
-        if kept is not None:
+        if keep is None:
+            keep = self._keeps_batches()
+        if keep:
+            self._pending_data.append(data)
             # Bounded: past LOCATE_BYTES of batches kept, the host reads (`collect`).
-            self._data_bytes += _nbytes(kept)
+            self._data_bytes += _nbytes(data)
+        else:
+            self._pending_data.append(None)
 
     def _wants(self, kind: str) -> bool:
         return any(r.kind == kind for r in self.requests)
@@ -1715,6 +1731,9 @@ class _Variants:
         self.requests = requests
         self.made = 0  # calls of the step this fit
         self.anchor: Dict[int, Tuple[int, int]] = {}  # number -> (call, its last step)
+        # `(first call, [wanted at each call from it])`, worked out at once for
+        # the calls up to the next read (which moves the anchors).
+        self._window: Optional[Tuple[int, List[bool]]] = None
 
     @classmethod
     def of(cls, engine: "Engine", model) -> Optional["_Variants"]:
@@ -1726,8 +1745,31 @@ class _Variants:
         return cls(engine, requests) if requests else None
 
     def wanted(self) -> bool:
-        """Whether the next call runs the full variant."""
+        """Whether the next call runs the full variant: after the fit's first
+        read (the step traced, each optimizer's applies a call known), read
+        off the window of the calls until the next read."""
         call = self.made + 1
+        window = self._window
+        if window is not None:
+            offset = call - window[0]
+            if 0 <= offset < len(window[1]):
+                return window[1][offset]
+        if not self.anchor:
+            return self.wanted_at(call)
+        calls = np.arange(call, call + WINDOW_CALLS, dtype=np.int64)
+        wanted = np.zeros(WINDOW_CALLS, bool)
+        for hook in self.engine.hooks.values():
+            applies = max(hook.applies, 1)
+            since, last = self.anchor.get(hook.number,
+                                          (0, self.engine._fit_start.get(hook.number, 0)))
+            first = last + (calls - since - 1) * applies + 1
+            low = np.full_like(first, last + 1) if hook.scale_index is not None else first
+            wanted |= scheduled_in(self.requests, np.maximum(low, 1), first + applies - 1)
+        self._window = (call, wanted.tolist())
+        return self._window[1][0]
+
+    def wanted_at(self, call: int) -> bool:
+        """Whether call `call` runs the full variant (the anchors as they are)."""
         for hook in self.engine.hooks.values():
             applies = max(hook.applies, 1)
             since, last = self.anchor.get(hook.number,
@@ -1744,6 +1786,11 @@ class _Variants:
     def seen(self, number: int, call: int, step: int) -> None:
         """A read: call `call` of this fit made optimizer `number`'s step `step` last."""
         self.anchor[number] = (call, step)
+        self._window = None
+
+
+WINDOW_CALLS = 512
+"""The calls whose variant `_Variants.wanted` works out at once."""
 
 
 KEPT_PROGRAMS = 4
@@ -1898,7 +1945,13 @@ def _nbytes(data) -> int:
     """The bytes of the arrays of a batch (0 for None)."""
     if data is None:
         return 0
-    return sum(int(getattr(leaf, "nbytes", 0) or 0) for leaf in jax.tree_util.tree_leaves(data))
+    total = 0
+    for leaf in jax.tree_util.tree_leaves(data):
+        # From the shape and dtype: a JAX array's `nbytes` costs microseconds.
+        shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+        if shape is not None and dtype is not None:
+            total += math.prod(shape) * np.dtype(dtype).itemsize
+    return total
 
 
 def _examples(data) -> float:
