@@ -35,7 +35,8 @@ DEFAULT_SECONDS = 0.1
 RING_STEPS = 256
 """Steps a ring holds: at most this many steps between two reads."""
 ENVIRONMENT = "KERASDBG_READ_INTERVAL"
-"""The environment variable that sets the interval (seconds, as a number)."""
+"""The environment variable that sets the interval (seconds, as a number),
+looked up at a fit's start and at each read."""
 
 _set: dict = {"seconds": None, "generation": 0}
 
