@@ -32,7 +32,7 @@ class BatchEndWork:
     batch is decided) and the work the callbacks do after one: `StopOnRule`
     popping its rows (`StepRows.pop_blocks(final=False)`), writing its own
     scalars, and the statistics callbacks' consumers. A batch end that reads
-    nothing does none of it (`kerasdbg.capture.reads.ReadClock.read_at`)."""
+    nothing does none of it."""
 
     def __init__(self, monkeypatch):
         from kerasdbg.callbacks import _statistics

@@ -265,21 +265,6 @@ def test_the_first_callback_at_a_batch_decides_for_the_others():
     assert clock.first_at(4)
 
 
-def test_the_clock_says_which_batch_end_read():
-    """`read_at`: the callbacks after the first at a batch end know whether
-    it read (a final read, no batch, always counts as one)."""
-    clock = read_clock.ReadClock()
-    clock.begin_fit()
-    assert clock.first_at(3)
-    clock.read()
-    assert clock.read_at(3) and not clock.read_at(2)
-    assert clock.first_at(4)  # decided: no read
-    assert not clock.read_at(4) and not clock.read_at(3)
-    assert clock.read_at(None)
-    clock.final()
-    assert clock.first_at(3) and not clock.read_at(3)  # the next epoch's batch 3
-
-
 def test_a_new_interval_holds_from_the_next_batch_end(monkeypatch):
     """The deadline kept since the last read follows `set_read_interval`."""
     now = [50.0]
@@ -313,3 +298,26 @@ def test_a_batch_end_that_reads_nothing_does_nothing(spe, small_ring, monkeypatc
     assert load_run(str(tmp_path)).scalars("step/loss").step.tolist() == \
         list(range(1, 2 * STEPS + 1))
     assert callbacks[2].verdicts == []
+
+
+def test_the_environments_interval_is_looked_up_once_after_each_read(monkeypatch):
+    """`KERASDBG_READ_INTERVAL` holds from the first batch end after a read;
+    a bad value set during a fit is said there, never by a final read."""
+    now = [10.0]
+    monkeypatch.setattr(read_clock.time, "monotonic", lambda: now[0])
+    kerasdbg.set_read_interval(None)
+    monkeypatch.setenv(read_clock.ENVIRONMENT, "10")
+    clock = read_clock.ReadClock()
+    clock.begin_fit()
+    clock.read()
+    now[0] += 1
+    assert not clock.due(1, 1, 256)  # the deadline: 10 s after the read
+    monkeypatch.setenv(read_clock.ENVIRONMENT, "0.5")
+    assert not clock.due(1, 1, 256)  # until the next read
+    clock.read()
+    now[0] += 1
+    assert clock.due(1, 1, 256)
+    monkeypatch.setenv(read_clock.ENVIRONMENT, "soon")
+    clock.read()  # a read (a final one too) does not look it up
+    with pytest.raises(ValueError, match=read_clock.ENVIRONMENT):
+        clock.due(1, 1, 256)

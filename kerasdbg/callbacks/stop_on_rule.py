@@ -822,7 +822,7 @@ class StopOnRule(AfterEachExecution, ModelWithoutSync, CopiedAsNew, keras.callba
                           f"Cause: {type(error).__name__}: {error}", RuntimeWarning, stacklevel=2)
             return
         if batch is not None and not self._rows.waiting and not self._taps and \
-                not self.__dict__.get("_unwritten") and not self._engine.read_at(batch):
+                not self.__dict__.get("_unwritten"):
             return  # a batch end that read nothing: nothing new to judge or write
         self._rolled_to = None
         blocks = self._rows.pop_blocks(final=batch is None)

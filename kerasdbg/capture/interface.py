@@ -70,12 +70,6 @@ class Capture(abc.ABC):
     def collect(self, final: bool = True, batch: Optional[int] = None) -> None:
         """Reads what the steps since the last call recorded and hands it out."""
 
-    def read_at(self, batch: Optional[int]) -> bool:
-        """Whether the `collect` at the end of batch `batch` read records (the
-        first callback there decides for the others): where it did not, a
-        callback has nothing new to hand out. True where unknown."""
-        return True
-
     @abc.abstractmethod
     def detach(self, request) -> None:
         """Removes a request; the last one restores the model."""

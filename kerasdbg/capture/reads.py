@@ -36,7 +36,7 @@ RING_STEPS = 256
 """Steps a ring holds: at most this many steps between two reads."""
 ENVIRONMENT = "KERASDBG_READ_INTERVAL"
 """The environment variable that sets the interval (seconds, as a number),
-looked up at a fit's start and at each read."""
+looked up at a fit's start and once after each read."""
 
 _set: dict = {"seconds": None, "generation": 0}
 
@@ -109,11 +109,10 @@ class ReadClock:
     """Decides, at each execution's end, whether the host reads now.
 
     `executed()` counts an execution; `due(...)` says whether to read;
-    `read()` notes a read; `read_at(batch)` says whether the end of `batch`
-    read (for the callbacks that come after the one that decided there).
-    Counts what it decided (`reads`), for tests. A batch end where no read
-    is due costs a few comparisons: the interval is looked up at a read
-    (and again after `set_read_interval`), not at every batch."""
+    `read()` notes a read. Counts what it decided (`reads`), for tests. A
+    batch end where no read is due costs a few comparisons: the interval is
+    looked up once after each read (and again after `set_read_interval`),
+    not at every batch."""
 
     def __init__(self):
         self.reads = 0
@@ -122,13 +121,12 @@ class ReadClock:
         self._generation = -1  # `set_read_interval`'s, when the deadline was computed
         self._executions = 0  # since the last read
         self._batch: Optional[int] = None  # the batch end already decided
-        self._read_batch: Optional[int] = None  # the batch end that read
 
     def begin_fit(self) -> None:
         interval()  # a bad KERASDBG_READ_INTERVAL is said at the fit's start
         self._last = None
         self._executions = 0
-        self._batch = self._read_batch = None
+        self._batch = None
 
     def first_at(self, batch: Optional[int]) -> bool:
         """Whether this is the first call at the end of batch `batch`: each
@@ -141,14 +139,9 @@ class ReadClock:
         self._batch = batch
         return True
 
-    def read_at(self, batch: Optional[int]) -> bool:
-        """Whether the host read at the end of batch `batch` (the last batch
-        end decided; always True for None, a final read)."""
-        return batch is None or (batch == self._batch and batch == self._read_batch)
-
     def final(self) -> None:
         """A final read (an epoch's or the fit's end): the next batch is new."""
-        self._batch = self._read_batch = None
+        self._batch = None
 
     def executed(self) -> None:
         self._executions += 1
@@ -174,10 +167,8 @@ class ReadClock:
     def read(self) -> None:
         self.reads += 1
         self._last = time.monotonic()
-        self._generation = _set["generation"]
-        self._deadline = self._last + interval()
+        self._generation = -1  # the deadline: at the next `due`
         self._executions = 0
-        self._read_batch = self._batch
 
 
 __all__ = ("DEFAULT_SECONDS", "RING_STEPS", "ENVIRONMENT", "ReadClock", "interval",

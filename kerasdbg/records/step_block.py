@@ -45,7 +45,7 @@ class StepBlock:
     def rows(self, start: int, end: int) -> "StepBlock":
         """The steps `start` to `end` (excluded) as a block (a view of the
         values; the block itself for all of its steps)."""
-        if start <= 0 and end >= len(self.steps):
+        if start == 0 and end >= len(self.steps):
             return self
         part = StepBlock.__new__(StepBlock)
         part.steps, part.tags, part._plan = self.steps[start:end], self.tags, self._plan

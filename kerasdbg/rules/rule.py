@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Collection, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
@@ -109,6 +110,22 @@ class RuleWarning(DiagnosisWarning):
         >>> issubclass(RuleWarning, RuntimeWarning)
         False
     """
+
+
+_CACHES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def caches(rule) -> dict:
+    """What a rule works out once and reads again (`Rule._of_block`, a
+    layout's columns): kept beside the rule, not in its attributes, so that
+    a copy of the rule (a snapshot of its memory, a tuner's) copies none."""
+    try:
+        found = _CACHES.get(rule)
+        if found is None:
+            found = _CACHES[rule] = {}
+    except TypeError:  # a rule that takes no weak reference (`__slots__`): none kept
+        return {}
+    return found
 
 
 class Rule:
@@ -220,13 +237,14 @@ class Rule:
         block computes them once a read. `compute` may read what the rule
         remembers: between the two nothing changed it (its `check` judged no
         step of the block, or the advance would be over fewer steps)."""
+        cache = caches(self)
         if not screening:
-            kept, self._cache_block = self.__dict__.get("_cache_block"), None
+            kept = cache.pop("block", None)
             if kept is not None and kept[0] is block:
                 return kept[1]
             return compute(block)
         value = compute(block)
-        self._cache_block = (block, value)
+        cache["block"] = (block, value)
         return value
 
     def get_config(self) -> dict:

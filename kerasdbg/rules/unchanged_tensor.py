@@ -14,7 +14,7 @@ from kerasdbg.rules._construction import Construction
 from kerasdbg.records.step_record import statistics_by_tensor
 from kerasdbg.records.tags import STEP, statistic
 from kerasdbg.rules._decay import DECAY, ROUNDING, decay_fractions, still
-from kerasdbg.rules.rule import COLLECTIONS, Rule
+from kerasdbg.rules.rule import COLLECTIONS, Rule, caches
 
 # Statistics compared between steps, where recorded.
 COMPARED = ("l2_norm", "mean", "std", "min", "max", "mean_abs", "zero_fraction")
@@ -126,7 +126,7 @@ class UnchangedTensor(Rule):
         tags; worked out once per layout): `(keys, [(positions in keys,
         names, columns [tensors, names])], the decay fractions' columns,
         [(position in keys, the update ratio's column)] of the weights)`."""
-        known = self.__dict__.setdefault("_cache_columns", {})
+        known = caches(self).setdefault("columns", {})
         found = known.get(id(plan))
         if found is not None and found[0] is plan:
             return found[1]

@@ -408,12 +408,9 @@ class Engine(Capture):
         """`(steps_per_execution, rows of a ring)` of the model now."""
         steps = int(getattr(self._model(), "steps_per_execution", 1) or 1)
         known = self.__dict__.get("_ring_of")
-        if known is None or known[0] != steps:
-            known = self._ring_of = (steps, reads.ring_rows(steps))
-        return known
-
-    def read_at(self, batch: Optional[int]) -> bool:
-        return self.clock.read_at(batch)
+        if known is None or known[0] != (steps, reads.RING_STEPS):
+            known = self._ring_of = ((steps, reads.RING_STEPS), (steps, reads.ring_rows(steps)))
+        return known[1]
 
     def hold_next_execution(self) -> None:
         if self._last_logs is not None:  # an execution ran: its logs stand for this one
@@ -1734,6 +1731,8 @@ class _Variants:
         # `(first call, [wanted at each call from it])`, worked out at once for
         # the calls up to the next read (which moves the anchors).
         self._window: Optional[Tuple[int, List[bool]]] = None
+        self._seen_call = 0  # the call of the last read
+        self._span = 0  # the calls between the last two reads
 
     @classmethod
     def of(cls, engine: "Engine", model) -> Optional["_Variants"]:
@@ -1754,7 +1753,8 @@ class _Variants:
             offset = call - window[0]
             if 0 <= offset < len(window[1]):
                 return window[1][offset]
-        if not self.anchor:
+        if not self.anchor or self._span < WINDOW_SPAN:
+            # Before the first read, or reads every few calls: call by call.
             return self.wanted_at(call)
         calls = np.arange(call, call + WINDOW_CALLS, dtype=np.int64)
         wanted = np.zeros(WINDOW_CALLS, bool)
@@ -1787,10 +1787,14 @@ class _Variants:
         """A read: call `call` of this fit made optimizer `number`'s step `step` last."""
         self.anchor[number] = (call, step)
         self._window = None
+        if call != self._seen_call:
+            self._span, self._seen_call = call - self._seen_call, call
 
 
 WINDOW_CALLS = 512
 """The calls whose variant `_Variants.wanted` works out at once."""
+WINDOW_SPAN = 16
+"""The fewest calls between two reads for which a window pays."""
 
 
 KEPT_PROGRAMS = 4
@@ -1949,8 +1953,10 @@ def _nbytes(data) -> int:
     for leaf in jax.tree_util.tree_leaves(data):
         # From the shape and dtype: a JAX array's `nbytes` costs microseconds.
         shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
-        if shape is not None and dtype is not None:
+        try:
             total += math.prod(shape) * np.dtype(dtype).itemsize
+        except TypeError:  # no shape, or a dtype NumPy does not know (a PRNG key's)
+            total += int(getattr(leaf, "nbytes", 0) or 0)
     return total
 
 

@@ -996,9 +996,6 @@ class Engine(Capture):
         _buffers.write_row(self._step_values, row, tf.stack(fixed + scalars + padding))
 
     # ----------------------------------------------------------- on host
-    def read_at(self, batch: Optional[int]) -> bool:
-        return self.collector.clock.read_at(batch)
-
     def collect(self, final: bool = True, batch: Optional[int] = None) -> None:
         """Reads the rows written since the last call and hands them out
         (`Collector.collect`); at the end of batch `batch` (`final=False`)
