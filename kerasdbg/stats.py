@@ -405,7 +405,7 @@ class _Segments:
         if "max" in needs:
             raw["max"] = B.reduce_max(B.where(real, m, B.constant(-np.inf, dtype)), axis=1)
         zeros = B.zeros([len(valid)], dtype)
-        return B.cast(B.stack([raw.get(r, zeros) for r in _RAW], axis=1), B.float64)
+        return B.cast(B.stack_small([raw.get(r, zeros) for r in _RAW], axis=1), B.float64)
 
 
 def _size_classes(sizes: Sequence[int]) -> list:
@@ -489,7 +489,7 @@ def _finish(raw: Tensor, sizes: Sequence[Any], stats: Tuple[str, ...]) -> Tensor
         "inf_count": lambda: n - finite - nans,
     }
     zero = B.zeros_like(n)
-    return B.stack([out[s]() if s in out else zero for s in stats], axis=1)
+    return B.stack_small([out[s]() if s in out else zero for s in stats], axis=1)
 
 
 def _nonfinite_norm(x: Tensor, norm: Tensor) -> Tensor:

@@ -70,4 +70,6 @@ def all_finite(tensors) -> "stats_lib.Tensor":
                else stats_lib.Packed.of([B.dense(t) for t in tensors])).vectors
     if not vectors:
         return B.constant(True)
-    return B.reduce_all(B.stack([B.reduce_all(B.is_finite(v)) for v in vectors]))
+    if len(vectors) == 1:
+        return B.all_finite(vectors[0])
+    return B.reduce_all(B.stack([B.all_finite(v) for v in vectors]))

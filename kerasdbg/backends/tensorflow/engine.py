@@ -21,6 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from kerasdbg.backends.tensorflow import buffers as _buffers
+from kerasdbg.backends.tensorflow import ops as _ops
 from kerasdbg.sinks import events as _events
 from kerasdbg.backends.tensorflow import distribute
 from kerasdbg.capture import keras_objects
@@ -926,7 +927,7 @@ class Engine(Capture):
         if tensors is not None and context.step_slots is not None:
             tensors.record_after(step, context.step_slots)
         updated = tf.constant(1, tf.int64) if updates is True else tf.cast(updates, tf.int64)
-        meta = tf.stack([train_id, step, tf.cast(skipped, tf.int64), updated])
+        meta = _ops.stack_small([train_id, step, tf.cast(skipped, tf.int64), updated])
         _buffers.write_row(channel.meta, row, meta)
 
     def _end_step(self, state: _StepState, logs) -> None:
@@ -993,7 +994,7 @@ class Engine(Capture):
                  fault,
                  nan if state.first_fault is None else tf.cast(state.first_fault, tf.float64)]
         padding = [nan] * (MAX_STEP_SCALARS - len(scalars))
-        _buffers.write_row(self._step_values, row, tf.stack(fixed + scalars + padding))
+        _buffers.write_row(self._step_values, row, _ops.stack_small(fixed + scalars + padding))
 
     # ----------------------------------------------------------- on host
     def collect(self, final: bool = True, batch: Optional[int] = None) -> None:

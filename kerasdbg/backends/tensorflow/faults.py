@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from kerasdbg.backends.tensorflow import buffers as _buffers
 from kerasdbg.backends.tensorflow import graph_functions
+from kerasdbg.backends.tensorflow import ops as _ops
 from kerasdbg import _replay
 from kerasdbg.records import tags as _tags
 from kerasdbg.backends.tensorflow import distribute
@@ -759,7 +760,7 @@ class Faults:
         # The padding as one constant, not hundreds of stacked scalars.
         padding = tf.fill([1 + MAX_GUARD_VALUES - len(values)], tf.constant(np.nan, tf.float64))
         row = tf.math.floormod(state.train_id - 1, int(self._guard.shape[0]))
-        _buffers.write_row(self._guard, row, tf.concat([tf.stack(values), padding], 0))
+        _buffers.write_row(self._guard, row, tf.concat([_ops.stack_small(values), padding], 0))
 
     def guard_scalars(self, train_id: int, several: bool) -> Dict[str, float]:
         """The guard's values of train step `train_id` (host read), by tag:

@@ -6,7 +6,10 @@ eagerly, in a `tf.function`, under XLA and in a replica context.
 
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
+from tensorflow.python.framework import ops as _tf_ops
+from tensorflow.python.ops import control_flow_util as _control_flow
 
 float32, float64, int32, int64, bool_ = tf.float32, tf.float64, tf.int32, tf.int64, tf.bool
 
@@ -86,5 +89,63 @@ def padded_rows(x, index, offsets, sizes, pieces=None):
 
 
 def reduce_sums(terms, axis):
-    """The sums of same-shaped `terms` along `axis` (one reduction each)."""
-    return [tf.reduce_sum(t, axis=axis) for t in terms]
+    """The sums of same-shaped `terms` along `axis`, in their dtype.
+
+    The rows of 2-D terms (`axis=1`, a width known when traced) are summed
+    together as one float64 matrix-vector product with ones: one kernel for
+    every term and row, where XLA's CPU compiler makes each float reduction
+    of more than 32 elements a chain of partial sums (a kernel per level:
+    three for the 4,096-wide rows of the statistics' padded matrices); the
+    float64 accumulation rounds once, to the terms' dtype (a sum too large
+    for it is inf, as a reduction in it makes it). Otherwise one reduction
+    each."""
+    width = terms[0].shape[-1] if terms else None
+    if axis != 1 or width is None or any(t.shape.rank != 2 for t in terms):
+        return [tf.reduce_sum(t, axis=axis) for t in terms]
+    rows = tf.concat([tf.cast(t, tf.float64) for t in terms], 0)
+    sums = tf.linalg.matvec(rows, tf.constant(np.ones(width), tf.float64))
+    return [tf.cast(s, t.dtype) for s, t in zip(tf.split(sums, len(terms)), terms)]
+
+
+def all_finite(x):
+    """Whether every element of the flat vector `x` is finite (a boolean
+    scalar).
+
+    A float vector of more than 32 elements (its length known when traced)
+    takes its dot product with zeros, finite exactly when every element is
+    (a NaN or an infinity times 0 is NaN): one kernel, where XLA's CPU
+    compiler makes the reduction of the elements' tests a chain of partial
+    reductions (a kernel per level)."""
+    size = x.shape[0] if x.shape.rank == 1 else None
+    if size is None or size <= 32 or not x.dtype.is_floating:
+        return tf.reduce_all(tf.math.is_finite(x))
+    zeros = tf.constant(np.zeros(size, np.float32))
+    return tf.math.is_finite(tf.tensordot(tf.cast(x, tf.float32), zeros, 1))
+
+
+def stack_small(values, axis=0):
+    """`tf.stack(values, axis)` of a few tensors of one dtype and static
+    shape (a statistics table's columns, a step's row of scalars).
+
+    Under XLA, as selects on a broadcast position instead of a
+    concatenation: XLA's CPU compiler fuses no computed operand into a
+    concatenation (each is a kernel of its own, a slice or a cast of one
+    element), and fuses the selects with their operands into one kernel.
+    Elsewhere (eagerly, or in a graph that XLA does not compile, where each
+    select would be an op to run) `tf.stack`."""
+    values = [tf.convert_to_tensor(v) for v in values]
+    shape, dtype = values[0].shape, values[0].dtype
+    if (len(values) < 2 or not shape.is_fully_defined()
+            or any(v.shape != shape or v.dtype != dtype for v in values)
+            or tf.executing_eagerly()
+            or not _control_flow.GraphOrParentsInXlaContext(_tf_ops.get_default_graph())):
+        return tf.stack(values, axis)
+    rank = shape.rank + 1
+    axis = axis % rank
+    out_shape = shape[:axis].concatenate([len(values)]).concatenate(shape[axis:])
+    position = tf.reshape(tf.range(len(values)), [len(values) if i == axis else 1
+                                                  for i in range(rank)])
+    out = tf.broadcast_to(tf.expand_dims(values[0], axis), out_shape)
+    for j, value in enumerate(values[1:], 1):
+        out = tf.where(tf.equal(position, j), tf.expand_dims(value, axis), out)
+    return out
