@@ -99,6 +99,7 @@ def reduce_sums(terms, axis):
     float64 accumulation rounds once, to the terms' dtype (a sum too large
     for it is inf, as a reduction in it makes it). Otherwise one reduction
     each."""
+    terms = [tf.convert_to_tensor(t) for t in terms]
     width = terms[0].shape[-1] if terms else None
     if axis != 1 or width is None or any(t.shape.rank != 2 for t in terms):
         return [tf.reduce_sum(t, axis=axis) for t in terms]
@@ -116,11 +117,14 @@ def all_finite(x):
     (a NaN or an infinity times 0 is NaN): one kernel, where XLA's CPU
     compiler makes the reduction of the elements' tests a chain of partial
     reductions (a kernel per level)."""
+    x = tf.convert_to_tensor(x)
     size = x.shape[0] if x.shape.rank == 1 else None
     if size is None or size <= 32 or not x.dtype.is_floating:
         return tf.reduce_all(tf.math.is_finite(x))
-    zeros = tf.constant(np.zeros(size, np.float32))
-    return tf.math.is_finite(tf.tensordot(tf.cast(x, tf.float32), zeros, 1))
+    # float16 and bfloat16 widened: their largest value times 0 is 0 in float32.
+    dtype = x.dtype if x.dtype in (tf.float32, tf.float64) else tf.float32
+    zeros = tf.constant(np.zeros(size), dtype)
+    return tf.math.is_finite(tf.tensordot(tf.cast(x, dtype), zeros, 1))
 
 
 def stack_small(values, axis=0):
