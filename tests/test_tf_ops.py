@@ -59,7 +59,8 @@ def test_all_finite_says_whether_every_element_is(mode, dtype):
     function = MODES[mode](ops.all_finite)
     cases = {
         "finite": np.ones(1000),
-        "large finite": np.r_[np.full(500, np.finfo(dtype).max), np.full(500, -np.finfo(dtype).max)],
+        "large finite": np.r_[np.full(500, np.finfo(dtype).max),
+                              np.full(500, -np.finfo(dtype).max)],
         "one nan": np.r_[np.ones(999), np.nan],
         "one inf": np.r_[np.inf, np.ones(999)],
         "one -inf": np.r_[np.ones(500), -np.inf, np.ones(499)],
