@@ -6,7 +6,6 @@ eagerly, in a `tf.function`, under XLA and in a replica context.
 
 from __future__ import annotations
 
-import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import ops as _tf_ops
 from tensorflow.python.ops import control_flow_util as _control_flow
@@ -88,23 +87,48 @@ def padded_rows(x, index, offsets, sizes, pieces=None):
     return tf.gather(padded, index)
 
 
+def _xla_context() -> bool:
+    """Whether ops made now are compiled by XLA (a `jit_compile` function or
+    one it calls); never eagerly."""
+    return (not tf.executing_eagerly()
+            and _control_flow.GraphOrParentsInXlaContext(_tf_ops.get_default_graph()))
+
+
+_ACCELERATORS: list = []
+
+
+def _xla_on_cpu() -> bool:
+    """Whether ops made now are compiled by XLA's CPU compiler: in an XLA
+    context, on a machine with no GPU or TPU (where XLA compiles for those,
+    a reduction is one kernel and an accelerator may round a float32 product
+    to TensorFloat-32)."""
+    if not _xla_context():
+        return False
+    if not _ACCELERATORS:
+        _ACCELERATORS.append(bool(tf.config.list_logical_devices("GPU")
+                                  or tf.config.list_logical_devices("TPU")))
+    return not _ACCELERATORS[0]
+
+
 def reduce_sums(terms, axis):
     """The sums of same-shaped `terms` along `axis`, in their dtype.
 
-    The rows of 2-D terms (`axis=1`, a width known when traced) are summed
-    together as one float64 matrix-vector product with ones: one kernel for
-    every term and row, where XLA's CPU compiler makes each float reduction
-    of more than 32 elements a chain of partial sums (a kernel per level:
-    three for the 4,096-wide rows of the statistics' padded matrices); the
-    float64 accumulation rounds once, to the terms' dtype (a sum too large
-    for it is inf, as a reduction in it makes it). Otherwise one reduction
-    each."""
+    Under XLA's CPU compiler, the rows of 2-D float terms of one static
+    shape (`axis=1`) are summed together as one float64 matrix-vector
+    product with ones: one kernel for every term and row, where that
+    compiler makes each float reduction of more than 32 elements a chain of
+    partial sums (a kernel per level: three for the 4,096-wide rows of the
+    statistics' padded matrices); the float64 accumulation rounds once, to
+    the terms' dtype (a sum too large for it is inf, as a reduction in it
+    makes it). Otherwise one reduction each."""
     terms = [tf.convert_to_tensor(t) for t in terms]
-    width = terms[0].shape[-1] if terms else None
-    if axis != 1 or width is None or any(t.shape.rank != 2 for t in terms):
+    shape = terms[0].shape if terms else None
+    if (axis != 1 or shape is None or shape.rank != 2 or not shape.is_fully_defined()
+            or any(t.shape != shape or not t.dtype.is_floating for t in terms)
+            or not _xla_on_cpu()):
         return [tf.reduce_sum(t, axis=axis) for t in terms]
     rows = tf.concat([tf.cast(t, tf.float64) for t in terms], 0)
-    sums = tf.linalg.matvec(rows, tf.constant(np.ones(width), tf.float64))
+    sums = tf.linalg.matvec(rows, tf.ones([shape[1]], tf.float64))
     return [tf.cast(s, t.dtype) for s, t in zip(tf.split(sums, len(terms)), terms)]
 
 
@@ -112,19 +136,24 @@ def all_finite(x):
     """Whether every element of the flat vector `x` is finite (a boolean
     scalar).
 
-    A float vector of more than 32 elements (its length known when traced)
-    takes its dot product with zeros, finite exactly when every element is
-    (a NaN or an infinity times 0 is NaN): one kernel, where XLA's CPU
-    compiler makes the reduction of the elements' tests a chain of partial
-    reductions (a kernel per level)."""
+    Under XLA's CPU compiler a float vector of more than 32 elements (its
+    length known when traced) takes its dot product with zeros, finite
+    exactly when every element is (a NaN or an infinity times 0 is NaN): one
+    kernel, where that compiler makes the reduction of the elements' tests a
+    chain of partial reductions (a kernel per level). Otherwise one
+    reduction."""
     x = tf.convert_to_tensor(x)
     size = x.shape[0] if x.shape.rank == 1 else None
-    if size is None or size <= 32 or not x.dtype.is_floating:
+    if size is None or size <= 32 or not x.dtype.is_floating or not _xla_on_cpu():
         return tf.reduce_all(tf.math.is_finite(x))
     # float16 and bfloat16 widened: their largest value times 0 is 0 in float32.
     dtype = x.dtype if x.dtype in (tf.float32, tf.float64) else tf.float32
-    zeros = tf.constant(np.zeros(size), dtype)
-    return tf.math.is_finite(tf.tensordot(tf.cast(x, dtype), zeros, 1))
+    return tf.math.is_finite(tf.tensordot(tf.cast(x, dtype), tf.zeros([size], dtype), 1))
+
+
+# More values than this are stacked as they are (the selects grow with the
+# square of their number).
+STACK_SELECTS = 64
 
 
 def stack_small(values, axis=0):
@@ -136,15 +165,16 @@ def stack_small(values, axis=0):
     concatenation (each is a kernel of its own, a slice or a cast of one
     element), and fuses the selects with their operands into one kernel.
     Elsewhere (eagerly, or in a graph that XLA does not compile, where each
-    select would be an op to run) `tf.stack`."""
+    select would be an op to run), and for more than `STACK_SELECTS` values,
+    `tf.stack`."""
     values = [tf.convert_to_tensor(v) for v in values]
     shape, dtype = values[0].shape, values[0].dtype
-    if (len(values) < 2 or not shape.is_fully_defined()
+    rank = shape.rank + 1 if shape.rank is not None else None
+    if (not 2 <= len(values) <= STACK_SELECTS or rank is None or not -rank <= axis < rank
+            or not shape.is_fully_defined()
             or any(v.shape != shape or v.dtype != dtype for v in values)
-            or tf.executing_eagerly()
-            or not _control_flow.GraphOrParentsInXlaContext(_tf_ops.get_default_graph())):
+            or not _xla_context()):
         return tf.stack(values, axis)
-    rank = shape.rank + 1
     axis = axis % rank
     out_shape = shape[:axis].concatenate([len(values)]).concatenate(shape[axis:])
     position = tf.reshape(tf.range(len(values)), [len(values) if i == axis else 1
