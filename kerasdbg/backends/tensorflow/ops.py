@@ -6,9 +6,15 @@ eagerly, in a `tf.function`, under XLA and in a replica context.
 
 from __future__ import annotations
 
+import functools
+
 import tensorflow as tf
 from tensorflow.python.framework import ops as _tf_ops
-from tensorflow.python.ops import control_flow_util as _control_flow
+
+try:  # TensorFlow's own test of an XLA context; without it, the plain forms
+    from tensorflow.python.ops import control_flow_util as _control_flow
+except ImportError:  # pragma: no cover - a TensorFlow that moved it
+    _control_flow = None
 
 float32, float64, int32, int64, bool_ = tf.float32, tf.float64, tf.int32, tf.int64, tf.bool
 
@@ -90,11 +96,14 @@ def padded_rows(x, index, offsets, sizes, pieces=None):
 def _xla_context() -> bool:
     """Whether ops made now are compiled by XLA (a `jit_compile` function or
     one it calls); never eagerly."""
-    return (not tf.executing_eagerly()
+    return (_control_flow is not None and not tf.executing_eagerly()
             and _control_flow.GraphOrParentsInXlaContext(_tf_ops.get_default_graph()))
 
 
-_ACCELERATORS: list = []
+@functools.lru_cache(maxsize=None)
+def _accelerated() -> bool:
+    """Whether this machine has a GPU or a TPU TensorFlow can use."""
+    return bool(tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("TPU"))
 
 
 def _xla_on_cpu() -> bool:
@@ -102,12 +111,7 @@ def _xla_on_cpu() -> bool:
     context, on a machine with no GPU or TPU (where XLA compiles for those,
     a reduction is one kernel and an accelerator may round a float32 product
     to TensorFloat-32)."""
-    if not _xla_context():
-        return False
-    if not _ACCELERATORS:
-        _ACCELERATORS.append(bool(tf.config.list_logical_devices("GPU")
-                                  or tf.config.list_logical_devices("TPU")))
-    return not _ACCELERATORS[0]
+    return _xla_context() and not _accelerated()
 
 
 def reduce_sums(terms, axis):
