@@ -396,7 +396,7 @@ class Engine(Capture):
                 and not self._initial:
             # The weights at the fit's start: the model holds them until
             # Keras's loop moves them into its state, at the first batch.
-            self._initial = {str(h.number): [jnp.array(v.value) for v in h.variables]
+            self._initial = {str(h.number): [_copied(v.value) for v in h.variables]
                              for h in self.hooks.values()}
 
     def prepare(self) -> None:
@@ -615,7 +615,7 @@ class Engine(Capture):
                 holder = _UncountedSteps()
                 keras_objects.keep_uncounted_steps(hook.optimizer, holder)
             if holder is not None:
-                skipped[str(hook.number)] = jnp.asarray(int(np.asarray(holder.value)), jnp.int32)
+                skipped[str(hook.number)] = _on_device(int(np.asarray(holder.value)), np.int32)
         if skipped:
             carry[_SKIPPED] = skipped
         if self._guards():
@@ -624,7 +624,7 @@ class Engine(Capture):
             if freeze.rollback:
                 # Always in the carry (its structure is the jitted step's):
                 # the batches left to skip after a rollback, none until one.
-                carry[_FORCED] = jnp.zeros([], jnp.int32)
+                carry[_FORCED] = _on_device(0, np.int32)
 
     def _kept_guard_of(self, hook) -> dict:
         """The spike windows and skip flags an earlier fit left for `hook`'s
@@ -1110,8 +1110,8 @@ class Engine(Capture):
         return _Jitted(jitted, call)
 
     def _first_carry(self, model):
-        carry = {"frozen": jnp.asarray(False), "calls": jnp.asarray(self._calls, jnp.int32),
-                 "initial": self._initial}
+        carry = {"frozen": _on_device(False, np.bool_),
+                 "calls": _on_device(self._calls, np.int32), "initial": self._initial}
         if self._wants("classes"):
             carry[_classes.CARRY] = _classes.zeros()
         self._guard_carry(carry)
@@ -1119,7 +1119,7 @@ class Engine(Capture):
 
     def _first_carry_of(self, carry) -> dict:
         """A fresh carry (not frozen) with the calls counted in `carry`."""
-        return {"frozen": jnp.asarray(False), "calls": carry["calls"],
+        return {"frozen": _on_device(False, np.bool_), "calls": carry["calls"],
                 "initial": self._initial}
 
     def _localizes(self) -> bool:
@@ -1943,6 +1943,30 @@ def _selected(predicate, new: list, old: list) -> list:
     if not new:
         return []
     return list(_ops.cond(predicate, lambda: list(new), lambda: list(old)))
+
+
+def _on_device(value, dtype):
+    """`value` as a device array of `dtype`, put there as `jnp.asarray` puts
+    it (uncommitted) but without compiling a program (`jnp.asarray` of a
+    Python scalar compiles one to stage it: milliseconds at a fit's start).
+
+    Examples:
+        >>> import numpy as np
+        >>> from kerasdbg.backends.jax.engine import _on_device
+        >>> _on_device(3, np.int32).dtype, _on_device(3, np.int32).committed
+        (dtype('int32'), False)
+    """
+    return jax.device_put(np.asarray(value, dtype))
+
+
+def _copied(array):
+    """A copy of a device array on its devices, with its sharding, made
+    without compiling a program (`jnp.array` compiles a copy per shape: 5-10
+    ms each at a fit's start)."""
+    try:
+        return jax.device_put(array, may_alias=False)
+    except TypeError:  # a JAX without `may_alias`
+        return jnp.array(array)
 
 
 def _nbytes(data) -> int:
