@@ -14,6 +14,7 @@ import importlib.util
 import pathlib
 import threading
 
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -184,3 +185,43 @@ def test_a_later_fit_of_another_batch_size_keeps_its_own_programs_and_runs_them_
     fit(program.BATCH // 2)
     assert failed == []
     assert all(len(v.programs) == 2 for v in variants.values())
+
+
+def test_a_fit_compiles_no_program_of_kerasdbg_s_own_beside_its_step():
+    # kerasdbg's host code puts its arrays on the device as they are: the
+    # first carry, the weights kept for distance_from_start. A `jnp` call
+    # on them compiled a small program each (a copy per variable shape, a
+    # staging of each scalar: about 40 ms before a fit's first step). Shapes
+    # no other test uses, so that no compiled program is cached already.
+    import traceback
+
+    import jax
+    import keras
+
+    from kerasdbg.callbacks import GradientStatistics, StopOnRule, WeightStatistics
+
+    own = []
+
+    def listen(event, duration, **kwargs):
+        if not event.endswith("backend_compile_duration") or kwargs.get("fun_name") == "jit(inner)":
+            return
+        frames = [f for f in traceback.extract_stack()
+                  if "/kerasdbg/" in f.filename.replace("\\", "/")]
+        # Keras's own programs run under kerasdbg's wrapper of `fit`, called from it.
+        if frames and not frames[-1].filename.endswith("keras_objects.py"):
+            own.append((kwargs.get("fun_name"), f"{frames[-1].filename}:{frames[-1].lineno}"))
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((13,)), keras.layers.Dense(37, activation="relu"),
+                              keras.layers.Dense(3)])
+    model.compile(keras.optimizers.Adam(1e-3), "mse")
+    x = np.random.default_rng(0).normal(size=(16 * 6, 13)).astype("float32")
+    y = np.random.default_rng(1).normal(size=(16 * 6, 3)).astype("float32")
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False,
+                  callbacks=[GradientStatistics(), WeightStatistics(),
+                             StopOnRule(verbose=False, action="warn")])
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert own == []
