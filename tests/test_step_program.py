@@ -16,6 +16,7 @@ import keras
 import numpy as np
 import pytest
 
+from kerasdbg.backends.tensorflow import graph_functions
 from kerasdbg.backends.tensorflow import variants as variants_lib
 from kerasdbg.callbacks import GradientStatistics, WeightStatistics
 from tests.helpers import tf_step_program
@@ -67,6 +68,36 @@ def test_the_every_step_variant_adds_fusions_that_do_not_grow_with_the_variables
         added[depth] = fusions - plain_fusions
     assert added[2] <= ADDED_AT_MOST[config], added
     assert added[60] - added[2] <= 12, added
+
+
+
+def _graph_ops(functions) -> dict:
+    """The op types of a variant's traced graphs (function libraries included), counted."""
+    found = {}
+    for function in functions:
+        for concrete in function._list_all_concrete_functions():
+            graph = concrete.graph.as_graph_def()
+            for node in list(graph.node) + [n for f in graph.library.function
+                                            for n in f.node_def]:
+                found[node.op] = found.get(node.op, 0) + 1
+    return found
+
+
+def test_a_fit_with_jit_and_one_without_each_take_their_own_form_of_the_statistics():
+    """kerasdbg's statistics are traced once per shapes into a function every
+    fit shares; under XLA their ops take another form (fewer kernels on a
+    CPU). A fit without jit on the same shapes first, then one with: the
+    jit-compiled step adds no more fusions than in a fresh process; and a
+    fit without jit after both traces what it traces alone (on the commit
+    before, the jit fit took the other's form: 63 fusions added, not 23)."""
+    graph_functions.clear()
+    alone = _graph_ops(program.variants("defaults", 2, False)[False])
+    _, plain_fusions = _plain(2, True)
+    _, fusions = program.counts(program.variants("defaults", 2)[False])
+    assert fusions - plain_fusions <= ADDED_AT_MOST["defaults"], (fusions, plain_fusions)
+    graph_functions.clear()
+    program.variants("defaults", 2, True)
+    assert _graph_ops(program.variants("defaults", 2, False)[False]) == alone
 
 
 def test_branch_free_fusions_leave_out_what_a_conditional_calls():

@@ -591,7 +591,7 @@ class Faults:
                 cached = {}
                 object.__setattr__(model, _REPLAYS, cached)
             layout = pack.layout
-            key = (number, id(row), missing, layout,
+            key = (number, id(row), missing, layout, _ops.xla_form(),
                    tuple(graph_functions.signature_key(t) for t in keras.tree.flatten(x)),
                    tuple(graph_functions.signature_key(v) for v in pack.vectors))
             function = cached.get(key)

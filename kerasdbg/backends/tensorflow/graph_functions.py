@@ -37,6 +37,7 @@ from typing import Callable, Hashable, Sequence, Tuple
 import tensorflow as tf
 
 from kerasdbg import stats as stats_lib
+from kerasdbg.backends.tensorflow import ops as _ops
 
 MAX_FUNCTIONS = 512
 """Functions kept (the least recently used go first); one per settings and
@@ -47,6 +48,11 @@ _LOCK = threading.Lock()
 
 
 def _shared(key: Hashable, python_function: Callable, signature, inline: bool = False) -> Callable:
+    # The ops of `kerasdbg.stats` take other forms where XLA compiles them
+    # (`ops.reduce_sums`, `ops.all_finite`, `ops.stack_small`): a body traced
+    # for a graph XLA does not compile (a fit with jit_compile=False) is not
+    # the one to call from a graph it compiles, and the other way round.
+    key = (key, _ops.xla_form())
     with _LOCK:
         function = _FUNCTIONS.get((key, inline))
         if function is None:

@@ -114,6 +114,13 @@ def _xla_on_cpu() -> bool:
     return _xla_context() and not _accelerated()
 
 
+def xla_form() -> tuple:
+    """`(XLA compiles the ops made now, for a CPU)`: what decides the form
+    the ops below take, for a cache of traced functions to key on."""
+    xla = _xla_context()
+    return (xla, xla and not _accelerated())
+
+
 def reduce_sums(terms, axis):
     """The sums of same-shaped `terms` along `axis`, in their dtype.
 
