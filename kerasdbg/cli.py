@@ -91,8 +91,8 @@ def _parser() -> argparse.ArgumentParser:
         "demo",
         help="train a small CNN twice (healthy, learning rate too high) with the instruments",
         description="Trains a small CNN twice, a healthy run and one whose learning rate is "
-        "far too high, with GradientStatistics, WeightStatistics and Keras's TensorBoard "
-        "callback, and prints where the TensorBoard logs are. Example: kerasdbg demo --out runs/demo",
+        "far too high, with GradientStatistics, WeightStatistics, taps and StopOnRule, "
+        "and prints where the TensorBoard logs are. Example: kerasdbg demo --out runs/demo",
     )
     demo.add_argument("--out", default="runs/demo", help="log directory (default: runs/demo)")
     demo.add_argument("--epochs", type=int, default=3, help="epochs per run (default: 3)")

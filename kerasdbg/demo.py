@@ -5,9 +5,9 @@ with `GradientStatistics`, `WeightStatistics`, taps after the ReLU layers
 (`insert_taps` + `ActivationStatistics`), two `StopOnRule`s (one stops
 training at a non-finite loss or gradient, keeping the weights of the last
 good step and naming the layer where the NaN arose; one only warns of dead
-ReLU units) and Keras's own `TensorBoard` callback in one log directory. Each
-run also gets a `kerasdbg report` page. Synthetic data, so nothing is
-downloaded.
+ReLU units), in one log directory. Each run also gets a `kerasdbg report`
+page. Synthetic data, so nothing is downloaded; no TensorFlow needed (the
+epoch logs and the learning rate are `StopOnRule`'s records).
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def train(log_dir: str, learning_rate: float, epochs: int, optimizer: str = "ada
             validation_split=0.1,
             verbose=0,
             callbacks=[gradients, weights, ActivationStatistics(log_dir), StepTimer(log_dir),
-                       stop, watch, keras.callbacks.TensorBoard(log_dir)],
+                       stop, watch],
         )
     verdicts = sorted(watch.verdicts + stop.verdicts, key=lambda verdict: verdict.step)
     return gradients, verdicts, bool(stop.verdicts), model
@@ -184,18 +184,6 @@ def new_run(log_dir: str, before: list) -> str:
     return new[-1] if new else "train"
 
 
-def _write_failure(error: Exception, out: str) -> Exception:
-    """A failure of Keras's `TensorBoard` callback to write under `out` (a disk
-    that filled up: kerasdbg's own instruments warn and go on, Keras's stop
-    the fit) as an OSError of one line; any other error as it is."""
-    message = str(getattr(error, "message", error))
-    if out not in message and os.path.abspath(out) not in message:
-        return error
-    cause = message.strip().splitlines()[0].split("} ")[-1]
-    return OSError(f"run_demo: Keras's TensorBoard callback could not write under {out!r}: "
-                   f"{type(error).__name__}: {cause}")
-
-
 def run_demo(out: str = "runs/demo", epochs: int = 3) -> Dict[str, str]:
     """Writes the demo's log directories under `out` and prints how to open them.
 
@@ -204,7 +192,7 @@ def run_demo(out: str = "runs/demo", epochs: int = 3) -> Dict[str, str]:
 
     Raises:
         OSError: `out` cannot be made or written in (said before any
-            training), or filled up during it.
+            training), or a report could not be written in it.
     """
     from kerasdbg.report import write_report
 
@@ -223,13 +211,7 @@ def run_demo(out: str = "runs/demo", epochs: int = 3) -> Dict[str, str]:
         # (seconds; a longer one says so itself, `kerasdbg.capture.progress`).
         print(f"  {name}: training with {settings['optimizer']}, learning rate "
               f"{settings['learning_rate']:g} ...", flush=True)
-        try:
-            gradients, verdicts, stopped, model = train(log_dir, epochs=epochs, **settings)
-        except Exception as error:  # noqa: BLE001 - tf.errors of every kind
-            failure = _write_failure(error, out)
-            if failure is error:
-                raise
-            raise failure from error
+        gradients, verdicts, stopped, model = train(log_dir, epochs=epochs, **settings)
         print(summarize(name, gradients))
         print(dead_units(model))
         for verdict in verdicts:

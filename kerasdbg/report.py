@@ -147,6 +147,9 @@ def collect(log_dir: str, run_name: str = "train",
     epochs = [run.scalars(r"epoch_.+", run=name)
               for name in dict.fromkeys((run_name, "validation"))
               if name in run.runs and run.tags(r"epoch_.+", run=name)]
+    if not epochs:
+        # Without it (an install without TensorFlow), StopOnRule's `epoch/` records.
+        epochs = _own_epochs(run, run_name)
     data["epochs"] = (pd.concat(epochs, ignore_index=True) if epochs
                       else pd.DataFrame(columns=["run", "tag", "step", "wall_time", "value"]))
     # StopOnRule records whether each step faulted or froze: that it ran, even
@@ -168,6 +171,26 @@ def collect(log_dir: str, run_name: str = "train",
     if progress:
         progress(total, total, "read")
     return data
+
+
+def _own_epochs(run: Run, run_name: str) -> List[pd.DataFrame]:
+    """`StopOnRule`'s epoch records (`epoch/<log>` at the step that ended each
+    epoch, `epoch/learning_rate` among them) in the form of Keras's
+    TensorBoard callback: `epoch_<log>` in `run_name`, `epoch_<log>` of a
+    `val_<log>` in "validation", the step the epoch's number from 0 (the
+    epochs in step order; the rows of one step written again, the last)."""
+    pattern = re.escape(_tags.prefix(_tags.EPOCH)) + ".+"
+    if run_name not in run.runs or not run.tags("^" + pattern, run=run_name):
+        return []
+    rows = run.scalars(pattern, run=run_name).drop_duplicates(["tag", "step"], keep="last")
+    ends = sorted(rows.step.unique())
+    rows = rows.assign(step=rows.step.map({step: i for i, step in enumerate(ends)}))
+    name = rows.tag.str.slice(len(_tags.prefix(_tags.EPOCH)))
+    validation = name.str.startswith("val_")
+    rows = rows.assign(
+        run=np.where(validation, "validation", run_name),
+        tag="epoch_" + np.where(validation, name.str.slice(len("val_")), name))
+    return [rows[~validation], rows[validation]] if validation.any() else [rows]
 
 
 def _learning_rate(epochs: pd.DataFrame):
@@ -696,13 +719,15 @@ def _remedies(data: Dict[str, object]) -> str:
     head = ""
     if note and any(rule in LEARNING_RATE_RULES for rule in first):
         head = (f'<p class="cause"><strong>{html.escape(note[0].upper() + note[1:])}.</strong> '
-                "(From Keras's <code>epoch_learning_rate</code>, written at each epoch's end: "
+                "(From the learning rate recorded at each epoch's end: "
                 "the first epoch's, nearest the rate a run that exploded early trained at; "
                 "the optimizer is not "
                 "recorded, so the ranges of the common ones are given.)</p>")
     elif rate is None and any(rule in LEARNING_RATE_RULES for rule in first):
-        head = ("<p>The learning rate is not recorded (Keras's TensorBoard callback in the "
-                "same log_dir writes it as <code>epoch_learning_rate</code>).</p>")
+        head = ("<p>The learning rate is not recorded (<code>StopOnRule</code> records it "
+                "at each epoch's end as <code>epoch/learning_rate</code>, and Keras's "
+                "TensorBoard callback in the same log_dir as "
+                "<code>epoch_learning_rate</code>).</p>")
     return ("<h2>What to try</h2>" + head + '<table class="remedies"><colgroup>'
             '<col style="width:16%"><col style="width:46%"><col style="width:38%"></colgroup>'
             "<tr><th>rule (first verdict)</th><th>likely causes (this run's first, in bold)"
@@ -1048,7 +1073,7 @@ def _write(data: Dict[str, object], out: Optional[str]) -> str:
         figure("loss.png", "Loss", lambda p: _plot_lines(loss, "loss", "loss", p, log=None,
                                                          mark=first))
     epochs: pd.DataFrame = data["epochs"]
-    epochs_title = "Keras's epoch logs (TensorBoard callback)"
+    epochs_title = "Keras's epoch logs"
     if epochs.step.nunique() > 1:
         figure("epochs.png", epochs_title, lambda p: _plot_epochs(epochs, p))
     elif len(epochs):  # a plot of one dot per metric says less than its numbers

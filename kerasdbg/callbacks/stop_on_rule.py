@@ -730,11 +730,37 @@ class StopOnRule(AfterEachExecution, ModelWithoutSync, CopiedAsNew, keras.callba
                 record[_tags.epoch_scalar(key)] = float(value)
             except (TypeError, ValueError):
                 continue
+        record.update(self._learning_rates())
         self._write(self._last_step, record)
         self._write_rows()
         self._evaluate(self._last_step, self._runner.check(self._last_step, record))
         self._mid_line = False  # the bar ends its line at the epoch's end
         self._raise_decided()  # an epoch's verdict raises at the epoch's end
+
+    def _learning_rates(self) -> Dict[str, float]:
+        """The learning rate of each optimizer now, as epoch scalars:
+        `epoch/learning_rate`, or with several optimizers
+        `epoch/learning_rate/<name>` each (`keras_objects.find_optimizers`'
+        names). What the report weighs a diverging run's rate by, recorded
+        without Keras's TensorBoard callback (which needs TensorFlow). One
+        read of each rate an epoch; where one cannot be read, none is
+        recorded, said once."""
+        if getattr(self, "_no_learning_rate", False):
+            return {}
+        try:
+            optimizers = keras_objects.find_optimizers(self.model)
+            several = len(optimizers) > 1
+            return {_tags.epoch_scalar(f"learning_rate/{name}" if several else "learning_rate"):
+                    float(np.asarray(keras.ops.convert_to_numpy(optimizer.learning_rate)))
+                    for name, optimizer in optimizers}
+        except Exception as error:  # noqa: BLE001 - training goes on
+            if self.strict:
+                raise
+            self._no_learning_rate = True
+            warnings.warn(f"StopOnRule records no learning rate (epoch/learning_rate): it "
+                          f"could not be read. Cause: {type(error).__name__}: {error}",
+                          RuntimeWarning, stacklevel=3)
+            return {}
 
     def on_train_end(self, logs=None):
         self._evaluate_pending()
