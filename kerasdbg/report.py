@@ -194,8 +194,9 @@ def _own_epochs(run: Run, run_name: str) -> List[pd.DataFrame]:
 
 
 def _learning_rate(epochs: pd.DataFrame):
-    """The learning rate Keras's TensorBoard callback wrote (`epoch_learning_rate`)
-    of the first epoch with a finite one: under a decaying schedule the rate a
+    """The learning rate recorded at each epoch's end (`epoch_learning_rate`:
+    Keras's TensorBoard callback's, or `StopOnRule`'s `epoch/learning_rate` as
+    `_own_epochs` gives it) of the first epoch with a finite one: under a decaying schedule the rate a
     run exploded at is nearer the first than the last. `(rate, {"epoch": its
     epoch from 1, "last": (epoch, rate) of the last epoch when it differs})`,
     or `(None, {})`."""
