@@ -95,10 +95,12 @@ sys.modules[__name__].__class__ = _Package
 # A `.keras` file that holds a TapLayer or a PrintLayer names their classes by
 # the names under which `kerasdbg.layers` registers them with Keras; Keras does
 # not import a package outside its own to find a class. So the layers are
-# registered as soon as Keras and TensorFlow are both loaded: at once when they
-# already are, else right after their import ends, through the finder below.
-# `import kerasdbg` alone imports neither (the rules run without them).
-_REGISTRATION_NEEDS = ("keras", "tensorflow")
+# registered as soon as Keras is loaded, on the backends they record on
+# (TensorFlow, JAX): at once when it already is, else right after its import
+# ends, through the finder below. `import kerasdbg` alone imports no framework
+# (the rules run without one).
+_REGISTRATION_NEEDS = ("keras",)
+_LAYER_BACKENDS = ("tensorflow", "jax")
 
 
 def _loaded(name: str, finishing: str) -> bool:
@@ -113,8 +115,8 @@ def _loaded(name: str, finishing: str) -> bool:
 
 def _register_layers(finishing: str = "") -> None:
     """Imports `kerasdbg.layers` (which registers TapLayer and PrintLayer with
-    Keras's serialization) once Keras and TensorFlow are loaded; a failure
-    warns, it never fails the user's import."""
+    Keras's serialization) once Keras is loaded, on the backends the layers
+    record on; a failure warns, it never fails the user's import."""
     global _REGISTERED
     if _REGISTERED or not all(_loaded(name, finishing) for name in _REGISTRATION_NEEDS):
         return
@@ -122,8 +124,8 @@ def _register_layers(finishing: str = "") -> None:
     # another thread imports could make that thread skip a finder.
     _REGISTERED = True
     try:
-        if sys.modules["keras"].config.backend() != "tensorflow":
-            return  # kerasdbg's layers run on TensorFlow only
+        if sys.modules["keras"].config.backend() not in _LAYER_BACKENDS:
+            return  # elsewhere the layers refuse to be made
         importlib.import_module("kerasdbg.layers")
     except Exception as error:  # noqa: BLE001 - never break the user's `import keras`
         import warnings
@@ -136,8 +138,8 @@ def _register_layers(finishing: str = "") -> None:
 
 class _RegisterLayersOnImport:
     """A finder on `sys.meta_path` that finds nothing itself: it takes the
-    spec the other finders give for `keras` and `tensorflow` and has their
-    loader call `_register_layers` when the module's code has run."""
+    spec the other finders give for `keras` and has its loader call
+    `_register_layers` when the module's code has run."""
 
     def find_spec(self, name, path=None, target=None):
         if _REGISTERED or name not in _REGISTRATION_NEEDS:

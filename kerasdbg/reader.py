@@ -16,6 +16,7 @@ plugins' metadata and stops cleanly at a truncated last record.
 from __future__ import annotations
 
 import bisect
+import difflib
 import heapq
 import os
 import re
@@ -281,7 +282,7 @@ class Run:
         if not frames:
             raise KeyError(
                 f"load_run: no {kind} tag matches {tag_or_regex!r} in {self.log_dir!r}. "
-                f"Tags: {', '.join(self.tags(kind=kind, run=run)) or '(none)'}"
+                + _tags_said(tag_or_regex, self.tags(kind=kind, run=run), kind)
             )
         frame = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
         return frame.sort_values(["run", "tag", "step"], kind="stable").reset_index(drop=True)
@@ -396,7 +397,7 @@ class Run:
                                for e in self._events(name, t)})
         raise KeyError(
             f"Run.steps: no scalar or histogram tag {tag!r} in run {run!r} of "
-            f"{self.log_dir!r}. Tags: {', '.join(self.tags(run=run)) or '(none)'}"
+            f"{self.log_dir!r}. " + _tags_said(tag, self.tags(run=run), "scalars")
         )
 
     def tensor(self, name: str, run: Optional[str] = "train") -> "Tensor":
@@ -676,6 +677,41 @@ class Tensor:
 
     def __repr__(self) -> str:
         return f"Tensor({self.name!r}, statistics={self.statistics})"
+
+
+TAGS_LISTED = 10
+"""A missing tag's error lists every tag up to this many; beyond, the closest."""
+
+
+def _tags_said(wanted: str, tags: List[str], kind: str) -> str:
+    """What a missing tag's error says of the run's tags: all of them, when
+    few; else the closest few to `wanted` (by their text, then by their last
+    parts: a statistic under another variable) and how to list the rest.
+
+    Examples:
+        >>> from kerasdbg.reader import _tags_said
+        >>> _tags_said("step/los", ["epoch/loss", "step/loss"], "scalars")
+        'Tags: epoch/loss, step/loss'
+        >>> tags = [f"gradients/m/dense_{i}/kernel/{s}" for i in range(9) for s in ("l2_norm", "max")]
+        >>> print(_tags_said("gradients/m/dense_3/kernal/l2_norm", tags, "scalars"))
+        18 tags; the closest: gradients/m/dense_3/kernel/l2_norm, gradients/m/dense_8/kernel/l2_norm, gradients/m/dense_7/kernel/l2_norm, ... List them with run.tags(kind='scalars'), or those a regular expression finds with run.tags(r'l2_norm')
+    """
+    if not tags:
+        return "Tags: (none)"
+    if len(tags) <= TAGS_LISTED:
+        return "Tags: " + ", ".join(tags)
+    closest = difflib.get_close_matches(wanted, tags, n=3, cutoff=0.6)
+    if not closest:  # the tail alike (the statistic), the head not
+        tail = "/".join(wanted.split("/")[-2:])
+        closest = difflib.get_close_matches(tail, ["/".join(t.split("/")[-2:]) for t in tags],
+                                            n=1, cutoff=0.6)
+        closest = [t for t in tags if "/".join(t.split("/")[-2:]) in closest][:3]
+    parts = [p for p in re.split(r"[/^$.*+?()\[\]\\|]", wanted) if p]
+    hint = parts[-1] if parts else "loss"
+    return (f"{len(tags)} tags; " + (f"the closest: {', '.join(closest)}, ... " if closest
+                                     else "none close to it. ")
+            + f"List them with run.tags(kind='{kind}'), or those a regular expression finds "
+            f"with run.tags(r'{hint}')")
 
 
 def load_run(log_dir: str) -> Run:

@@ -233,6 +233,28 @@ def test_tensor_values_and_reductions_match_gradient_tape(tmp_path):
                                rtol=1e-5)
 
 
+def test_a_mistyped_tag_names_the_closest_few_not_every_tag(tmp_path):
+    """A small CNN records some 200 tags: the error names the closest three and
+    how to list them, on one short line (on the commit before, all 200)."""
+    writer = _events.EventWriter(os.path.join(str(tmp_path), "train"))
+    tags = [f"gradients/cnn/{layer}/{part}/{stat}" for layer in ("conv1", "conv2", "dense")
+            for part in ("kernel", "bias") for stat in ("l2_norm", "max", "min", "mean")]
+    writer.write(1, {tag: 1.0 for tag in tags})
+    writer.flush()
+    run = load_run(str(tmp_path))
+    for call in (lambda: run.scalars("gradients/cnn/conv2/kernal/l2_norm"),
+                 lambda: run.steps("gradients/cnn/conv2/kernal/l2_norm")):
+        with pytest.raises(KeyError) as raised:
+            call()
+        said = raised.value.args[0]
+        assert "24 tags; the closest: gradients/cnn/conv2/kernel/l2_norm, " in said, said
+        assert said.count("gradients/") == 4  # the one asked for and three close ones
+        assert said.endswith("List them with run.tags(kind='scalars'), or those a regular "
+                             "expression finds with run.tags(r'l2_norm')"), said
+    with pytest.raises(KeyError, match=r"24 tags; none close to it\."):
+        run.scalars("epoch/learning_rate_of_the_other_optimizer")
+
+
 def test_tensor_errors_say_what_exists(tmp_path):
     run, _ = _trained_run(tmp_path)
     with pytest.raises(KeyError, match=r"nothing recorded under 'gradients/m/x'.*gradients/m/d/kernel"):

@@ -704,3 +704,42 @@ def test_each_loop_gives_the_model_its_functions_back_and_the_next_records_again
     # The fit that raised ran one execution (2 steps) and recorded it.
     assert list(tap.history["step"]) == list(range(1, 3 * STEPS + 3))
 
+
+
+_SAVE = """
+import keras, kerasdbg
+from kerasdbg import insert_taps
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="d"),
+                          keras.layers.Dense(1, name="o")], name="m")
+insert_taps(model, layers="^d$").save(sys.argv[1])
+"""
+
+_LOAD = """
+{imports}
+loaded = keras.saving.load_model(sys.argv[1])
+print("LAYERS", [type(layer).__name__ for layer in loaded.layers],
+      sorted(m for m in sys.modules if m.split(".")[0] == "tensorflow"))
+"""
+
+
+@pytest.mark.parametrize("imports", ["import kerasdbg, keras", "import keras, kerasdbg"])
+def test_a_tapped_model_file_loads_after_import_kerasdbg_without_tensorflow(imports, tmp_path):
+    """A `.keras` file that holds a TapLayer loads after `import kerasdbg` (before or after
+    `import keras`), in a fresh interpreter on JAX where TensorFlow cannot be imported
+    (on the commit before: "Could not locate class 'TapLayer'" unless `import
+    kerasdbg.layers`)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.blockers import WITHOUT_TENSORFLOW
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, KERAS_BACKEND="jax", PYTHONPATH=root)
+    path = str(tmp_path / "tapped.keras")
+    for code in (_SAVE, _LOAD.format(imports=imports)):
+        result = subprocess.run(
+            [sys.executable, "-c", WITHOUT_TENSORFLOW + "import sys\n" + code, path],
+            capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert "LAYERS ['InputLayer', 'Dense', 'TapLayer', 'Dense'] []" in result.stdout, result.stdout

@@ -3,7 +3,7 @@
 Keras finds a custom class only once its module has registered it; it does
 not import a package outside its own. `import kerasdbg` stays lazy (it
 imports neither TensorFlow nor Keras) and registers the layers when Keras
-and TensorFlow are loaded, whichever comes first. Each case runs in a fresh
+is loaded (on JAX too: tests/jax/test_taps.py). Each case runs in a fresh
 interpreter, since the test process has imported everything already.
 """
 
