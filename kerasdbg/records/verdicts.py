@@ -70,7 +70,7 @@ def verdict_markdown(verdicts: Sequence[Any], ran: Sequence[Sequence[Any]] = (),
         >>> from kerasdbg.rules import AllZero
         >>> text = verdict_markdown([AllZero().check(3, {"weights/m/d/bias/zero_fraction": 1.0})])
         >>> print(text)
-        **Verdicts, in step order** (steps 3; the newest last)
+        **Verdicts, in step order** (step 3)
         <BLANKLINE>
         - **step 3 · AllZero**: zero_fraction at or above 1 in weights: m/d/bias=1
             - tensors: `m/d/bias`
@@ -82,8 +82,9 @@ def verdict_markdown(verdicts: Sequence[Any], ran: Sequence[Sequence[Any]] = (),
     ordered = sorted(verdicts, key=lambda v: int(v.step))  # stable: a step's order kept
     lines = []
     if ordered:
-        lines += [f"**Verdicts, in step order** (steps {_steps([v.step for v in ordered])}; "
-                  "the newest last)", ""]
+        steps = sorted({int(v.step) for v in ordered})
+        lines += [f"**Verdicts, in step order** (step {steps[0]})" if len(steps) == 1 else
+                  f"**Verdicts, in step order** (steps {_steps(steps)}; the newest last)", ""]
     if earlier:
         lines += [f"({earlier} earlier verdict{'' if earlier == 1 else 's'} of this run: in the "
                   "texts of earlier steps)", ""]

@@ -413,3 +413,18 @@ def test_the_verdict_text_reads_back_with_its_tensor_count_and_a_bar_in_the_reas
     # A text written before the count: " ..." alone.
     old = "| rule | step | tensors | reason |\n|---|---|---|---|\n| R | 2 | a, b ... | why |"
     assert verdict_rows(old)[0]["hidden"] == -1
+
+
+def test_the_verdict_text_heading_names_one_step_or_the_steps_in_order():
+    """Verdicts at one step: "(step 11)"; at several: their steps, the newest last
+    (on the commit before, "(steps 11; the newest last)" for one step)."""
+    from kerasdbg.records import verdict_markdown, verdict_rows
+    from kerasdbg.rules import AllZero
+
+    at = [AllZero().check(s, {"weights/m/d/bias/zero_fraction": 1.0}) for s in (11, 11, 12, 14)]
+    one = verdict_markdown(at[:2])
+    assert one.splitlines()[0] == "**Verdicts, in step order** (step 11)"
+    several = verdict_markdown(at)
+    assert several.splitlines()[0] == \
+        "**Verdicts, in step order** (steps 11-12, 14; the newest last)"
+    assert [r["step"] for r in verdict_rows(several)] == [11, 11, 12, 14]
