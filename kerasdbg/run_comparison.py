@@ -313,10 +313,14 @@ def _around(comparison: RunComparison) -> str:
     table = table[(table.index >= d.step - AROUND) & (table.index <= d.step + AROUND)]
     head = "".join(f"<th>{html.escape(what)}: {html.escape(name)}</th>"
                    for what, name in table.columns)
+    recorded = dict(zip(comparison.names, (set(comparison.steps_a), set(comparison.steps_b))))
     body = ""
     for step, row in table.iterrows():
         style = ' class="diverged"' if step == d.step else ""
-        cells = "".join(f"<td>{v:.6g}</td>" for v in row.to_numpy(dtype=float))
+        # A step a run never recorded is said so: a NaN in the table is one it recorded.
+        cells = "".join(f"<td>{value:.6g}</td>" if int(step) in recorded.get(name, ()) else
+                        '<td class="absent">not recorded</td>'
+                        for (_, name), value in zip(table.columns, row.to_numpy(dtype=float)))
         body += f"<tr{style}><td>{step}</td>{cells}</tr>"
     return f'<table class="around"><tr><th>step</th>{head}</tr>{body}</table>'
 

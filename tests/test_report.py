@@ -701,6 +701,15 @@ def test_compare_runs_says_when_a_run_ends_first_and_skips_the_rest(
         page = open(tmp_path / "cmp" / "compare.html", encoding="utf-8").read()
         assert f"<p>After ends at step {last_b}, before goes on to step {last_a}: up to it" \
             in page
+        # The steps `after` never recorded read so, not as a NaN loss.
+        around = page[page.index('<table class="around">'):]
+        around = around[:around.index("</table>")]
+        for step in range(last_b + 1, last_a + 1):
+            row = re.search(rf"<tr[^>]*><td>{step}</td>(.*?)</tr>", around).group(1)
+            cells = re.findall(r"<td[^>]*>([^<]*)</td>", row)
+            assert cells == [f"{1.0 / step:.6g}", "not recorded",
+                             f"{2.0 + step:.6g}", "not recorded"], (step, cells)
+        assert "nan" not in around
 
 
 def test_a_comparison_beside_a_report_leaves_the_reports_plots_alone(tmp_path, capsys):
