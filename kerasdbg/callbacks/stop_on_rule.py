@@ -53,6 +53,15 @@ DEFAULT_SUSPEND = (
 _OWN_PREFIXES = _tags.prefixes(SCALAR_COLLECTIONS + (CLASSES, _tags.FAULTS, _tags.REPLICAS))
 
 
+def _host_number(value) -> float:
+    """A scalar Keras variable (its value as the model holds it) or a
+    backend tensor (a schedule's rate) as a float on the host, without
+    NumPy's conversion of a Keras variable (deprecated on NumPy 2)."""
+    if isinstance(value, keras.Variable):
+        return float(keras_objects.host_value(value))
+    return float(np.asarray(value.numpy() if hasattr(value, "numpy") else value))
+
+
 class StopOnRule(AfterEachExecution, ModelWithoutSync, CopiedAsNew, keras.callbacks.Callback):
     """Evaluates rules at every optimizer step of `fit` and acts when one fires.
 
@@ -751,8 +760,7 @@ class StopOnRule(AfterEachExecution, ModelWithoutSync, CopiedAsNew, keras.callba
             optimizers = keras_objects.find_optimizers(self.model)
             several = len(optimizers) > 1
             return {_tags.epoch_scalar(f"learning_rate/{name}" if several else "learning_rate"):
-                    float(np.asarray(keras.ops.convert_to_numpy(optimizer.learning_rate)))
-                    for name, optimizer in optimizers}
+                    _host_number(optimizer.learning_rate) for name, optimizer in optimizers}
         except Exception as error:  # noqa: BLE001 - training goes on
             if self.strict:
                 raise
