@@ -83,9 +83,10 @@ def calibrate(
     Calibrate on a run as long as those it will judge, recorded at every
     step (`every_n_steps=1`: by default the update ratios are recorded at
     steps 1-10 and every 50th step only, and a range of few values is
-    narrow). The tensors are named by their paths: the next runs' model
-    must have the same layer names (name them: a second `Sequential` of a
-    process is `sequential_1`).
+    narrow). The tensors are named by their paths; where the next run's
+    names differ only by the numbers Keras adds (a second `Sequential` of a
+    process is `sequential_1`, its layers `dense_2`, ...), its tensors are
+    matched by their place in the model (`LearnedRange`).
 
     Args:
         log_dir: a log directory written by kerasdbg's statistics callbacks,

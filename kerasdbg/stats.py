@@ -261,6 +261,7 @@ class Packed:
         self.groups = tuple(groups)
         self.count = count
         self.flats: Optional[list] = None  # the flat tensors, when `of` packed them here
+        self.terms: Optional[tuple] = None  # `(a, b)` of a pack made by `a.less(b)`
 
     @classmethod
     def of(cls, tensors: Sequence[TensorLike]) -> "Packed":
@@ -308,6 +309,25 @@ class Packed:
         return Packed([function(a, b) for a, b in zip(self.vectors, other.vectors)],
                       self.groups, self.count)
 
+    def less(self, other: "Packed") -> "Packed":
+        """The tensors of this pack less those of `other` (a pack of one
+        layout and dtypes, both made by `of`). A reduction of a group of
+        small tensors subtracts the padded matrices of the two packs (one
+        kernel, fused with the reduction), not each tensor apart (a kernel
+        per tensor, which does not fuse with the matrix).
+
+        Examples:
+            >>> import numpy as np
+            >>> from kerasdbg.stats import Packed, tensor_statistics
+            >>> after = Packed.of([np.float32([3, 4]), np.float32([1])])
+            >>> before = Packed.of([np.float32([0, 0]), np.float32([1])])
+            >>> np.asarray(tensor_statistics(after.less(before), ["l2_norm"]))[:, 0]
+            array([5., 0.])
+        """
+        out = self.zip_with(other, lambda a, b: a - b)
+        out.terms = (self, other)
+        return out
+
     @staticmethod
     def joined(packs: Sequence["Packed"]) -> "Packed":
         """The tensors of several packs as one pack (positions one after the other)."""
@@ -333,10 +353,13 @@ class _Segments:
     element by element on a CPU).
     """
 
-    def __init__(self, x: Tensor, sizes: Sequence[int], pieces: Optional[list] = None):
+    def __init__(self, x: Tensor, pieces: Optional[list], sizes: Sequence[int],
+                 less: Optional[tuple] = None):
         self.k = len(sizes)
         self.x = x
         self.pieces = pieces  # the tensors concatenated in `x`, where known
+        # `(vector, pieces)` of tensors to subtract from these (`Packed.less`).
+        self.less = less
         offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         end = int(offsets[-1])  # the appended 0
         # Per class: (index [k_c, width], valid [k_c, width], pads [k_c], offsets, sizes).
@@ -360,13 +383,35 @@ class _Segments:
         needs = _needs(stats)
         blocks = []
         for index, valid, pads, starts, counts, members in self.classes:
-            pieces = None if self.pieces is None else [self.pieces[i] for i in members]
-            matrix = B.padded_rows(self.x, index, starts, counts, pieces)
+            matrix = self._matrix(self.x, self.pieces, index, starts, counts, members)
+            if self.less is not None:
+                matrix = matrix - self._matrix(*self.less, index, starts, counts, members)
             blocks.append(self._rows(matrix, valid, pads, needs))
         rows = blocks[0] if len(blocks) == 1 else B.concat(blocks, 0)
         if len(self.classes) > 1:
             rows = B.gather(rows, self.back)
         return rows
+
+    @staticmethod
+    def _matrix(x, pieces, index, starts, counts, members) -> Tensor:
+        pieces = None if pieces is None else [pieces[i] for i in members]
+        return B.padded_rows(x, index, starts, counts, pieces)
+
+    @staticmethod
+    def _counts(m: Tensor, finite: Tensor, dtype) -> dict:
+        """The finite and the NaN elements of each row of `m` (the padding
+        counted finite), from one integer sum per row: a NaN counts 1, an
+        infinite element `_INFINITE` (a row has fewer elements), so the sum
+        holds both counts; one reduction that fuses with its test, where two
+        float sums of masks each write the mask first."""
+        width = int(m.shape[1])
+        code = B.where(B.is_nan(m), B.constant(1, B.int32),
+                       B.where(finite, B.constant(0, B.int32),
+                               B.constant(_INFINITE, B.int32)))
+        total = B.cast(B.reduce_sum(code, axis=1), B.float64)
+        infinite = B.floor(total / _INFINITE)
+        nan = total - infinite * _INFINITE
+        return {"nan": B.cast(nan, dtype), "finite": B.cast(width - nan - infinite, dtype)}
 
     @staticmethod
     def _rows(m: Tensor, valid: np.ndarray, pads: np.ndarray, needs: set) -> Tensor:
@@ -377,9 +422,10 @@ class _Segments:
         zero = B.zeros([], dtype)
         xz = B.where(finite, m, zero)
         terms = {}
-        if "finite" in needs:
+        together = B.counts_in_one_sum()
+        if not together and "finite" in needs:
             terms["finite"] = B.cast(finite, dtype)  # exact: a row is small
-        if "nan" in needs:
+        if not together and "nan" in needs:
             terms["nan"] = B.cast(B.is_nan(m), dtype)
         if "sum" in needs:
             terms["sum"] = xz
@@ -390,6 +436,8 @@ class _Segments:
         if "zeros" in needs:
             terms["zeros"] = B.cast(B.equal(m, 0), dtype)
         raw = dict(zip(terms, B.reduce_sums(list(terms.values()), axis=1)))
+        if together and {"finite", "nan"} & needs:
+            raw.update(_Segments._counts(m, finite, dtype))
         pads = B.constant(pads.astype(np.float64), dtype)
         for name in ("finite", "zeros"):
             if name in raw:
@@ -406,6 +454,13 @@ class _Segments:
             raw["max"] = B.reduce_max(B.where(real, m, B.constant(-np.inf, dtype)), axis=1)
         zeros = B.zeros([len(valid)], dtype)
         return B.cast(B.stack_small([raw.get(r, zeros) for r in _RAW], axis=1), B.float64)
+
+
+_INFINITE = 1 << 13
+"""What an infinite element adds to a row's count (`_Segments._counts`):
+more than a padded row's elements (at most `SEGMENTED` rounded up to a power
+of two), and the sum of a row stays within int32."""
+assert _INFINITE > SEGMENTED and _INFINITE * SEGMENTED < 2**31
 
 
 def _size_classes(sizes: Sequence[int]) -> list:
@@ -435,11 +490,18 @@ def _reduced(packed: Packed, single, segmented) -> Tuple[Tensor, list]:
     (one row per tensor) for a group of small ones (`_Segments`); and their
     element counts (a tensor where not known)."""
     blocks, sizes = [], []
-    for vector, (positions, counts) in zip(packed.vectors, packed.groups):
+    for group, (vector, (positions, counts)) in enumerate(zip(packed.vectors, packed.groups)):
         if len(positions) > 1:
-            pieces = None if packed.flats is None else [packed.flats[i] for i in positions]
-            blocks.append(B.reshape(segmented(_Segments(vector, counts, pieces)),
-                                    [len(counts), -1]))
+            def of(pack):  # the vector and pieces of this group in `pack`
+                pieces = None if pack.flats is None else [pack.flats[i] for i in positions]
+                return pack.vectors[group], pieces
+
+            if packed.terms is None:
+                segments = _Segments(*of(packed), counts)
+            else:
+                first, second = packed.terms
+                segments = _Segments(*of(first), counts, less=of(second))
+            blocks.append(B.reshape(segmented(segments), [len(counts), -1]))
             sizes += list(counts)
         else:
             blocks.append(B.reshape(single(vector), [1, -1]))

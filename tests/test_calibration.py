@@ -63,12 +63,26 @@ class _Fault(keras.callbacks.Callback):
             kernel.assign(np.zeros(kernel.shape, "float32"))
 
 
-def _fit(log_dir, seed, extra=(), x=X):
+def _unnamed_model(seed):
+    """`_model` as most code writes it: every name Keras's, numbered in the
+    process's order of creation (`sequential_3`, `dense_7`, `dense_7_tap`...)."""
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([
+        keras.Input((8,)),
+        keras.layers.Dense(32, activation="relu"),
+        keras.layers.Dense(16, activation="relu"),
+        keras.layers.Dense(1),
+    ])
+    model.compile(keras.optimizers.SGD(0.05), "mse")
+    return kerasdbg.insert_taps(model, layers=[layer.name for layer in model.layers[:2]])
+
+
+def _fit(log_dir, seed, extra=(), x=X, make=_model):
     """A run recorded at every step into `log_dir`, with `extra` callbacks."""
     recorders = [GradientStatistics(log_dir, every_n_steps=1, stats=["l2_norm"]),
                  WeightStatistics(log_dir, every_n_steps=1, stats=["l2_norm", "update_ratio"]),
                  ActivationStatistics(log_dir)]
-    _model(seed).fit(x, Y, batch_size=BATCH, epochs=EPOCHS, shuffle=True, verbose=0,
+    make(seed).fit(x, Y, batch_size=BATCH, epochs=EPOCHS, shuffle=True, verbose=0,
                      callbacks=[*extra, *recorders])
 
 
@@ -229,7 +243,55 @@ def test_margin_and_first_steps_are_taken(healthy, tmp_path_factory):
     _assert_same_ranges(rules[0].ranges, whole)
 
 
+def test_the_same_model_built_again_is_judged_by_place_not_by_the_numbers_keras_adds(
+        tmp_path, read_every_execution):
+    """A model built again in one process has Keras's next names (`sequential_1`,
+    `dense_3`, ...): a healthy run of it is quiet online and offline, and a broken one
+    gets its verdict at the fault's step, on its own tensors' names."""
+    calibrated, healthy_dir, broken_dir = (str(tmp_path / n) for n in ("a", "b", "c"))
+    _fit(calibrated, seed=1, make=_unnamed_model)
+    rules = kerasdbg.calibrate(calibrated)
+    assert {r.collection for r in rules} == {"gradients", "weights", "activations"}
+    stop = StopOnRule(rules, log_dir=healthy_dir, verbose=False, strict=True)
+    _fit(healthy_dir, seed=2, extra=[stop], make=_unnamed_model)
+    tensors = [{t for t in kerasdbg.load_run(d).tags() if t.startswith(("gradients/",
+                                                                       "activations/"))
+                and t != "gradients/global_norm"} for d in (calibrated, healthy_dir)]
+    assert tensors[0] and not tensors[0] & tensors[1], sorted(tensors[0] & tensors[1])
+    assert stop.verdicts == []  # neither a fault nor "none is one it was calibrated on"
+    assert kerasdbg.check_run(healthy_dir, rules) == []
+
+    stop = StopOnRule(rules, action="stop", log_dir=broken_dir, verbose=False, strict=True)
+    _fit(broken_dir, seed=3, extra=[stop, _Fault("learning_rate", FAULT_STEP)],
+         make=_unnamed_model)
+    offline = kerasdbg.check_run(broken_dir, rules)
+    assert [(v.rule, v.step, v.tensors) for v in stop.verdicts] == \
+        [(v.rule, v.step, v.tensors) for v in offline]
+    assert {v.step for v in offline} == {FAULT_STEP}
+    assert {v.severity for v in offline} == {"fault"}
+    broken_tags = set(kerasdbg.load_run(broken_dir).tags())
+    assert all(any(f"/{name}/" in tag for tag in broken_tags)
+               for v in offline for name in v.tensors)
+
+
 # ------------------------------------------------------------------- the rule alone
+def test_tensors_named_by_other_numbers_are_matched_in_keras_order_of_creation():
+    # dense_9 before dense_10 (not their string order); the model's own name numbered too.
+    rule = LearnedRange("gradients", "l2_norm", {"m/dense_9/kernel": (None, 1.0),
+                                                 "m/dense_10/kernel": (None, 100.0)})
+    record = {"gradients/m_1/dense_11/kernel/l2_norm": 5.0,
+              "gradients/m_1/dense_12/kernel/l2_norm": 50.0}
+    assert rule.check(1, record) is None
+    assert rule.take_notes() == []
+    verdict = rule.check(2, {**record, "gradients/m_1/dense_11/kernel/l2_norm": 50.0})
+    assert verdict.tensors == ("m_1/dense_11/kernel",)
+    # A family with another number of tensors is another model: not matched.
+    other = LearnedRange("gradients", "l2_norm", {"m/dense/kernel": (None, 1.0)})
+    assert other.check(1, record) is None
+    [note] = other.take_notes()
+    assert "none of the recorded tensors is one it was calibrated on" in note.reason
+
+
 def test_the_margin_widens_scales_by_a_factor_and_fractions_on_both_sides():
     scale = LearnedRange("weights", "l2_norm", {"k": (2.0, 4.0)}, margin=4.0)
     assert scale.widened((2.0, 4.0)) == (0.5, 16.0)

@@ -78,6 +78,61 @@ class Freeze(NamedTuple):
     rollback: bool = False
 
 
+def _watched(spec: Freeze) -> set:
+    """The fault kinds a request's `Freeze` watches."""
+    kinds = {f"{spike.quantity}_spike" for spike in spec.spikes}
+    if spec.nonfinite_loss or spec.nonfinite_gradients:
+        kinds.add("nonfinite")
+    if spec.max_gradient_norm is not None:
+        kinds.add("max_gradient_norm")
+    return kinds
+
+
+def _skipped_kinds(specs) -> frozenset:
+    """The fault kinds that skip their step when several requests arm
+    faults: those a request skips and every request that watches them skips
+    too (a `StopOnRule` that stops on NaN/Inf beside one that skips spikes
+    keeps its freeze on NaN/Inf)."""
+    skipped = frozenset().union(*(s.skip for s in specs))
+    return frozenset(kind for kind in skipped
+                     if all(kind in s.skip for s in specs if kind in _watched(s)))
+
+
+def merged_freeze(requests: Sequence["Request"]) -> Optional[Freeze]:
+    """The faults that several requests arm, as one `Freeze` that each
+    backend's guard takes: any fault a request watches (the lowest gradient
+    norm limit, every spike test), skipped where every request watching it
+    skips it, else frozen; None when none arms one.
+
+    Examples:
+        >>> from kerasdbg.capture.requests import Freeze, Request, merged_freeze
+        >>> a = Request("step", freeze=Freeze(max_gradient_norm=10.0, skip={"max_gradient_norm"}))
+        >>> b = Request("step", freeze=Freeze(max_gradient_norm=5.0))
+        >>> merged = merged_freeze([a, b])
+        >>> merged.max_gradient_norm, sorted(merged.skip)
+        (5.0, [])
+        >>> sorted(merged_freeze([a]).skip), merged_freeze([Request("step")])
+        (['max_gradient_norm'], None)
+    """
+    specs = [r.freeze for r in requests if r.freeze is not None]
+    if not specs:
+        return None
+    if len(specs) == 1:
+        return specs[0]
+    norms = [s.max_gradient_norm for s in specs if s.max_gradient_norm is not None]
+    skipping = [s for s in specs if s.skip]
+    return Freeze(
+        nonfinite_loss=any(s.nonfinite_loss for s in specs),
+        nonfinite_gradients=any(s.nonfinite_gradients for s in specs),
+        max_gradient_norm=min(norms) if norms else None,
+        spikes=tuple(dict.fromkeys(spike for s in specs for spike in s.spikes)),
+        skip=_skipped_kinds(specs),
+        max_skips=min([s.max_skips for s in skipping] or [specs[0].max_skips]),
+        skip_window=max([s.skip_window for s in skipping] or [specs[0].skip_window]),
+        rollback=any(s.rollback for s in specs),
+    )
+
+
 class Request:
     """What one consumer (a callback) wants recorded at each step.
 

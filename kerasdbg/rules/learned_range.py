@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from kerasdbg import _validation as check
@@ -100,7 +101,11 @@ class LearnedRange(Rule):
 
     The update ratio is read over the largest norm the weights have had
     (`Measurement`), so the rule also reads `weights/<variable>/l2_norm`.
-    Tensors the ranges do not name are not checked; a NaN is left to
+    A recorded tensor the ranges do not name is matched by its place in
+    the model where its name differs from a calibrated one only by the
+    numbers Keras adds to names (`by_place`: the same model built again in
+    a process is `sequential_1`, its layers `dense_2`, ...); other tensors
+    are not checked. A NaN is left to
     `NonFiniteLoss` and `ExplodingTensor`, an infinite value (an explosion,
     weights that were zero before an update) is out of any finite range.
     When no recorded tensor is one it was calibrated on (a model with other
@@ -166,6 +171,8 @@ class LearnedRange(Rule):
     def reset(self):
         self._measure = Measurement(self.collection, self.statistic)
         self._looked = False  # whether a record named a tensor (calibrated or not)
+        self._seen: set = set()  # the recorded names so far
+        self._alias: Dict[str, str] = {}  # a recorded name -> the calibrated one, by place
 
     def widened(self, bounds: Sequence[Optional[float]]) -> Tuple[float, float]:
         """`(low, high)` of a range widened by `margin`; -inf or inf where
@@ -193,16 +200,21 @@ class LearnedRange(Rule):
             return None
         table = self.ranges if self.first_ranges is None or step > self.first_steps \
             else self.first_ranges
+        if not self._seen.issuperset(values):
+            self._seen.update(values)
+            self._alias = by_place(list(self.ranges) + [
+                name for name in self.first_ranges or {} if name not in self.ranges],
+                self._seen)
         if not self._looked:
             self._looked = True
             if not any(name in self.ranges or name in (self.first_ranges or {})
-                       for name in values):
+                       or name in self._alias for name in values):
                 self.note(step, f"{self.collection} {self.statistic}: none of the recorded "
                           f"tensors is one it was calibrated on ({_names(self.ranges)}), so it "
                           "checks nothing (a model with other names?); recorded", values)
         bad, said = {}, []
         for name, value in values.items():
-            bounds = table.get(name)
+            bounds = table.get(name, table.get(self._alias.get(name)))
             if bounds is None or math.isnan(value):
                 continue
             low, high = self.widened(bounds)
@@ -228,6 +240,57 @@ class LearnedRange(Rule):
             "first_steps": self.first_steps, "margin": self.margin,
             "every_step": self.every_step,
         }
+
+
+_NUMBER = re.compile(r"_(\d+)(?=_|$)")
+
+
+def _numbered(component: str) -> Tuple[str, Tuple[int, ...]]:
+    """A path component without the numbers Keras's naming adds, and those
+    numbers: `("dense", (3,))` of "dense_3", `("dense_tap", (3,))` of a
+    tap's "dense_3_tap", `("dense", ())` of "dense"."""
+    return _NUMBER.sub("", component), tuple(int(n) for n in _NUMBER.findall(component))
+
+
+def by_place(calibrated: Sequence[str], recorded) -> Dict[str, str]:
+    """`{recorded name: calibrated name}` for the recorded tensors whose
+    name was not calibrated on, matched by their place in the model: Keras
+    numbers the objects it names in their order of creation ("dense",
+    "dense_1", ...; a second model of a process is "sequential_1" and its
+    layers "dense_2", ...), so the names that differ only by those numbers
+    are paired in that order. A family whose tensors are not as many in
+    both is left unmatched (another model).
+
+    Examples:
+        >>> from kerasdbg.rules.learned_range import by_place
+        >>> by_place(["sequential/dense/kernel", "sequential/dense_1/kernel"],
+        ...          ["sequential_1/dense_3/kernel", "sequential_1/dense_2/kernel"])
+        {'sequential_1/dense_2/kernel': 'sequential/dense/kernel', \
+'sequential_1/dense_3/kernel': 'sequential/dense_1/kernel'}
+    """
+    known = set(calibrated)
+
+    def families(names) -> Dict[tuple, List[Tuple[tuple, str]]]:
+        out: Dict[tuple, List[Tuple[tuple, str]]] = {}
+        for name in names:
+            parts = [_numbered(part) for part in name.split("/")]
+            out.setdefault(tuple(p for p, _ in parts), []).append(
+                (tuple(n for _, n in parts), name))
+        return out
+
+    left = families(calibrated)
+    alias = {}
+    for family, members in families(sorted(set(recorded) - known)).items():
+        theirs = left.get(family)
+        if theirs is None:
+            continue
+        # Only those of the family the run did not record by their own name.
+        theirs = [m for m in theirs if m[1] not in recorded]
+        if len(theirs) != len(members):
+            continue
+        for (_, name), (_, calibrated_name) in zip(sorted(members), sorted(theirs)):
+            alias[name] = calibrated_name
+    return alias
 
 
 def _names(ranges: Mapping[str, Bounds], limit: int = 3) -> str:

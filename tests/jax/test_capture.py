@@ -421,6 +421,76 @@ def test_a_train_step_written_for_jax_is_recorded_and_guarded(monkeypatch, spe, 
         np.testing.assert_array_equal(a, b)
 
 
+class KerasIoGuideModel(keras.Sequential):
+    """The first train step of the keras.io guide "Customizing what happens in
+    fit() with JAX", as written there: `self.compute_loss` inside
+    `jax.value_and_grad`, and the metrics updated by hand, the one named "loss"
+    with the step's loss (`stateless_update_state`); Keras's own
+    `_update_metrics_variables` is never called."""
+
+    def compute_loss_and_updates(self, trainable_variables, non_trainable_variables, x, y,
+                                 training=False):
+        y_pred, non_trainable_variables = self.stateless_call(
+            trainable_variables, non_trainable_variables, x, training=training)
+        loss = self.compute_loss(x, y, y_pred)
+        return loss, (y_pred, non_trainable_variables)
+
+    def train_step(self, state, data):
+        trainable_variables, non_trainable_variables, optimizer_variables, metrics_variables = \
+            state
+        x, y = data
+        grad_fn = jax.value_and_grad(self.compute_loss_and_updates, has_aux=True)
+        (loss, (y_pred, non_trainable_variables)), grads = grad_fn(
+            trainable_variables, non_trainable_variables, x, y, training=True)
+        trainable_variables, optimizer_variables = self.optimizer.stateless_apply(
+            optimizer_variables, grads, trainable_variables)
+        new_metrics_vars, logs = [], {}
+        for metric in self.metrics:
+            this_metric_vars = metrics_variables[
+                len(new_metrics_vars):len(new_metrics_vars) + len(metric.variables)]
+            if metric.name == "loss":
+                this_metric_vars = metric.stateless_update_state(this_metric_vars, loss)
+            else:
+                this_metric_vars = metric.stateless_update_state(this_metric_vars, y, y_pred)
+            logs[metric.name] = metric.stateless_result(this_metric_vars)
+            new_metrics_vars += this_metric_vars
+        return logs, (trainable_variables, non_trainable_variables, optimizer_variables,
+                      new_metrics_vars)
+
+
+@pytest.mark.parametrize("spe, jit", MATRIX)
+def test_the_keras_io_guides_jax_train_step_records_each_steps_loss(tmp_path, spe, jit):
+    def make():
+        keras.utils.set_random_seed(3)
+        model = KerasIoGuideModel([keras.Input((6,)), keras.layers.Dense(8, name="hidden"),
+                                   keras.layers.Dense(1, name="out")], name="guide")
+        model.compile(keras.optimizers.SGD(0.01), "mse", metrics=["mae"],
+                      steps_per_execution=spe, jit_compile=jit)
+        return model
+
+    # The loss of each step, independently: the model before the step, in NumPy (a fit
+    # of one batch at a time: the guide's step takes `x, y = data`, as `fit` gives it).
+    plain, want = make(), []
+    for k in range(STEPS):
+        xb, yb = X[k * BATCH:(k + 1) * BATCH], Y[k * BATCH:(k + 1) * BATCH]
+        want.append(float(np.mean((np.asarray(plain(xb), np.float64) - yb) ** 2)))
+        fit(plain, x=xb, y=yb)
+    model = make()
+    stop = StopOnRule(log_dir=str(tmp_path), verbose=False, strict=True)
+    history = fit(model, [stop])
+    assert stop.verdicts == []
+    loss = kerasdbg.load_run(str(tmp_path)).scalars("step/loss")
+    assert loss.step.tolist() == list(range(1, STEPS + 1))
+    np.testing.assert_allclose(loss.value, want, rtol=1e-5)
+    # Training and Keras's own logs as without kerasdbg.
+    reference = make()
+    plain_history = fit(reference)
+    assert history.history == plain_history.history
+    for a, b in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert "stateless_update_state" not in vars(model.metrics[0])  # put back
+
+
 @pytest.mark.parametrize("spe, jit", MATRIX)
 def test_model_parallel_describes_a_sharded_kernel_whole(spe, jit):
     devices = jax.devices("cpu")

@@ -529,3 +529,17 @@ def test_steps_trained_without_the_guard_empty_its_windows():
     assert stop.skipped_steps == []
     _fit(model, _spiked(1), [stop])
     assert stop.skipped_steps == [2 * STEPS + 1]
+
+
+@pytest.mark.parametrize("skipping_first", [False, True], ids=["stopping-first", "skipping-first"])
+def test_two_stop_on_rules_arm_both_their_faults_whichever_comes_first(skipping_first):
+    """One StopOnRule stops on a NaN loss, another skips loss spikes: the spike is
+    skipped in the step, as if its batch had not come, and nothing is stopped (as on
+    TensorFlow: tests/callbacks/test_skip_and_spikes.py)."""
+    model = _model()
+    stopping = StopOnRule(NonFiniteLoss(), verbose=False)
+    skipping = StopOnRule(LossSpike(window=WINDOW), action="skip", verbose=False)
+    _fit(model, _spiked(SPIKE), [skipping, stopping] if skipping_first else [stopping, skipping])
+    assert skipping.skipped_steps == [SPIKE] and stopping.verdicts == []
+    assert not model.stop_training
+    _assert_same_state(model, _without({SPIKE}))

@@ -91,7 +91,7 @@ from kerasdbg.capture import progress as _progress
 from kerasdbg.capture import reads
 from kerasdbg.capture.interface import Capture, supported
 from kerasdbg.capture.requests import (
-    CLASS_COLUMNS, MAX_CLASSES, Record, Request, scheduled_between, scheduled_in,
+    CLASS_COLUMNS, MAX_CLASSES, Record, Request, merged_freeze, scheduled_between, scheduled_in,
     sometimes_recorded, unique_paths,
 )
 from kerasdbg.quantities import reductions
@@ -351,6 +351,7 @@ class Engine(Capture):
         self._warned = False
         self._out_shardings = None
         self._patched_metrics = False
+        self._loss_trackers: list = []
         self._read_once = False
         self._hold = False  # the next execution runs no step (`hold_next_execution`)
         self._data_bytes = 0  # of the batches kept for NaN location
@@ -468,6 +469,7 @@ class Engine(Capture):
                 return original(model, metrics_variables, unscaled_loss, *args, **kwargs)
 
             keras_objects.patch(model, "_update_metrics_variables", update_metrics)
+        self._loss_trackers = self._patch_loss_trackers(model)
         self._plain = model.train_function
         self._initial = {}
         self._located = False
@@ -503,9 +505,38 @@ class Engine(Capture):
         self.installed = True
         fit_end.on_fit_end(model, self, self._after_failed_fit)
 
+    @staticmethod
+    def _patch_loss_trackers(model) -> list:
+        """The step's loss where the train step does not give it to Keras's
+        `_update_metrics_variables` (a train step written for JAX, as the
+        keras.io guide writes it, updates the metric named "loss" itself
+        with `stateless_update_state(variables, loss)`): the value it gives
+        that metric, when it is the step's own (not one inside
+        `jax.value_and_grad`). Returns the metrics patched."""
+        patched = []
+        for metric in list(getattr(model, "metrics", None) or []):
+            if getattr(metric, "name", None) != "loss" or \
+                    "stateless_update_state" in vars(metric):
+                continue
+            original = metric.stateless_update_state
+
+            def update(metric_variables, *args, _original=original, **kwargs):
+                context = _context()
+                if context is not None and context.loss is None and len(args) == 1 \
+                        and _of_the_step(args[0]):
+                    context.loss = args[0]
+                return _original(metric_variables, *args, **kwargs)
+
+            keras_objects.patch(metric, "stateless_update_state", update)
+            patched.append(metric)
+        return patched
+
     def _uninstall(self) -> None:
         _progress.of(self).end(finished=False)
         model = self._model()
+        for metric in self._loss_trackers:
+            keras_objects.unpatch(metric, "stateless_update_state")
+        self._loss_trackers = []
         for hook in self.hooks.values():
             keras_objects.unpatch(hook.optimizer, "stateless_apply")
         if model is not None:
@@ -559,10 +590,8 @@ class Engine(Capture):
         return uncounted
 
     def _freeze(self):
-        for request in self.requests:
-            if request.freeze is not None:
-                return request.freeze
-        return None
+        """The faults the requests arm, merged as on every backend (`merged_freeze`)."""
+        return merged_freeze(self.requests)
 
     def _guards(self) -> bool:
         """Whether the freeze arms a spike test or a skip (`guard`)."""
@@ -783,7 +812,7 @@ class Engine(Capture):
                                      new_trainable, skipped)
             freeze = self._freeze()
             if freeze is not None:
-                ok = reductions.all_finite([grads[i] for i in floats])
+                ok = _all_finite([grads[i] for i in floats])
                 context.finites.append(ok)
                 if hook.scale_index is not None and freeze.max_gradient_norm is None:
                     ok = jnp.asarray(True)  # an overflow is the loss scaler's to skip
@@ -1231,9 +1260,8 @@ class Engine(Capture):
                 outputs = _tensors.layer_outputs(model, tensors, state, data)
                 if outputs:
                     records[_tensors.PREFIX + "layer_outputs"] = outputs
-            for name, value in logs.items():
-                if jnp.ndim(value) == 0:
-                    records[f"logs/{name}"] = value
+            for name, value in _flat_logs(logs).items():
+                records[f"logs/{name}"] = value
             # The weights at the fit's start go in, never out: an output that
             # returns an input unchanged is a copy of it at every step (the
             # whole model's weights), so the caller hands them in again (`_Guarded`).
@@ -2046,6 +2074,42 @@ def _scheduled(request: Request, step, compute, full: Optional[bool] = None):
     return jnp.where(jnp.logical_or(scheduled, kept), table, jnp.asarray(np.nan, table.dtype))
 
 
+def _flat_logs(logs) -> dict:
+    """The scalar logs of a train step, nested dicts flattened as Keras
+    flattens them for the callbacks (`keras.src.utils.python_utils.pythonify_logs`:
+    keys in sorted order, a nested dict's keys at the top level; a train
+    step's metrics loop logs the compiled metrics as one dict)."""
+    out = {}
+    for name, value in sorted((logs or {}).items()):
+        if isinstance(value, dict):
+            out.update(_flat_logs(value))
+        elif hasattr(value, "shape") or isinstance(value, (int, float, np.number)):
+            if jnp.ndim(value) == 0:
+                out[name] = value
+            else:
+                out.pop(name, None)  # Keras's value for the name: not a scalar
+    return out
+
+
+def _of_the_step(value) -> bool:
+    """Whether `value` is one of the step's own (a value of its jit trace, or
+    concrete), not one of a transformation inside it (`jax.value_and_grad`,
+    `vmap`), which cannot leave that transformation."""
+    if not isinstance(value, jax.core.Tracer):
+        return hasattr(value, "shape")
+    return type(value).__name__ == "DynamicJaxprTracer"
+
+
+def _all_finite(tensors):
+    """Whether every element of `tensors` is finite, from their NaN and Inf
+    counts as the statistics count them: the same reductions as a request's
+    counts of these tensors (XLA computes them once), not a pass of its own."""
+    if not tensors:
+        return jnp.asarray(True)
+    counts = stats_lib.tensor_statistics(tensors, ["nan_count", "inf_count"])
+    return jnp.sum(counts) == 0
+
+
 def _clipped(clipping, grads, norm):
     """Whether the optimizer's clipping changed the gradients."""
     kind, value = clipping
@@ -2065,15 +2129,19 @@ def _weight_table(stats, weights, before, start):
     if base_names:
         base = stats_lib.tensor_statistics(weights, base_names)
         columns = {s: base[:, i] for i, s in enumerate(base_names)}
+    after = stats_lib.Packed.of(weights)
+
+    def norm_of_change(since):  # of each weight: ||after - since||, on the packed tensors
+        since = stats_lib.Packed.of([s.astype(w.dtype) for w, s in zip(weights, since)])
+        return stats_lib.tensor_statistics(after.less(since), ["l2_norm"])[:, 0]
+
     if "update_ratio" in stats:
-        update = stats_lib.tensor_statistics(
-            [w - b.astype(w.dtype) for w, b in zip(weights, before)], ["l2_norm"])[:, 0]
+        update = norm_of_change(before)
         previous = stats_lib.tensor_statistics(before, ["l2_norm"])[:, 0]
         columns["update_ratio"] = jnp.where(update == 0, jnp.zeros_like(update),
                                             update / previous)
     if "distance_from_start" in stats and start is not None:
-        columns["distance_from_start"] = stats_lib.tensor_statistics(
-            [w - s.astype(w.dtype) for w, s in zip(weights, start)], ["l2_norm"])[:, 0]
+        columns["distance_from_start"] = norm_of_change(start)
     return jnp.stack([columns[s] for s in stats], axis=1)
 
 

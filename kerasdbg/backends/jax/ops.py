@@ -179,6 +179,14 @@ def padded_rows(x, index, offsets, sizes, pieces=None):
     return jnp.stack([jnp.pad(p, (0, width - int(n))) for p, n in zip(pieces, sizes)])
 
 
+def counts_in_one_sum() -> bool:
+    """Whether the statistics take a row's NaN and finite counts as one
+    integer sum (`stats._Segments._counts`): here, yes; XLA's CPU compiler
+    writes a float mask out before each float sum, where an integer sum
+    fuses with its test."""
+    return True
+
+
 def reduce_sums(terms, axis):
     """The sums of same-shaped `terms` along `axis`, one reduction each: XLA
     fuses each term into its reduction, and on a CPU a plain reduction is

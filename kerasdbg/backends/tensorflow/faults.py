@@ -33,7 +33,7 @@ from kerasdbg import stats as stats_lib
 from kerasdbg.backends.tensorflow.channels import _zeros_like
 from kerasdbg.backends.tensorflow.quantities import _dense, _several_replicas
 from kerasdbg.quantities import reductions
-from kerasdbg.capture.requests import Freeze
+from kerasdbg.capture.requests import Freeze, merged_freeze
 from kerasdbg.quantities.spikes import MIN_RELATIVE_STD, Spike
 
 if TYPE_CHECKING:
@@ -84,26 +84,6 @@ def _nonfinite_flags(packed: "stats_lib.Packed", missing) -> tf.Tensor:
     present = iter(range(len(missing) - sum(missing)))
     index = [len(order) if gone else where.get(next(present), len(order)) for gone in missing]
     return tf.gather(flags, index)
-
-
-def _watched(spec: Freeze) -> set:
-    """The fault kinds a request's `Freeze` watches."""
-    kinds = {f"{spike.quantity}_spike" for spike in spec.spikes}
-    if spec.nonfinite_loss or spec.nonfinite_gradients:
-        kinds.add("nonfinite")
-    if spec.max_gradient_norm is not None:
-        kinds.add("max_gradient_norm")
-    return kinds
-
-
-def _skipped_kinds(specs) -> frozenset:
-    """The fault kinds that skip their step when several requests arm
-    faults: those a request skips and every request that watches them skips
-    too (a `StopOnRule` that stops on NaN/Inf beside one that skips spikes
-    keeps its freeze on NaN/Inf)."""
-    skipped = frozenset().union(*(s.skip for s in specs))
-    return frozenset(kind for kind in skipped
-                     if all(kind in s.skip for s in specs if kind in _watched(s)))
 
 
 def _spikes(test: Spike, value, window, count):
@@ -249,22 +229,8 @@ class Faults:
                     steps.assign(tf.zeros([], tf.int64))
 
     def _freeze(self) -> Optional[Freeze]:
-        """The faults that freeze the weights: the union over the requests."""
-        specs = [r.freeze for r in self._view.requests if r.freeze is not None]
-        if not specs:
-            return None
-        norms = [s.max_gradient_norm for s in specs if s.max_gradient_norm is not None]
-        skipping = [s for s in specs if s.skip]
-        return Freeze(
-            nonfinite_loss=any(s.nonfinite_loss for s in specs),
-            nonfinite_gradients=any(s.nonfinite_gradients for s in specs),
-            max_gradient_norm=min(norms) if norms else None,
-            spikes=tuple(dict.fromkeys(spike for s in specs for spike in s.spikes)),
-            skip=_skipped_kinds(specs),
-            max_skips=min([s.max_skips for s in skipping] or [specs[0].max_skips]),
-            skip_window=max([s.skip_window for s in skipping] or [specs[0].skip_window]),
-            rollback=any(s.rollback for s in specs),
-        )
+        """The faults that freeze the weights: the requests' merged (`merged_freeze`)."""
+        return merged_freeze(self._view.requests)
 
     def _localizes(self) -> bool:
         return any(r.localize for r in self._view.requests)

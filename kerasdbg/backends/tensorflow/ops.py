@@ -121,6 +121,14 @@ def xla_form() -> tuple:
     return (xla, xla and not _accelerated())
 
 
+def counts_in_one_sum() -> bool:
+    """Whether the statistics take a row's NaN and finite counts as one
+    integer sum (`stats._Segments._counts`): here, no; the float masks join
+    the other sums (`reduce_sums`: under XLA's CPU compiler one
+    matrix-vector product for all)."""
+    return False
+
+
 def reduce_sums(terms, axis):
     """The sums of same-shaped `terms` along `axis`, in their dtype.
 
