@@ -569,6 +569,51 @@ def test_clipping_records_the_applied_gradients_and_histograms(monkeypatch, tmp_
         f"gradients/{p}" for p in paths), tags
 
 
+@pytest.mark.parametrize("spe, jit", [MATRIX[0], MATRIX[3]])
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["no-clipping", "global-clipnorm"])
+def test_gradient_accumulation_records_what_each_update_applied(monkeypatch, tmp_path, spe, jit,
+                                                                clip):
+    """`gradient_accumulation_steps=4`: at the update steps 4 and 8 the
+    applied gradient is the mean of the four batches' (then clipped), as on
+    TensorFlow (tests/test_training_code_regressions.py); between updates
+    nothing is applied and nothing is written under `applied_gradients/`."""
+    def optimizer():
+        return keras.optimizers.SGD(0.01, gradient_accumulation_steps=4, global_clipnorm=clip)
+
+    reference = make_model(spe, jit, optimizer=optimizer())
+    paths = [v.path for v in reference.trainable_variables]
+    batches = captured_gradients(monkeypatch, reference)  # each batch's, as apply receives
+    assert len(batches) == STEPS
+    model = make_model(spe, jit, optimizer=optimizer())
+    gradients = GradientStatistics(log_dir=str(tmp_path), every_n_steps=1, stats=["l2_norm"])
+    stop = StopOnRule(verbose=False)
+    fit(model, [gradients, stop])
+    for a, b in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    history = gradients.history.set_index("step")
+    assert history.applied.tolist() == [step % 4 == 0 for step in range(1, STEPS + 1)]
+    run = kerasdbg.load_run(str(tmp_path))
+    for step in (4, 8):
+        mean = [np.mean([batches[s - 1][k].astype(np.float64) for s in range(step - 3, step + 1)],
+                        axis=0) for k in range(len(paths))]
+        norm = np.sqrt(sum(np.sum(m ** 2) for m in mean))
+        scale = 1.0 if clip is None else min(1.0, clip / norm)
+        for path, m in zip(paths, mean):
+            np.testing.assert_allclose(history.loc[step, f"applied_gradients/{path}/l2_norm"],
+                                       np.linalg.norm(m) * scale, rtol=1e-5)
+        np.testing.assert_allclose(history.loc[step, "applied_gradients/global_norm"],
+                                   norm * scale, rtol=1e-5)
+        if clip is not None:
+            assert history.loc[step, "clipped"] == float(norm > clip)
+    for path in paths:  # written at the updates only: absent between them, not NaN
+        assert run.scalars(f"applied_gradients/{path}/l2_norm").step.tolist() == [4, 8]
+        assert run.scalars(f"gradients/{path}/l2_norm").step.tolist() == list(
+            range(1, STEPS + 1))
+    if clip is not None:
+        assert history.clipped[history.applied == False].eq(0).all()  # noqa: E712
+    assert [v for v in stop.verdicts if v.severity == "fault"] == []
+
+
 def test_the_default_schedule_computes_every_statistic_at_its_steps_only(monkeypatch):
     reference = make_model()
     grads = captured_gradients(monkeypatch, reference) + captured_gradients(monkeypatch,

@@ -198,14 +198,26 @@ class _Hook:
         self.iterations_index = index[0] if index else None
         self.clipping = keras_objects.clipping(optimizer)
         self.accumulation = keras_objects.accumulation_steps(optimizer)
+        # With gradient accumulation: where each variable's accumulator is in
+        # the optimizer's variables (what `stateless_apply` is given).
+        self.accumulators = _accumulator_positions(optimizer, self.variables) \
+            if self.accumulation else None
         self.applies = 0  # the most applies of it seen in one train step
         self._positions: Dict[int, tuple] = {}  # id(request) -> (request, positions)
-        self.tags: Dict[tuple, tuple] = {}  # (id(request), columns, several) -> (request, tags)
+        # (id(request), columns, several, updated) -> (request, tags)
+        self.tags: Dict[tuple, tuple] = {}
         # Mixed precision: the gradients come scaled by the loss scale (a
         # variable of the optimizer), and an overflow is the scaler's to skip.
         scale = getattr(optimizer, "dynamic_scale", None)
         self.scale_index = next((i for i, v in enumerate(optimizer.variables) if v is scale),
                                 None) if scale is not None else None
+
+    @property
+    def records_applied(self) -> bool:
+        """Whether what the optimizer applies differs from the gradients
+        (clipping, or the average of the accumulated batches): recorded
+        under `applied_gradients/...`."""
+        return bool(self.clipping) or self.accumulators is not None
 
     def positions(self, request: Request) -> List[int]:
         # Asked for every record the host decodes: worked out once per request.
@@ -842,16 +854,30 @@ class Engine(Capture):
                     table = _scheduled(request, step, lambda stats, tensors=tensors:
                                        stats_lib.tensor_statistics(tensors, stats), context.full)
                     tail = [norm]
-                    if hook.clipping:
+                    averaged = grads
+                    if hook.accumulators is not None:
+                        # What Keras applies at an update: the batches' gradients
+                        # accumulated since the last one, averaged (then clipped).
+                        averaged = [g + jnp.asarray(optimizer_variables[j], g.dtype)
+                                    for g, j in zip(grads, hook.accumulators)]
+                        averaged = [g / hook.accumulation for g in averaged]
+                    if hook.clipping and hook.accumulators is not None:
+                        # Judged on what an update applies; no clipping between updates.
+                        tail.append(jnp.logical_and(
+                            _clipped(hook.clipping, [averaged[i] for i in floats],
+                                     reductions.norm_of([averaged[i] for i in floats])),
+                            context.records.get(f"apply/{key}/applied", True)))
+                    elif hook.clipping:
                         tail.append(_clipped(hook.clipping, [grads[i] for i in floats], norm))
                     else:
                         tail.append(jnp.asarray(np.nan, table.dtype))
                     row = jnp.concatenate([jnp.reshape(table, [-1]),
                                            jnp.stack([jnp.asarray(t, table.dtype)
                                                       for t in tail])])
-                    if hook.clipping:
+                    if hook.records_applied:
                         # What the optimizer applies: its own clipping of them.
-                        applied = keras_objects.clip_gradients(optimizer, grads)
+                        applied = keras_objects.clip_gradients(optimizer, averaged) \
+                            if hook.clipping else averaged
                         chosen = [applied[i] for i in positions]
                         applied_table = _scheduled(
                             request, step, lambda stats, chosen=chosen:
@@ -1515,6 +1541,9 @@ class Engine(Capture):
         or no values), in step order."""
         codes = request.column_sets(applied)
         blockable = codes > 0
+        # What an update applied is recorded at the updates only: a block's
+        # steps all update, or none does.
+        codes = np.where(blockable, codes * 2 + updated, codes)
         drawn = np.zeros(len(applied), bool)  # the steps with a histogram
         if hist is not None and request.histogram_every_n_steps:
             drawn = applied % request.histogram_every_n_steps == 0
@@ -1525,11 +1554,12 @@ class Engine(Capture):
         several = self._several
 
         def block(chosen, code):
-            columns = request.columns_of(code)
-            key = (id(request), columns, several)
+            columns, update = request.columns_of(code // 2), bool(code % 2)
+            key = (id(request), columns, several, update)
             tags = hook.tags.get(key)
             if tags is None or tags[0] is not request:
-                tags = hook.tags[key] = (request, self._record_tags(request, hook, columns))
+                tags = hook.tags[key] = (request, self._record_tags(request, hook, columns,
+                                                                    update))
             return CaptureBlock(applied[chosen], rows[chosen], tags[1], skipped[chosen],
                                 updated[chosen], hook.name)
 
@@ -1544,10 +1574,10 @@ class Engine(Capture):
                 skipped: bool = False, updated: bool = True) -> Record:
         columns = request.columns_at(step)
         several = self._several
-        key = (id(request), columns, several)
+        key = (id(request), columns, several, updated)
         tags = hook.tags.get(key)
         if tags is None or tags[0] is not request:
-            tags = hook.tags[key] = (request, self._record_tags(request, hook, columns))
+            tags = hook.tags[key] = (request, self._record_tags(request, hook, columns, updated))
         tags = tags[1]
         values = None if columns is None else np.asarray(row, np.float64)
         histograms = histogram_tags = None
@@ -1559,9 +1589,11 @@ class Engine(Capture):
                       tags=tags, histogram_tags=histogram_tags or (),
                       optimizer=hook.name, applied=updated)
 
-    def _record_tags(self, request: Request, hook: _Hook, columns) -> tuple:
+    def _record_tags(self, request: Request, hook: _Hook, columns, updated: bool = True) -> tuple:
         """The tags of a record of `request` from `hook` holding `columns`
-        (the same at most steps: worked out once per layout)."""
+        (the same at most steps: worked out once per layout); at a batch
+        that gradient accumulation only accumulated (`updated` False),
+        nothing was applied: no `applied_gradients/...`."""
         positions = hook.positions(request)
         several = self._several
         optimizer = hook.name if several else None
@@ -1575,14 +1607,15 @@ class Engine(Capture):
                         if columns is not None else None)
             tags.append(_tags.per_optimizer(request.kind, _tags.CLIPPED, optimizer)
                         if hook.clipping and columns is not None else None)
-            if hook.clipping:
-                # The applied gradients (after the optimizer's clipping), as on TensorFlow.
+            if hook.records_applied:
+                # The applied gradients (averaged over the accumulated batches, after
+                # the optimizer's clipping), as on TensorFlow.
                 kind = _tags.APPLIED_GRADIENTS
                 for i in positions:
-                    tags += [_tags.statistic(kind, hook.paths[i], s) if w else None
+                    tags += [_tags.statistic(kind, hook.paths[i], s) if w and updated else None
                              for s, w in zip(request.stats, wanted)]
                 tags.append(_tags.per_optimizer(kind, _tags.GLOBAL_NORM, optimizer)
-                            if columns is not None else None)
+                            if columns is not None and updated else None)
         return tuple(tags)
 
     @staticmethod
@@ -2072,6 +2105,17 @@ def _scheduled(request: Request, step, compute, full: Optional[bool] = None):
     # The frequent columns the same as the every-step variant's (one pass gives both).
     kept = np.asarray([s in frequent for s in stats])
     return jnp.where(jnp.logical_or(scheduled, kept), table, jnp.asarray(np.nan, table.dtype))
+
+
+def _accumulator_positions(optimizer, variables) -> Optional[List[int]]:
+    """The position of each variable's gradient accumulator among the
+    optimizer's variables; None where one is not found there."""
+    where = {id(v): i for i, v in enumerate(optimizer.variables)}
+    try:
+        found = [where.get(id(a)) for a in keras_objects.accumulators(optimizer, variables)]
+    except (AttributeError, KeyError, IndexError, ValueError):
+        return None
+    return None if any(i is None for i in found) else found
 
 
 def _flat_logs(logs) -> dict:
