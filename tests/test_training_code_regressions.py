@@ -340,6 +340,67 @@ def test_2_the_loss_a_custom_train_step_returns_is_the_step_loss(tmp_path, spe):
     np.testing.assert_allclose(run.scalars("step/doubled").value, 2 * losses.value, rtol=1e-6)
 
 
+class LowerLevel(keras.Model):
+    """The keras.io guide's lower-level TensorFlow step ("Customizing what happens in
+    fit()"): its own loss function, a `Mean` named "loss" it updates, and that
+    metric's `result()` returned as `loss`: the mean since the epoch began."""
+
+    def __init__(self):
+        super().__init__()
+        self.d = keras.layers.Dense(1, name="d")
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+        self.mae_metric = keras.metrics.MeanAbsoluteError(name="mae")
+        self.loss_fn = keras.losses.MeanSquaredError()
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.loss_fn(y, y_pred)
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(gradients, self.trainable_variables)
+        self.loss_tracker.update_state(loss)
+        self.mae_metric.update_state(y, y_pred)
+        return {"loss": self.loss_tracker.result(), "mae": self.mae_metric.result()}
+
+    def call(self, x):
+        return self.d(x)
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker, self.mae_metric]
+
+
+@pytest.mark.parametrize("spe", [1, 4], ids=["spe1", "spe4"])
+def test_2_the_loss_a_train_step_gives_its_loss_metric_is_the_step_loss(tmp_path, spe):
+    def fit(callbacks, spe):
+        keras.utils.set_random_seed(2)
+        model = LowerLevel()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), steps_per_execution=spe)
+        means = []
+        logged = keras.callbacks.LambdaCallback(
+            on_train_batch_end=lambda batch, logs: means.append(logs["loss"]))
+        model.fit(X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[*callbacks, logged])
+        return model, np.asarray(means, np.float64)
+
+    # Each step's loss from a plain fit's running means, one a step (equal weights):
+    # the k-th loss is k m_k - (k-1) m_(k-1).
+    _, means = fit([], 1)
+    expected = means * np.arange(1, 5) - np.concatenate([[0.0], means[:-1] * np.arange(1, 4)])
+    plain, _ = fit([], spe)
+    stop = StopOnRule(NonFiniteLoss(), log_dir=str(tmp_path), verbose=False, strict=True)
+    model, _ = fit([stop], spe)
+    for a, b in zip(plain.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert stop.verdicts == []
+    losses = kerasdbg.load_run(str(tmp_path)).scalars("step/loss")
+    assert losses.step.tolist() == [1, 2, 3, 4]
+    np.testing.assert_allclose(losses.value, expected, rtol=1e-4)
+    assert not np.allclose(expected[1:], means[1:], rtol=1e-3)  # not the running mean
+    assert "update_state" not in vars(model.loss_tracker)  # put back
+
+
 def test_2_a_named_loss_and_a_missing_one(tmp_path):
     keras.utils.set_random_seed(2)
     model = OwnLoss("g_loss")

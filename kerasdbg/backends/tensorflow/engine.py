@@ -392,6 +392,7 @@ class Engine(Capture):
         self._step_warned = False
         # Whether the traced train step called `compute_loss`.
         self.loss_captured = False
+        self._loss_trackers: list = []  # the "loss" metrics patched (`_patch_loss_trackers`)
         # Which variant of the train function a trace builds (`EngineView.variant`)
         # and the host's choice between them this fit (`variants`).
         self.variant: Optional[bool] = None
@@ -678,6 +679,7 @@ class Engine(Capture):
         self._loss_function = getattr(original_loss, "__func__", original_loss)
         object.__setattr__(model, "train_step", train_step)
         object.__setattr__(model, "compute_loss", compute_loss)
+        self._loss_trackers = self._patch_loss_trackers(model)
         self.installed = True
         self._several = None
         self.bypassed, self.routed = {}, set()
@@ -687,9 +689,36 @@ class Engine(Capture):
         # instrumented one, or takes the one an earlier fit traced).
         self._plain = getattr(model, "train_function", None)
 
+    def _patch_loss_trackers(self, model) -> list:
+        """The step's loss where the train step does not call `compute_loss`
+        (the keras.io guide's lower-level step: its own loss function, and a
+        `Mean` named "loss" it updates with `update_state(loss)`): the value
+        it gives that metric. Its `result()`, which the step returns as its
+        `loss`, is the mean since the epoch began, not the step's. Returns
+        the metrics patched."""
+        patched = []
+        for metric in list(getattr(model, "metrics", None) or []):
+            if getattr(metric, "name", None) != "loss" or "update_state" in vars(metric):
+                continue
+            original = metric.update_state
+
+            def update_state(*args, _original=original, **kwargs):
+                state = getattr(_TLS, "state", None)
+                if state is not None and state.engine is self and state.loss is None \
+                        and len(args) == 1 and tf.is_tensor(args[0]):
+                    state.loss = args[0]
+                return _original(*args, **kwargs)
+
+            object.__setattr__(metric, "update_state", update_state)
+            patched.append(metric)
+        return patched
+
     def _uninstall(self, model) -> None:
         self.installed = False
         _progress.of(self).end(finished=False)
+        for metric in self._loss_trackers:
+            keras_objects.unpatch(metric, "update_state")
+        self._loss_trackers = []
         if model is None:
             return
         fit_end.cancel_fit_end(model, self)
