@@ -515,6 +515,35 @@ def test_model_parallel_describes_a_sharded_kernel_whole(spe, jit):
                                    rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("spe, jit", MATRIX)
+def test_model_parallel_trains_bitwise_as_plain_keras(spe, jit):
+    """A kernel sharded over a (1, 2) mesh whose output the next layer contracts
+    (a cross-device sum): the instruments change no bit of training."""
+    def trained(callbacks):
+        mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], jax.devices("cpu"))
+        layout = keras.distribution.LayoutMap(mesh)
+        layout["hidden/kernel"] = (None, "model")
+        keras.distribution.set_distribution(
+            keras.distribution.ModelParallel(layout_map=layout, batch_dim_name="batch"))
+        try:
+            keras.utils.set_random_seed(3)
+            model = keras.Sequential([
+                keras.Input((6,)), keras.layers.Dense(512, activation="relu", name="hidden"),
+                keras.layers.Dense(1, name="out")], name="m")
+            model.compile(keras.optimizers.Adam(0.01), "mse", steps_per_execution=spe,
+                          jit_compile=jit)
+            fit(model, callbacks, epochs=2)
+            return model.get_weights()
+        finally:
+            keras.distribution.set_distribution(None)
+
+    plain = trained([])
+    instrumented = trained([GradientStatistics(every_n_steps=1), WeightStatistics(),
+                            StopOnRule(verbose=False)])
+    for a, b in zip(plain, instrumented):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_a_later_fit_with_equivalent_callbacks_runs_the_step_jitted_before():
     from kerasdbg.backends.jax.engine import engine_for
 
