@@ -380,13 +380,11 @@ def test_steps_trained_without_the_guard_empty_its_windows():
 
 @pytest.mark.parametrize("skipping_first", [False, True], ids=["stopping-first", "skipping-first"])
 def test_two_stop_on_rules_arm_both_their_faults_whichever_comes_first(skipping_first):
-    """One StopOnRule stops on a NaN loss, another skips loss spikes: the spike is
-    skipped in the step, as if its batch had not come, and nothing is stopped (as on
-    JAX: tests/jax/test_skip_and_spikes.py)."""
-    model = _model()
-    stopping = StopOnRule(NonFiniteLoss(), verbose=False)
-    skipping = StopOnRule(LossSpike(window=WINDOW), action="skip", verbose=False)
-    _fit(model, _spiked(SPIKE), [skipping, stopping] if skipping_first else [stopping, skipping])
-    assert skipping.skipped_steps == [SPIKE] and stopping.verdicts == []
-    assert not model.stop_training
-    _assert_same_state(model, _without("default", {SPIKE}), exact=True)
+    """A spike one StopOnRule skips is skipped beside one that stops on a NaN
+    (`tests.merged_faults`)."""
+    from tests.merged_faults import check_two_stop_on_rules
+
+    check_two_stop_on_rules(
+        _model(), _fit, _spiked(SPIKE), SPIKE, WINDOW, lambda: _without("default", {SPIKE}),
+        lambda model, reference: _assert_same_state(model, reference, exact=True),
+        skipping_first)

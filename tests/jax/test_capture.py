@@ -365,20 +365,27 @@ class GuideModel(keras.Sequential):
                                  training=False):
         y_pred, non_trainable_variables = self.stateless_call(
             trainable_variables, non_trainable_variables, x, training=training)
-        loss = jnp.mean(jnp.square(y_pred - y))
+        loss = self.step_loss(x, y, y_pred)
         return loss, (y_pred, non_trainable_variables)
+
+    def step_loss(self, x, y, y_pred):
+        return jnp.mean(jnp.square(y_pred - y))
 
     def train_step(self, state, data):
         trainable_variables, non_trainable_variables, optimizer_variables, metrics_variables = \
             state
         x, y = data
         grad_fn = jax.value_and_grad(self.compute_loss_and_updates, has_aux=True)
-        (loss, (_, non_trainable_variables)), grads = grad_fn(
+        (loss, (y_pred, non_trainable_variables)), grads = grad_fn(
             trainable_variables, non_trainable_variables, x, y, training=True)
         trainable_variables, optimizer_variables = self.optimizer.stateless_apply(
             optimizer_variables, grads, trainable_variables)
-        return {"loss": loss}, (trainable_variables, non_trainable_variables,
-                                optimizer_variables, metrics_variables)
+        logs, metrics_variables = self.metrics_of(metrics_variables, loss, y, y_pred)
+        return logs, (trainable_variables, non_trainable_variables, optimizer_variables,
+                      metrics_variables)
+
+    def metrics_of(self, metrics_variables, loss, y, y_pred):
+        return {"loss": loss}, metrics_variables
 
 
 def make_guide_model(spe=1, jit=True):
@@ -421,29 +428,17 @@ def test_a_train_step_written_for_jax_is_recorded_and_guarded(monkeypatch, spe, 
         np.testing.assert_array_equal(a, b)
 
 
-class KerasIoGuideModel(keras.Sequential):
+class KerasIoGuideModel(GuideModel):
     """The first train step of the keras.io guide "Customizing what happens in
-    fit() with JAX", as written there: `self.compute_loss` inside
-    `jax.value_and_grad`, and the metrics updated by hand, the one named "loss"
-    with the step's loss (`stateless_update_state`); Keras's own
+    fit() with JAX": `GuideModel`'s step with the guide's loss, `self.compute_loss`
+    inside `jax.value_and_grad`, and its metrics loop, the metric named "loss"
+    updated with the step's loss (`stateless_update_state`); Keras's own
     `_update_metrics_variables` is never called."""
 
-    def compute_loss_and_updates(self, trainable_variables, non_trainable_variables, x, y,
-                                 training=False):
-        y_pred, non_trainable_variables = self.stateless_call(
-            trainable_variables, non_trainable_variables, x, training=training)
-        loss = self.compute_loss(x, y, y_pred)
-        return loss, (y_pred, non_trainable_variables)
+    def step_loss(self, x, y, y_pred):
+        return self.compute_loss(x, y, y_pred)
 
-    def train_step(self, state, data):
-        trainable_variables, non_trainable_variables, optimizer_variables, metrics_variables = \
-            state
-        x, y = data
-        grad_fn = jax.value_and_grad(self.compute_loss_and_updates, has_aux=True)
-        (loss, (y_pred, non_trainable_variables)), grads = grad_fn(
-            trainable_variables, non_trainable_variables, x, y, training=True)
-        trainable_variables, optimizer_variables = self.optimizer.stateless_apply(
-            optimizer_variables, grads, trainable_variables)
+    def metrics_of(self, metrics_variables, loss, y, y_pred):
         new_metrics_vars, logs = [], {}
         for metric in self.metrics:
             this_metric_vars = metrics_variables[
@@ -454,8 +449,7 @@ class KerasIoGuideModel(keras.Sequential):
                 this_metric_vars = metric.stateless_update_state(this_metric_vars, y, y_pred)
             logs[metric.name] = metric.stateless_result(this_metric_vars)
             new_metrics_vars += this_metric_vars
-        return logs, (trainable_variables, non_trainable_variables, optimizer_variables,
-                      new_metrics_vars)
+        return logs, new_metrics_vars
 
 
 @pytest.mark.parametrize("spe, jit", MATRIX)
