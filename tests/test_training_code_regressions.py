@@ -25,6 +25,7 @@ from kerasdbg.callbacks import GradientStatistics, StepRecorder, StepTimer, Stop
 from kerasdbg.callbacks import WeightStatistics
 from kerasdbg.rules import ExplodingTensor, FreezeOnFault, NaNSource, NonFiniteLoss
 from kerasdbg.rules import LossNotDecreasing, VanishingGradient
+from tests.conftest import make_strategy
 from tests.examples.capture import capture_applies
 
 RNG = np.random.default_rng(3)
@@ -371,12 +372,17 @@ class LowerLevel(keras.Model):
         return [self.loss_tracker, self.mae_metric]
 
 
-@pytest.mark.parametrize("spe", [1, 4], ids=["spe1", "spe4"])
-def test_2_the_loss_a_train_step_gives_its_loss_metric_is_the_step_loss(tmp_path, spe):
+@pytest.mark.parametrize("strategy_name, spe", [("default", 1), ("default", 4),
+                                                 ("mirrored", 1)])
+def test_2_the_loss_a_train_step_gives_its_loss_metric_is_the_step_loss(
+        tmp_path, strategy_name, spe):
+    """Under MirroredStrategy each replica gives the metric its own batch's loss; the
+    step's loss is the global batch's (the metric's mean over the replicas)."""
     def fit(callbacks, spe):
         keras.utils.set_random_seed(2)
-        model = LowerLevel()
-        model.compile(optimizer=keras.optimizers.SGD(0.1), steps_per_execution=spe)
+        with make_strategy(strategy_name).scope():
+            model = LowerLevel()
+            model.compile(optimizer=keras.optimizers.SGD(0.1), steps_per_execution=spe)
         means = []
         logged = keras.callbacks.LambdaCallback(
             on_train_batch_end=lambda batch, logs: means.append(logs["loss"]))
@@ -394,6 +400,7 @@ def test_2_the_loss_a_train_step_gives_its_loss_metric_is_the_step_loss(tmp_path
     for a, b in zip(plain.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(a, b)
     assert stop.verdicts == []
+    assert stop.loss_source == "the value the train step gives its metric 'loss'"
     losses = kerasdbg.load_run(str(tmp_path)).scalars("step/loss")
     assert losses.step.tolist() == [1, 2, 3, 4]
     np.testing.assert_allclose(losses.value, expected, rtol=1e-4)

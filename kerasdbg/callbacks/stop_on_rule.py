@@ -137,7 +137,10 @@ class StopOnRule(AfterEachExecution, ModelWithoutSync, CopiedAsNew, keras.callba
     The loss of a step (`step/loss`) is, in this order: the scalar named by
     `loss` among those the train step returns; the loss `compute_loss`
     returned (Keras's `train_step`, or a custom one that calls it), summed
-    over replicas; the `loss` the train step returns. A custom train step
+    over replicas; the value a custom train step gives its metric named
+    "loss" (`update_state(loss)`, on JAX `stateless_update_state`: the
+    keras.io guides' lower-level steps), over the replicas as that metric
+    takes it; the `loss` the train step returns. A custom train step
     often returns the running mean of a `keras.metrics.Mean` tracker (the
     keras.io VAE, GAN examples): recorded per step, it is still a mean since
     the epoch began, and a NaN stays in it once it came. `loss_source` says
@@ -480,7 +483,7 @@ class StopOnRule(AfterEachExecution, ModelWithoutSync, CopiedAsNew, keras.callba
         # This fit's records, merged per step for the rules.
         self._rows = StepRows(
             self.model, self.loss, lambda: _capture.engine_for(self.model).loss_captured,
-            self._first_step)
+            self._first_step, lambda: _capture.engine_for(self.model).loss_origin)
         self._done = False
         self._raising = None
         self._silent = []

@@ -38,6 +38,13 @@ ELSEWHERE = ("the model tools (insert_taps, strip_debug_layers, MultiOutputModel
 """What works on a backend without a capture."""
 
 
+LOSS_FROM_COMPUTE_LOSS = "compute_loss"
+LOSS_FROM_METRIC = "the value the train step gives its metric 'loss'"
+"""Where a captured `step/loss` comes from (`Capture.loss_origin`): Keras's
+`compute_loss`, or a train step's own loss, given to the metric named "loss"
+(whose `result()`, the mean since the epoch began, the step returns)."""
+
+
 class Capture(abc.ABC):
     """The capture of one model: one per model, shared by its callbacks.
 
@@ -50,12 +57,16 @@ class Capture(abc.ABC):
     Attributes:
         requests: the attached requests, in order.
         loss_captured: whether the traced train step computed its loss with
-            `compute_loss` (so `step/loss` is the step's own loss).
+            `compute_loss`, or gave it to its metric named "loss" (so
+            `step/loss` is the step's own loss).
+        loss_origin: which of the two (`LOSS_FROM_COMPUTE_LOSS`,
+            `LOSS_FROM_METRIC`), when `loss_captured`.
         faults: the fault state (the freeze and its reports).
     """
 
     requests: List[object]
     loss_captured: bool
+    loss_origin: str = "compute_loss"
     faults: object
 
     @abc.abstractmethod

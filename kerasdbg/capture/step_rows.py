@@ -17,6 +17,7 @@ import keras
 import numpy as np
 
 from kerasdbg.capture import keras_objects
+from kerasdbg.capture.interface import LOSS_FROM_COMPUTE_LOSS
 from kerasdbg.capture.requests import Record, Request
 from kerasdbg.records.capture_record import CaptureBlock, CaptureRecord
 from kerasdbg.records.step_block import StepBlock
@@ -46,15 +47,20 @@ class StepRows:
         loss: the name of a scalar the train step returns to read as the
             loss of each step, or None (see `StopOnRule`'s `loss`).
         loss_captured: whether the traced train step called `compute_loss`
-            (read at the first step row).
+            or gave its loss to its metric named "loss" (read at the first
+            step row).
         on_first_step: see `FirstStep`.
+        loss_origin: which of the two (`Capture.loss_origin`). Defaults to
+            `compute_loss`.
     """
 
     def __init__(self, model, loss: Optional[str], loss_captured: Callable[[], bool],
-                 on_first_step: FirstStep):
+                 on_first_step: FirstStep,
+                 loss_origin: Callable[[], str] = lambda: LOSS_FROM_COMPUTE_LOSS):
         self._model = model
         self._loss = loss
         self._loss_captured = loss_captured
+        self._loss_origin = loss_origin
         self._on_first_step = on_first_step
         # `(steps [n], tags, values [n, len(tags)])`, in the order they came.
         self._pieces: List[Tuple[np.ndarray, Tuple[str, ...], np.ndarray]] = []
@@ -225,7 +231,8 @@ class StepRows:
                 tags, values = tuple(tags[i] for i in held), values[:, held]
             source = None
         elif LOSS_TAG in tags:
-            source = "compute_loss" if self._loss_captured() else "the train step's 'loss'"
+            source = self._loss_origin() if self._loss_captured() \
+                else "the train step's 'loss'"
         else:
             source = None
         if not self._first_seen:

@@ -473,6 +473,7 @@ def test_the_keras_io_guides_jax_train_step_records_each_steps_loss(tmp_path, sp
     stop = StopOnRule(log_dir=str(tmp_path), verbose=False, strict=True)
     history = fit(model, [stop])
     assert stop.verdicts == []
+    assert stop.loss_source == "the value the train step gives its metric 'loss'"
     loss = kerasdbg.load_run(str(tmp_path)).scalars("step/loss")
     assert loss.step.tolist() == list(range(1, STEPS + 1))
     np.testing.assert_allclose(loss.value, want, rtol=1e-5)

@@ -89,7 +89,9 @@ from kerasdbg.capture import fit_end
 from kerasdbg.capture import keras_objects
 from kerasdbg.capture import progress as _progress
 from kerasdbg.capture import reads
-from kerasdbg.capture.interface import Capture, supported
+from kerasdbg.capture.interface import (
+    LOSS_FROM_COMPUTE_LOSS, LOSS_FROM_METRIC, Capture, supported,
+)
 from kerasdbg.capture.requests import (
     CLASS_COLUMNS, MAX_CLASSES, Record, Request, merged_freeze, scheduled_between, scheduled_in,
     sometimes_recorded, unique_paths,
@@ -364,6 +366,8 @@ class Engine(Capture):
         self._out_shardings = None
         self._patched_metrics = False
         self._loss_trackers: list = []
+        # Where the traced step's loss came from (set while it is traced).
+        self.loss_origin = LOSS_FROM_COMPUTE_LOSS
         self._read_once = False
         self._hold = False  # the next execution runs no step (`hold_next_execution`)
         self._data_bytes = 0  # of the batches kept for NaN location
@@ -476,6 +480,7 @@ class Engine(Capture):
                 context = _context()
                 if context is not None:
                     context.loss = unscaled_loss
+                    self.loss_origin = LOSS_FROM_COMPUTE_LOSS
                     if len(args) >= 3:  # x, y, y_pred, sample_weight
                         context.y, context.y_pred = args[1], args[2]
                 return original(model, metrics_variables, unscaled_loss, *args, **kwargs)
@@ -517,8 +522,7 @@ class Engine(Capture):
         self.installed = True
         fit_end.on_fit_end(model, self, self._after_failed_fit)
 
-    @staticmethod
-    def _patch_loss_trackers(model) -> list:
+    def _patch_loss_trackers(self, model) -> list:
         """The step's loss where the train step does not give it to Keras's
         `_update_metrics_variables` (a train step written for JAX, as the
         keras.io guide writes it, updates the metric named "loss" itself
@@ -537,6 +541,7 @@ class Engine(Capture):
                 if context is not None and context.loss is None and len(args) == 1 \
                         and _of_the_step(args[0]):
                     context.loss = args[0]
+                    self.loss_origin = LOSS_FROM_METRIC
                 return _original(metric_variables, *args, **kwargs)
 
             keras_objects.patch(metric, "stateless_update_state", update)
@@ -817,14 +822,19 @@ class Engine(Capture):
                 # Keras updates at every `gradient_accumulation_steps`-th batch.
                 before = jnp.asarray(optimizer_variables[hook.iterations_index], jnp.int32)
                 context.records[f"apply/{key}/applied"] = (before + 1) % hook.accumulation == 0
-            norm = reductions.norm_of([grads[i] for i in floats])
+            joint = _joint_tables(self.requests, hook, step, context.full, grads, new_trainable)
+            norm = joint.norm(floats)
+            if norm is None:
+                norm = reductions.norm_of([grads[i] for i in floats])
             context.records[f"apply/{key}/norm"] = norm
             if context.tensors is not None and not context.tensors_taken:
                 self._record_tensors(context, hook, step, optimizer_variables, grads,
                                      new_trainable, skipped)
             freeze = self._freeze()
             if freeze is not None:
-                ok = _all_finite([grads[i] for i in floats])
+                ok = joint.all_finite(floats)
+                if ok is None:
+                    ok = _all_finite([grads[i] for i in floats])
                 context.finites.append(ok)
                 if hook.scale_index is not None and freeze.max_gradient_norm is None:
                     ok = jnp.asarray(True)  # an overflow is the loss scaler's to skip
@@ -832,9 +842,12 @@ class Engine(Capture):
                     # Which gradients held NaN/Inf: counted at every step, in
                     # one pass with no condition (NaN localisation reads them
                     # at a fault).
-                    counts = stats_lib.tensor_statistics([grads[i] for i in floats],
-                                                         ["nan_count", "inf_count"])
-                    context.records[f"apply/{key}/nonfinite"] = jnp.sum(counts, axis=1) > 0
+                    nonfinite = joint.nonfinite(floats)
+                    if nonfinite is None:
+                        counts = stats_lib.tensor_statistics([grads[i] for i in floats],
+                                                             ["nan_count", "inf_count"])
+                        nonfinite = jnp.sum(counts, axis=1)
+                    context.records[f"apply/{key}/nonfinite"] = nonfinite > 0
                 if freeze.max_gradient_norm is not None:
                     ok = jnp.logical_and(ok, norm <= freeze.max_gradient_norm)
                     if hook.scale_index is not None:
@@ -851,8 +864,9 @@ class Engine(Capture):
                     continue
                 if request.kind == "gradients":
                     tensors = [grads[i] for i in positions]
-                    table = _scheduled(request, step, lambda stats, tensors=tensors:
-                                       stats_lib.tensor_statistics(tensors, stats), context.full)
+                    table = _scheduled(request, step, lambda stats, tensors=tensors, number=number:
+                                       joint.table(number, stats, lambda: stats_lib.tensor_statistics(
+                                           tensors, stats)), context.full)
                     tail = [norm]
                     averaged = grads
                     if hook.accumulators is not None:
@@ -892,8 +906,9 @@ class Engine(Capture):
                     initial = context.carry["initial"].get(str(hook.number))
                     start = [initial[i] for i in positions] if initial is not None else None
                     row = jnp.reshape(_scheduled(
-                        request, step, lambda stats, tensors=tensors, before=before, start=start:
-                        _weight_table(stats, tensors, before, start), context.full), [-1])
+                        request, step, lambda stats, tensors=tensors, before=before, start=start,
+                        number=number: joint.table(number, stats, lambda: _weight_table(
+                            stats, tensors, before, start)), context.full), [-1])
                 context.records[f"apply/{key}/{number}"] = row
                 if request.histogram_every_n_steps:
                     context.records[f"apply/{key}/{number}/hist"] = _histograms(
@@ -2142,6 +2157,92 @@ def _of_the_step(value) -> bool:
     if not isinstance(value, jax.core.Tracer):
         return hasattr(value, "shape")
     return type(value).__name__ == "DynamicJaxprTracer"
+
+
+class _Joint:
+    """The every-step statistics of one apply's requests that compute the
+    same statistics (the gradients' and the weights' norms and counts), taken
+    as one table over all their tensors (`_joint_tables`): one set of padded
+    matrices and reductions, not one per request; the global norm and the
+    freeze's finite test read the gradients' rows of it."""
+
+    def __init__(self, tables: Dict[tuple, jnp.ndarray], gradients: Optional[tuple]):
+        self._tables = tables  # (request number, stats) -> its rows
+        self._gradients = gradients  # (positions, stats, rows) of a gradients request, or None
+
+    def table(self, number: int, stats, compute):
+        found = self._tables.get((number, tuple(stats)))
+        return compute() if found is None else found
+
+    def _column(self, floats, name):
+        if self._gradients is None:
+            return None
+        positions, stats, rows = self._gradients
+        if list(positions) != list(floats) or name not in stats:
+            return None
+        return rows[:, stats.index(name)]
+
+    def norm(self, floats):
+        """The global norm of the gradients `floats`, from their l2 norms here (None: not here)."""
+        norms = self._column(floats, "l2_norm")
+        return None if norms is None else reductions.global_norm(norms)
+
+    def nonfinite(self, floats):
+        """The NaN and Inf elements of each of the gradients `floats`, by
+        their counts here (None: not here)."""
+        nan, inf = self._column(floats, "nan_count"), self._column(floats, "inf_count")
+        return None if nan is None or inf is None else nan + inf
+
+    def all_finite(self, floats):
+        """Whether the gradients `floats` are all finite, by their counts here (None: not here)."""
+        counts = self.nonfinite(floats)
+        return None if counts is None else jnp.sum(counts) == 0
+
+
+def _joint_tables(requests, hook: "_Hook", step, full, grads, new_trainable) -> _Joint:
+    """In the every-step variant (`full` False): the statistics of the
+    requests of gradients and weights of `hook` whose statistics at this step
+    are the every-step norms and counts (`stats.NORM_STATISTICS`; `_scheduled`
+    takes the frequent ones, or all of them at every step), as one table over
+    their tensors, each set of tensors once, every column for each; each
+    request's rows and columns are cut from it."""
+    if full is not False:
+        return _Joint({}, None)
+    entries, blocks = [], {}
+    for number, request in enumerate(requests):
+        if request.kind not in ("gradients", "weights"):
+            continue
+        positions = tuple(hook.positions(request))
+        if not positions:
+            continue
+        stats = tuple(request.stats)
+        frequent = tuple(s for s in stats if s in request.frequent)
+        scheduled = request.records_at(step)
+        taken = stats if (scheduled is True or frequent == stats) else frequent
+        if not taken or not set(taken) <= set(stats_lib.NORM_STATISTICS):
+            continue
+        source = grads if request.kind == "gradients" else new_trainable
+        blocks.setdefault((request.kind, positions), [source[i] for i in positions])
+        entries.append((number, request.kind, positions, taken))
+    if len({kind for kind, _ in blocks}) < 2:
+        # One kind: the requests' own tables share their reductions (XLA computes them once).
+        return _Joint({}, None)
+    union = tuple(s for s in stats_lib.NORM_STATISTICS
+                  if any(s in taken for _, _, _, taken in entries))
+    rows = stats_lib.tensor_statistics([t for tensors in blocks.values() for t in tensors],
+                                       union)
+    where, start = {}, 0
+    for block, tensors in blocks.items():
+        where[block] = rows[start:start + len(tensors)]
+        start += len(tensors)
+    tables, gradients = {}, None
+    for number, kind, positions, taken in entries:
+        part = where[(kind, positions)]
+        tables[(number, taken)] = part[:, [union.index(s) for s in taken]]
+    for (kind, positions), part in where.items():
+        if kind == "gradients" and gradients is None:
+            gradients = (positions, union, part)
+    return _Joint(tables, gradients)
 
 
 def _all_finite(tensors):

@@ -32,7 +32,7 @@ from kerasdbg.capture import fit_end
 from kerasdbg.capture import progress as _progress
 from kerasdbg.capture import reads as read_clock
 from kerasdbg.backends.tensorflow.collect import Collector
-from kerasdbg.capture.interface import Capture
+from kerasdbg.capture.interface import LOSS_FROM_COMPUTE_LOSS, LOSS_FROM_METRIC, Capture
 from kerasdbg.backends.tensorflow import faults as faults_module
 from kerasdbg.backends.tensorflow import logits as _logits_lib
 from kerasdbg.backends.tensorflow.faults import Faults
@@ -54,6 +54,7 @@ class _StepState:
         self.applies: Dict[int, int] = {}
         self.in_apply = False
         self.loss = None  # compute_loss's, this replica's
+        self.loss_from_metric = False  # the loss given to the metric "loss", not compute_loss's
         self.loss_sum = None  # summed over replicas
         self.y = self.y_pred = None
         self.fault = None
@@ -110,6 +111,7 @@ class _Traced:
         self.considered = considered  # [(channel, position)]
         self.several = engine._several
         self.loss_captured = engine.loss_captured
+        self.loss_origin = engine.loss_origin
         self.step_names = list(engine._step_names)
         self.bypassed = dict(engine.bypassed)
         self.routed = set(engine.routed)
@@ -308,8 +310,13 @@ class EngineView:
 
     @property
     def loss_captured(self) -> bool:
-        """Whether the traced train step called `compute_loss`."""
+        """Whether the traced train step called `compute_loss` (or gave its
+        loss to its metric named "loss": `loss_origin`)."""
         return self._engine.loss_captured
+
+    @property
+    def loss_origin(self) -> str:
+        return self._engine.loss_origin
 
     @property
     def bypassed(self) -> Dict[int, object]:
@@ -392,6 +399,7 @@ class Engine(Capture):
         self._step_warned = False
         # Whether the traced train step called `compute_loss`.
         self.loss_captured = False
+        self.loss_origin = LOSS_FROM_COMPUTE_LOSS
         self._loss_trackers: list = []  # the "loss" metrics patched (`_patch_loss_trackers`)
         # Which variant of the train function a trace builds (`EngineView.variant`)
         # and the host's choice between them this fit (`variants`).
@@ -520,6 +528,7 @@ class Engine(Capture):
         for channel, position in traced.considered:
             channel.considered.add(id(self.requests[position]))
         self._several, self.loss_captured = traced.several, traced.loss_captured
+        self.loss_origin = traced.loss_origin
         self._step_names = list(traced.step_names)
         self.bypassed, self.routed = dict(traced.bypassed), set(traced.routed)
         model.train_function = traced.function
@@ -706,7 +715,13 @@ class Engine(Capture):
                 state = getattr(_TLS, "state", None)
                 if state is not None and state.engine is self and state.loss is None \
                         and len(args) == 1 and tf.is_tensor(args[0]):
-                    state.loss = args[0]
+                    # As `compute_loss` scales it: over several replicas, the sum
+                    # of the replicas' values is the global batch's loss.
+                    loss = tf.convert_to_tensor(args[0])
+                    replicas = _several_replicas()
+                    if replicas is not None:
+                        loss = loss / tf.cast(replicas.num_replicas_in_sync, loss.dtype)
+                    state.loss, state.loss_from_metric = loss, True
                 return _original(*args, **kwargs)
 
             object.__setattr__(metric, "update_state", update_state)
@@ -992,6 +1007,7 @@ class Engine(Capture):
 
     def _write_step(self, state: _StepState, logs, frozen, row) -> None:
         self.loss_captured = state.loss is not None
+        self.loss_origin = LOSS_FROM_METRIC if state.loss_from_metric else LOSS_FROM_COMPUTE_LOSS
         loss = state.loss_sum
         if loss is None and state.loss is not None:
             local = tf.reduce_sum(tf.cast(state.loss, tf.float64))
