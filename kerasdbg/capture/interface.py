@@ -66,7 +66,7 @@ class Capture(abc.ABC):
 
     requests: List[object]
     loss_captured: bool
-    loss_origin: str = "compute_loss"
+    loss_origin: str = LOSS_FROM_COMPUTE_LOSS
     faults: object
 
     @abc.abstractmethod

@@ -100,6 +100,49 @@ def patch(obj, name: str, function) -> None:
         )
     object.__setattr__(obj, name, function)
 
+def watch_loss_metrics(model, method: str, take) -> list:
+    """Shadows `method` ("update_state", or "stateless_update_state" whose
+    first argument is the metric's variables) of each metric of `model`
+    named "loss" that no one patched: a call given one value (the loss a
+    custom train step gives it) hands that value to `take` first. Returns
+    the metrics patched, for `unwatch_loss_metrics`.
+
+    Examples:
+        >>> import keras
+        >>> from kerasdbg.capture import keras_objects
+        >>> model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+        >>> model.compile("sgd", "mse")
+        >>> seen = []
+        >>> patched = keras_objects.watch_loss_metrics(model, "update_state", seen.append)
+        >>> [m.name for m in patched]
+        ['loss']
+        >>> patched[0].update_state(2.0); seen
+        [2.0]
+        >>> keras_objects.unwatch_loss_metrics(patched, "update_state")
+    """
+    stateless = method.startswith("stateless")
+    patched = []
+    for metric in list(getattr(model, "metrics", None) or []):
+        if getattr(metric, "name", None) != "loss" or method in vars(metric):
+            continue
+
+        def watched(*args, _original=getattr(metric, method), **kwargs):
+            values = args[1:] if stateless else args
+            if len(values) == 1:
+                take(values[0])
+            return _original(*args, **kwargs)
+
+        patch(metric, method, watched)
+        patched.append(metric)
+    return patched
+
+
+def unwatch_loss_metrics(metrics, method: str) -> None:
+    """Puts back what `watch_loss_metrics` shadowed."""
+    for metric in metrics:
+        unpatch(metric, method)
+
+
 def name_scope_depth() -> int:
     """How many scopes Keras's own name-scope stack holds now (this thread)."""
     from keras.src.backend.common import global_state

@@ -486,7 +486,8 @@ class Engine(Capture):
                 return original(model, metrics_variables, unscaled_loss, *args, **kwargs)
 
             keras_objects.patch(model, "_update_metrics_variables", update_metrics)
-        self._loss_trackers = self._patch_loss_trackers(model)
+        self._loss_trackers = keras_objects.watch_loss_metrics(
+            model, "stateless_update_state", self._metric_loss)
         self._plain = model.train_function
         self._initial = {}
         self._located = False
@@ -522,37 +523,22 @@ class Engine(Capture):
         self.installed = True
         fit_end.on_fit_end(model, self, self._after_failed_fit)
 
-    def _patch_loss_trackers(self, model) -> list:
+    def _metric_loss(self, value) -> None:
         """The step's loss where the train step does not give it to Keras's
         `_update_metrics_variables` (a train step written for JAX, as the
         keras.io guide writes it, updates the metric named "loss" itself
         with `stateless_update_state(variables, loss)`): the value it gives
-        that metric, when it is the step's own (not one inside
-        `jax.value_and_grad`). Returns the metrics patched."""
-        patched = []
-        for metric in list(getattr(model, "metrics", None) or []):
-            if getattr(metric, "name", None) != "loss" or \
-                    "stateless_update_state" in vars(metric):
-                continue
-            original = metric.stateless_update_state
-
-            def update(metric_variables, *args, _original=original, **kwargs):
-                context = _context()
-                if context is not None and context.loss is None and len(args) == 1 \
-                        and _of_the_step(args[0]):
-                    context.loss = args[0]
-                    self.loss_origin = LOSS_FROM_METRIC
-                return _original(metric_variables, *args, **kwargs)
-
-            keras_objects.patch(metric, "stateless_update_state", update)
-            patched.append(metric)
-        return patched
+        that metric (`keras_objects.watch_loss_metrics`), when it is the
+        step's own (not one inside `jax.value_and_grad`)."""
+        context = _context()
+        if context is not None and context.loss is None and _of_the_step(value):
+            context.loss = value
+            self.loss_origin = LOSS_FROM_METRIC
 
     def _uninstall(self) -> None:
         _progress.of(self).end(finished=False)
         model = self._model()
-        for metric in self._loss_trackers:
-            keras_objects.unpatch(metric, "stateless_update_state")
+        keras_objects.unwatch_loss_metrics(self._loss_trackers, "stateless_update_state")
         self._loss_trackers = []
         for hook in self.hooks.values():
             keras_objects.unpatch(hook.optimizer, "stateless_apply")
@@ -2274,9 +2260,8 @@ def _weight_table(stats, weights, before, start):
     if base_names:
         base = stats_lib.tensor_statistics(weights, base_names)
         columns = {s: base[:, i] for i, s in enumerate(base_names)}
-    after = stats_lib.Packed.of(weights)
-
     def norm_of_change(since):  # of each weight: ||after - since||, on the packed tensors
+        after = stats_lib.Packed.of(weights)
         since = stats_lib.Packed.of([s.astype(w.dtype) for w, s in zip(weights, since)])
         return stats_lib.tensor_statistics(after.less(since), ["l2_norm"])[:, 0]
 

@@ -400,7 +400,7 @@ class Engine(Capture):
         # Whether the traced train step called `compute_loss`.
         self.loss_captured = False
         self.loss_origin = LOSS_FROM_COMPUTE_LOSS
-        self._loss_trackers: list = []  # the "loss" metrics patched (`_patch_loss_trackers`)
+        self._loss_trackers: list = []  # the "loss" metrics watched (`_metric_loss`)
         # Which variant of the train function a trace builds (`EngineView.variant`)
         # and the host's choice between them this fit (`variants`).
         self.variant: Optional[bool] = None
@@ -688,7 +688,8 @@ class Engine(Capture):
         self._loss_function = getattr(original_loss, "__func__", original_loss)
         object.__setattr__(model, "train_step", train_step)
         object.__setattr__(model, "compute_loss", compute_loss)
-        self._loss_trackers = self._patch_loss_trackers(model)
+        self._loss_trackers = keras_objects.watch_loss_metrics(model, "update_state",
+                                                               self._metric_loss)
         self.installed = True
         self._several = None
         self.bypassed, self.routed = {}, set()
@@ -698,41 +699,29 @@ class Engine(Capture):
         # instrumented one, or takes the one an earlier fit traced).
         self._plain = getattr(model, "train_function", None)
 
-    def _patch_loss_trackers(self, model) -> list:
+    def _metric_loss(self, value) -> None:
         """The step's loss where the train step does not call `compute_loss`
         (the keras.io guide's lower-level step: its own loss function, and a
         `Mean` named "loss" it updates with `update_state(loss)`): the value
-        it gives that metric. Its `result()`, which the step returns as its
-        `loss`, is the mean since the epoch began, not the step's. Returns
-        the metrics patched."""
-        patched = []
-        for metric in list(getattr(model, "metrics", None) or []):
-            if getattr(metric, "name", None) != "loss" or "update_state" in vars(metric):
-                continue
-            original = metric.update_state
-
-            def update_state(*args, _original=original, **kwargs):
-                state = getattr(_TLS, "state", None)
-                if state is not None and state.engine is self and state.loss is None \
-                        and len(args) == 1 and tf.is_tensor(args[0]):
-                    # As `compute_loss` scales it: over several replicas, the sum
-                    # of the replicas' values is the global batch's loss.
-                    loss = tf.convert_to_tensor(args[0])
-                    replicas = _several_replicas()
-                    if replicas is not None:
-                        loss = loss / tf.cast(replicas.num_replicas_in_sync, loss.dtype)
-                    state.loss, state.loss_from_metric = loss, True
-                return _original(*args, **kwargs)
-
-            object.__setattr__(metric, "update_state", update_state)
-            patched.append(metric)
-        return patched
+        it gives that metric (`keras_objects.watch_loss_metrics`). Its
+        `result()`, which the step returns as its `loss`, is the mean since
+        the epoch began, not the step's."""
+        state = getattr(_TLS, "state", None)
+        if state is None or state.engine is not self or state.loss is not None \
+                or not tf.is_tensor(value):
+            return
+        # As `compute_loss` scales it: over several replicas, the sum of the
+        # replicas' values is the global batch's loss.
+        loss = tf.convert_to_tensor(value)
+        replicas = _several_replicas()
+        if replicas is not None:
+            loss = loss / tf.cast(replicas.num_replicas_in_sync, loss.dtype)
+        state.loss, state.loss_from_metric = loss, True
 
     def _uninstall(self, model) -> None:
         self.installed = False
         _progress.of(self).end(finished=False)
-        for metric in self._loss_trackers:
-            keras_objects.unpatch(metric, "update_state")
+        keras_objects.unwatch_loss_metrics(self._loss_trackers, "update_state")
         self._loss_trackers = []
         if model is None:
             return
