@@ -165,6 +165,10 @@ def _raw(x: Tensor, stats: Tuple[str, ...]) -> Tensor:
     them into statistics runs once over all tensors' rows (`_finish`).
     """
     needs = _needs(stats)
+    size = B.num_elements(x)
+    if B.stacked_sums() and size is not None and 0 < size <= STACKED_ELEMENTS \
+            and x.dtype in (B.float32, B.float64):
+        return _raw_stacked(x, needs)
     finite = B.is_finite(x)
     zero = B.zeros([], x.dtype)
     xz = B.where(finite, x, zero)
@@ -192,6 +196,56 @@ def _raw(x: Tensor, stats: Tuple[str, ...]) -> Tensor:
     row = [B.cast(raw[r], B.float64) if r in raw else counts[r] if r in counts
            else B.zeros([], B.float64) for r in _RAW]
     return B.stack(row)
+
+
+STACKED_ELEMENTS = 1 << 24
+"""The largest tensor `_raw_stacked` takes: its counts are float32 sums,
+exact up to 2**24."""
+
+
+def _raw_stacked(x: Tensor, needs: set) -> Tensor:
+    """`_raw` of one float32 (or float64) tensor where the backend's compiler
+    fuses a reduction with the terms stacked before it (`ops.stacked_sums`):
+    the sums and counts are the rows of one `[terms, size]` stack summed
+    along its rows, the minimum and the maximum one minimum of two rows (the
+    maximum as the minimum of the negated values), and the centered sum a
+    second pass. A tap's activation then takes 9 fusions, not 22 (XLA's
+    CPU compiler, a `[64, 64]` ReLU output: one reduction a term and a mask
+    written out before each count); the counts are exact below
+    `STACKED_ELEMENTS`."""
+    finite = B.is_finite(x)
+    zero = B.zeros([], x.dtype)
+    xz = B.where(finite, x, zero)
+    terms = {}
+    if "sum" in needs:
+        terms["sum"] = xz
+    if "sumsq" in needs:
+        terms["sumsq"] = B.square(x)  # NaN / inf when one element is
+    if "abs_sum" in needs:
+        terms["abs_sum"] = B.abs(xz)
+    if "zeros" in needs:
+        terms["zeros"] = B.cast(B.equal(x, 0), x.dtype)
+    if "finite" in needs:
+        terms["finite"] = B.cast(finite, x.dtype)
+    if "nan" in needs:
+        terms["nan"] = B.cast(B.is_nan(x), x.dtype)
+    raw = {}
+    if terms:
+        sums = B.reduce_sum(B.stack(list(terms.values())), axis=1)
+        raw = dict(zip(terms, B.unstack(sums, num=len(terms), axis=0)))
+    if "centered" in needs:
+        mean = raw["sum"] / B.maximum(raw["finite"], 1)
+        raw["centered"] = B.reduce_sum(B.square(B.where(finite, x - mean, zero)))
+    extremes = [name for name in ("min", "max") if name in needs]
+    if extremes:
+        inf = B.constant(np.inf, x.dtype)
+        rows = {"min": B.where(finite, x, inf), "max": B.where(finite, -x, inf)}
+        lows = B.unstack(B.reduce_min(B.stack([rows[n] for n in extremes]), axis=1),
+                         num=len(extremes), axis=0)
+        for name, low in zip(extremes, lows):
+            raw[name] = low if name == "min" else -low
+    return B.stack([B.cast(raw[r], B.float64) if r in raw else B.zeros([], B.float64)
+                    for r in _RAW])
 
 
 SEGMENTED = 1 << 12

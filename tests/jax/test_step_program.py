@@ -76,9 +76,21 @@ def test_every_statistic_at_every_step_is_one_program_with_no_condition_and_few_
     assert added[60] - added[2] <= 12, added
 
 
-def test_taps_with_the_defaults_hold_no_condition():
-    (full_conditionals, _), (conditionals, _) = variants("taps+defaults", 2)
-    assert full_conditionals == conditionals == 0
+# The fusions each tapped layer adds to the every-step program, at most: its
+# statistics as two stacks of terms reduced along their rows
+# (`stats._raw_stacked`), its health, its counters and its row (measured 18;
+# 31 with a reduction a statistic and a mask written out before each count).
+PER_TAP_AT_MOST = 20
+
+
+def test_taps_with_the_defaults_hold_no_condition_and_a_few_fusions_a_tap():
+    added, taps = {}, {}
+    for depth in (2, 20):
+        (full_conditionals, _), (conditionals, added[depth]) = variants("taps+defaults", depth)
+        assert full_conditionals == conditionals == 0
+        taps[depth] = depth + 1  # a tap after each hidden layer and the logits
+    per_tap = (added[20] - added[2]) / (taps[20] - taps[2])
+    assert per_tap <= PER_TAP_AT_MOST, added
 
 
 

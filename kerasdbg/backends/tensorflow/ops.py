@@ -121,6 +121,14 @@ def xla_form() -> tuple:
     return (xla, xla and not _accelerated())
 
 
+def stacked_sums() -> bool:
+    """Whether a tensor's sums and counts are taken as the rows of one stack
+    of its terms (`stats._raw_stacked`): here, no: one
+    reduction a term (`tf.reduce_sum` of a stack would write it out where
+    XLA does not compile the step)."""
+    return False
+
+
 def counts_in_one_sum() -> bool:
     """Whether the statistics take a row's NaN and finite counts as one
     integer sum (`stats._Segments._counts`): here, no; the float masks join
