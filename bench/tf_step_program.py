@@ -39,15 +39,20 @@ import tensorflow as tf  # noqa: E402
 BATCH = 64
 STEPS = 12  # steps 1-10 (and a fit's first execution) run the full variant, 11-12 the other
 CONDITIONS = ("If", "StatelessIf", "Case", "StatelessCase")
-CONFIGS = ("defaults", "stop", "stop+defaults")
+CONFIGS = ("defaults", "stop", "stop+defaults", "taps+defaults")
 
 
-def mlp(depth: int = 2, jit: bool = True, width: int = 64) -> keras.Model:
-    """An MLP 32-width x depth-10 (2 * (depth + 1) variables), compiled with Adam."""
+def mlp(depth: int = 2, jit: bool = True, width: int = 64, taps: bool = False) -> keras.Model:
+    """An MLP 32-width x depth-10 (2 * (depth + 1) variables), compiled with
+    Adam; with `taps`, a `TapLayer` after each layer (`insert_taps`)."""
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((32,))] + [
         keras.layers.Dense(width, activation="relu") for _ in range(depth)] + [
         keras.layers.Dense(10)])
+    if taps:
+        import kerasdbg
+
+        model = kerasdbg.insert_taps(model)
     model.compile(keras.optimizers.Adam(1e-3), keras.losses.SparseCategoricalCrossentropy(
         from_logits=True), jit_compile=jit)
     return model
@@ -61,7 +66,9 @@ def data(steps: int = STEPS):
 
 
 def callbacks_of(config: str) -> list:
-    from kerasdbg.callbacks import GradientStatistics, StopOnRule, WeightStatistics
+    from kerasdbg.callbacks import (
+        ActivationStatistics, GradientStatistics, StopOnRule, WeightStatistics,
+    )
 
     # "warn": a deep ReLU MLP's vanishing gradients (a true verdict) must not
     # end the fit whose programs are taken.
@@ -69,7 +76,8 @@ def callbacks_of(config: str) -> list:
     defaults = [GradientStatistics(), WeightStatistics()] if config != "stop" else []
     if config not in CONFIGS + ("plain",):
         raise ValueError(config)
-    return [] if config == "plain" else stop + defaults
+    taps = [ActivationStatistics()] if "taps" in config else []
+    return [] if config == "plain" else stop + defaults + taps
 
 
 def functions_of(model, full: Optional[bool] = None) -> list:
@@ -122,7 +130,7 @@ def variants(config: str, depth: int, jit: bool = True) -> Dict[Optional[bool], 
     configuration's instruments (plain Keras's under `None`, its optimizer
     built before the fit as kerasdbg builds it: else the trace that creates
     its variables holds Keras's conditions for that)."""
-    model = mlp(depth, jit)
+    model = mlp(depth, jit, taps="taps" in config)
     if config == "plain":
         model.optimizer.build(model.trainable_variables)
     x, y = data()

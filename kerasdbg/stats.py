@@ -231,8 +231,8 @@ def _raw_stacked(x: Tensor, needs: set) -> Tensor:
         terms["nan"] = B.cast(B.is_nan(x), x.dtype)
     raw = {}
     if terms:
-        sums = B.reduce_sum(B.stack(list(terms.values())), axis=1)
-        raw = dict(zip(terms, B.unstack(sums, num=len(terms), axis=0)))
+        raw = dict(zip(terms, B.unstack(B.reduce_sums([B.stack(list(terms.values()))], axis=1)[0],
+                                        num=len(terms), axis=0)))
     if "centered" in needs:
         mean = raw["sum"] / B.maximum(raw["finite"], 1)
         raw["centered"] = B.reduce_sum(B.square(B.where(finite, x - mean, zero)))
@@ -244,8 +244,9 @@ def _raw_stacked(x: Tensor, needs: set) -> Tensor:
                          num=len(extremes), axis=0)
         for name, low in zip(extremes, lows):
             raw[name] = low if name == "min" else -low
-    return B.stack([B.cast(raw[r], B.float64) if r in raw else B.zeros([], B.float64)
-                    for r in _RAW])
+    # Stacked in the tensor's dtype, then cast once (a cast each is a kernel each
+    # where XLA does not fuse them into the stack).
+    return B.cast(B.stack([raw.get(r, zero) for r in _RAW]), B.float64)
 
 
 SEGMENTED = 1 << 12

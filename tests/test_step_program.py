@@ -71,6 +71,25 @@ def test_the_every_step_variant_adds_fusions_that_do_not_grow_with_the_variables
 
 
 
+# The fusions each tapped layer adds to the jit-compiled step, at most: its
+# statistics as stacks of terms whose rows XLA sums as one product
+# (`stats._raw_stacked`), its health, its counters and its row (measured 23;
+# 44 with a reduction a statistic).
+PER_TAP_AT_MOST = 26
+
+
+def test_taps_with_the_defaults_hold_no_condition_and_a_few_fusions_a_tap():
+    added = {}
+    for depth in (2, 12):
+        _, plain_fusions = _plain(depth, True)
+        functions = program.variants("taps+defaults", depth)
+        conditions, fusions = program.counts(next(iter(functions.values())))
+        assert conditions == 0
+        added[depth] = fusions - plain_fusions
+    # A tap after each hidden layer and the logits: depth + 1.
+    assert (added[12] - added[2]) / 10 <= PER_TAP_AT_MOST, added
+
+
 def _graph_ops(functions) -> dict:
     """The op types of a variant's traced graphs (function libraries included), counted."""
     found = {}

@@ -123,10 +123,11 @@ def xla_form() -> tuple:
 
 def stacked_sums() -> bool:
     """Whether a tensor's sums and counts are taken as the rows of one stack
-    of its terms (`stats._raw_stacked`): here, no: one
-    reduction a term (`tf.reduce_sum` of a stack would write it out where
-    XLA does not compile the step)."""
-    return False
+    of its terms (`stats._raw_stacked`): where XLA compiles the ops made
+    now (it fuses the stack with its terms; `reduce_sums` takes its rows as
+    one product on a CPU); not in a graph TensorFlow runs op by op, which
+    would write the stack out."""
+    return _xla_context()
 
 
 def counts_in_one_sum() -> bool:
