@@ -234,8 +234,9 @@ def run_demo(out: str = "runs/demo", epochs: int = 3) -> Dict[str, str]:
     absolute = os.path.abspath(out)
     print(f"\nTensorBoard logs written to {absolute}")
     print(f"Open them with:\n  tensorboard --logdir {absolute}\nthen browse http://localhost:6006 "
-          "(Custom Scalars: the loss, the gradient norms and update ratios per group of "
-          "layers beside their log10, the variable holding the largest norm, dead units, the "
+          "(the KERASDBG tab: which layer went wrong and when, per run, and the two runs "
+          "side by side; Custom Scalars: the loss, the gradient norms and update ratios per "
+          "group of layers beside their log10, the variable holding the largest norm, dead units, the "
           "step time; Scalars: every tag; Histograms; Text: the verdicts in step order). "
           "Or open each run's report.html.")
     if len(dirs) == 2:

@@ -189,7 +189,7 @@ def _differs(a: float, b: float, rtol: float, atol: float) -> Optional[str]:
 
 
 def compare_runs(a: str, b: str, run_name: str = "train", rtol: float = 1e-2,
-                 atol: float = 1e-12) -> RunComparison:
+                 atol: float = 1e-12, run_name_b: Optional[str] = None) -> RunComparison:
     """Two recorded runs side by side: where they first diverge, their loss
     and global gradient norm per step, and the verdicts of each.
 
@@ -210,6 +210,9 @@ def compare_runs(a: str, b: str, run_name: str = "train", rtol: float = 1e-2,
         run_name: the run of each log directory. Defaults to `"train"`.
         rtol: relative tolerance, >= 0. Defaults to `1e-2`.
         atol: absolute tolerance, >= 0. Defaults to `1e-12`.
+        run_name_b: the run of `b`, where it is not `run_name` (two runs of
+            one directory: `compare_runs(d, d, "healthy/train",
+            run_name_b="broken/train")`). Defaults to `None` (`run_name`).
 
     Returns:
         A `RunComparison`; `str()` of it is the summary `kerasdbg report A B`
@@ -245,7 +248,8 @@ def compare_runs(a: str, b: str, run_name: str = "train", rtol: float = 1e-2,
         if not value >= 0 or not np.isfinite(value):
             raise ValueError(f"compare_runs: `{name}` must be a float >= 0. "
                              f"Received: {name}={value!r}")
-    data_a, data_b = _read(a, "a", run_name), _read(b, "b", run_name)
+    data_a = _read(a, "a", run_name)
+    data_b = _read(b, "b", run_name if run_name_b is None else run_name_b)
     names = (data_a["title"], data_b["title"])
     if names[0] == names[1]:  # two directories of the same name: tell them apart
         names = (f"{names[0]} (a)", f"{names[1]} (b)")

@@ -32,14 +32,22 @@ def get(base, path, **query):
         return json.loads(response.read().decode("utf-8"))
 
 
+_WITHOUT_TENSORFLOW = (
+    "import sys; sys.modules['tensorflow'] = None; "  # `import tensorflow` raises ImportError
+    "from tensorboard.main import run_main; sys.argv[0] = 'tensorboard'; run_main()")
+
+
 @contextlib.contextmanager
-def serve(log_dir, load_fast="false"):
+def serve(log_dir, load_fast="false", run="train", without_tensorflow=False):
     """`tensorboard --logdir` on 127.0.0.1 and a free port, with the Python
-    loader (`load_fast="false"`) or the Rust data server ("true"); stopped by
+    loader (`load_fast="false"`) or the Rust data server ("true"), once it
+    lists the scalars of `run`; with `without_tensorflow`, as where
+    TensorFlow is not installed (its import fails in the server); stopped by
     its PID, then its process group (the data server)."""
     port = _free_port()
+    command = ["-c", _WITHOUT_TENSORFLOW] if without_tensorflow else ["-m", "tensorboard.main"]
     process = subprocess.Popen(
-        [sys.executable, "-m", "tensorboard.main", "--logdir", log_dir, "--host", "127.0.0.1",
+        [sys.executable, *command, "--logdir", log_dir, "--host", "127.0.0.1",
          "--port", str(port), "--load_fast", load_fast, "--reload_interval", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
     )
@@ -48,7 +56,7 @@ def serve(log_dir, load_fast="false"):
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             try:
-                if "train" in get(base, "/data/plugin/scalars/tags"):
+                if run in get(base, "/data/plugin/scalars/tags"):
                     break
             except OSError:
                 pass
@@ -129,6 +137,24 @@ def screenshot(browser, url, shot, profile, size=(1280, 1500)):
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)  # a renderer or zygote left behind
     assert process.returncode == 0, err.decode(errors="replace")[-2000:]
+
+
+def dump_dom(browser, url, profile) -> str:
+    """The DOM headless Chromium holds once `url`'s scripts ran (their
+    fetches included), in its own process group, killed whole after it."""
+    process = subprocess.Popen(
+        [browser, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={profile}",
+         "--virtual-time-budget=20000", "--dump-dom", url],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = process.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, err = process.communicate()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 0, err.decode(errors="replace")[-2000:]
+    return out.decode()
 
 
 def keep(shot):

@@ -94,6 +94,9 @@ def test_the_wheel_holds_every_module_the_type_marker_and_the_metadata(dist):
     # TensorFlow comes with an extra, so that a user's own build is kept.
     assert any(r.startswith("tensorflow-cpu") and "extra ==" in r for r in requires), requires
     assert "kerasdbg = kerasdbg.cli:main" in entry_points
+    # The TensorBoard dashboard: its plugin and the page's module.
+    assert "[tensorboard_plugins]\nkerasdbg = kerasdbg.dashboard:DashboardPlugin" in entry_points
+    assert "kerasdbg/dashboard/static/index.js" in names
 
 
 def test_the_sdist_rebuilds_the_same_wheel_and_carries_the_project(dist, tmp_path):

@@ -8,7 +8,7 @@ import pytest
 
 MODULES = ["kerasdbg", "kerasdbg.callbacks", "kerasdbg.layers", "kerasdbg.rules", "kerasdbg.report",
            "kerasdbg.run_comparison", "kerasdbg.rules.remedies",
-           "kerasdbg.compat"]
+           "kerasdbg.compat", "kerasdbg.dashboard"]
 EXTRA = ["kerasdbg.stats.tensor_statistics", "kerasdbg.stats.histograms", "kerasdbg.reader.Run",
          "kerasdbg.reader.Tensor", "kerasdbg.reader.Run.scalar_table",
          "kerasdbg.reader.Run.tensor_names", "kerasdbg.rules.rule.make_verdict",

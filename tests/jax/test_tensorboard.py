@@ -17,7 +17,7 @@ from kerasdbg.callbacks import ActivationStatistics, GradientStatistics, StepTim
 from kerasdbg.callbacks import StopOnRule, WeightStatistics
 from kerasdbg.rules import DiagnosisWarning
 from tests.tensorboard_server import NO_BROWSER, chromium, get, keep, screenshot, serve
-from tests.tensorboard_server import custom_scalars, wait_for
+from tests.tensorboard_server import custom_scalars, dump_dom, wait_for
 
 STEPS, BATCH = 3, 4
 # ResNet50's stages, by hand: the first part of each variable's and tap's name.
@@ -128,3 +128,37 @@ def test_custom_scalars_at_resnet50_scale_draw_ten_lines_or_fewer(resnet_run, tm
     data = shot.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000  # a rendered page
     keep(shot)
+
+
+def test_kerasdbg_s_dashboard_at_resnet50_scale_groups_its_layers(resnet_run, tmp_path):
+    """kerasdbg's own TensorBoard tab on the same run: a row per layer (the
+    root of the sum of its variables' squared gradient norms, from the
+    records), in at most 16 groups by name, each expandable in the page."""
+    from kerasdbg.dashboard import _data
+    from kerasdbg.reader import load_run
+
+    browser = chromium()
+    assert browser is not None, NO_BROWSER
+    log_dir, model, grads, weights = resnet_run
+    run = _data.run(log_dir, "train")
+    heatmap = run["heatmaps"]["gradient_norm"]
+    layers = {p.rsplit("/", 1)[0] for p in (v.path for v in model.trainable_variables)}
+    assert sorted(heatmap["rows"]) == sorted(layers) and len(layers) == 107
+    assert heatmap["steps"] == list(range(1, STEPS + 1))
+    assert 2 <= len(heatmap["groups"]) <= _data.GROUP_LIMIT
+    long = load_run(log_dir).scalars(r"gradients/.*/l2_norm", run="train")
+    for layer in ("conv1_conv", "conv3_block2_2_bn", "predictions"):
+        row = heatmap["values"][heatmap["rows"].index(layer)]
+        for step, cell in zip(heatmap["steps"], row):
+            mine = long[(long.step == step) & long.tag.str.startswith(f"gradients/{layer}/")]
+            assert len(mine) == 2  # a kernel or gamma, and a bias or beta
+            np.testing.assert_allclose(cell, np.sqrt(np.sum(mine.value.to_numpy() ** 2)),
+                                       rtol=1e-12)
+    with serve(log_dir) as base:
+        assert "kerasdbg" in get(base, "/data/plugins_listing")
+        dom = dump_dom(browser, f"{base}/data/plugin_entry.html?name=kerasdbg",
+                       tmp_path / "profile")
+    groups = re.findall(r'<details class="group"><summary>([^<]+)<', dom)
+    # Each heatmap of layers or taps in its groups, each group named with its size.
+    assert [g for g in groups[:len(heatmap["groups"])]] == [
+        f"{name} ({len(members)})" for name, members in heatmap["groups"]]
