@@ -220,3 +220,32 @@ def test_the_plugin_imports_no_backend():
          "print(sorted(m for m in ('tensorflow', 'jax', 'keras') if m in sys.modules))"],
         capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out
+
+
+def test_skipped_steps_and_rollbacks_are_marked(tmp_path):
+    """A run whose faulty batch StopOnRule skipped (`action="skip"`), and one
+    whose steps 2-3 were written again (a restart from a backup)."""
+    from kerasdbg.sinks import events as _events
+
+    skipped_dir = str(tmp_path / "skip")
+    x = X.copy()
+    x[(FAULT - 1) * BATCH] = 3e38
+    model = make_mlp()
+    model.compile(keras.optimizers.SGD(LEARNING_RATE), "mse")
+    model.fit(x[:8 * BATCH], Y[:8 * BATCH], batch_size=BATCH, shuffle=False, verbose=0,
+              callbacks=[GradientStatistics(skipped_dir),
+                         StopOnRule(action="skip", log_dir=skipped_dir, verbose=False)])
+    run = _data.run(skipped_dir, "train")
+    recorded = load_run(skipped_dir).scalars(r"step/skipped(/.*)?", run="train")
+    assert run["skipped"] == sorted(int(s) for s in recorded[recorded.value > 0].step) == [FAULT]
+    assert f"1 step(s) skipped: {FAULT}" in run["headline"]
+    resumed = str(tmp_path / "resumed")
+    writer = _events.EventWriter(os.path.join(resumed, "train"))
+    for step, loss in [(1, 1.0), (2, 2.0), (3, 3.0), (2, 20.0), (3, 30.0), (4, 40.0)]:
+        writer.write(step, {"step/loss": loss, "gradients/m/d/kernel/l2_norm": loss})
+    writer.flush()
+    run = _data.run(resumed, "train")
+    assert run["rollbacks"] == [2]
+    assert run["loss"] == {"tag": "step/loss", "steps": [1, 2, 3, 4],
+                           "values": [1.0, 20.0, 30.0, 40.0]}
+    assert run["heatmaps"]["gradient_norm"]["values"] == [[1.0, 20.0, 30.0, 40.0]]
