@@ -362,3 +362,24 @@ def test_report_of_the_demo_says_what_to_try_and_compares_its_two_runs(demo, cap
             os.makedirs(keep, exist_ok=True)
             image.crop((0, 0, 1280, 1900)).convert("RGB").quantize(256).save(
                 os.path.join(keep, "compare.png"), optimize=True)
+
+
+def test_the_dashboard_names_the_demo_s_faulty_layer_and_step(demo, tmp_path):
+    """kerasdbg's TensorBoard tab on the demo's runs, rendered by headless
+    Chromium: the broken run's headline names the layer and the step its
+    records give (`faults/nan_source/layer/<layer>`)."""
+    from tests.tensorboard_server import NO_BROWSER, chromium, dump_dom, serve
+
+    out, _ = demo
+    broken = "lr_too_high/train"
+    located = load_run(str(out)).scalars(r"faults/nan_source/layer/.*", run=broken)
+    assert len(located) == 1
+    layer, step = located.tag.iloc[0].rsplit("/", 1)[-1], int(located.step.iloc[0])
+    browser = chromium()
+    assert browser is not None, NO_BROWSER
+    with serve(str(out), run=broken) as base:
+        dom = dump_dom(browser, f"{base}/data/plugin_entry.html?name=kerasdbg",
+                       tmp_path / "profile")
+    text = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", dom))
+    assert f"First NaN/Inf at step {step}: layer '{layer}' (NaNSource)" in text, text[-2000:]
+    assert "healthy/train" in text and "No rule fired" in text

@@ -46,13 +46,19 @@ def _fit(callbacks=(), spe=1, jit=False, taps=False, optimizer="adam", tmp_path=
     if taps:
         model = kerasdbg.insert_taps(model)
     schedule = keras.optimizers.schedules.ExponentialDecay(0.05, decay_steps=3, decay_rate=0.5)
-    optimizer = (keras.optimizers.Adam(schedule) if optimizer == "adam"
-                 else keras.optimizers.AdamW(schedule, weight_decay=0.1))
+    optimizer = {
+        "adam": lambda: keras.optimizers.Adam(schedule),
+        "adamw": lambda: keras.optimizers.AdamW(schedule, weight_decay=0.1),
+        # EMA's averages, and the variables overwritten with them every 4th step.
+        "adamw_ema": lambda: keras.optimizers.AdamW(schedule, weight_decay=0.1, use_ema=True,
+                                                    ema_momentum=0.5, ema_overwrite_frequency=4),
+    }[optimizer]()
     model.compile(optimizer, "mse", steps_per_execution=spe, jit_compile=jit)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Your input ran out of data", UserWarning)
         model.fit(_dataset(), epochs=EPOCHS, verbose=0, callbacks=list(callbacks))
-    return int(model.optimizer.iterations), [v.numpy() for v in model.trainable_variables]
+    return int(model.optimizer.iterations), [v.numpy() for v in model.trainable_variables
+                                             + model.optimizer.variables]
 
 
 @functools.lru_cache(maxsize=None)
@@ -116,6 +122,30 @@ def test_weight_decay_of_the_end_of_data_call_is_kept_with_every_instrument(tmp_
         np.testing.assert_array_equal(actual, expected)
 
 
+@pytest.mark.parametrize("spe, jit", MATRIX)
+@pytest.mark.parametrize("instrument", ["StopOnRule", "all"])
+def test_ema_trains_bitwise_as_plain_keras(tmp_path, instrument, spe, jit):
+    """AdamW with EMA (`use_ema=True`, the weights overwritten with their
+    averages every 4th step): the weights, the averages and the step count
+    of plain Keras, also the call that meets the end of the data (on the
+    commit before, StopOnRule's condition around the whole `apply` held back
+    that call's count: 18 steps where plain Keras counts 20)."""
+    # StepRecorder records no layer outputs (its replay of the forward pass
+    # holds back weight decay: see the test above).
+    callbacks = [StopOnRule(verbose=False)] if instrument == "StopOnRule" else [
+        GradientStatistics(), WeightStatistics(), StopOnRule(verbose=False),
+        ActivationStatistics(), StepTimer(),
+        StepRecorder(str(tmp_path / "t.npz"), steps=[1, 5],
+                     record=["loss", "learning_rate", "gradients", "weights"])]
+    iterations, values = _fit(callbacks, spe, jit, taps=instrument == "all",
+                              optimizer="adamw_ema")
+    plain_iterations, plain_values = _plain(spe, jit, "adamw_ema")
+    assert iterations == plain_iterations
+    assert len(values) == len(plain_values)
+    for actual, expected in zip(values, plain_values):
+        np.testing.assert_array_equal(actual, expected)
+
+
 @pytest.mark.parametrize("spe", [1, 4])
 def test_the_faulty_step_does_not_reach_the_weights_through_weight_decay(spe):
     """AdamW decays the weights before the gradients are known: at the step
@@ -145,3 +175,40 @@ def test_the_faulty_step_does_not_reach_the_weights_through_weight_decay(spe):
     assert instrumented.stop_training and stop.verdicts[0].step == faulty, stop.verdicts
     for got, want in zip(instrumented.trainable_variables, good):
         np.testing.assert_array_equal(got.numpy(), want)
+
+
+@pytest.mark.parametrize("spe", [1, 4])
+def test_a_frozen_step_changes_no_ema_average_and_no_weight(spe):
+    """With EMA, the step StopOnRule freezes writes neither the averages nor
+    (at an overwrite step) the weights: both are those after the last good
+    step of a plain fit, one step at a time."""
+    def model():
+        keras.utils.set_random_seed(2)
+        m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, name="o")], name="m")
+        m.compile(keras.optimizers.AdamW(1e30, weight_decay=0.004, use_ema=True,
+                                         ema_momentum=0.5, ema_overwrite_frequency=1),
+                  "mse", steps_per_execution=spe)
+        return m
+
+    def averages(m):
+        return [v.numpy() for v in m.optimizer._model_variables_moving_average]
+
+    reference, good = model(), None
+    reference.optimizer.build(reference.trainable_variables)
+    for step in range(1, 5):
+        before = ([v.numpy() for v in reference.trainable_variables], averages(reference))
+        loss = reference.train_on_batch(X[(step - 1) * 10: step * 10],
+                                        Y[(step - 1) * 10: step * 10])
+        if not np.isfinite(loss):
+            good, faulty = before, step
+            break
+    assert good is not None and all(np.all(np.isfinite(w)) for w in good[0] + good[1])
+    instrumented = model()
+    stop = StopOnRule(verbose=False)
+    instrumented.fit(X[:40], Y[:40], batch_size=10, epochs=1, shuffle=False, verbose=0,
+                     callbacks=[stop])
+    assert instrumented.stop_training and stop.verdicts[0].step == faulty, stop.verdicts
+    for got, want in zip([v.numpy() for v in instrumented.trainable_variables], good[0]):
+        np.testing.assert_array_equal(got, want)
+    for got, want in zip(averages(instrumented), good[1]):
+        np.testing.assert_array_equal(got, want)

@@ -10,7 +10,6 @@ optimizers, never a framework.
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import keras

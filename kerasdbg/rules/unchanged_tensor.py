@@ -224,7 +224,6 @@ class UnchangedTensor(Rule):
                 at = names.index("l2_norm")
                 for column, index in enumerate(positions):
                     norms[index] = values[:, column, at]
-        steps = len(block)
         for collection in ("gradients", "weights"):
             mine = [index for index, key in enumerate(keys) if key[0] == collection]
             if not mine:

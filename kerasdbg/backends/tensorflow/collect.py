@@ -158,7 +158,6 @@ class Collector:
         n = view.rows
         replicas = _buffers.read_replicas(view.step_values)
         table = replicas[0]
-        names = view.step_names
         steps = [r for r in requests if r.kind == "step"]
         if steps:
             # As blocks; `Request.deliver` makes a record a step of them for

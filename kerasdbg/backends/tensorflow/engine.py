@@ -199,6 +199,30 @@ def _route_update(optimizer, original, distribution, grads_and_vars, learning_ra
     return None
 
 
+def _route_average(optimizer, original, variables):
+    """EMA's update of its averages and its overwrite of the variables with
+    them (`use_ema=True`), skipped in a frozen step (see `_route_update`):
+    both come after the update and read the variables it wrote, so plain
+    Keras too runs neither in the call that meets the end of a dataset of
+    unknown length."""
+    gate = _GATES.get((distribute.replica_id(), id(optimizer)))
+    if gate is None:
+        return original(variables)
+    if getattr(original, "func", original).__name__ == routing.AVERAGE_METHODS[1]:
+        # The overwrite runs in Keras's own condition on the step count and
+        # reads no count itself: a read here would put the count's variable
+        # in that condition, and the count written after it would wait for
+        # this step's batch.
+        def run():
+            original(variables)
+            return tf.constant(True)
+
+        tf.cond(gate.frozen, lambda: tf.constant(False), run)
+        return None
+    _skip_if(gate.frozen, optimizer, lambda: original(variables))
+    return None
+
+
 def _route_weight_decay(optimizer, original, variables):
     """Weight decay, skipped after a step froze the weights and undone at the
     step that freezes them (see `_route_update`).
@@ -773,7 +797,8 @@ class Engine(Capture):
         _TLS.state = state
         try:
             with routing.optimizer_routes(_route_apply, _route_reduce, _route_update,
-                                          _route_weight_decay), self._logits(state):
+                                          _route_weight_decay, _route_average), \
+                    self._logits(state):
                 logs = step_function(data)
         finally:
             _TLS.state = previous

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Callable, Hashable, Sequence, Tuple
+from typing import Callable, Hashable, Sequence
 
 import tensorflow as tf
 

@@ -50,6 +50,10 @@ from kerasdbg.capture.keras_objects import (
 REDUCE_METHOD = "_all_reduce_sum_gradients"
 UPDATE_METHOD = "_distributed_tf_update_step"
 WEIGHT_DECAY_METHOD = "_apply_weight_decay"
+AVERAGE_METHODS = ("_update_model_variables_moving_average",
+                   "_overwrite_model_variables_with_average_value")
+"""EMA's update of its averages and its overwrite of the variables with them
+(`use_ema=True`): both take `(self, trainable_variables)`."""
 
 
 def check_supported(optimizer) -> None:
@@ -118,7 +122,7 @@ def _routed_methods() -> List[Tuple[type, str]]:
                if cls in keras_applies or (_takes_apply_arguments(cls.__dict__.get("apply"))
                                            and not _from_keras(cls.__dict__["apply"]))]
     return applies + [(TFOptimizer, REDUCE_METHOD), (TFOptimizer, UPDATE_METHOD),
-                      (TFOptimizer, WEIGHT_DECAY_METHOD)]
+                      (TFOptimizer, WEIGHT_DECAY_METHOD)] + _average_owners()
 
 
 def _takes_apply_arguments(function) -> bool:
@@ -150,15 +154,17 @@ _ROUTES_ORIGINALS: dict = {}
 
 
 @contextlib.contextmanager
-def optimizer_routes(apply_route, reduce_route, update_route, weight_decay_route):
+def optimizer_routes(apply_route, reduce_route, update_route, weight_decay_route,
+                     average_route):
     """While active, every optimizer's `apply` runs as
     `apply_route(optimizer, original_apply, grads, trainable_variables)`,
     its `_all_reduce_sum_gradients` as `reduce_route(optimizer,
     original_reduce, grads_and_vars)`, its `_distributed_tf_update_step`
     as `update_route(optimizer, original_update, distribution,
-    grads_and_vars, learning_rate)` and its `_apply_weight_decay` as
-    `weight_decay_route(optimizer, original, variables)`, where the
-    originals are bound methods.
+    grads_and_vars, learning_rate)`, its `_apply_weight_decay` as
+    `weight_decay_route(optimizer, original, variables)` and EMA's two
+    methods (`AVERAGE_METHODS`) as `average_route(optimizer, original,
+    variables)`, where the originals are bound methods.
 
     Class-level and reference-counted: the replicas of a `MirroredStrategy`
     trace their steps at the same time in several threads, and routes that
@@ -169,7 +175,8 @@ def optimizer_routes(apply_route, reduce_route, update_route, weight_decay_route
     """
     global _ROUTES_DEPTH
     routes = {REDUCE_METHOD: reduce_route, UPDATE_METHOD: update_route,
-              WEIGHT_DECAY_METHOD: weight_decay_route}
+              WEIGHT_DECAY_METHOD: weight_decay_route,
+              **{name: average_route for name in AVERAGE_METHODS}}
     with _ROUTES_LOCK:
         if _ROUTES_DEPTH == 0:
             for cls, name in _routed_methods():
@@ -204,7 +211,7 @@ def _routed(original, route, name):
         @functools.wraps(original)
         def routed(self, grads_and_vars):
             return route(self, functools.partial(original, self), grads_and_vars)
-    elif name == WEIGHT_DECAY_METHOD:
+    elif name == WEIGHT_DECAY_METHOD or name in AVERAGE_METHODS:
         @functools.wraps(original)
         def routed(self, variables):
             return route(self, functools.partial(original, self), variables)
@@ -229,6 +236,15 @@ def _unrouted(cls, name: str):
     return function.__wrapped__ if getattr(function, "_kerasdbg_route", False) else function
 
 
+def _average_owners() -> list:
+    """`[(class, name)]` of Keras's own EMA methods (`AVERAGE_METHODS`)."""
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    return [next((cls, name) for cls in (TFOptimizer, BaseOptimizer) if name in cls.__dict__)
+            for name in AVERAGE_METHODS]
+
+
 def update_gateable(optimizer, variables) -> bool:
     """Whether every write that `optimizer.apply` derives from the gradients
     happens in `_distributed_tf_update_step`, so that a condition there can
@@ -236,7 +252,7 @@ def update_gateable(optimizer, variables) -> bool:
 
     True for Keras's own `apply` (not a mixed-precision `LossScaleOptimizer`,
     not one another tool replaced) and `update_step` of an optimizer without
-    clipping, loss scaling, EMA, gradient accumulation, variable constraints or
+    clipping, loss scaling, gradient accumulation, variable constraints or
     variables overwritten with their gradient, whose `_backend_apply_gradients`, `_backend_update_step` and
     `_distributed_tf_update_step` are the TensorFlow backend's.
     """
@@ -262,8 +278,13 @@ def update_gateable(optimizer, variables) -> bool:
     if any(getattr(optimizer, name, None) is not None
            for name in ("clipnorm", "clipvalue", "global_clipnorm", "loss_scale_factor")):
         return False
-    if getattr(optimizer, "use_ema", False) or getattr(optimizer, "gradient_accumulation_steps",
-                                                        None):
+    # EMA's writes after the update (its averages, and its overwrite of the
+    # variables with them) have a route of their own (`AVERAGE_METHODS`).
+    if getattr(optimizer, "gradient_accumulation_steps", None):
+        return False
+    if getattr(optimizer, "use_ema", False) and any(
+            _unrouted(cls, name) is not _unrouted(owner, name)
+            for owner, name in _average_owners()):
         return False
     return not any(getattr(v, "overwrite_with_gradient", False)
                    or getattr(v, "constraint", None) is not None for v in variables)
