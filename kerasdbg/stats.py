@@ -166,7 +166,7 @@ def _raw(x: Tensor, stats: Tuple[str, ...]) -> Tensor:
     """
     needs = _needs(stats)
     size = B.num_elements(x)
-    if B.stacked_sums() and size is not None and 0 < size <= STACKED_ELEMENTS \
+    if size is not None and 0 < size <= min(B.stacked_elements(), STACKED_ELEMENTS) \
             and x.dtype in (B.float32, B.float64):
         return _raw_stacked(x, needs)
     finite = B.is_finite(x)
@@ -205,7 +205,8 @@ exact up to 2**24."""
 
 def _raw_stacked(x: Tensor, needs: set) -> Tensor:
     """`_raw` of one float32 (or float64) tensor where the backend's compiler
-    fuses a reduction with the terms stacked before it (`ops.stacked_sums`):
+    fuses a reduction with the terms stacked before it, up to the size it
+    gives (`ops.stacked_elements`):
     the sums and counts are the rows of one `[terms, size]` stack summed
     along its rows, the minimum and the maximum one minimum of two rows (the
     maximum as the minimum of the negated values), and the centered sum a

@@ -175,6 +175,12 @@ def test_a_real_tensorboard_lists_the_plugin_and_serves_its_routes(logs, tmp_pat
         assert status == 400 and "nope" in body["error"] and BROKEN in body["error"]
         status, body = _raw(base, "/data/plugin/kerasdbg/run")
         assert status == 400 and "?run=" in body["error"]
+        status, body = _raw(base, f"/data/plugin/kerasdbg/compare?a={HEALTHY}")
+        assert status == 400 and "?a=<run>&b=<run>" in body["error"]
+        status, body = _raw(base, f"/data/plugin/kerasdbg/compare?a=nope&b={HEALTHY}")
+        assert status == 400 and "nope" in body["error"]
+        assert get(base, "/data/plugin/kerasdbg/compare", a=HEALTHY, b=BROKEN)["divergence"][
+            "step"] == FAULT
         with urllib.request.urlopen(base + "/data/plugin/kerasdbg/index.js", timeout=30) as r:
             assert "export async function render" in r.read().decode()
         browser = chromium()

@@ -212,3 +212,36 @@ def test_a_frozen_step_changes_no_ema_average_and_no_weight(spe):
         np.testing.assert_array_equal(got, want)
     for got, want in zip(averages(instrumented), good[1]):
         np.testing.assert_array_equal(got, want)
+
+
+def test_a_skipped_step_of_an_ema_optimizer_is_plain_keras_without_its_batch():
+    """`StopOnRule(action="skip")` with EMA, the weights overwritten with their
+    averages every 2nd step and the faulty batch at an overwrite step (the
+    4th): the weights and the averages are plain Keras's trained on the other
+    batches (its EMA's overwrite and fit's final one included)."""
+    faulty = 4
+
+    def model():
+        keras.utils.set_random_seed(3)
+        m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, name="h"),
+                              keras.layers.Dense(1, name="o")], name="m")
+        m.compile(keras.optimizers.AdamW(0.05, weight_decay=0.01, use_ema=True,
+                                         ema_momentum=0.5, ema_overwrite_frequency=2), "mse")
+        return m
+
+    x = X[:80].copy()
+    x[(faulty - 1) * 10] = 3e38  # an infinite output of `h`
+    reference = model()
+    for step in range(1, 9):
+        if step != faulty:
+            reference.train_on_batch(x[(step - 1) * 10: step * 10], Y[(step - 1) * 10: step * 10])
+    reference.optimizer.finalize_variable_values(reference.trainable_variables)  # as fit's end
+    instrumented = model()
+    stop = StopOnRule(action="skip", verbose=False)
+    instrumented.fit(x, Y[:80], batch_size=10, epochs=1, shuffle=False, verbose=0,
+                     callbacks=[stop])
+    assert not instrumented.stop_training
+    assert int(instrumented.optimizer.iterations) == int(reference.optimizer.iterations) == 7
+    for got, want in zip(instrumented.trainable_variables + instrumented.optimizer.variables,
+                         reference.trainable_variables + reference.optimizer.variables):
+        np.testing.assert_array_equal(got.numpy(), want.numpy(), err_msg=got.path)

@@ -72,9 +72,29 @@ def runs(logdir: str) -> List[Dict[str, object]]:
             continue
         data = _report.collect(logdir, run_name=name)
         found.append({"run": name, "steps": _last_step(data),
-                      "verdicts": len(_report._verdict_rows(data["verdicts"])),
+                      "verdicts": len(_faults(data)),
                       "first_nonfinite": _report._first_nonfinite(data)})
     return found
+
+
+def has_runs(logdir: str) -> bool:
+    """Whether a run under `logdir` holds kerasdbg's records (its tags only:
+    cheap enough for TensorBoard's listing of the plugins at each load)."""
+    run = load_run(logdir)
+    for name in run.runs:
+        try:
+            _report.require_run(run, name)
+        except _report.NotARunError:
+            continue
+        return True
+    return False
+
+
+def _faults(data) -> list:
+    """The verdict rows of faults (the rules' notes, `severity="info"`, and
+    lines that name no rule left out)."""
+    return [r for r in _report._verdict_rows(data["verdicts"])
+            if r["rule"] and r.get("severity", "fault") == "fault"]
 
 
 def _last_step(data) -> Optional[int]:
@@ -92,8 +112,8 @@ def run(logdir: str, name: str) -> Dict[str, object]:
         "rollbacks", "first_nonfinite", "nan_source", "heatmaps"}`: the
         headline is the sentences that say what went wrong and where (or
         that no rule fired); `loss` and `global_norm` are `{"steps",
-        "values"}` lines; `verdicts` rows `{"step", "rule", "reason",
-        "tensors"}`; `nan_source` `{"layer", "step"}` or None; each heatmap
+        "values"}` lines; `verdicts` the faults' rows `{"step", "rule",
+        "reason", "tensors"}` (the rules' notes left out); `nan_source` `{"layer", "step"}` or None; each heatmap
         `{"title", "scale", "rows", "groups", "steps", "values"}` (a row of
         values per row name, a cell per step), absent where nothing was
         recorded.
@@ -104,8 +124,7 @@ def run(logdir: str, name: str) -> Dict[str, object]:
     data = _report.collect(logdir, run_name=name)
     reader = load_run(logdir)
     verdicts = [{"step": int(r["step"]), "rule": r["rule"], "reason": r["reason"],
-                 "tensors": list(r["tensors"])}
-                for r in _report._verdict_rows(data["verdicts"])]
+                 "tensors": list(r["tensors"])} for r in _faults(data)]
     source = _nan_source(data, verdicts)
     first = _report._first_nonfinite(data)
     heatmaps = {}

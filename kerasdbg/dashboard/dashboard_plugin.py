@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 import warnings
 
@@ -12,6 +11,7 @@ from tensorboard.backend import http_util
 from tensorboard.plugins import base_plugin
 from werkzeug import wrappers
 
+from kerasdbg import report as _report
 from kerasdbg.dashboard import _data
 
 PLUGIN_NAME = "kerasdbg"
@@ -60,7 +60,6 @@ class DashboardPlugin(base_plugin.TBPlugin):
     def __init__(self, context: base_plugin.TBContext):
         self._logdir = context.logdir or ""
         self._active = (0.0, False)
-        self._lock = threading.Lock()
 
     def is_active(self) -> bool:
         """Whether a run under the log directory holds kerasdbg's records."""
@@ -69,7 +68,7 @@ class DashboardPlugin(base_plugin.TBPlugin):
             return active
         try:
             active = bool(self._logdir) and os.path.isdir(self._logdir) \
-                and bool(_data.runs(self._logdir))
+                and _data.has_runs(self._logdir)
         except Exception as error:  # noqa: BLE001 - a listing must not fail TensorBoard's
             warnings.warn(f"kerasdbg dashboard: could not read {self._logdir!r}: {error}",
                           stacklevel=2)
@@ -90,13 +89,12 @@ class DashboardPlugin(base_plugin.TBPlugin):
             return http_util.Respond(request, file.read(), "text/javascript")
 
     def _json(self, request, make):
-        """`make()` as JSON; a bad request (a run that is not one) as 400 with
-        the reason, any other failure as 500 with it (TensorBoard goes on)."""
+        """`make()` as JSON; a run that is not one as 400 with the reason, any
+        other failure as 500 with it (TensorBoard goes on)."""
         try:
-            with self._lock:  # the reader's caches are not shared between threads
-                body = make()
-            return http_util.Respond(request, json.dumps(body), "application/json")
-        except (KeyError, ValueError) as error:
+            body = json.dumps(make(), allow_nan=False)  # a NaN is "nan" (`_data.value`)
+            return http_util.Respond(request, body, "application/json")
+        except (_report.NotARunError, FileNotFoundError) as error:
             return http_util.Respond(request, json.dumps({"error": str(error)}),
                                      "application/json", code=400)
         except Exception as error:  # noqa: BLE001 - said to the page, not raised in the server

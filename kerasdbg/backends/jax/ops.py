@@ -179,12 +179,14 @@ def padded_rows(x, index, offsets, sizes, pieces=None):
     return jnp.stack([jnp.pad(p, (0, width - int(n))) for p, n in zip(pieces, sizes)])
 
 
-def stacked_sums() -> bool:
-    """Whether a tensor's sums and counts are taken as the rows of one stack
-    of its terms (`stats._raw_stacked`): here, yes: XLA
-    fuses the stack into the reduction (a tap's statistics in 9 fusions, not
-    22)."""
-    return True
+def stacked_elements() -> int:
+    """The largest tensor whose sums and counts are taken as the rows of one
+    stack of its terms (`stats._raw_stacked`): XLA fuses the stack into the
+    reduction (a tap's statistics in 9 fusions, not 22); up to a million
+    elements it is as fast as a reduction a term on a CPU, or faster
+    (measured: 4,096 elements 23 against 34 us, 65,536 265 against 329 us,
+    1,048,576 3.3 ms both)."""
+    return 1 << 20
 
 
 def counts_in_one_sum() -> bool:

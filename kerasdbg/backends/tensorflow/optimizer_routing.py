@@ -237,12 +237,14 @@ def _unrouted(cls, name: str):
 
 
 def _average_owners() -> list:
-    """`[(class, name)]` of Keras's own EMA methods (`AVERAGE_METHODS`)."""
+    """`[(class, name)]` of Keras's own EMA methods (`AVERAGE_METHODS`) that
+    this Keras has (an EMA optimizer is gateable only where it has both)."""
     from keras.src.backend.tensorflow.optimizer import TFOptimizer
     from keras.src.optimizers.base_optimizer import BaseOptimizer
 
-    return [next((cls, name) for cls in (TFOptimizer, BaseOptimizer) if name in cls.__dict__)
-            for name in AVERAGE_METHODS]
+    owners = [next(((cls, name) for cls in (TFOptimizer, BaseOptimizer)
+                    if name in cls.__dict__), None) for name in AVERAGE_METHODS]
+    return [owner for owner in owners if owner is not None]
 
 
 def update_gateable(optimizer, variables) -> bool:
@@ -282,9 +284,9 @@ def update_gateable(optimizer, variables) -> bool:
     # variables with them) have a route of their own (`AVERAGE_METHODS`).
     if getattr(optimizer, "gradient_accumulation_steps", None):
         return False
-    if getattr(optimizer, "use_ema", False) and any(
-            _unrouted(cls, name) is not _unrouted(owner, name)
-            for owner, name in _average_owners()):
+    owners = _average_owners()
+    if getattr(optimizer, "use_ema", False) and (len(owners) < len(AVERAGE_METHODS) or any(
+            _unrouted(cls, name) is not _unrouted(owner, name) for owner, name in owners)):
         return False
     return not any(getattr(v, "overwrite_with_gradient", False)
                    or getattr(v, "constraint", None) is not None for v in variables)

@@ -4,6 +4,7 @@
 
 const ROUTES = new URL('.', import.meta.url);
 const NONFINITE = '#e6007e'; // a NaN/Inf cell or step
+const ZERO = '#bdbdbd'; // a zero on a log scale (not recorded: the background, lighter)
 const MARKS = {verdict: '#d62728', skipped: '#ff7f0e', rollback: '#1f77b4', nonfinite: NONFINITE};
 const WIDTH = 880;
 const LABEL = 190;
@@ -13,8 +14,12 @@ async function fetchJson(route, query = {}) {
   const url = new URL(route, ROUTES);
   for (const [key, value] of Object.entries(query)) url.searchParams.set(key, value);
   const response = await fetch(url);
-  const body = await response.json();
-  if (!response.ok) throw new Error(body.error || response.statusText);
+  const text = await response.text();
+  let body = null;
+  try { body = JSON.parse(text); } catch (error) { /* not JSON: an error page */ }
+  if (!response.ok || body === null) {
+    throw new Error((body && body.error) || `${response.status} ${response.statusText}`);
+  }
   return body;
 }
 
@@ -37,6 +42,14 @@ function svgElement(tag, attributes = {}) {
 }
 
 const finite = (v) => typeof v === 'number';
+
+// [min, max] of numbers, by a loop (a spread of 100,000 values overflows the call stack);
+// null for none.
+function extent(values) {
+  let lo = Infinity, hi = -Infinity;
+  for (const v of values) { if (v < lo) lo = v; if (v > hi) hi = v; }
+  return lo <= hi ? [lo, hi] : null;
+}
 
 // Viridis, in a few stops, interpolated.
 const VIRIDIS = [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]];
@@ -73,8 +86,12 @@ function lineChart(title, line, marks, log) {
   const steps = line.steps;
   const lo = steps[0], hi = Math.max(steps[steps.length - 1], lo + 1);
   const shown = line.values.map((v) => (finite(v) && (!log || v > 0) ? (log ? Math.log10(v) : v) : null));
-  const ok = shown.filter((v) => v !== null);
-  const ymin = ok.length ? Math.min(...ok) : 0, ymax = ok.length ? Math.max(...ok) : 1;
+  const range = extent(shown.filter((v) => v !== null));
+  if (range === null) {
+    box.append(element('div', {class: 'none'}, 'no finite value recorded (NaN/Inf at every step)'));
+    return box;
+  }
+  const [ymin, ymax] = range;
   const x = (s) => 56 + (s - lo) / (hi - lo) * 354;
   const y = (v) => height - 20 - (ymax > ymin ? (v - ymin) / (ymax - ymin) : 0.5) * (height - 35);
   for (const mark of marks) {
@@ -104,21 +121,44 @@ function lineChart(title, line, marks, log) {
 }
 
 // One canvas of rows x steps; `range` [lo, hi] of the shown values.
+// The worse of two cells: NaN/Inf first, then the larger number; null (not recorded) last.
+function worse(a, b) {
+  if (a === null) return b;
+  if (b === null || typeof a === 'string') return a;
+  if (typeof b === 'string') return b;
+  return b > a ? b : a;
+}
+
+// A cell per pixel column at most: the steps that share a column are drawn as their worst
+// (a lone NaN/Inf step of thousands stays seen).
+function binned(values, columns) {
+  if (values.length <= columns) return values;
+  const out = new Array(columns).fill(null);
+  values.forEach((v, i) => {
+    const c = Math.floor(i * columns / values.length);
+    out[c] = worse(out[c], v);
+  });
+  return out;
+}
+
 function heatCanvas(rows, steps, map, range, marks) {
-  const canvas = element('canvas', {width: WIDTH - LABEL, height: Math.max(rows.length, 1) * ROW});
+  const width = WIDTH - LABEL;
+  const canvas = element('canvas', {width, height: Math.max(rows.length, 1) * ROW});
   const g = canvas.getContext('2d');
-  const cell = (WIDTH - LABEL) / Math.max(steps.length, 1);
-  const column = new Map(steps.map((s, i) => [s, i]));
+  const columns = Math.min(steps.length, width);
+  const cell = width / Math.max(columns, 1);
+  const column = new Map(steps.map((s, i) => [s, Math.floor(i * columns / steps.length)]));
   g.fillStyle = '#f2f2f2';
   g.fillRect(0, 0, canvas.width, canvas.height);
   rows.forEach((values, r) => {
-    values.forEach((v, c) => {
+    binned(values, columns).forEach((v, c) => {
       if (v === null) return; // not recorded: blank
       if (typeof v === 'string') g.fillStyle = NONFINITE;
+      else if (map.scale === 'log' && v <= 0) g.fillStyle = ZERO; // 0 has no log10
       else {
-        const shown = map.scale === 'log' ? (v > 0 ? Math.log10(v) : null) : v;
-        if (shown === null) return; // zero on a log scale: blank
-        g.fillStyle = colour(range[1] > range[0] ? (shown - range[0]) / (range[1] - range[0]) : 0.5);
+        const shown = map.scale === 'log' ? Math.log10(v) : v;
+        g.fillStyle = range === null ? colour(0.5)
+          : colour(range[1] > range[0] ? (shown - range[0]) / (range[1] - range[0]) : 0.5);
       }
       g.fillRect(c * cell, r * ROW, Math.max(cell, 1), ROW - 1);
     });
@@ -146,14 +186,20 @@ function heatRows(names, rows, steps, map, range, marks) {
 
 function heatmap(map, marks) {
   const box = element('div', {class: 'heatmap'});
-  const flat = map.values.flat().filter((v) => finite(v) && (map.scale !== 'log' || v > 0));
-  const shown = flat.map((v) => (map.scale === 'log' ? Math.log10(v) : v));
-  const range = map.scale === 'log'
-    ? [Math.min(...shown), Math.max(...shown)] : [0, 1];
+  let range = [0, 1];
+  if (map.scale === 'log') {
+    const shown = [];
+    for (const row of map.values) {
+      for (const v of row) if (finite(v) && v > 0) shown.push(Math.log10(v));
+    }
+    range = extent(shown);
+  }
   const nonfinite = map.values.some((row) => row.some((v) => typeof v === 'string'));
+  const scale = map.scale !== 'log' ? ' (0 to 1)'
+    : range === null ? ' (no finite value above 0)'
+      : ` (log10 ${range[0].toFixed(1)} to ${range[1].toFixed(1)}; grey: 0)`;
   box.append(element('div', {class: 'chart-title'},
-    `${map.title} per ${map.title.includes('taps') ? 'tap' : 'layer'} and step` +
-    (map.scale === 'log' ? ` (log10 ${range[0].toFixed(1)} to ${range[1].toFixed(1)})` : ' (0 to 1)') +
+    `${map.title} per ${map.title.includes('taps') ? 'tap' : 'layer'} and step` + scale +
     (nonfinite ? ' — NaN/Inf cells in magenta' : '') + `, steps ${map.steps[0]}-${map.steps[map.steps.length - 1]}`));
   const many = map.groups.length > 1 && map.rows.length > 24;
   if (!many) {
