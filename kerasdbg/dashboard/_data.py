@@ -58,18 +58,24 @@ def value(number) -> object:
     return "nan" if math.isnan(number) else ("inf" if number > 0 else "-inf")
 
 
-def runs(logdir: str) -> List[Dict[str, object]]:
-    """The runs under `logdir` that hold kerasdbg's records, in name order:
-    `{"run", "steps", "verdicts", "first_nonfinite"}` each (the last step
-    recorded, the number of verdicts, the first step whose loss or gradients
-    held NaN/Inf or None)."""
-    found = []
+def _recorded(logdir: str):
+    """The names of the runs under `logdir` that hold kerasdbg's tags, in name order."""
     run = load_run(logdir)
     for name in run.runs:
         try:
             _report.require_run(run, name)
         except _report.NotARunError:
             continue
+        yield name
+
+
+def runs(logdir: str) -> List[Dict[str, object]]:
+    """The runs under `logdir` that hold kerasdbg's records, in name order:
+    `{"run", "steps", "verdicts", "first_nonfinite"}` each (the last step
+    recorded, the number of verdicts, the first step whose loss or gradients
+    held NaN/Inf or None)."""
+    found = []
+    for name in _recorded(logdir):
         data = _report.collect(logdir, run_name=name)
         found.append({"run": name, "steps": _last_step(data),
                       "verdicts": len(_faults(data)),
@@ -80,14 +86,7 @@ def runs(logdir: str) -> List[Dict[str, object]]:
 def has_runs(logdir: str) -> bool:
     """Whether a run under `logdir` holds kerasdbg's records (its tags only:
     cheap enough for TensorBoard's listing of the plugins at each load)."""
-    run = load_run(logdir)
-    for name in run.runs:
-        try:
-            _report.require_run(run, name)
-        except _report.NotARunError:
-            continue
-        return True
-    return False
+    return next(_recorded(logdir), None) is not None
 
 
 def _faults(data) -> list:
