@@ -205,3 +205,56 @@ def check_blocks_write_what_records_write(monkeypatch, tmp_path, spe: int, optim
         assert 0 < blocked[2] <= 2 * STEPS
     if histograms:
         assert len(want["gradients/m/h/kernel"]) == 2 * STEPS // histograms
+
+
+def check_a_read_writes_in_two_parts(monkeypatch, tmp_path, spe: int) -> None:
+    """The default schedule takes every statistic at steps 1-10 and 50 and
+    the norms at the others: a read alternates the two layouts, a block
+    each run. Each callback writes a read's steps in at most two writes
+    (the columns of every step; the scheduled steps' others), whatever the
+    runs, and TensorBoard shows each tag at each of its steps once."""
+    from kerasdbg.callbacks import _statistics
+
+    writes = []
+    original_consume = _statistics.StatisticsCallback._consume
+    original_write = _events.EventWriter.write_block
+
+    def consume(callback, items):
+        writes.append([sum(isinstance(i, capture_record.CaptureBlock) for i in items), 0])
+        return original_consume(callback, items)
+
+    def write_block(writer, *args, **kwargs):
+        writes[-1][1] += 1
+        return original_write(writer, *args, **kwargs)
+
+    monkeypatch.setattr(_statistics.StatisticsCallback, "_consume", consume)
+    monkeypatch.setattr(_events.EventWriter, "write_block", write_block)
+    model = make_model(spe)
+    callbacks = instruments(str(tmp_path))
+    import kerasdbg
+
+    kerasdbg.set_read_interval(1e6)  # a read after the first execution, then at the end
+    try:
+        model.fit(X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                  callbacks=callbacks)
+    finally:
+        kerasdbg.set_read_interval(None)
+    monkeypatch.undo()
+    assert max(blocks for blocks, _ in writes) >= 4, writes  # runs of both layouts in a read
+    assert all(written <= min(blocks, 2) for blocks, written in writes), writes
+    board = _board(str(tmp_path / "train"))
+    for kind, callback in zip(("gradients", "weights"), callbacks):
+        history = callback.history
+        assert history.step.tolist() == list(range(1, STEPS + 1))
+        checked = 0
+        for column in history.columns:
+            if not str(column).endswith(("/l2_norm", "/mean")):
+                continue
+            tag = f"{kind}/{column}"
+            chosen = history[column].notna().to_numpy()
+            steps = history.step.to_numpy()[chosen]
+            assert sorted(board[tag]) == steps.tolist(), tag
+            np.testing.assert_allclose([board[tag][s] for s in steps.tolist()],
+                                       history[column].to_numpy()[chosen], rtol=1e-6)
+            checked += column.endswith("/mean")
+        assert checked, kind  # the scheduled steps' statistics are there

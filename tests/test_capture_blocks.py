@@ -33,3 +33,8 @@ def test_the_same_with_histograms_a_short_history_and_jit(monkeypatch, tmp_path)
 @pytest.mark.parametrize("spe", [1, 4], ids=["spe1", "spe4"])
 def test_the_rules_take_a_healthy_read_as_blocks_and_judge_no_step(monkeypatch, tmp_path, spe):
     case.check_rules_take_blocks(monkeypatch, tmp_path, spe)
+
+
+@pytest.mark.parametrize("spe", [1, 4], ids=["spe1", "spe4"])
+def test_a_read_of_the_default_schedule_writes_in_two_parts(monkeypatch, tmp_path, spe):
+    case.check_a_read_writes_in_two_parts(monkeypatch, tmp_path, spe)

@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 
 from kerasdbg import capture as _capture
+from kerasdbg.capture import blocks as _blocks
 from kerasdbg.capture import unique_paths
 from kerasdbg.sinks import events as _events
 from kerasdbg.sinks import layout as _layout
@@ -192,20 +193,21 @@ class StatisticsCallback(AfterEachExecution, RecordingCallback):
         # The events of scalars only, written together (`write_rows`).
         rows: List[_events.ScalarRow] = []
         records: List[_capture.Record] = []
+        blocks: List[CaptureBlock] = []
         for item in list(items) + [None]:
-            if item is not None and not isinstance(item, CaptureBlock):
-                records.append(item)
+            if isinstance(item, CaptureBlock):
+                if records:
+                    self._write_records(records, several, engine, rows)
+                    records = []
+                blocks.append(item)
                 continue
-            if records:
-                groups = _same_step(records)
-                for group, views in zip(groups, self._views(groups, several)):
-                    last = max((i for i, r in enumerate(group) if not r.skipped), default=-1)
-                    for i, record in enumerate(group):
-                        self._guarded(self._write, [record], views if i == last else {},
-                                      several, engine, rows)
-                records = []
+            if blocks:
+                self._write_blocks(blocks, several, engine, rows)
+                blocks = []
             if item is not None:
-                self._guarded(self._write_block, item, several, engine, rows)
+                records.append(item)
+        if records:
+            self._write_records(records, several, engine, rows)
         if rows:
             self._guarded(self._writer.write_rows, rows)
         if self._writer is not None:
@@ -233,37 +235,83 @@ class StatisticsCallback(AfterEachExecution, RecordingCallback):
                 self._rows[0] = rest
                 self._kept -= excess
 
-    def _write_block(self, block: CaptureBlock, several: bool, engine,
-                     rows: List[_events.ScalarRow]) -> None:
-        """`_write` of the steps of a block (one optimizer, the same tags,
-        no histogram) as arrays: kept in `history`, and their events written
-        after `rows` (the records' before it)."""
+    def _write_records(self, records: List[_capture.Record], several: bool, engine,
+                       rows: List[_events.ScalarRow]) -> None:
+        """`_write` of consecutive records, each step's views computed from
+        the records of every optimizer at that step."""
+        groups = _same_step(records)
+        for group, views in zip(groups, self._views(groups, several)):
+            last = max((i for i, r in enumerate(group) if not r.skipped), default=-1)
+            for i, record in enumerate(group):
+                self._guarded(self._write, [record], views if i == last else {},
+                              several, engine, rows)
+
+    def _write_blocks(self, blocks: List[CaptureBlock], several: bool, engine,
+                      rows: List[_events.ScalarRow]) -> None:
+        """`_write` of consecutive blocks (one optimizer, the same tags, no
+        histogram each): each kept in `history` as it came, their steps'
+        events written after `rows` (the records' before them) in as few
+        writes as their tags allow (`blocks.parts`: a read of a schedule
+        alternates two layouts, and each write costs its views and events
+        a fixed share)."""
+        written: List[Optional[tuple]] = []
+        for block in blocks:
+            kept: list = []
+            self._guarded(self._keep_block, block, several, kept)
+            written.append(kept[0] if kept else None)
+        if self._writer is None or not any(w is not None for w in written):
+            return
+        # Steps no write takes (none recorded, or a block that failed) leave
+        # the parts: a block left out of a part is written alone.
+        shown = [i for i, w in enumerate(written) if w is not None]
+        chosen = [written[i][0] for i in shown]
+        for tags, positions, whole in _blocks.parts(chosen):
+            self._guarded(self._write_part, [written[shown[p]] for p in positions], tags,
+                          whole, several, engine, rows)
+
+    def _keep_block(self, block: CaptureBlock, several: bool, out: list) -> None:
+        """Keeps `block` in `history` and adds to `out` its steps to write
+        (those the loss scaler did not skip, with the skipped updates
+        counted up to each), if any."""
         if not len(block):
             return
         self._several = self._several or several
         counts = self._skipped + np.cumsum(block.skipped)
         self._skipped = int(counts[-1])
         self._accumulating = self._accumulating or not bool(block.applied.all())
-        positions, tags, clipped = self._layout(block.tags)
+        _, _, clipped = self._layout(block.tags)
         self._keep(block)
         if clipped is not None:
             self._clipped += int(np.count_nonzero(block.values[:, clipped] > 0))
         written = ~block.skipped
-        if self._writer is None or not written.any():
-            return
+        if written.any():
+            out.append((block[written], counts[written]))
+
+    def _write_part(self, parts: List[tuple], tags: tuple, whole: bool, several: bool,
+                    engine, rows: List[_events.ScalarRow]) -> None:
+        """Writes the columns `tags` names (None: not this part's) of the
+        steps of `parts` (`(block, skipped updates up to each step)`, in
+        step order); `whole`: the part that gives each step once, which
+        carries the step's count of skipped updates."""
         if rows:
             pending = list(rows)
             rows.clear()  # (written once, whatever happens here)
             self._writer.write_rows(pending)
-        kept = block.values[written]
-        values = kept[:, positions]
-        if self.kind == "gradients" and isinstance(
-                self._optimizer(block.optimizer, engine), keras.optimizers.LossScaleOptimizer):
-            tags = tags + (_tags.per_optimizer(self.kind, "skipped_updates",
-                                               block.optimizer if several else None),)
-            values = np.concatenate([values, counts[written, None].astype(np.float64)], axis=1)
-        self._writer.write_block(block.steps[written], tags, values,
-                                 self._view_groups(block.tags, kept))
+        blocks = [block for block, _ in parts]
+        if len(blocks) == 1:
+            steps, values, counts = blocks[0].steps, blocks[0].values, parts[0][1]
+        else:
+            steps = np.concatenate([block.steps for block in blocks])
+            values = np.concatenate([block.values for block in blocks])
+            counts = np.concatenate([count for _, count in parts])
+        positions, names, _ = self._layout(tags)
+        chosen = values[:, positions]
+        if whole and self.kind == "gradients" and isinstance(
+                self._optimizer(blocks[0].optimizer, engine), keras.optimizers.LossScaleOptimizer):
+            names = names + (_tags.per_optimizer(self.kind, "skipped_updates",
+                                                 blocks[0].optimizer if several else None),)
+            chosen = np.concatenate([chosen, counts[:, None].astype(np.float64)], axis=1)
+        self._writer.write_block(steps, names, chosen, self._view_groups(tags, values))
 
     def _view_groups(self, tags: tuple, values: np.ndarray) -> list:
         """The views of a block's steps (`_layout.view_groups`); a failure as

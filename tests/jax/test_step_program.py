@@ -161,7 +161,8 @@ def _compiled_once(engine_lib):
             model.fit(x, y, batch_size=program.BATCH, epochs=1, verbose=0, shuffle=False,
                       callbacks=callbacks)
     every_step = made[False]
-    full = engine_lib.engine_for(model)._kept_step[True]
+    engine = engine_lib.engine_for(model)
+    full = engine._kept[engine._kept_key]["step"][True]
     assert full.variant is True and every_step.variant is False
     # Never compiled twice (the regression: 2-3). In the full suite the full
     # variant's jit cache was seen empty (it ran a kept program), cause not found.
@@ -187,7 +188,8 @@ def test_a_later_fit_of_another_batch_size_keeps_its_own_programs_and_runs_them_
 
     fit(program.BATCH)
     fit(program.BATCH // 2)
-    variants = engine_lib.engine_for(model)._kept_step
+    engine = engine_lib.engine_for(model)
+    variants = engine._kept[engine._kept_key]["step"]
     for variant in variants.values():
         original = variant.call
 
@@ -243,3 +245,44 @@ def test_a_fit_compiles_no_program_of_kerasdbg_s_own_beside_its_step():
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
     assert own == []
+
+
+def test_fits_that_alternate_their_instruments_trace_and_compile_each_step_once():
+    # An engine keeps the steps of its last graphs (KEPT_GRAPHS), not the last
+    # one only: a model fitted with the defaults, then StopOnRule, then the
+    # defaults again (a bench's interleaved rounds, trials on one model) made
+    # and compiled its step at every fit (1.8 s each on the MLP).
+    from kerasdbg.backends.jax import engine as engine_lib
+
+    model = program.mlp(2)
+    x, y = program.data(64)
+    made = []
+    original = engine_lib.Engine._compiled
+
+    def compiled(self, model, step):
+        made.append(step)
+        return original(self, model, step)
+
+    def traces():
+        engine = engine_lib.engine_for(model)
+        return sorted(function.jitted._cache_size() for kept in engine._kept.values()
+                      for function in kept["step"].values())
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine_lib.Engine, "_compiled", compiled)
+        counted = []
+        for fit in range(6):
+            callbacks, _ = program.callbacks_of("defaults" if fit % 2 == 0 else "stop")
+            model.fit(x, y, batch_size=program.BATCH, epochs=1, verbose=0, shuffle=False,
+                      callbacks=callbacks)
+            counted.append((len(made), traces()))
+    engine = engine_lib.engine_for(model)
+    assert len(engine._kept) == 2
+    made_after_two = counted[1][0]
+    assert made_after_two >= 2
+    # No step made after the first fit of each; after one more round (the
+    # defaults meet the skipped-step count a StopOnRule fit left on the
+    # optimizer, one new argument structure), no trace either.
+    assert [n for n, _ in counted[2:]] == [made_after_two] * 4
+    assert counted[3][1] == counted[5][1]
+    assert max(counted[5][1]) <= 2

@@ -61,6 +61,7 @@ ones and a sharded variable is described whole, once per step.
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import itertools
@@ -380,10 +381,13 @@ class Engine(Capture):
         self._step_function = None  # {variant: the jitted step} of this fit (`_Variants`)
         self._recording_function = None  # the step variant of a StepRecorder's steps
         self._variants: Optional["_Variants"] = None
-        self._kept_key: Optional[tuple] = None
-        self._kept_step = None
+        # The steps of the last fits' graphs, for later fits (`KEPT_GRAPHS`,
+        # the least recently used first): {key: {"step": {variant: step},
+        # "applies": {optimizer: applies a step}, "classes": what its trace found}}.
+        self._kept: "collections.OrderedDict[tuple, dict]" = collections.OrderedDict()
+        self._kept_key: Optional[tuple] = None  # this fit's, when it may be kept
         self._kept_applies: Dict[int, int] = {}
-        self._kept_classes: Optional[tuple] = None  # what the kept step's trace found
+        self._kept_classes: Optional[tuple] = None  # what this fit's step's trace found
         # The guard's carry of the last fit, per optimizer (`_Same` of it), for
         # the next fit: the spike windows and skip flags go on, as on TensorFlow.
         self._guard_kept: Dict[object, dict] = {}
@@ -454,7 +458,7 @@ class Engine(Capture):
 
     def abort(self) -> None:
         self._wait_ahead()
-        self._kept_key = self._kept_step = None
+        self._forget_kept()
         try:
             self.collect()
         finally:
@@ -565,9 +569,16 @@ class Engine(Capture):
         self._data_bytes = 0
         self.hooks = {}
 
+    def _forget_kept(self) -> None:
+        """Drops this fit's step from the kept ones (a fit that raised or was
+        aborted: its step may be half traced)."""
+        if self._kept_key is not None:
+            self._kept.pop(self._kept_key, None)
+        self._kept_key = None
+
     def _after_failed_fit(self) -> None:
         self._wait_ahead()
-        self._kept_key = self._kept_step = None  # a fit that raised leaves nothing to reuse
+        self._forget_kept()  # a fit that raised leaves nothing to reuse
         _progress.of(self).end(finished=False)  # it may have raised in its first step
         try:
             self.collect()
@@ -1031,12 +1042,15 @@ class Engine(Capture):
                 keep = engine._keeps_batches()
                 data = next(iterator)
                 logs, state, carry, records = step(state, carry, data)
-                engine._add(records, data, keep)
+                # An execution's batches share their shapes (its last one may be
+                # smaller): the first one's bytes stand for each (an upper bound).
+                size = _nbytes(data) if keep else 0
+                engine._add(records, data, keep, size)
                 try:
                     for _ in range(steps - 1):
                         data = next(iterator)
                         logs, state, carry, records = step(state, carry, data)
-                        engine._add(records, data, keep)
+                        engine._add(records, data, keep, size)
                 except StopIteration:
                     pass
             except _StepFailed as failed:
@@ -1134,16 +1148,24 @@ class Engine(Capture):
             return self._recording_function
         if self._step_function is None:
             key = self._graph_key(model)
-            if key is not None and key == self._kept_key:
+            kept = self._kept.pop(key, None) if key is not None else None
+            self._kept_key = key
+            if kept is not None:
+                self._kept[key] = kept  # the most recently used
                 # What its trace found: how many applies of each optimizer a step makes.
+                self._kept_applies = kept["applies"]
                 for hook in self.hooks.values():
                     hook.applies = self._kept_applies.get(hook.number, 0)
-                self._label(self._kept_classes)
-                self._step_function = self._kept_step
+                self._label(kept["classes"])
+                self._step_function = kept["step"]
             else:
                 self._kept_applies = {}
                 self._step_function = {}
-                self._kept_key, self._kept_step = key, self._step_function
+                if key is not None:
+                    self._kept[key] = {"step": self._step_function,
+                                       "applies": self._kept_applies, "classes": None}
+                    while len(self._kept) > KEPT_GRAPHS:
+                        self._kept.popitem(last=False)
         step = self._step_function.get(full)
         if step is None:
             step = self._step_function[full] = self._compiled(model, self._step(model, full=full))
@@ -1186,17 +1208,18 @@ class Engine(Capture):
         of this fit is located): decided once an execution."""
         return not self._located and self._localizes()
 
-    def _add(self, records, data, keep: Optional[bool] = None) -> None:
+    def _add(self, records, data, keep: Optional[bool] = None,
+             size: Optional[int] = None) -> None:
         """Keeps a step's records until they are read, and where `keep`
         (None: `_keeps_batches()`) its batch (a reference, no copy: the
-        batches of one execution)."""
+        batches of one execution), of `size` bytes (None: counted here)."""
         self._pending.append(records)
         if keep is None:
             keep = self._keeps_batches()
         if keep:
             self._pending_data.append(data)
             # Bounded: past LOCATE_BYTES of batches kept, the host reads (`collect`).
-            self._data_bytes += _nbytes(data)
+            self._data_bytes += _nbytes(data) if size is None else size
         else:
             self._pending_data.append(None)
 
@@ -1207,6 +1230,9 @@ class Engine(Capture):
         """Tells the "classes" requests what the step's trace found: None (no
         labels and class predictions to count) or the number of classes."""
         self._kept_classes = found
+        kept = self._kept.get(self._kept_key) if self._kept_key is not None else None
+        if kept is not None:
+            kept["classes"] = found
         for request in self.requests:
             if request.kind == "classes":
                 request.labelled = found is not None
@@ -1861,6 +1887,10 @@ WINDOW_SPAN = 16
 
 KEPT_PROGRAMS = 4
 """The compiled programs a variant keeps (one per shape of its arguments)."""
+KEPT_GRAPHS = 4
+"""The steps an engine keeps for later fits, one per graph (`Engine._graph_key`):
+fits that alternate their instruments (a bench's configurations, a search's
+trials on one model) trace and compile each once, not at every fit."""
 
 
 def _abstract(arguments):
