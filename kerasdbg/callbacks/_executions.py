@@ -37,7 +37,7 @@ class AfterEachExecution:
         # Looked up once a fit (the batches ask it at every step); a weak
         # reference, which a copy of the callback (a tuner's) shares.
         self._engine_ref = weakref.ref(engine)
-        self._at_begin = bool(getattr(engine, "reads_at_batch_begin", False))
+        self._at_begin = bool(engine.reads_at_batch_begin)
         # At a batch's begin: the batch that ran before it, whose end is to do.
         self._started: Optional[int] = None
 

@@ -198,24 +198,12 @@ class StepRecorder(RecordingCallback):
         target = _workers.file_path(self.path, strategy, "StepRecorder")
         self._writer = None if self._saved or target is None else trace_lib.TraceWriter(
             target, source="StepRecorder")
-        engine = _capture.engine_for(model) if steps or initial else None
-        if engine is not None and hasattr(engine, "tensor_request"):
-            # A capture with a request of its own for the tensors (JAX's).
+        if steps or initial:
+            engine = _capture.engine_for(model)
             self._request = engine.tensor_request(
                 steps, self.record, layers, self._consume, include=self.include,
                 exclude=self.exclude, strict=self.strict, initial=initial, start=start)
             engine.attach(self._request)
-        elif steps or initial:
-            from kerasdbg.backends.tensorflow import step_tensors as _step_tensors
-
-            self._request = _step_tensors.TensorRequest(
-                steps, self.record, layers, self._consume, include=self.include,
-                exclude=self.exclude, strict=self.strict, initial=initial)
-            batch = keras_objects.fit_batch_size(model)
-            if batch is not None:
-                replicas = model.distribute_strategy.num_replicas_in_sync
-                self._request.max_rows = -(-batch // replicas)
-            _capture.engine_for(model).attach(self._request)
 
     def _selected_layers(self, model, available: List[str]) -> List[str]:
         """The qualified names of `available` that `layers` selects; a selection

@@ -120,7 +120,7 @@ class StepTimer(RecordingCallback):
         self._warned = False
         self._spe = int(model.steps_per_execution)
         # A capture that times on the host (JAX's) hands over one record per execution.
-        self._host = getattr(_capture.engine_for(model), "times_on_host", False)
+        self._host = _capture.engine_for(model).times_on_host
         if self._host:
             return self._begin_host_timing()
         tf, _buffers, reads = _tensorflow()  # noqa: F841 - TensorFlow's capture, on use

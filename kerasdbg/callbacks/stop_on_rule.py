@@ -1008,27 +1008,6 @@ class StopOnRule(AfterEachExecution, ModelWithoutSync, CopiedAsNew, keras.callba
                 "action='skip' does not skip)")
 
     # -------------------------------------------------------- rollback
-    def _state_variables(self) -> list:
-        """What a rollback puts back: the model's variables (weights, the
-        forward pass's state), every optimizer's (slots, step count, loss
-        scale), the steps kerasdbg skipped and its spike windows."""
-        # Not the debug layers' counters: their records go on from where they are.
-        debug = {id(v) for layer in self.model._flatten_layers()
-                 if getattr(layer, "kerasdbg_debug_layer", False) for v in layer.variables}
-        variables = [v for v in self.model.variables if id(v) not in debug]
-        for _, optimizer in keras_objects.find_optimizers(self.model):
-            variables += list(optimizer.variables)
-            skipped = keras_objects.uncounted_steps(optimizer)
-            if skipped is not None:
-                variables.append(skipped)
-        variables += _capture.engine_for(self.model).faults.guard_state()
-        seen, unique = set(), []
-        for variable in variables:
-            if id(variable) not in seen:
-                seen.add(id(variable))
-                unique.append(variable)
-        return unique
-
     def _take_snapshot(self) -> None:
         """Every `rollback_every` steps, at the end of an execution whose
         steps were healthy: a host copy of what a rollback puts back (one
@@ -1044,15 +1023,9 @@ class StopOnRule(AfterEachExecution, ModelWithoutSync, CopiedAsNew, keras.callba
         try:
             start = time.perf_counter()
             self._snapshot = None
-            take = getattr(engine.faults, "snapshot", None)
-            if take is not None:
-                # A backend whose fit's state is not in the variables (JAX:
-                # Keras's loop holds it) copies it itself, and puts it back.
-                variables, values = None, take()
-            else:
-                variables = self._state_variables()
-                values = [keras_objects.host_value(v) for v in variables]
-            self._snapshot = (step, variables, values, self._runner.state(),
+            # The capture's own copy (on JAX Keras's loop holds the fit's
+            # state, not the variables), which it puts back (`_roll_back`).
+            self._snapshot = (step, engine.faults.snapshot(), self._runner.state(),
                               list(self._skipped))
             self.snapshot_seconds.append(time.perf_counter() - start)
         except Exception as error:  # noqa: BLE001 - training goes on
@@ -1069,14 +1042,10 @@ class StopOnRule(AfterEachExecution, ModelWithoutSync, CopiedAsNew, keras.callba
         when there is none."""
         if self._snapshot is None or len(self.rollbacks) >= self.max_skips:
             return None
-        to_step, variables, values, rules, skipped = self._snapshot
+        to_step, snapshot, rules, skipped = self._snapshot
         engine = _capture.engine_for(self.model)
         try:
-            if variables is None:  # the backend's own copy (see `_take_snapshot`)
-                engine.faults.put_back(values)
-            else:
-                for variable, value in zip(variables, values):
-                    variable.assign(value)
+            engine.faults.put_back(snapshot)
             # What a frozen or skipped step puts back is the snapshot's state.
             engine.faults.keep_state()
             engine.faults.unfreeze()

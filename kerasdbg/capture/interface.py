@@ -45,6 +45,44 @@ LOSS_FROM_METRIC = "the value the train step gives its metric 'loss'"
 (whose `result()`, the mean since the epoch began, the step returns)."""
 
 
+class FaultState(abc.ABC):
+    """What a capture's `faults` offers the callbacks on every backend:
+    `StopOnRule`'s freeze, skip and rollback, on the host between two
+    executions.
+
+    Attributes:
+        frozen: whether a fault froze the weights (they change no more until
+            `unfreeze`).
+    """
+
+    frozen: bool
+
+    @abc.abstractmethod
+    def snapshot(self):
+        """A host copy of what a rollback puts back: the model's and the
+        optimizers' state, the steps kerasdbg kept each optimizer from
+        counting and the guard's spike windows and flags, but the debug
+        layers' counters and buffers (their records go on). A value of the
+        backend's own, for `put_back`."""
+
+    @abc.abstractmethod
+    def put_back(self, snapshot) -> None:
+        """Puts `snapshot` back: the next execution starts from its state."""
+
+    @abc.abstractmethod
+    def keep_state(self) -> None:
+        """Takes the state as it is now as what a frozen or skipped step
+        keeps (after `put_back`)."""
+
+    @abc.abstractmethod
+    def unfreeze(self) -> None:
+        """Lets the weights change again after a fault froze them."""
+
+    @abc.abstractmethod
+    def skip_next(self, batches: int) -> None:
+        """Skips the next `batches` train steps whatever they hold."""
+
+
 class Capture(abc.ABC):
     """The capture of one model: one per model, shared by its callbacks.
 
@@ -61,7 +99,7 @@ class Capture(abc.ABC):
             `step/loss` is the step's own loss).
         loss_origin: which of the two (`LOSS_FROM_COMPUTE_LOSS`,
             `LOSS_FROM_METRIC`), when `loss_captured`.
-        faults: the fault state (the freeze and its reports).
+        faults: the fault state (the freeze and its reports): a `FaultState`.
     """
 
     requests: List[object]
@@ -93,6 +131,20 @@ class Capture(abc.ABC):
     @abc.abstractmethod
     def several_optimizers(self) -> bool:
         """Whether more than one optimizer applied gradients in the train step."""
+
+    times_on_host = False
+    """Whether a "wrap" request (`StepTimer`) gets one record per execution
+    timed on the host, rather than a function around each step that times
+    it in the step's program."""
+
+    @abc.abstractmethod
+    def tensor_request(self, steps, record, layers, consumer, *, include=None, exclude=None,
+                       strict: bool = False, initial: bool = False, start: int = 0):
+        """The request of a `StepRecorder` that records the tensors `record`
+        names (of the layers `layers`) at the optimizer steps `steps`, and
+        with `initial` the weights before the fit's first step (`start`: the
+        step the fit starts after), handed to `consumer`; attached by the
+        caller."""
 
     reads_at_batch_begin = False
     """Whether the callbacks read after an execution at the next batch's

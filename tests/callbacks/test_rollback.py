@@ -88,7 +88,7 @@ def test_a_spike_rolled_back_equals_a_plain_run_over_the_batches_that_remain(
     assert table.loc[51:, "step/skipped_after_rollback"].eq(0).all()
     # One snapshot at a time, of the weights and the optimizer's variables
     # (and kerasdbg's small counters): at most their size once.
-    kept = sum(np.asarray(v).nbytes for v in stop._snapshot[2])
+    kept = sum(np.asarray(v).nbytes for v in stop._snapshot[1].values)
     weights = sum(np.asarray(v.numpy()).nbytes for v in model.variables + model.optimizer.variables)
     assert weights <= kept <= weights + 16 * 1024
     assert len(stop.snapshot_seconds) >= 3 and max(stop.snapshot_seconds) < 5

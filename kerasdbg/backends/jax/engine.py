@@ -91,7 +91,7 @@ from kerasdbg.capture import keras_objects
 from kerasdbg.capture import progress as _progress
 from kerasdbg.capture import reads
 from kerasdbg.capture.interface import (
-    LOSS_FROM_COMPUTE_LOSS, LOSS_FROM_METRIC, Capture, supported,
+    LOSS_FROM_COMPUTE_LOSS, LOSS_FROM_METRIC, Capture, FaultState, supported,
 )
 from kerasdbg.capture.requests import (
     CLASS_COLUMNS, MAX_CLASSES, Record, Request, merged_freeze, scheduled_between, scheduled_in,
@@ -280,7 +280,7 @@ _ROLLED_BACK = ("guard", _SKIPPED)
 """The parts of the carry a rollback puts back."""
 
 
-class _Faults:
+class _Faults(FaultState):
     """The freeze's host side: whether the weights are frozen now, and
     what `StopOnRule(action="rollback")` asks of the step."""
 
@@ -342,10 +342,13 @@ class Engine(Capture):
     """A "wrap" request (`StepTimer`) gets one record per execution, timed
     on the host (`_timed_execution`), not a function around each step."""
 
-    @staticmethod
-    def tensor_request(*args, **kwargs) -> _tensors.TensorRequest:
+    def tensor_request(self, steps, record, layers, consumer, *, include=None, exclude=None,
+                       strict: bool = False, initial: bool = False,
+                       start: int = 0) -> _tensors.TensorRequest:
         """The request of a `StepRecorder` (`step_tensors.TensorRequest`)."""
-        return _tensors.TensorRequest(*args, **kwargs)
+        return _tensors.TensorRequest(steps, record, layers, consumer, include=include,
+                                      exclude=exclude, strict=strict, initial=initial,
+                                      start=start)
 
     def __init__(self, model):
         self._model = weakref.ref(model)

@@ -374,7 +374,7 @@ class EngineView:
         """The buffers' row of train step `train_id` (in-graph)."""
         return self._engine._row(train_id)
 
-    def tensor_request(self, channel: Channel) -> Optional[Request]:
+    def tensors_of(self, channel: Channel) -> Optional[Request]:
         """The `tensors` request bound to `channel`, or None."""
         return self._engine._tensor_request(channel)
 
@@ -393,6 +393,22 @@ def engine_for(model) -> "Engine":
 
 class Engine(Capture):
     """TensorFlow's capture of one model. See the package docstring."""
+
+    def tensor_request(self, steps, record, layers, consumer, *, include=None, exclude=None,
+                       strict: bool = False, initial: bool = False, start: int = 0):
+        """The request of a `StepRecorder` (`step_tensors.TensorRequest`),
+        its rows sized for one replica's share of the fit's batch. (The
+        step it starts after is read in the step: `start` is not needed.)"""
+        from kerasdbg.backends.tensorflow import step_tensors
+
+        request = step_tensors.TensorRequest(steps, record, layers, consumer, include=include,
+                                             exclude=exclude, strict=strict, initial=initial)
+        model = self._model()
+        batch = keras_objects.fit_batch_size(model) if model is not None else None
+        if batch is not None:
+            replicas = model.distribute_strategy.num_replicas_in_sync
+            request.max_rows = -(-batch // replicas)
+        return request
 
     def __init__(self, model):
         self._model = weakref.ref(model)

@@ -33,6 +33,7 @@ from kerasdbg import stats as stats_lib
 from kerasdbg.backends.tensorflow.channels import _zeros_like
 from kerasdbg.backends.tensorflow.quantities import _dense, _several_replicas
 from kerasdbg.quantities import reductions
+from kerasdbg.capture.interface import FaultState
 from kerasdbg.capture.requests import Freeze, merged_freeze
 from kerasdbg.quantities.spikes import MIN_RELATIVE_STD, Spike
 
@@ -64,6 +65,13 @@ traced (`Faults.apply_unless_frozen`), read by the engine's routes."""
 _REPLAYS = "_kerasdbg_replays"
 """The model's attribute holding its NaN-localisation replays, by channel,
 buffer and input signature, kept across fits."""
+
+
+class Snapshot(NamedTuple):
+    """What `Faults.snapshot` copied: the variables and their values (NumPy)."""
+
+    variables: list
+    values: list
 
 
 def _nonfinite_flags(packed: "stats_lib.Packed", missing) -> tf.Tensor:
@@ -104,7 +112,7 @@ def _spikes(test: Spike, value, window, count):
     return tf.logical_and(tf.logical_and(count >= test.window, tf.math.is_finite(value)), spike)
 
 
-class Faults:
+class Faults(FaultState):
     """The fault handling of one engine: its variables (the frozen flag, the
     copies of the state variables, the NaN source) and what it found; owned
     by the `Engine`, which calls it before each optimizer apply, for the
@@ -783,6 +791,31 @@ class Faults:
         and their counts, the skip and spike flags (host side)."""
         return [v for pair in list(self._windows.values()) + list(self._flags.values())
                 for v in pair]
+
+    def snapshot(self) -> "Snapshot":
+        """A host copy of what a rollback puts back, taken between two
+        executions: the model's variables (weights, the forward pass's
+        state) but the debug layers' counters and buffers (their records go
+        on), every optimizer's (slots, step count, loss scale), the steps
+        kerasdbg kept each from counting, and the guard's spike windows and
+        flags (host side)."""
+        model = self._view.model
+        debug = {id(v) for layer in model._flatten_layers()
+                 if getattr(layer, "kerasdbg_debug_layer", False) for v in layer.variables}
+        variables = [v for v in model.variables if id(v) not in debug]
+        for _, optimizer in keras_objects.find_optimizers(model):
+            variables += list(optimizer.variables)
+            skipped = keras_objects.uncounted_steps(optimizer)
+            if skipped is not None:
+                variables.append(skipped)
+        variables += self.guard_state()
+        unique = list({id(v): v for v in variables}.values())
+        return Snapshot(unique, [keras_objects.host_value(v) for v in unique])
+
+    def put_back(self, snapshot: "Snapshot") -> None:
+        """Assigns `snapshot`'s values to its variables (host side)."""
+        for variable, value in zip(snapshot.variables, snapshot.values):
+            variable.assign(value)
 
     def unfreeze(self) -> None:
         """Lets the weights change again after a fault froze them (host side)."""

@@ -104,7 +104,7 @@ class Quantities:
         optimizer rewrites the update, and so its last bit."""
         channel, hook = context.channel, context.channel.hook
         slots = channel.slots_of("gradients")
-        tensors = self._view.tensor_request(channel)
+        tensors = self._view.tensors_of(channel)
         if not slots and tensors is None:
             return
         step = context.step
@@ -177,7 +177,7 @@ class Quantities:
             grads = [by_key.get(k) for k in channel.keys]
         step = context.step
         row, train_id = self._view.row(context.state.train_id), context.state.train_id
-        tensors = self._view.tensor_request(channel)
+        tensors = self._view.tensors_of(channel)
         if tensors is not None and grads is not None:
             tensors.record_gradients(step, [grads[i] for i in tensors.positions])
         if channel.hook.separate:
