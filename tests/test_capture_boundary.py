@@ -19,10 +19,8 @@ PROBED = ("engine", "faults", "capture", "collector")
 
 # module -> what it imports across the boundary (or loads with `_lazy.module`).
 STILL_CROSSING = {
-    "callbacks/activation_statistics.py": {"kerasdbg.backends.tensorflow.optimizer_routing"},
     "callbacks/step_timer.py": {"tensorflow", "kerasdbg.backends.tensorflow.buffers",
                                 "kerasdbg.backends.tensorflow.variable_reads"},
-    "callbacks/stop_on_rule.py": {"kerasdbg.backends.tensorflow.replica_checks"},
     "layers/_debug_layer.py": {"tensorflow", "kerasdbg.backends.tensorflow.buffers",
                                "kerasdbg.backends.tensorflow.graph_functions",
                                "kerasdbg.backends.tensorflow.variable_reads",

@@ -11,13 +11,12 @@ import pandas as pd
 
 from kerasdbg.sinks import events as _events
 from kerasdbg import capture as _capture
-from kerasdbg.capture import keras_objects
 from kerasdbg.sinks import layout as _layout
 from kerasdbg.records import tags as _tags
 from kerasdbg import _validation as check
 from kerasdbg.callbacks._executions import AfterEachExecution
 from kerasdbg.callbacks._recording import RecordingCallback, release_writer, selected
-from kerasdbg.layers._debug_layer import layer_sink, on_jax
+from kerasdbg.layers._debug_layer import layer_sink
 from kerasdbg.layers.tap_layer import TapLayer
 
 
@@ -136,12 +135,8 @@ class ActivationStatistics(AfterEachExecution, RecordingCallback):
             (name for tap in self._taps for name in tap.health), len(self._taps)), self.strict)
         for tap in self._taps:
             tap.add_listener(self._consume)
-        # One trace of the train function, not two (the taps' graph is large);
-        # on JAX the step is traced once anyway.
-        if not on_jax() and keras_objects.uses_standard_train_step(self.model):
-            from kerasdbg.backends.tensorflow import optimizer_routing
-
-            optimizer_routing.build_optimizer_before_trace(self.model)
+        # One trace of the train function, not two (the taps' graph is large).
+        _capture.engine_for(self.model).build_before_trace()
         self._begin_executions()
 
     def _after_execution(self, batch: int) -> None:

@@ -711,9 +711,7 @@ class StopOnRule(AfterEachExecution, ModelWithoutSync, CopiedAsNew, keras.callba
             if step == last or (last is not None and step // every == last // every):
                 return
             if self._replicas is None:  # variables exist after the first step
-                from kerasdbg.backends.tensorflow import replica_checks as _replica_checks
-
-                self._replicas = _replica_checks.checker(self.model)
+                self._replicas = _capture.engine_for(self.model).replica_checker()
             spreads = self._replicas.spreads() if self._replicas is not None else {}
         except Exception as error:  # noqa: BLE001 - training goes on
             if self.strict:

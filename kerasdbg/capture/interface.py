@@ -153,6 +153,23 @@ class Capture(abc.ABC):
     when every callback is `async_safe`), so that the loop never waits for
     a batch end, and kerasdbg's callbacks stay `async_safe`."""
 
+    def replica_checker(self):
+        """An object whose `spreads()` gives each trainable weight's spread
+        across the replicas (`{path: spread}`), or None with one replica;
+        asked after the fit's first step (the variables exist then).
+
+        Raises:
+            NotImplementedError: the backend compares no replicas.
+        """
+        raise NotImplementedError(
+            f"kerasdbg compares the replicas' weights under a tf.distribute strategy on the "
+            f"TensorFlow backend; Keras runs on {backend()!r}")
+
+    def build_before_trace(self) -> None:
+        """Builds what the first trace of the train step would otherwise
+        build (and so trace twice), where the backend traces so; nothing
+        elsewhere."""
+
     def hold_next_execution(self) -> None:
         """The next execution of this fit runs no step (the model stays as
         the last one left it): for a stop decided at a batch's begin

@@ -342,6 +342,12 @@ class Engine(Capture):
     """A "wrap" request (`StepTimer`) gets one record per execution, timed
     on the host (`_timed_execution`), not a function around each step."""
 
+    def replica_checker(self):
+        """None: under a `keras.distribution` a weight is one array, its
+        copies on the devices replicated by its sharding, with no replica's
+        own copy to drift from the others."""
+        return None
+
     def tensor_request(self, steps, record, layers, consumer, *, include=None, exclude=None,
                        strict: bool = False, initial: bool = False,
                        start: int = 0) -> _tensors.TensorRequest:

@@ -410,6 +410,20 @@ class Engine(Capture):
             request.max_rows = -(-batch // replicas)
         return request
 
+    def replica_checker(self):
+        """`replica_checks.checker` of the model (None with one replica)."""
+        from kerasdbg.backends.tensorflow import replica_checks
+
+        return replica_checks.checker(self._model())
+
+    def build_before_trace(self) -> None:
+        """Builds the optimizer of a model with Keras's own train step
+        outside the first trace (`optimizer_routing.build_optimizer_before_trace`:
+        else that trace creates variables and runs twice)."""
+        model = self._model()
+        if model is not None and keras_objects.uses_standard_train_step(model):
+            routing.build_optimizer_before_trace(model)
+
     def __init__(self, model):
         self._model = weakref.ref(model)
         self.requests: List[Request] = []
