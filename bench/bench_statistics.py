@@ -211,8 +211,9 @@ def _drop_jax_step(model):
     from kerasdbg.backends.jax import engine
 
     capture = engine.engine_for(model)
-    if hasattr(capture, "_kept_key"):  # a private of the engine: the bench only
-        capture._kept_key = capture._kept_step = None
+    if hasattr(capture, "_kept"):  # a private of the engine: the bench only
+        capture._kept.clear()
+        capture._kept_key = None
 
 
 def bench(model_name, spe, steps, repeats, configs):

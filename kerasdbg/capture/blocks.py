@@ -65,8 +65,9 @@ def parts(blocks: Sequence) -> List[Tuple[tuple, List[int], bool]]:
     columns only some blocks name one part per set of tags, over those
     blocks' steps. Each tag is then written in step order (a reader takes a
     step written again after a later one for a rollback). Blocks of other
-    optimizers or widths, or whose tags name a column differently or share
-    a column between two sets, stay a part each.
+    optimizers or widths, whose tags name a column differently or share a
+    column between two sets, or with no column every block names, stay a
+    part each.
 
     Examples:
         >>> import numpy as np
@@ -107,12 +108,11 @@ def parts(blocks: Sequence) -> List[Tuple[tuple, List[int], bool]]:
             return alone
         seen |= mask
     shared = tuple(n if c else None for n, c in zip(named, common))
-    out: List[Tuple[tuple, List[int], bool]] = []
-    whole = any(t is not None for t in shared)
-    if whole:
-        out.append((shared, list(range(len(blocks))), True))
+    if all(t is None for t in shared):
+        return alone  # no part would hold each step once, in step order
+    out: List[Tuple[tuple, List[int], bool]] = [(shared, list(range(len(blocks))), True)]
     for tags in distinct:
         extra = extras[tags]
         if any(t is not None for t in extra):
-            out.append((extra, [i for i, b in enumerate(blocks) if b.tags == tags], not whole))
+            out.append((extra, [i for i, b in enumerate(blocks) if b.tags == tags], False))
     return out

@@ -239,10 +239,12 @@ class _Same:
 
     def __init__(self, value):
         self._id = id(value)
+        self._strong = False
         try:
             self._ref = weakref.ref(value)
         except TypeError:  # None, or an object without weak references
             self._ref = lambda value=value: value
+            self._strong = True
 
     def __eq__(self, other):
         if not isinstance(other, _Same):
@@ -251,6 +253,20 @@ class _Same:
 
     def __hash__(self):
         return self._id
+
+    @property
+    def alive(self) -> bool:
+        """Whether the object lives (one held strongly always does)."""
+        return self._strong or self._ref() is not None
+
+
+def _alive(key) -> bool:
+    """Whether every object a `_graph_key` names by identity (`_Same`) lives."""
+    if isinstance(key, _Same):
+        return key.alive
+    if isinstance(key, tuple):
+        return all(_alive(part) for part in key)
+    return True
 
 
 class _UncountedSteps:
@@ -504,6 +520,11 @@ class Engine(Capture):
         self._plain = model.train_function
         self._initial = {}
         self._located = False
+        # This fit's kept entry, once `_jitted` found or made it: until then
+        # nothing of a trace (a StepRecorder's variant first) writes into an
+        # earlier fit's, and a failure drops none of them.
+        self._kept_key = None
+        self._kept_applies = {}
         self._step_function = None
         self._recording_function = None
         self._several = False
@@ -1051,15 +1072,12 @@ class Engine(Capture):
                 keep = engine._keeps_batches()
                 data = next(iterator)
                 logs, state, carry, records = step(state, carry, data)
-                # An execution's batches share their shapes (its last one may be
-                # smaller): the first one's bytes stand for each (an upper bound).
-                size = _nbytes(data) if keep else 0
-                engine._add(records, data, keep, size)
+                engine._add(records, data, keep)
                 try:
                     for _ in range(steps - 1):
                         data = next(iterator)
                         logs, state, carry, records = step(state, carry, data)
-                        engine._add(records, data, keep, size)
+                        engine._add(records, data, keep)
                 except StopIteration:
                     pass
             except _StepFailed as failed:
@@ -1171,6 +1189,8 @@ class Engine(Capture):
                 self._kept_applies = {}
                 self._step_function = {}
                 if key is not None:
+                    for dead in [k for k in self._kept if not _alive(k)]:
+                        del self._kept[dead]  # a graph no later fit can match
                     self._kept[key] = {"step": self._step_function,
                                        "applies": self._kept_applies, "classes": None}
                     while len(self._kept) > KEPT_GRAPHS:
@@ -1217,18 +1237,17 @@ class Engine(Capture):
         of this fit is located): decided once an execution."""
         return not self._located and self._localizes()
 
-    def _add(self, records, data, keep: Optional[bool] = None,
-             size: Optional[int] = None) -> None:
+    def _add(self, records, data, keep: Optional[bool] = None) -> None:
         """Keeps a step's records until they are read, and where `keep`
         (None: `_keeps_batches()`) its batch (a reference, no copy: the
-        batches of one execution), of `size` bytes (None: counted here)."""
+        batches of one execution)."""
         self._pending.append(records)
         if keep is None:
             keep = self._keeps_batches()
         if keep:
             self._pending_data.append(data)
             # Bounded: past LOCATE_BYTES of batches kept, the host reads (`collect`).
-            self._data_bytes += _nbytes(data) if size is None else size
+            self._data_bytes += _nbytes(data)
         else:
             self._pending_data.append(None)
 
